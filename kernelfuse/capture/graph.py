@@ -1,0 +1,128 @@
+"""The captured graph: a flat, printable list of ATen-level nodes with tensor metadata.
+
+It is deliberately tiny (after tinygrad's UOp): a node is (name, op, args, meta). Tensor arguments are `Ref`s to
+earlier nodes; everything else in `args` is a Python constant. Graph inputs are nodes whose op is `"input"`
+(forward arguments) or `"param"` / `"buffer"` (module state, `target` is the attribute path such as
+`"gemm.weight"`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+import torch
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A use of an earlier node's value."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return f"%{self.name}"
+
+
+Arg = Union[Ref, int, float, bool, str, None, tuple]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape, dtype and strides of a value, read off fake tensors during capture."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    stride: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def is_contiguous(self) -> bool:
+        return self.stride == contiguous_strides(self.shape)
+
+    def __str__(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        layout = "" if self.is_contiguous else f" stride={list(self.stride)}"
+        return f"{dtype}{list(self.shape)}{layout}"
+
+
+@dataclass(frozen=True)
+class Node:
+    name: str
+    op: str  # "input" | "param" | "buffer" | an ATen op as "packet.overload", e.g. "addmm.default"
+    args: tuple[Arg, ...] = ()
+    meta: TensorMeta | None = None
+    target: str | int | None = None  # param/buffer attribute path, or the forward argument's position
+
+    @property
+    def refs(self) -> tuple[Ref, ...]:
+        return tuple(_iter_refs(self.args))
+
+    def __str__(self) -> str:
+        if self.op in ("input", "param", "buffer"):
+            return f"%{self.name} = {self.op}({self.target!r}) : {self.meta}"
+        args = ", ".join(_fmt(a) for a in self.args)
+        return f"%{self.name} = {self.op}({args}) : {self.meta}"
+
+
+@dataclass(frozen=True)
+class Graph:
+    nodes: tuple[Node, ...]
+    outputs: tuple[Ref, ...]
+    _index: dict[str, Node] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._index.update({n.name: n for n in self.nodes})
+
+    def __getitem__(self, name: str | Ref) -> Node:
+        return self._index[name.name if isinstance(name, Ref) else name]
+
+    def users(self, name: str) -> list[Node]:
+        """Nodes that read `name` (graph outputs are not nodes: see `is_output`)."""
+        return [n for n in self.nodes if any(r.name == name for r in n.refs)]
+
+    def is_output(self, name: str) -> bool:
+        return any(r.name == name for r in self.outputs)
+
+    @property
+    def inputs(self) -> list[Node]:
+        return [n for n in self.nodes if n.op == "input"]
+
+    @property
+    def state(self) -> list[Node]:
+        return [n for n in self.nodes if n.op in ("param", "buffer")]
+
+    def __str__(self) -> str:
+        lines = [str(n) for n in self.nodes]
+        lines.append("return " + ", ".join(str(r) for r in self.outputs))
+        return "\n".join(lines)
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= max(d, 1)
+    return tuple(reversed(strides))
+
+
+def _iter_refs(args: tuple) -> list[Ref]:
+    out: list[Ref] = []
+    for a in args:
+        if isinstance(a, Ref):
+            out.append(a)
+        elif isinstance(a, tuple):
+            out.extend(_iter_refs(a))
+    return out
+
+
+def _fmt(a: Arg) -> str:
+    if isinstance(a, tuple):
+        return "[" + ", ".join(_fmt(x) for x in a) + "]"
+    return str(a) if isinstance(a, Ref) else repr(a)

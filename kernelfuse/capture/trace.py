@@ -1,0 +1,89 @@
+"""Trace a problem's forward to ATen ops on fake tensors: shapes, dtypes and strides without allocating data.
+
+The model is constructed and the inputs are drawn inside a `FakeTensorMode`, so a problem whose output is 1 GB
+costs nothing on the host. `make_fx` then records the forward at the ATen level (Linear becomes `t` + `mm`/
+`addmm`, Conv2d becomes `convolution`), which is the vocabulary the planner's op tables speak.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from kernelfuse.capture.graph import Arg, Graph, Node, Ref, TensorMeta
+from kernelfuse.errors import CaptureError, ProblemError
+from kernelfuse.load import Problem
+
+
+def capture(problem: Problem) -> Graph:
+    """The problem's forward as a Graph of normalised ATen ops, traced on fake tensors."""
+    mode = FakeTensorMode()
+    init_inputs = problem.init_inputs()  # plain Python values (sizes, factors), taken outside fake mode
+    with mode:
+        model = problem.make_model(init_inputs=init_inputs)
+        inputs = problem.make_inputs(seed=0)
+    params = list(model.named_parameters())
+    buffers = list(model.named_buffers())
+    state_names = [n for n, _ in params] + [n for n, _ in buffers]
+    kinds = ["param"] * len(params) + ["buffer"] * len(buffers)
+    flat = [t for _, t in params] + [t for _, t in buffers] + list(inputs)
+    n_state = len(state_names)
+
+    def forward(*flat_args: torch.Tensor) -> object:
+        state = dict(zip(state_names, flat_args[:n_state]))
+        return torch.func.functional_call(model, state, tuple(flat_args[n_state:]))
+
+    try:
+        with mode, torch.no_grad():
+            gm = make_fx(forward, tracing_mode="real")(*flat)
+    except ProblemError:
+        raise
+    except Exception as err:  # noqa: BLE001 - tracing failures of arbitrary models become one clear error
+        raise CaptureError(f"{problem.path}: could not trace Model.forward to ATen ops: {type(err).__name__}: {err}") from None
+    return _to_graph(gm, state_names, kinds)
+
+
+def _to_graph(gm: torch.fx.GraphModule, state_names: list[str], kinds: list[str]) -> Graph:
+    nodes: list[Node] = []
+    outputs: tuple[Ref, ...] = ()
+    placeholder = 0
+    for fx_node in gm.graph.nodes:
+        meta = _meta(fx_node.meta.get("val"))
+        if fx_node.op == "placeholder":
+            if placeholder < len(state_names):
+                nodes.append(Node(fx_node.name, kinds[placeholder], meta=meta, target=state_names[placeholder]))
+            else:
+                nodes.append(Node(fx_node.name, "input", meta=meta, target=placeholder - len(state_names)))
+            placeholder += 1
+        elif fx_node.op == "call_function":
+            if not isinstance(fx_node.target, torch._ops.OpOverload):
+                raise CaptureError(f"unsupported call in traced graph: {fx_node.target}")
+            op = f"{fx_node.target._opname}.{fx_node.target._overloadname}"
+            args = tuple(_arg(a) for a in fx_node.args)
+            if fx_node.kwargs:
+                args = args + tuple(("kw", k, _arg(v)) for k, v in fx_node.kwargs.items())
+            nodes.append(Node(fx_node.name, op, args, meta))
+        elif fx_node.op == "output":
+            result = fx_node.args[0]
+            result = result if isinstance(result, (list, tuple)) else [result]
+            if not all(isinstance(r, torch.fx.Node) for r in result):
+                raise CaptureError("forward must return a tensor or a tuple of tensors")
+            outputs = tuple(Ref(r.name) for r in result)
+    return Graph(tuple(nodes), outputs)
+
+
+def _meta(val: object) -> TensorMeta | None:
+    if isinstance(val, torch.Tensor):
+        return TensorMeta(tuple(int(d) for d in val.shape), val.dtype, tuple(int(s) for s in val.stride()))
+    return None
+
+
+def _arg(a: object) -> Arg:
+    if isinstance(a, torch.fx.Node):
+        return Ref(a.name)
+    if isinstance(a, (list, tuple)):
+        return tuple(_arg(x) for x in a)
+    if isinstance(a, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
+        return str(a)
+    return a

@@ -1,0 +1,96 @@
+"""Command line: `kernelfuse optimize PROBLEM.py -o OUT.py` and `kernelfuse eval PROBLEM.py CANDIDATE`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from kernelfuse.errors import KernelfuseError
+
+EPILOG = """exit codes (optimize): 0 file written; 2 bad problem file; 3 forward could not be traced;
+  4 the shipped file failed verification on the GPU. See `kernelfuse eval --help` for eval's codes."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kernelfuse",
+        description="Turn a PyTorch model into a verified, faster one built from fused CUDA kernels.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    opt = sub.add_parser("optimize", help="emit a fused, verified ModelNew file for a problem file",
+                         description="Capture, plan, generate CUDA, emit ModelNew; on a GPU build, verify and "
+                                     "benchmark it against eager and torch.compile.", epilog=EPILOG,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    opt.add_argument("problem", type=Path, help="problem file defining Model, get_inputs, get_init_inputs")
+    opt.add_argument("-o", "--output", type=Path, required=True, help="where to write the ModelNew file")
+    opt.add_argument("--precision", choices=("strict", "tf32", "bf16"), default="strict",
+                     help="numerics policy used to verify (default strict: fp32, atol=rtol=1e-4)")
+    opt.add_argument("--trials", type=int, default=5, help="verification trials with fresh inputs (default 5)")
+    opt.add_argument("--no-compile-baseline", action="store_true", help="skip timing torch.compile in the report")
+    opt.add_argument("--cpu-only", action="store_true", help="do not use a GPU even if one is present")
+    ev = sub.add_parser("eval", help="judge a ModelNew candidate (file or model reply) against its problem")
+    try:
+        from kernelfuse.judge.cli import add_eval_arguments
+    except ImportError:  # pragma: no cover - the judge is part of the package; this guards partial installs
+        add_eval_arguments = None
+    if add_eval_arguments is not None:
+        add_eval_arguments(ev)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "optimize":
+            return _optimize(args)
+        from kernelfuse.judge.cli import run_eval
+
+        return run_eval(args)
+    except KernelfuseError as err:
+        print(f"kernelfuse: error: {err}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        print("kernelfuse: interrupted", file=sys.stderr)
+        return 130
+
+
+def _optimize(args: argparse.Namespace) -> int:
+    from kernelfuse.optimize import OptimizeOptions, optimize_file
+
+    if args.trials < 1:
+        raise KernelfuseError("--trials must be at least 1")
+    options = OptimizeOptions(
+        precision=args.precision,
+        trials=args.trials,
+        use_gpu=False if args.cpu_only else None,
+        final_baselines=("eager",) if args.no_compile_baseline else ("eager", "compile"),
+    )
+    result = optimize_file(args.problem, args.output, options, log=lambda s: print(s, flush=True))
+    if result.variants:
+        print("\nvariants:")
+        for v in result.variants:
+            print(f"  {v.variant:12s} {_short(v.verdict)}")
+    if result.final is not None:
+        print(f"\nshipped: {result.shipped}  ->  {result.output}")
+        print(result.final.format_table())
+        if not result.final.correct:
+            print("kernelfuse: error: the shipped file failed verification", file=sys.stderr)
+            return 4
+    for note in result.notes:
+        print(f"note: {note}")
+    return 0
+
+
+def _short(verdict: object) -> str:
+    if not verdict.built:
+        return f"not built: {verdict.reason}"
+    if not verdict.correct:
+        return f"incorrect: {verdict.reason}"
+    return f"{verdict.runtime_ms:.3f} ms (eager {verdict.eager_ms:.3f} ms, {verdict.speedup_eager:.3f}x)"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

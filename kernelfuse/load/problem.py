@@ -1,0 +1,113 @@
+"""Load a problem file (KernelBench format) into a `Problem`: factories for the model and its inputs.
+
+A problem file defines `class Model(nn.Module)`, `get_init_inputs()` and `get_inputs()`. Loading executes the
+file once in a fresh module namespace; nothing is constructed until a factory is called, so a 1 GB problem costs
+nothing to load.
+"""
+
+from __future__ import annotations
+
+import ast
+import linecache
+import sys
+import traceback
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from kernelfuse.errors import ProblemError
+
+REQUIRED_NAMES = ("Model", "get_inputs", "get_init_inputs")
+DEFAULT_SEED = 42
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A loaded problem: the file's text and the three names it must define."""
+
+    path: Path
+    source: str
+    module: types.ModuleType = field(repr=False)
+    model_cls: type = field(repr=False)
+    get_inputs: Callable[[], list] = field(repr=False)
+    get_init_inputs: Callable[[], list] = field(repr=False)
+
+    @property
+    def name(self) -> str:
+        return self.path.stem
+
+    def init_inputs(self) -> list:
+        """Constructor arguments, as `get_init_inputs()` gives them."""
+        return list(_call_user(self, self.get_init_inputs, "get_init_inputs()"))
+
+    def make_model(self, seed: int = DEFAULT_SEED, init_inputs: list | None = None) -> torch.nn.Module:
+        """`torch.manual_seed(seed); Model(*init_inputs)` on the CPU, as KernelBench builds it."""
+        args = self.init_inputs() if init_inputs is None else init_inputs
+        torch.manual_seed(seed)
+        return _call_user(self, lambda: self.model_cls(*args), "Model(*get_init_inputs())")
+
+    def make_inputs(self, seed: int) -> list:
+        """`torch.manual_seed(seed); get_inputs()`: fresh random inputs for one trial (CPU tensors)."""
+        torch.manual_seed(seed)
+        return list(_call_user(self, self.get_inputs, "get_inputs()"))
+
+
+def load_problem(path: str | Path) -> Problem:
+    """Execute a problem file and check that it defines Model, get_inputs and get_init_inputs.
+
+    Raises ProblemError (exit code 2) with a one-line cause for a missing file, a syntax error, an exception at
+    import, or a missing name.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ProblemError(f"{path}: no such file")
+    source = path.read_text()
+    try:
+        code = compile(source, str(path), "exec")
+    except SyntaxError as err:
+        raise ProblemError(f"{path}:{err.lineno}: syntax error: {err.msg}") from None
+    module = types.ModuleType(f"kernelfuse_problem_{path.stem}")
+    module.__file__ = str(path)
+    # Register the text so tracebacks (and inspect.getsource on the classes) can show the problem's own lines.
+    linecache.cache[str(path)] = (len(source), None, source.splitlines(True), str(path))
+    sys.modules[module.__name__] = module
+    try:
+        exec(code, module.__dict__)
+    except Exception as err:  # noqa: BLE001 - any failure of user code becomes a clean error
+        raise ProblemError(f"{path}: importing the problem raised {_describe(err, path)}") from None
+    missing = [name for name in REQUIRED_NAMES if name not in module.__dict__]
+    if missing:
+        raise ProblemError(f"{path}: missing {', '.join(missing)} (a problem file defines {', '.join(REQUIRED_NAMES)})")
+    model_cls = module.Model
+    if not (isinstance(model_cls, type) and issubclass(model_cls, torch.nn.Module)):
+        raise ProblemError(f"{path}: Model must be a subclass of torch.nn.Module")
+    return Problem(path, source, module, model_cls, module.get_inputs, module.get_init_inputs)
+
+
+def _call_user(problem: Problem, fn: Callable[[], Any], what: str) -> Any:
+    try:
+        return fn()
+    except Exception as err:  # noqa: BLE001 - user code: report its own failing line
+        raise ProblemError(f"{problem.path}: {what} raised {_describe(err, problem.path)}") from None
+
+
+def _describe(err: BaseException, path: Path) -> str:
+    """`ValueError: msg (line 12: x = foo())`, naming the deepest frame inside the problem file."""
+    line = ""
+    for frame in reversed(traceback.extract_tb(err.__traceback__)):
+        if frame.filename == str(path):
+            line = f" (line {frame.lineno}: {frame.line.strip() if frame.line else '?'})"
+            break
+    return f"{type(err).__name__}: {err}{line}"
+
+
+def class_source(problem: Problem, class_name: str = "Model") -> ast.ClassDef:
+    """The class definition node of `class_name` in the problem's source."""
+    tree = ast.parse(problem.source)
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            return node
+    raise ProblemError(f"{problem.path}: no top-level 'class {class_name}' in the source")

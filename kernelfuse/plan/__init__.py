@@ -1,0 +1,20 @@
+"""Stage 4 — plan: library anchors with fused epilogues, torch calls for the rest; a CPU interpreter checks it."""
+
+from kernelfuse.plan.fuse import PlanOptions, broadcast_strides, make_plan, plan_variants
+from kernelfuse.plan.interpret import interpret
+from kernelfuse.plan.ir import Anchor, Epilogue, FusedStep, Operand, Plan, Statement, TorchStep
+
+__all__ = [
+    "Anchor",
+    "Epilogue",
+    "FusedStep",
+    "Operand",
+    "Plan",
+    "PlanOptions",
+    "Statement",
+    "TorchStep",
+    "broadcast_strides",
+    "interpret",
+    "make_plan",
+    "plan_variants",
+]

@@ -1,0 +1,66 @@
+"""Execute a Plan with torch ops on any device: the CPU check that a plan computes what the model computes.
+
+Anchors run as their torch calls, epilogue statements through each op-table row's torch reference, in the
+plan's order. It checks the plan's semantics (which ops were fused, operand binding, order), not CUDA code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kernelfuse.capture import Graph, Node, Ref
+from kernelfuse.ops import POINTWISE_BY_ATEN
+from kernelfuse.plan.ir import FusedStep, Plan, TorchStep
+
+
+def interpret(plan: Plan, state: dict[str, torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Run `plan` on `state` (parameters and buffers by attribute path) and the forward `inputs`."""
+    env: dict[str, object] = {}
+    for node in plan.graph.nodes:
+        if node.op == "input":
+            env[node.name] = inputs[int(node.target)]  # type: ignore[arg-type]
+        elif node.op in ("param", "buffer"):
+            env[node.name] = state[str(node.target)]
+    for step in plan.steps:
+        if isinstance(step, TorchStep):
+            env[step.node.name] = call_aten(step.node, env)
+        else:
+            env[step.out] = _run_fused(plan.graph, step, env)
+    return [env[r.name] for r in plan.graph.outputs]  # type: ignore[misc]
+
+
+def call_aten(node: Node, env: dict[str, object]) -> object:
+    """Call the node's ATen overload with its arguments looked up in `env`."""
+    packet, overload = node.op.split(".")
+    fn = getattr(getattr(torch.ops.aten, packet), overload)
+    args, kwargs = [], {}
+    for a in node.args:
+        if isinstance(a, tuple) and len(a) == 3 and a[0] == "kw":
+            kwargs[a[1]] = _value(a[2], env)
+        else:
+            args.append(_value(a, env))
+    return fn(*args, **kwargs)
+
+
+def _run_fused(graph: Graph, step: FusedStep, env: dict[str, object]) -> torch.Tensor:
+    acc = call_aten(step.anchor.node, env)
+    if step.anchor.fused_relu:
+        acc = torch.relu(acc)
+    values: dict[str, object] = {"acc": acc}
+    for i, operand in enumerate(step.epilogue.operands):
+        values[f"in{i}"] = env[operand.ref.name]
+    for st in step.epilogue.statements:
+        row = POINTWISE_BY_ATEN[st.aten]
+        args = [values[a] if isinstance(a, str) else a for a in st.args]
+        values[st.name] = row.torch_fn(*args, *st.params)
+    return values[step.epilogue.result]  # type: ignore[return-value]
+
+
+def _value(a: object, env: dict[str, object]) -> object:
+    if isinstance(a, Ref):
+        return env[a.name]
+    if isinstance(a, tuple):
+        return [_value(x, env) for x in a]
+    return a

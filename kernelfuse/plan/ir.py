@@ -1,0 +1,127 @@
+"""The Plan: what runs, in order — library anchors with fused epilogues, and torch calls for everything else.
+
+An epilogue is a tiny SSA program over float values: `acc` (the anchor's result), `in0`, `in1`, ... (other
+tensors, broadcast to the output) and earlier statements, each statement one row of the pointwise op table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kernelfuse.capture import Graph, Node, Ref, TensorMeta
+
+EArg = str | float  # a value name ("acc", "in0", a statement name) or a float constant
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A tensor the epilogue reads besides the anchor's value, indexed through the output's logical index.
+
+    `strides[d]` is the operand's element stride along output dimension d (0 where it is broadcast).
+    """
+
+    ref: Ref
+    meta: TensorMeta
+    strides: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Statement:
+    name: str  # the graph node it computes
+    op: str  # IR op (kernelfuse.ops.pointwise row `ir`)
+    aten: str  # the ATen overload, to find the table row
+    args: tuple[EArg, ...]
+    params: tuple[object, ...]
+
+    def __str__(self) -> str:
+        args = ", ".join(a if isinstance(a, str) else repr(a) for a in self.args)
+        extra = "".join(f", {p!r}" for p in self.params)
+        return f"{self.name} = {self.op}({args}{extra})"
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    statements: tuple[Statement, ...]
+    operands: tuple[Operand, ...]
+    out: TensorMeta
+
+    @property
+    def result(self) -> str:
+        return self.statements[-1].name if self.statements else "acc"
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """A library call: cuBLAS matmul or cuDNN convolution (optionally with cuDNN's fused bias+ReLU)."""
+
+    node: Node
+    family: str  # "matmul" | "conv"
+    fused_relu: bool = False  # conv: at::cudnn_convolution_relu replaces convolution -> relu
+    layout: str = "nchw"  # conv: "nchw", or "nhwc" (channels-last conv, epilogue transposes back)
+
+
+@dataclass(frozen=True)
+class FusedStep:
+    kernel: str  # kernel name in the extension, e.g. "k0"
+    anchor: Anchor
+    epilogue: Epilogue
+    replaces: tuple[str, ...]  # graph nodes this step computes, anchor first
+    out: str  # the graph node whose value it produces
+
+    @property
+    def inplace(self) -> bool:
+        """The epilogue overwrites the anchor's fresh output: nothing else reads it (the planner ensured)."""
+        return self.anchor.layout == "nchw"
+
+    @property
+    def needs_kernel(self) -> bool:
+        return bool(self.epilogue.statements) or self.anchor.layout == "nhwc"
+
+    def chain(self, graph: Graph) -> str:
+        """The op chain it replaces, for comments and reports: `addmm -> sigmoid -> mul -> add`."""
+        return " -> ".join(graph[n].op.split(".")[0] for n in self.replaces)
+
+
+@dataclass(frozen=True)
+class TorchStep:
+    node: Node
+    reason: str  # why it stays a torch call ("view", "reduction: no kernel yet", ...)
+
+
+Step = FusedStep | TorchStep
+
+
+@dataclass(frozen=True)
+class Plan:
+    graph: Graph
+    steps: tuple[Step, ...]
+    variant: str
+
+    @property
+    def fused(self) -> list[FusedStep]:
+        return [s for s in self.steps if isinstance(s, FusedStep)]
+
+    @property
+    def unfused(self) -> list[TorchStep]:
+        return [s for s in self.steps if isinstance(s, TorchStep) and s.reason != "view"]
+
+    def summary(self) -> str:
+        lines = [f"plan variant: {self.variant}"]
+        for s in self.fused:
+            lib = {"matmul": "cuBLAS", "conv": "cuDNN"}[s.anchor.family]
+            extra = " conv+bias+relu" if s.anchor.fused_relu else ""
+            layout = f" [{s.anchor.layout}]" if s.anchor.family == "conv" else ""
+            lines.append(f"  fused {s.kernel}: {s.chain(self.graph)}  ({lib}{extra}{layout} + epilogue kernel)")
+        for s in self.unfused:
+            lines.append(f"  unfused: {s.node.op} ({s.reason})")
+        if not self.unfused:
+            lines.append("  unfused: none")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        out = [self.summary()]
+        for s in self.fused:
+            out.append(f"  {s.kernel} epilogue -> {s.epilogue.out}")
+            out += [f"    {st}" for st in s.epilogue.statements]
+            out += [f"    in{i} = {o.ref} strides={list(o.strides)}" for i, o in enumerate(s.epilogue.operands)]
+        return "\n".join(out)

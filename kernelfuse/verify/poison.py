@@ -1,0 +1,42 @@
+"""Fill the CUDA caching allocator's free memory with NaN before a model runs.
+
+A candidate that returns `torch.empty(...)` without writing every element, or that hands back memory the reference
+freed (which still holds the right answer), passes a naive judge. Poisoning every free block of the caching
+allocator (and a reserve at least as large as the outputs) with 0xFF bytes turns such elements into NaN for float
+dtypes (-1 for integers), which the NaN-position rule reports.
+"""
+
+from __future__ import annotations
+
+import torch
+
+POISON_BYTE = 0xFF
+
+
+def poison_free_memory(device: torch.device, reserve_bytes: int = 0) -> int:
+    """Fill every inactive caching-allocator block on `device` (and `reserve_bytes` more) with 0xFF; return bytes.
+
+    The blocks are taken by exact-size allocations (the allocator's best fit returns a block of that size), filled,
+    and released, so they go back to the cache poisoned. No-op on the CPU.
+    """
+    if device.type != "cuda":
+        return 0
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    sizes = [
+        block["size"]
+        for segment in torch.cuda.memory_snapshot()
+        if segment.get("device", index) == index
+        for block in segment.get("blocks", ())
+        if block.get("state") == "inactive" and block.get("size", 0) > 0
+    ]
+    held: list[torch.Tensor] = []
+    total = 0
+    with torch.cuda.device(index):
+        for size in sorted(sizes, reverse=True):
+            held.append(torch.empty(size, dtype=torch.uint8, device=device).fill_(POISON_BYTE))
+            total += size
+        if reserve_bytes > 0:
+            held.append(torch.empty(reserve_bytes, dtype=torch.uint8, device=device).fill_(POISON_BYTE))
+            total += reserve_bytes
+    del held
+    return total
