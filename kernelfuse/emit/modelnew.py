@@ -48,8 +48,11 @@ def _extension():
             **options,
         )
     return _EXTENSION
+'''
 
-
+# The guard any fused forward needs, with or without custom kernels: library-only fusions such as
+# torch.cudnn_convolution_relu also run only on CUDA tensors and have no backward.
+GUARD = '''
 def _use_kernels(module, inputs):
     """The fused path serves inference on the captured shapes; anything else runs the original ops."""
     if torch.is_grad_enabled() and (
@@ -70,13 +73,18 @@ def emit_modelnew(problem: Problem, plan: Plan, sources: CudaSources | None, rep
     arg_names = _forward_args(forward, problem)
     prelude = _problem_without_model(problem, cls)
     header = _docstring(problem, plan, report)
-    body = _model_new_class(problem, cls, forward, plan, arg_names, sources is not None)
+    guarded = sources is not None or bool(plan.fused)
+    body = _model_new_class(problem, cls, forward, plan, arg_names, sources is not None, guarded)
     parts = [header, "import hashlib\nimport inspect\n", prelude.rstrip() + "\n", body]
+    specs = ", ".join(f"({tuple(n.meta.shape)}, {n.meta.dtype})" for n in plan.graph.inputs)
     if sources is not None:
-        specs = ", ".join(f"({tuple(n.meta.shape)}, {n.meta.dtype})" for n in plan.graph.inputs)
         parts.append(LOADER)
+        parts.append(GUARD)
         parts.append(f"NAME = {problem.name!r}\nFUNCTIONS = {sources.functions!r}\nINPUT_SPECS = [{specs}]\n")
         parts.append(f'CUDA_SRC = r"""\n{sources.cuda}"""\n\nCPP_SRC = r"""\n{sources.cpp}"""\n')
+    elif guarded:
+        parts.append(GUARD)
+        parts.append(f"INPUT_SPECS = [{specs}]\n")
     return _tidy("\n\n".join(p.strip("\n") + "\n" for p in parts))
 
 
@@ -125,7 +133,7 @@ def _forward_args(forward: ast.FunctionDef, problem: Problem) -> list[str]:
 
 
 def _model_new_class(problem: Problem, cls: ast.ClassDef, forward: ast.FunctionDef, plan: Plan,
-                     arg_names: list[str], has_kernels: bool) -> str:
+                     arg_names: list[str], has_kernels: bool, guarded: bool) -> str:
     lines = problem.source.splitlines()
     text_lines = lines[cls.lineno - 1: cls.end_lineno]
     # forward -> _reference_forward (kept verbatim: it is the path for autograd and unsupported inputs)
@@ -140,11 +148,11 @@ def _model_new_class(problem: Problem, cls: ast.ClassDef, forward: ast.FunctionD
     text = text.replace(f"class {cls.name}(", "class ModelNew(", 1)
     text = text.replace(f"super({cls.name}, self)", "super(ModelNew, self)")
     indent = " " * (forward.col_offset)
-    new_forward = _forward_source(plan, arg_names, has_kernels)
+    new_forward = _forward_source(plan, arg_names, has_kernels, guarded)
     return text + "\n\n" + textwrap.indent(new_forward, indent)
 
 
-def _forward_source(plan: Plan, arg_names: list[str], has_kernels: bool) -> str:
+def _forward_source(plan: Plan, arg_names: list[str], has_kernels: bool, guarded: bool) -> str:
     graph = plan.graph
     names: dict[str, str] = {}
     for node in graph.nodes:
@@ -155,9 +163,10 @@ def _forward_source(plan: Plan, arg_names: list[str], has_kernels: bool) -> str:
     args = ", ".join(arg_names)
     out = [f"def forward(self, {args}):" if args else "def forward(self):"]
     out.append('    """Fused kernels on the captured shapes; the original ops otherwise (see _use_kernels)."""')
-    if has_kernels:
+    if guarded:
         out.append(f"    if not _use_kernels(self, ({args}{',' if len(arg_names) == 1 else ''})):")
         out.append(f"        return self._reference_forward({args})")
+    if has_kernels:
         out.append("    ext = _extension()")
     for step in plan.steps:
         if isinstance(step, TorchStep):

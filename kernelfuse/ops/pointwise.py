@@ -11,8 +11,8 @@ within rounding: precise libm calls (expf, erff, tanhf, log1pf), NaN propagated 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -69,7 +69,7 @@ POINTWISE_OPS: tuple[PointwiseOp, ...] = (
     _row("sqrt.default", "sqrt", "sqrtf({0})", torch.sqrt),
     _row("rsqrt.default", "rsqrt", "rsqrtf({0})", torch.rsqrt),
     _row("gelu.default", "gelu", "GELU", lambda x, approximate: torch.nn.functional.gelu(x, approximate=approximate),
-         params=((1, "none"),)),
+         params=(("approximate", "none"),)),  # keyword-only in the ATen schema
     _row("softplus.default", "softplus", "kf_softplus({0}, {p0}, {p1})",
          lambda x, beta, threshold: torch.nn.functional.softplus(x, beta, threshold), params=((1, 1.0), (2, 20.0))),
     _row("leaky_relu.default", "leaky_relu", "({0} > 0.0f ? {0} : {0} * {p0})",

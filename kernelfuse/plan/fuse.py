@@ -175,12 +175,15 @@ def _epilogue(graph: Graph, members: list[Node], acc_name: str, out: TensorMeta)
 
 
 def _param(node: Node, pos: int | str, default: object) -> object:
+    """A constant argument by keyword name or by position; an omitted or None (optional) one is the default."""
     if isinstance(pos, str):
         for a in node.args:
             if isinstance(a, tuple) and len(a) == 3 and a[0] == "kw" and a[1] == pos:
-                return a[2]
+                return default if a[2] is None else a[2]
         return default
-    return node.args[pos] if pos < len(node.args) else default
+    plain = [a for a in node.args if not (isinstance(a, tuple) and len(a) == 3 and a[0] == "kw")]
+    value = plain[pos] if pos < len(plain) else default
+    return default if value is None else value
 
 
 def _unfused_reason(graph: Graph, node: Node) -> str:

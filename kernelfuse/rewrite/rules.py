@@ -5,7 +5,7 @@ Every rule preserves eager numerics exactly (each has a test that proves it on t
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
