@@ -73,6 +73,9 @@ def _optimize(args: argparse.Namespace) -> int:
         print("\nvariants:")
         for v in result.variants:
             print(f"  {v.variant:12s} {_short(v.verdict)}")
+    if result.cold_build_s is not None:
+        print(f"extension build: cold {result.cold_build_s:.1f} s (all variants in parallel); "
+              f"cached: see build_s in the table")
     if result.final is not None:
         print(f"\nshipped: {result.shipped}  ->  {result.output}")
         print(result.final.format_table())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,12 +61,14 @@ class OptimizeResult:
     variants: list[VariantResult] = field(default_factory=list)
     final: object | None = None  # the final Verdict on the shipped file (GPU only)
     notes: list[str] = field(default_factory=list)
+    cold_build_s: float | None = None  # parallel first build of all variants (the judge's build_s is then cached)
 
 
 def optimize_file(problem_path: str | Path, out_path: str | Path, options: OptimizeOptions = OptimizeOptions(),
                   log: Callable[[str], None] = print) -> OptimizeResult:
     problem = load_problem(problem_path)
     out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     log(f"[1/5] loaded {problem.path}")
     graph = rewrite(capture(problem))
     log(f"[2/5] captured {len(graph.nodes)} ATen nodes on fake tensors")
@@ -77,7 +80,11 @@ def optimize_file(problem_path: str | Path, out_path: str | Path, options: Optim
         log(f"[4/5] CPU interpreter check ({c.variant}): {'ok' if c.ok else 'FAILED'} — {c.note}")
     use_gpu = torch.cuda.is_available() if options.use_gpu is None else options.use_gpu
     result = OptimizeResult(out_path, plans[0].variant, plans, checks)
-    good = [p for p, c in zip(plans, checks) if c.ok]
+    good = [p for p, c in zip(plans, checks, strict=True) if c.ok]
+    if not any(p.fused for p in plans):
+        result.notes.append("nothing to fuse (no library call with pointwise ops behind it): "
+                            "shipping the unfused model")
+        return _ship_unfused(problem, result, log)
     if not good:
         result.notes.append("every fused plan failed the CPU check: shipping the unfused model")
         return _ship_unfused(problem, result, log)
@@ -148,7 +155,10 @@ def _choose_on_gpu(problem: Problem, plans: list[Plan], options: OptimizeOptions
         files[plan.variant] = path
     log(f"[5/5] building {len(files)} variant(s) in parallel, then judging each ({options.trials} trials, "
         f"{options.precision})")
+    started = time.perf_counter()
     prebuild(list(files.values()))
+    result.cold_build_s = time.perf_counter() - started
+    log(f"      cold build of {len(files)} extension(s) in parallel: {result.cold_build_s:.1f} s")
     quick = EvalOptions(trials=options.trials, precision=options.precision, timeout_s=options.timeout_s,
                         baselines=("eager",))
     best = None

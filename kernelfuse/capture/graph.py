@@ -24,7 +24,7 @@ class Ref:
         return f"%{self.name}"
 
 
-Arg = Union[Ref, int, float, bool, str, None, tuple]
+Arg = Union[Ref, int, float, bool, str, None, tuple, torch.dtype, torch.device, torch.layout, torch.memory_format]
 
 
 @dataclass(frozen=True)

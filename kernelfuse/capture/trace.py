@@ -7,6 +7,8 @@ costs nothing on the host. `make_fx` then records the forward at the ATen level 
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -57,9 +59,12 @@ def _to_graph(gm: torch.fx.GraphModule, state_names: list[str], kinds: list[str]
                 nodes.append(Node(fx_node.name, "input", meta=meta, target=placeholder - len(state_names)))
             placeholder += 1
         elif fx_node.op == "call_function":
-            if not isinstance(fx_node.target, torch._ops.OpOverload):
+            if fx_node.target is operator.getitem:  # one result of a multi-output op (batch_norm, max_pool...)
+                op = "getitem"
+            elif isinstance(fx_node.target, torch._ops.OpOverload):
+                op = f"{fx_node.target._opname}.{fx_node.target._overloadname}"
+            else:
                 raise CaptureError(f"unsupported call in traced graph: {fx_node.target}")
-            op = f"{fx_node.target._opname}.{fx_node.target._overloadname}"
             args = tuple(_arg(a) for a in fx_node.args)
             if fx_node.kwargs:
                 args = args + tuple(("kw", k, _arg(v)) for k, v in fx_node.kwargs.items())
@@ -84,6 +89,4 @@ def _arg(a: object) -> Arg:
         return Ref(a.name)
     if isinstance(a, (list, tuple)):
         return tuple(_arg(x) for x in a)
-    if isinstance(a, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
-        return str(a)
-    return a
+    return a  # constants: numbers, bools, None, torch.dtype / device / layout / memory_format

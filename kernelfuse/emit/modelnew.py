@@ -12,6 +12,8 @@ import ast
 import re
 import textwrap
 
+import torch
+
 from kernelfuse.capture import Node, Ref
 from kernelfuse.codegen import CudaSources
 from kernelfuse.errors import ProblemError
@@ -20,6 +22,7 @@ from kernelfuse.plan.ir import FusedStep, Plan, TorchStep
 
 # Readable spellings for common ATen calls; anything else is written `torch.ops.aten.<op>(...)`.
 PY_SPELLING = {
+    "getitem": "{0}[{1}]",
     "t.default": "{0}.t()",
     "mm.default": "torch.mm({0}, {1})",
     "addmm.default": "torch.addmm({0}, {1}, {2})",
@@ -168,6 +171,9 @@ def _forward_source(plan: Plan, arg_names: list[str], has_kernels: bool, guarded
         out.append(f"        return self._reference_forward({args})")
     if has_kernels:
         out.append("    ext = _extension()")
+    if any(isinstance(a, torch.device) for n in graph.nodes for a in _flat(n.args)):
+        first = arg_names[0] if arg_names else "next(self.parameters())"
+        out.append(f"    _device = {first}.device")
     for step in plan.steps:
         if isinstance(step, TorchStep):
             var = f"v_{step.node.name}"
@@ -224,13 +230,22 @@ def _call(node: Node, names: dict[str, str]) -> str:
     return f"torch.ops.aten.{packet}.{overload}({', '.join(args)})"
 
 
+def _flat(args: tuple) -> list[object]:
+    out: list[object] = []
+    for a in args:
+        out.extend(_flat(a) if isinstance(a, tuple) else [a])
+    return out
+
+
 def _py(a: object, names: dict[str, str]) -> str:
     if isinstance(a, Ref):
         return names[a.name]
     if isinstance(a, tuple):
         return "[" + ", ".join(_py(x, names) for x in a) + "]"
-    if isinstance(a, str) and a.startswith("torch."):
-        return a  # dtype / memory format / device constants were captured by name
+    if isinstance(a, torch.device):
+        return "_device"  # captured on CPU fake tensors: the run-time device is the inputs' (set in forward)
+    if isinstance(a, (torch.dtype, torch.layout, torch.memory_format)):
+        return str(a)
     if isinstance(a, float) and (a != a or a in (float("inf"), float("-inf"))):
         return f"float('{a}')"
     return repr(a)

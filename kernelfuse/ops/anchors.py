@@ -16,7 +16,7 @@ ANCHOR_OPS: dict[str, str] = {
 # Free views: never worth a kernel and never reported as unfused.
 VIEW_OPS: frozenset[str] = frozenset(
     {"t.default", "view.default", "_unsafe_view.default", "reshape.default", "permute.default", "expand.default",
-     "unsqueeze.default", "squeeze.dim", "alias.default", "detach.default", "transpose.int"}
+     "unsqueeze.default", "squeeze.dim", "alias.default", "detach.default", "transpose.int", "getitem"}
 )
 
 # Families recognised for reporting; they are planned as torch calls until their kernels exist.

@@ -194,5 +194,5 @@ def _unfused_reason(graph: Graph, node: Node) -> str:
         ok, why = anchor_supported(graph, node)
         return "library call, nothing to fuse behind it" if ok else f"library call: {why}"
     if node.op in POINTWISE_BY_ATEN:
-        return "pointwise op with no anchor before it"
+        return "pointwise op not fused: no library call before it, or its input is needed elsewhere"
     return f"{family}: no kernel yet"

@@ -33,6 +33,8 @@ def interpret(plan: Plan, state: dict[str, torch.Tensor], inputs: Sequence[torch
 
 def call_aten(node: Node, env: dict[str, object]) -> object:
     """Call the node's ATen overload with its arguments looked up in `env`."""
+    if node.op == "getitem":
+        return env[node.args[0].name][node.args[1]]  # type: ignore[index,union-attr]
     packet, overload = node.op.split(".")
     fn = getattr(getattr(torch.ops.aten, packet), overload)
     args, kwargs = [], {}
