@@ -120,9 +120,10 @@ def check_on_cpu(problem: Problem, graph: Graph, plan: Plan) -> CpuCheck:
     if len(expected) != len(got):
         return CpuCheck(plan.variant, False, None, f"{len(got)} outputs, model returns {len(expected)}")
     worst = 0.0
-    for e, g in zip(expected, got):
+    for e, g in zip(expected, got, strict=True):
         if e.shape != g.shape or e.dtype != g.dtype:
-            return CpuCheck(plan.variant, False, None, f"output {tuple(g.shape)} {g.dtype} vs {tuple(e.shape)} {e.dtype}")
+            what = f"output {tuple(g.shape)} {g.dtype} vs {tuple(e.shape)} {e.dtype}"
+            return CpuCheck(plan.variant, False, None, what)
         if not torch.allclose(g, e, atol=CPU_TOLERANCE, rtol=CPU_TOLERANCE, equal_nan=True):
             err = (g.double() - e.double()).abs().max().item()
             return CpuCheck(plan.variant, False, err, f"mismatch, max abs error {err:.3g}")
@@ -166,7 +167,8 @@ def _choose_on_gpu(problem: Problem, plans: list[Plan], options: OptimizeOptions
         verdict = evaluate(problem.path, files[plan.variant], quick)
         result.variants.append(VariantResult(plan.variant, verdict))
         log(f"      {plan.variant}: " + _one_line(verdict))
-        if verdict.correct and verdict.runtime_ms is not None and (best is None or verdict.runtime_ms < best[1].runtime_ms):
+        faster = best is None or (verdict.runtime_ms or float("inf")) < best[1].runtime_ms
+        if verdict.correct and verdict.runtime_ms is not None and faster:
             best = (plan, verdict)
     if best is None:
         result.notes.append("no fused variant verified: shipping the unfused model (the original ops)")

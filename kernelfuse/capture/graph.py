@@ -9,7 +9,6 @@ earlier nodes; everything else in `args` is a Python constant. Graph inputs are 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
 
 import torch
 
@@ -24,7 +23,7 @@ class Ref:
         return f"%{self.name}"
 
 
-Arg = Union[Ref, int, float, bool, str, None, tuple, torch.dtype, torch.device, torch.layout, torch.memory_format]
+Arg = Ref | int | float | bool | str | None | tuple | torch.dtype | torch.device | torch.layout | torch.memory_format
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ def capture(problem: Problem) -> Graph:
     n_state = len(state_names)
 
     def forward(*flat_args: torch.Tensor) -> object:
-        state = dict(zip(state_names, flat_args[:n_state]))
+        state = dict(zip(state_names, flat_args[:n_state], strict=True))
         return torch.func.functional_call(model, state, tuple(flat_args[n_state:]))
 
     try:
@@ -42,7 +42,8 @@ def capture(problem: Problem) -> Graph:
     except ProblemError:
         raise
     except Exception as err:  # noqa: BLE001 - tracing failures of arbitrary models become one clear error
-        raise CaptureError(f"{problem.path}: could not trace Model.forward to ATen ops: {type(err).__name__}: {err}") from None
+        raise CaptureError(
+            f"{problem.path}: could not trace Model.forward to ATen ops: {type(err).__name__}: {err}") from None
     return _to_graph(gm, state_names, kinds)
 
 

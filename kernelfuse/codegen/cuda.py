@@ -319,7 +319,7 @@ def offset_expr(strides: tuple[int, ...], shape: tuple[int, ...]) -> str:
     """
     out_strides = contiguous_strides(shape)
     groups: list[list[int]] = []  # [size, operand stride, output stride]
-    for d, (size, stride) in enumerate(zip(shape, strides)):
+    for d, (size, stride) in enumerate(zip(shape, strides, strict=True)):
         if size == 1:
             continue
         if groups:
