@@ -4,4 +4,13 @@ Pipeline (one subpackage per stage, data flows one way): load -> capture -> rewr
 -> build -> verify -> bench, with `judge` wrapping verify and bench in an isolated child process.
 """
 
+from __future__ import annotations
+
 __version__ = "0.1.0"
+
+
+def optimize(model, example_inputs, precision: str = "strict"):  # noqa: ANN001, ANN201 - see kernelfuse.api
+    """`kernelfuse.api.optimize`: a live module in, a module running fused kernels (or the original) out."""
+    from kernelfuse.api import optimize as _optimize
+
+    return _optimize(model, example_inputs, precision)

@@ -25,11 +25,26 @@ def capture(problem: Problem) -> Graph:
     with mode:
         model = problem.make_model(init_inputs=init_inputs)
         inputs = problem.make_inputs(seed=0)
+    return _trace(model, list(inputs), mode, str(problem.path))
+
+
+def capture_module(model: torch.nn.Module, example_inputs: list[torch.Tensor]) -> Graph:
+    """A live module's forward as a Graph: its tensors are mirrored as fake tensors, no data is touched."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_state = {n: mode.from_tensor(t) for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    fake_inputs = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
+    return _trace(model, fake_inputs, mode, type(model).__name__, fake_state)
+
+
+def _trace(model: torch.nn.Module, inputs: list, mode: FakeTensorMode, what: str,
+           state: dict[str, torch.Tensor] | None = None) -> Graph:
     params = list(model.named_parameters())
     buffers = list(model.named_buffers())
     state_names = [n for n, _ in params] + [n for n, _ in buffers]
     kinds = ["param"] * len(params) + ["buffer"] * len(buffers)
     flat = [t for _, t in params] + [t for _, t in buffers] + list(inputs)
+    if state is not None:  # a live module: trace against its fake mirrors
+        flat = [state[n] for n in state_names] + list(inputs)
     n_state = len(state_names)
 
     def forward(*flat_args: torch.Tensor) -> object:
@@ -43,7 +58,7 @@ def capture(problem: Problem) -> Graph:
         raise
     except Exception as err:  # noqa: BLE001 - tracing failures of arbitrary models become one clear error
         raise CaptureError(
-            f"{problem.path}: could not trace Model.forward to ATen ops: {type(err).__name__}: {err}") from None
+            f"{what}: could not trace forward to ATen ops: {type(err).__name__}: {err}") from None
     return _to_graph(gm, state_names, kinds)
 
 

@@ -28,6 +28,7 @@ PY_SPELLING = {
     "addmm.default": "torch.addmm({0}, {1}, {2})",
 }
 
+# The run-time support of an emitted file (also exec'd by kernelfuse.emit.module for in-process modules).
 LOADER = '''
 _EXTENSION = None
 
@@ -151,18 +152,19 @@ def _model_new_class(problem: Problem, cls: ast.ClassDef, forward: ast.FunctionD
     text = text.replace(f"class {cls.name}(", "class ModelNew(", 1)
     text = text.replace(f"super({cls.name}, self)", "super(ModelNew, self)")
     indent = " " * (forward.col_offset)
-    new_forward = _forward_source(plan, arg_names, has_kernels, guarded)
+    new_forward = forward_source(plan, arg_names, has_kernels, guarded)
     return text + "\n\n" + textwrap.indent(new_forward, indent)
 
 
-def _forward_source(plan: Plan, arg_names: list[str], has_kernels: bool, guarded: bool) -> str:
+def forward_source(plan: Plan, arg_names: list[str], has_kernels: bool, guarded: bool, state: str = "self") -> str:
+    """The text of the fused `forward` method; module state is read as `{state}.<attribute path>`."""
     graph = plan.graph
     names: dict[str, str] = {}
     for node in graph.nodes:
         if node.op == "input":
             names[node.name] = arg_names[int(node.target)]  # type: ignore[arg-type]
         elif node.op in ("param", "buffer"):
-            names[node.name] = f"self.{node.target}"
+            names[node.name] = _state_expr(state, str(node.target), node.op)
     args = ", ".join(arg_names)
     out = [f"def forward(self, {args}):" if args else "def forward(self):"]
     out.append('    """Fused kernels on the captured shapes; the original ops otherwise (see _use_kernels)."""')
@@ -228,6 +230,14 @@ def _call(node: Node, names: dict[str, str]) -> str:
     args = [_py(a, names) for a in plain] + [f"{k}={_py(v, names)}" for _, k, v in kwargs]
     packet, overload = node.op.split(".")
     return f"torch.ops.aten.{packet}.{overload}({', '.join(args)})"
+
+
+def _state_expr(state: str, path: str, kind: str) -> str:
+    """`self.gemm.weight`, or `self.get_parameter("0.weight")` where a part is no identifier (nn.Sequential)."""
+    if all(part.isidentifier() for part in path.split(".")):
+        return f"{state}.{path}"
+    getter = "get_parameter" if kind == "param" else "get_buffer"
+    return f"{state}.{getter}({path!r})"
 
 
 def _flat(args: tuple) -> list[object]:

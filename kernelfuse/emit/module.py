@@ -1,0 +1,57 @@
+"""Emit in process: wrap a live nn.Module with the plan's fused forward (the Python API's counterpart of a file).
+
+The wrapper runs exactly the code an emitted file would: the same loader text and the same generated forward,
+executed in a fresh namespace, with the wrapped module's state read through `self.inner`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import textwrap
+
+import torch
+
+from kernelfuse.codegen import CudaSources
+from kernelfuse.emit.modelnew import LOADER, forward_source
+from kernelfuse.plan.ir import Plan
+
+WRAPPER = '''
+class FusedModule(torch.nn.Module):
+    """{doc}"""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def _reference_forward(self, *args):
+        return self.inner(*args)
+
+{forward}
+'''
+
+
+def build_module(model: torch.nn.Module, plan: Plan, sources: CudaSources | None,
+                 arg_names: list[str]) -> torch.nn.Module:
+    """A module whose forward runs `plan` (its kernels built now), falling back to `model` like a ModelNew."""
+    namespace: dict[str, object] = {"torch": torch, "hashlib": hashlib, "inspect": inspect}
+    if sources is not None:
+        specs = [(tuple(n.meta.shape), n.meta.dtype) for n in plan.graph.inputs]
+        namespace.update(NAME=type(model).__name__.lower(), FUNCTIONS=sources.functions, INPUT_SPECS=specs,
+                         CUDA_SRC=sources.cuda, CPP_SRC=sources.cpp)
+    exec(compile(LOADER, "<kernelfuse loader>", "exec"), namespace)  # noqa: S102 - our own generated code
+    forward = forward_source(plan, arg_names, sources is not None, True, state="self.inner")
+    doc = plan.summary().replace('"""', "'''").replace("\n", "\n    ")
+    code = WRAPPER.format(doc=doc, forward=textwrap.indent(forward, "    "))
+    exec(compile(code, f"<kernelfuse {type(model).__name__}>", "exec"), namespace)  # noqa: S102
+    if sources is not None:
+        namespace["_extension"]()  # type: ignore[operator]
+    return namespace["FusedModule"](model)  # type: ignore[operator]
+
+
+def forward_arg_names(model: torch.nn.Module) -> list[str]:
+    """Positional argument names of `model.forward` (plain positional tensors only)."""
+    params = list(inspect.signature(model.forward).parameters.values())
+    if any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) or p.default is not p.empty for p in params):
+        raise ValueError(f"{type(model).__name__}.forward must take plain positional tensors to be compiled")
+    return [p.name for p in params]

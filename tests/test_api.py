@@ -1,0 +1,70 @@
+"""Python API `kernelfuse.optimize(model, example_inputs)`: fused module on a GPU, the original model otherwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernelfuse
+from kernelfuse.capture import capture_module
+from kernelfuse.emit.module import forward_arg_names
+
+
+class LinearGeluScale(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 128)
+        self.scale = torch.nn.Parameter(torch.randn(128))
+
+    def forward(self, x):
+        return torch.nn.functional.gelu(self.fc(x)) * self.scale
+
+
+def test_capture_module_uses_fake_tensors_only() -> None:
+    model = LinearGeluScale()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    graph = capture_module(model, [torch.randn(8, 64)])
+    assert [n.op for n in graph.nodes if n.op not in ("param", "buffer", "input")] == [
+        "t.default", "addmm.default", "gelu.default", "mul.Tensor"]
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+def test_sequential_state_paths_are_valid_python() -> None:
+    from kernelfuse.emit.modelnew import forward_source
+    from kernelfuse.plan import plan_variants
+    from kernelfuse.rewrite import rewrite
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
+    plan = plan_variants(rewrite(capture_module(model, [torch.randn(4, 16)])))[0]
+    text = forward_source(plan, forward_arg_names(model), True, True, state="self.inner")
+    compile(text, "<forward>", "exec")
+    assert "get_parameter('0.bias')" in text
+
+
+def test_cpu_inputs_return_the_model_with_a_warning() -> None:
+    model = LinearGeluScale()
+    with pytest.warns(UserWarning, match="not on a CUDA device"):
+        assert kernelfuse.optimize(model, [torch.randn(8, 64)]) is model
+
+
+def test_nothing_to_fuse_returns_the_model() -> None:
+    model = torch.nn.Softmax(dim=1)
+    with pytest.warns(UserWarning, match="nothing to fuse"):
+        assert kernelfuse.optimize(model, [torch.randn(8, 64)]) is model
+
+
+@pytest.mark.gpu
+def test_gpu_module_is_fused_and_matches() -> None:
+    torch.manual_seed(0)
+    model = LinearGeluScale().cuda()
+    x = torch.randn(32, 64, device="cuda")
+    fused = kernelfuse.optimize(model, [x])
+    assert fused is not model and type(fused).__name__ == "FusedModule"
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(32, 64, device="cuda")
+            torch.testing.assert_close(fused(x), model(x), atol=1e-4, rtol=1e-4)
+    # grad mode with trainable parameters: the original ops run, so gradients are right
+    out = fused(x)
+    out.sum().backward()
+    assert model.fc.weight.grad is not None
