@@ -65,7 +65,7 @@ def compare_outputs(ref: Any, out: Any, atol: float, rtol: float) -> Comparison:
     if len(ref_leaves) != len(out_leaves):
         return Comparison(False, f"output structure differs: expected {describe(ref)}, got {describe(out)}")
     stats = [_compare_leaf(r, o, atol, rtol, i if len(ref_leaves) > 1 else None) for i, (r, o) in
-             enumerate(zip(ref_leaves, out_leaves))]
+             enumerate(zip(ref_leaves, out_leaves, strict=True))]
     reason = next((s.reason for s in stats if s.reason), None)
     return Comparison(
         ok=reason is None,
@@ -105,7 +105,7 @@ def _compare_leaf(ref: Any, out: Any, atol: float, rtol: float, index: int | Non
 
 def _compare_float(ref: torch.Tensor, out: torch.Tensor, atol: float, rtol: float, where: str) -> Comparison:
     work = torch.float64 if ref.dtype == torch.float64 else torch.float32
-    r_flat, o_flat = ref.reshape(-1), out.reshape(-1)
+    r_flat, o_flat = ref.detach().reshape(-1), out.detach().reshape(-1)
     max_abs = max_rel = total_abs = 0.0
     n_bad = n_unwritten = n_nan_pos = n_inf_pos = 0
     for start in range(0, r_flat.numel(), CHUNK):

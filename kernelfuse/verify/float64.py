@@ -56,12 +56,12 @@ def to_float64(inputs: list[Any]) -> list[Any]:
 def max_abs_error(out: Any, ref64: Any) -> float:
     """Max |out - ref64| over the positions where both are finite (computed in float64, chunked)."""
     worst = 0.0
-    for o, r in zip(flatten_outputs(out), flatten_outputs(ref64)):
+    for o, r in zip(flatten_outputs(out), flatten_outputs(ref64), strict=False):
         if not (isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor)) or o.shape != r.shape:
             continue
         if not (o.is_floating_point() and r.is_floating_point()):
             continue
-        o_flat, r_flat = o.reshape(-1), r.reshape(-1).to(o.device)
+        o_flat, r_flat = o.detach().reshape(-1), r.detach().reshape(-1).to(o.device)
         for start in range(0, o_flat.numel(), CHUNK):
             oc = o_flat[start:start + CHUNK].double()
             rc = r_flat[start:start + CHUNK].double()
@@ -76,7 +76,7 @@ def max_abs_value(out: Any) -> float:
     worst = 0.0
     for leaf in flatten_outputs(out):
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.numel():
-            flat = leaf.reshape(-1)
+            flat = leaf.detach().reshape(-1)
             for start in range(0, flat.numel(), CHUNK):
                 chunk = flat[start:start + CHUNK].double().abs()
                 chunk = chunk[torch.isfinite(chunk)]

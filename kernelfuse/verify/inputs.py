@@ -34,7 +34,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def changed_inputs(expected: list[Any], actual: list[Any]) -> list[int]:
     """Indices of tensor inputs whose contents differ bitwise from `expected`."""
     return [
-        i for i, (e, a) in enumerate(zip(expected, actual))
+        i for i, (e, a) in enumerate(zip(expected, actual, strict=False))
         if isinstance(e, torch.Tensor) and isinstance(a, torch.Tensor) and not same_bits(e, a)
     ]
 
@@ -48,7 +48,8 @@ def fingerprint(out: Any) -> tuple:
             if flat.is_complex():
                 flat = torch.view_as_real(flat).reshape(-1)
             sample = flat[:: max(1, flat.numel() // 64)]
-            parts.append((tuple(leaf.shape), float(flat.sum(dtype=torch.float64)), float(sample.sum(dtype=torch.float64))))
+            total, sampled = flat.sum(dtype=torch.float64), sample.sum(dtype=torch.float64)
+            parts.append((tuple(leaf.shape), float(total), float(sampled)))
         else:
             parts.append((repr(leaf)[:64],))
     return tuple(parts)
