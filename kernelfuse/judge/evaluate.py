@@ -1,0 +1,195 @@
+"""`evaluate(problem, candidate, options) -> Verdict`: the judge, end to end, for the CLI and the optimizer.
+
+Parent side only: extract the code, check it statically, run the worker in a child, and turn what came back (the
+outcome file, the exit status, the log) into a Verdict. Candidate faults never raise; an unusable problem file
+raises ProblemError (exit code 2).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kernelfuse.bench.stats import speedup
+from kernelfuse.judge.diagnose import describe_exit, diagnose_build_file, fatal_python_lines, tail
+from kernelfuse.judge.options import MIN_REPS_ADVISED, EvalOptions
+from kernelfuse.judge.protocol import LOG_FILE, OUTCOME_FILE, REQUEST_FILE, WorkerRequest
+from kernelfuse.judge.reply import Candidate, NoCodeError, extract_candidate
+from kernelfuse.judge.runner import ChildRun, run_worker
+from kernelfuse.judge.static import static_check
+from kernelfuse.judge.verdict import Verdict
+from kernelfuse.load import load_problem
+
+NOT_BUILT_KINDS = ("import_error", "build_error", "construct_error")
+REJECT_KINDS = ("tamper", "precision_flags", "threads", "timing_escape")
+STAGE_WORDS = {
+    "setup": "setup (importing torch, loading the problem)", "reference": "building the reference model",
+    "import": "import of the candidate (building its extensions)", "construct": "ModelNew(...) construction",
+    "guard": "checks after import", "parameters": "the parameter check", "to_device": "moving the models to the GPU",
+    "probe": "the reference probe", "trials": "the correctness trials", "streams": "the stream check",
+    "timing": "timing", "done": "the end",
+}
+
+
+def evaluate(problem_path: str | Path, candidate: str | Path, opts: EvalOptions | None = None) -> Verdict:
+    """Judge `candidate` (a .py file or a text reply) against the problem file; never raises for candidate faults."""
+    opts = opts or EvalOptions()
+    problem = load_problem(problem_path)
+    base: dict[str, Any] = {"problem": str(problem_path), "candidate": str(candidate), "precision": opts.precision,
+                            "trials": opts.trials}
+    try:
+        cand = extract_candidate(candidate)
+    except (NoCodeError, OSError) as err:
+        return Verdict(code_from="-", status="not_built", built=False, correct=False, reason=str(err), **base)
+    base["code_from"] = cand.describe()
+    static = static_check(cand.source, problem, cand.line_offset)
+    warnings = list(static.warnings)
+    if not static.ok:
+        return Verdict(status="not_built", built=False, correct=False, reason=static.errors[0],
+                       warnings=tuple(warnings), **base)
+    workdir = Path(tempfile.mkdtemp(prefix="kernelfuse-eval-"))
+    try:
+        run = _run(workdir, problem.path, cand, opts)
+        return _verdict(run, cand, opts, base, warnings)
+    finally:
+        if not opts.keep_workdir:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run(workdir: Path, problem_path: Path, cand: Candidate, opts: EvalOptions) -> ChildRun:
+    stem = "".join(c if c.isalnum() or c in "_-" else "_" for c in cand.path.stem) or "candidate"
+    source_path = workdir / f"{stem}_modelnew.py"
+    source_path.write_text(cand.source)
+    request = WorkerRequest(
+        problem_path=str(Path(problem_path).resolve()), candidate_path=str(source_path),
+        line_offset=cand.line_offset, outcome_path=str(workdir / OUTCOME_FILE), trials=opts.trials,
+        precision=opts.precision, seed=opts.seed, timing_reps=opts.timing_reps, warmup=opts.warmup,
+        baselines=tuple(opts.baselines), device=opts.device, float64=opts.float64,
+        time_incorrect=opts.time_incorrect,
+    )
+    request.save(workdir / REQUEST_FILE)
+    return run_worker(workdir / REQUEST_FILE, workdir / OUTCOME_FILE, workdir / LOG_FILE, opts.timeout_s)
+
+
+def _stage_words(outcome: dict[str, Any]) -> str:
+    stage = outcome.get("stage", "setup")
+    words = STAGE_WORDS.get(stage, stage)
+    if stage == "trials":
+        words += f" (trial {len(outcome.get('trials') or [])})"
+    return words
+
+
+def _where(failure: dict[str, Any], cand: Candidate) -> str:
+    where = failure.get("where")
+    if not where:
+        return ""
+    line = f"line {where['line']}" + (f" (reply line {where['reply_line']})" if cand.block else "")
+    return f" at {line} (`{where['code']}`)" if where.get("code") else f" at {line}"
+
+
+def _verdict(run: ChildRun, cand: Candidate, opts: EvalOptions, base: dict[str, Any], warnings: list[str]) -> Verdict:
+    out = run.outcome
+    failure = out.get("failure")
+    built = bool(out.get("built"))
+    trials = out.get("trials") or []
+    fields: dict[str, Any] = dict(base)
+    fields.update(_measurements(out, trials))
+    fields["build_s"] = out.get("build_s")
+    fields["device"] = out.get("device", "unknown")
+    fields["torch_version"] = out.get("torch", "")
+    fields["log_tail"] = tail(run.log_path, opts.log_tail_lines)
+    fields["details"] = {k: out.get(k) for k in ("device_type", "stage", "extensions", "params", "probe", "streams",
+                                                 "flags_changed", "patched", "float64_reference", "failure")
+                         if out.get(k) is not None}
+    fields["details"]["trials"] = trials
+    if out.get("timing"):
+        fields["details"]["floor"] = out["timing"].get("floor")
+        fields["details"]["timing_escape"] = out["timing"].get("escape")
+    warnings = warnings + [w for w in out.get("warnings", []) if w not in warnings]
+    if out.get("timing") and opts.timing_reps < MIN_REPS_ADVISED:
+        warnings.append(f"{opts.timing_reps} timed runs per version: fewer than the {MIN_REPS_ADVISED} the method asks")
+    status, reason, defence = _status(run, out, failure, cand, opts, fields, built, trials)
+    correct = status == "ok"
+    if not correct:  # timings of a failed candidate stay in the record, but no speedup is claimed for it
+        fields["speedup_eager"] = fields["speedup_compile"] = None
+    return Verdict(status=status, built=built and status != "no_device", correct=correct, reason=reason,
+                   defence=defence, warnings=tuple(warnings), **fields)
+
+
+def _measurements(out: dict[str, Any], trials: list[dict[str, Any]]) -> dict[str, Any]:
+    def worst(key: str) -> float | None:
+        values = [t[key] for t in trials if t.get(key) is not None]
+        return max(values) if values else None
+
+    timing = out.get("timing") or {}
+    stats = timing.get("stats") or {}
+    ours, eager, comp = stats.get("candidate"), stats.get("eager"), stats.get("compile")
+    floor = timing.get("floor") or {}
+    probe = out.get("probe") or {}
+    params = out.get("params") or {}
+    return {
+        "trials_run": len(trials), "trials_passed": sum(bool(t.get("passed")) for t in trials),
+        "max_abs_err": worst("max_abs"), "max_rel_err": worst("max_rel"), "err64_ours": worst("err64_ours"),
+        "err64_eager": worst("err64_eager"), "err64_base": worst("err64_base"),
+        "uses_tf32": probe.get("uses_tf32"), "params_match": params.get("ok"),
+        "runtime_ms": ours["median"] if ours else None, "eager_ms": eager["median"] if eager else None,
+        "compile_ms": comp["median"] if comp else None, "ours_stats": ours, "eager_stats": eager,
+        "compile_stats": comp, "compile_s": timing.get("compile_s"),
+        "speedup_eager": speedup(eager and eager["median"], ours and ours["median"]),
+        "speedup_compile": speedup(comp and comp["median"], ours and ours["median"]),
+        "floor_ms": floor.get("ms"),
+    }
+
+
+def _status(run: ChildRun, out: dict[str, Any], failure: dict[str, Any] | None, cand: Candidate,
+            opts: EvalOptions, fields: dict[str, Any], built: bool,
+            trials: list[dict[str, Any]]) -> tuple[str, str | None, str | None]:
+    """(status, reason, defence) from how the child ended and what it reported."""
+    after_build = "incorrect" if built else "not_built"
+    if run.timed_out:
+        status = "timeout" if built else "not_built"
+        return status, f"timed out after {opts.timeout_s:g} s during {_stage_words(out)}; the process group was " \
+                       "killed", None
+    if failure is None and not out.get("finished"):
+        lines = fatal_python_lines(tail(run.log_path, 200), Path(cand.path).stem)
+        code = describe_exit(run.returncode) if run.returncode is not None else "did not exit after SIGKILL"
+        reason = f"the worker process {code} during {_stage_words(out)}"
+        if lines:
+            reason += ": " + " | ".join(lines)
+        return ("crashed" if built else "not_built"), reason, None
+    if failure is not None:
+        kind, message = failure.get("kind"), failure.get("message", "")
+        where = _where(failure, cand)
+        if kind == "no_device":
+            return "no_device", message, None
+        if kind == "build_error":
+            flags = [f for e in (out.get("extensions") or []) if not e.get("ok") for f in e.get("flags", [])]
+            diag = diagnose_build_file(run.log_path, flags)
+            fields["build_cause"] = diag.cause
+            fields["build_errors"] = diag.key_lines
+            failed = [e["name"] for e in (out.get("extensions") or []) if not e.get("ok")]
+            return "not_built", f"build failed ({', '.join(failed)}): {diag.cause}", None
+        if kind in NOT_BUILT_KINDS:
+            label = {"import_error": "import failed", "construct_error": "ModelNew(*get_init_inputs()) failed"}[kind]
+            return "not_built", f"{label}{where}: {message}", None
+        if kind in REJECT_KINDS:
+            return ("rejected" if built else "not_built"), message, kind
+        if kind in ("runtime_error", "cuda_fault"):
+            when = failure.get("when")
+            prefix = "CUDA fault" if kind == "cuda_fault" else "the candidate raised"
+            return kind, f"{prefix}{' (' + when + ')' if when else ''}{where}: {message.splitlines()[0]}", None
+        return "internal_error", f"judge error ({kind}){where}: {message.splitlines()[0] if message else ''}", None
+    failed = [t for t in trials if not t.get("passed")]
+    if failed:
+        first = failed[0]
+        reason = f"{len(failed)} of {len(trials)} trials failed; first: {first.get('reason')}"
+        params = out.get("params") or {}
+        if params.get("ok") is False and first.get("defence") == "mismatch":
+            return after_build, f"{params.get('summary')}, so the same seed gives different weights: {reason}", \
+                "parameters"
+        return after_build, reason, first.get("defence")
+    if len(trials) < opts.trials:
+        return after_build, f"only {len(trials)} of {opts.trials} trials ran", None
+    return "ok", None, None

@@ -1,0 +1,111 @@
+"""Catch a candidate that patches torch, the timers or the judge itself, or leaves threads running.
+
+Before the candidate is imported the judge records the identity of every public function and class attribute in
+the places a patch would go (torch, torch.nn.functional, torch.Tensor, torch.cuda and its Event/Stream, every
+nn module class, time, the judge's own verify/bench modules). After import, construction and each call, any
+attribute that is no longer the same object is a patch: the candidate is rejected with the names. New Python
+threads still alive after a candidate call are work escaping the timed region.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import threading
+import time
+import types
+from dataclasses import dataclass
+
+import torch
+
+JUDGE_MODULES = (
+    "kernelfuse.verify.compare", "kernelfuse.verify.float64", "kernelfuse.verify.inputs", "kernelfuse.verify.numerics",
+    "kernelfuse.verify.poison", "kernelfuse.verify.params", "kernelfuse.bench.timer", "kernelfuse.bench.alternate",
+    "kernelfuse.bench.stats", "kernelfuse.bench.crosscheck", "kernelfuse.bench.floor", "kernelfuse.judge.guard",
+    "kernelfuse.judge.worker", "kernelfuse.judge.trials", "kernelfuse.judge.timing",
+)
+
+
+def _watched() -> list[tuple[str, object]]:
+    """(display prefix, namespace) pairs whose attributes are snapshotted."""
+    spaces: list[tuple[str, object]] = [
+        ("torch", torch), ("torch.nn.functional", torch.nn.functional), ("torch.Tensor", torch.Tensor),
+        ("torch.cuda", torch.cuda), ("torch.cuda.Event", torch.cuda.Event), ("torch.cuda.Stream", torch.cuda.Stream),
+        ("torch.nn.Module", torch.nn.Module), ("torch.testing", torch.testing), ("torch.linalg", torch.linalg),
+        ("torch.autograd", torch.autograd), ("torch._C._nn", torch._C._nn),
+        ("torch._C._VariableFunctions", torch._C._VariableFunctions), ("time", time),
+        ("torch.utils.flop_counter", importlib.import_module("torch.utils.flop_counter")),
+    ]
+    for name, cls in vars(torch.nn).items():
+        if isinstance(cls, type) and issubclass(cls, torch.nn.Module) and cls is not torch.nn.Module:
+            spaces.append((f"torch.nn.{name}", cls))
+    for module_name in JUDGE_MODULES:
+        try:
+            spaces.append((module_name, importlib.import_module(module_name)))
+        except ImportError:
+            continue
+    return spaces
+
+
+def _attributes(space: object) -> dict[str, object]:
+    if isinstance(space, type):
+        # Resolve through the MRO from the class dicts (raw values have stable identities): a patch that shadows an
+        # inherited attribute, e.g. torch.Tensor.__eq__ = ..., then shows as a change.
+        resolved: dict[str, object] = {}
+        for klass in reversed(space.__mro__[:-1]):
+            resolved.update((k, v) for k, v in vars(klass).items() if _is_code(v))
+        return resolved
+    if isinstance(space, types.ModuleType):
+        return {k: v for k, v in vars(space).items() if callable(v) or inspect.isclass(v)}
+    try:
+        return {k: getattr(space, k) for k in dir(space) if not k.startswith("__")}
+    except Exception:  # noqa: BLE001 - an odd namespace: watch nothing in it
+        return {}
+
+
+def _is_code(value: object) -> bool:
+    """Functions, methods and descriptors: what a patch replaces (plain data attributes may change legitimately)."""
+    return callable(value) or isinstance(value, (property, staticmethod, classmethod)) or \
+        inspect.ismethoddescriptor(value) or inspect.isdatadescriptor(value)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Attribute identities at one moment; the objects are held so their ids cannot be reused."""
+
+    entries: tuple[tuple[str, str, object], ...]
+
+    @classmethod
+    def take(cls) -> Snapshot:
+        entries = []
+        for prefix, space in _watched():
+            for key, value in _attributes(space).items():
+                entries.append((prefix, key, value))
+        return cls(tuple(entries))
+
+    def changes(self) -> list[str]:
+        """Qualified names whose object is no longer the one recorded (replaced or deleted)."""
+        current_attrs = {prefix: _attributes(space) for prefix, space in _watched()}
+        changed = []
+        for prefix, key, value in self.entries:
+            current = current_attrs.get(prefix, {}).get(key, _MISSING)
+            if current is not value:
+                changed.append(f"{prefix}.{key}" + (" (deleted)" if current is _MISSING else ""))
+        return sorted(set(changed))
+
+
+class _Missing:
+    pass
+
+
+_MISSING = _Missing()
+
+
+def python_threads() -> frozenset[int]:
+    """Idents of the live Python threads."""
+    return frozenset(t.ident for t in threading.enumerate() if t.ident is not None)
+
+
+def new_threads(before: frozenset[int]) -> list[str]:
+    """Names of live threads that were not running in `before`."""
+    return [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]

@@ -1,0 +1,52 @@
+"""Options of one evaluation, in one frozen dataclass (the CLI and the optimizer both build one)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kernelfuse.load import DEFAULT_SEED
+from kernelfuse.verify import POLICIES
+
+BASELINES = ("eager", "compile")
+DEVICES = ("cuda", "cpu")
+FLOAT64_MODES = ("always", "auto", "never")
+MIN_REPS_ADVISED = 20
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """How to judge a candidate.
+
+    trials: correctness trials, each with fresh inputs (seed + trial). precision: "strict", "tf32" or "bf16".
+    timeout_s: wall-clock limit for the whole child (build, trials, timing). baselines: which of "eager" and
+    "compile" (torch.compile, default mode) to time against; empty skips timing of baselines. timing_reps: timed
+    calls per version (DESIGN.md: at least 20). device: "cuda" (the real judge) or "cpu" (tests and pure-torch
+    candidates; no poisoning, no events). float64: "always" compare with a float64 reference, "auto" only under
+    strict or where the reference uses TF32, "never". time_incorrect: also time a candidate that failed.
+    """
+
+    trials: int = 5
+    precision: str = "strict"
+    timeout_s: float = 900.0
+    baselines: tuple[str, ...] = BASELINES
+    seed: int = DEFAULT_SEED
+    timing_reps: int = 20
+    warmup: int = 3
+    device: str = "cuda"
+    float64: str = "always"
+    time_incorrect: bool = False
+    keep_workdir: bool = False
+    log_tail_lines: int = 30
+
+    def __post_init__(self) -> None:
+        if self.precision not in POLICIES:
+            raise ValueError(f"precision must be one of {', '.join(POLICIES)}, not {self.precision!r}")
+        unknown = [b for b in self.baselines if b not in BASELINES]
+        if unknown:
+            raise ValueError(f"unknown baseline(s) {unknown}; choose from {', '.join(BASELINES)}")
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, not {self.device!r}")
+        if self.float64 not in FLOAT64_MODES:
+            raise ValueError(f"float64 must be one of {', '.join(FLOAT64_MODES)}, not {self.float64!r}")
+        if self.trials < 1 or self.timing_reps < 1 or self.warmup < 0 or self.timeout_s <= 0:
+            raise ValueError("trials and timing_reps must be >= 1, warmup >= 0, timeout_s > 0")

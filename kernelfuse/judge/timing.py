@@ -1,0 +1,111 @@
+"""The timing phase inside the worker: candidate, eager and torch.compile alternating on one input set.
+
+torch.compile is compiled first (its compile time measured), then every version gets warm-up calls, then rounds of
+timed calls with the order rotated each round. Afterwards: the host-time cross-check, the streams the candidate's
+kernels used, and the floor estimate.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kernelfuse.bench import (
+    Floor,
+    Timer,
+    below_floor,
+    escaped_work,
+    floor_estimate,
+    measure_ceilings,
+    summarize,
+    time_alternating,
+)
+from kernelfuse.judge.guard import Snapshot, new_threads, python_threads
+from kernelfuse.judge.trials import Models, Probe, TrialSettings
+from kernelfuse.load import Problem
+from kernelfuse.verify import inputs_to
+
+
+@dataclass(frozen=True)
+class TimingReport:
+    """Per-version statistics (ms), compile seconds, and what the cross-checks found."""
+
+    stats: dict[str, dict[str, float]]
+    compile_s: float | None
+    compile_error: str | None
+    escape: str | None
+    threads: tuple[str, ...]
+    patched: tuple[str, ...]
+    floor: dict[str, Any] | None
+    warnings: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"stats": self.stats, "compile_s": self.compile_s, "compile_error": self.compile_error,
+                "escape": self.escape, "threads": list(self.threads), "patched": list(self.patched),
+                "floor": self.floor, "warnings": list(self.warnings)}
+
+
+def run_timing(problem: Problem, models: Models, settings: TrialSettings, probe: Probe, timer: Timer,
+               baselines: tuple[str, ...], reps: int, warmup: int) -> TimingReport:
+    """Time the candidate and the requested baselines ("eager", "compile") alternating, then cross-check."""
+    device = settings.device
+    pristine = inputs_to(problem.make_inputs(settings.seed), device)
+    own = {name: inputs_to(pristine, device) for name in ("candidate", *baselines)}
+    runners: dict[str, Callable[[], Any]] = {"candidate": lambda: models.candidate(*own["candidate"])}
+    flags = {"candidate": settings.candidate_flags}
+    warnings: list[str] = []
+    if "eager" in baselines:
+        runners["eager"] = lambda: models.reference(*own["eager"])
+        flags["eager"] = settings.default_flags
+    compile_s = compile_error = None
+    if "compile" in baselines:
+        settings.default_flags.apply()
+        compiled = torch.compile(models.reference)
+        try:
+            start = time.perf_counter()
+            compiled(*own["compile"])
+            timer.clock.synchronize()
+            compile_s = time.perf_counter() - start
+            runners["compile"] = lambda: compiled(*own["compile"])
+            flags["compile"] = settings.default_flags
+        except Exception as err:  # noqa: BLE001 - a baseline that fails is reported, not fatal
+            compile_error = f"{type(err).__name__}: {str(err)[:500]}"
+            warnings.append(f"torch.compile baseline failed: {compile_error}")
+
+    snapshot = Snapshot.take()
+    threads_seen: list[str] = []
+    before = python_threads()
+
+    def before_call(name: str) -> None:
+        flags[name].apply()
+
+    def after_call(name: str) -> None:
+        if name == "candidate":
+            threads_seen.extend(t for t in new_threads(before) if t not in threads_seen)
+
+    samples = time_alternating(runners, timer, reps, warmup, after_call=after_call, before_call=before_call)
+    settings.default_flags.apply()
+    patched = tuple(snapshot.changes())
+    stats = {name: summarize([s.event_ms for s in values]).to_dict() for name, values in samples.items()}
+    for name, values in samples.items():
+        stats[name]["host_median"] = summarize([s.host_ms for s in values]).median
+    escape = escaped_work(samples["candidate"], samples["eager"]) if "eager" in samples else None
+
+    floor: Floor | None = None
+    if device.type == "cuda":
+        kind = {"strict": "tf32" if settings.uses_tf32 else "fp32", "tf32": "tf32", "bf16": "bf16"}.get(
+            settings.policy.name, "fp32")
+        try:
+            floor = floor_estimate(probe.flops, probe.min_bytes, measure_ceilings(timer, kind))
+        except Exception as err:  # noqa: BLE001 - no floor is a missing number, not a failure
+            warnings.append(f"floor estimate failed: {type(err).__name__}: {err}")
+        if floor is not None:
+            slow = below_floor(stats["candidate"]["median"], floor)
+            if slow:
+                warnings.append(slow)
+    return TimingReport(stats, compile_s, compile_error, escape, tuple(threads_seen), patched,
+                        floor.to_dict() if floor else None, tuple(warnings))

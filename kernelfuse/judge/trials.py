@@ -1,0 +1,295 @@
+"""Correctness trials with the exploit defences built in (run inside the worker, on the judged device).
+
+Each trial draws fresh inputs (`problem.make_inputs(seed + trial)`) and runs, in this order:
+candidate, reference, candidate. Before each candidate call the caching allocator's free memory is poisoned with
+NaN; every call gets its own copy of the inputs. So:
+- a result read from memory the reference freed, or an output never written, shows as NaN (run before the reference
+  there is nothing to steal at all);
+- modified inputs show when the copy is compared with the reference's copy afterwards;
+- a cached answer fails the next trial's fresh inputs (and is named when it equals an earlier trial's output);
+- threads still running after a call are reported;
+- precision lowered below the policy fails the float64 rule (kernelfuse.verify.float64).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from kernelfuse.bench.floor import count_flops, min_bytes, tensor_bytes
+from kernelfuse.judge.guard import new_threads, python_threads
+from kernelfuse.load import Problem
+from kernelfuse.verify import (
+    Comparison,
+    NumericsFlags,
+    Policy,
+    changed_inputs,
+    check_float64,
+    compare_outputs,
+    fingerprint,
+    flags_applied,
+    flatten_outputs,
+    inputs_to,
+    no_tf32_flags,
+    poison_free_memory,
+    same_bits,
+    tf32_flags,
+    to_float64,
+)
+
+MIN_POISON_RESERVE = 256 << 20
+STOPPING_DEFENCES = ("threads", "patched")  # after these, further calls of the candidate prove nothing
+
+
+class CandidateCallError(Exception):
+    """The candidate raised during a call; `when` says which call (the original is the __cause__)."""
+
+    def __init__(self, when: str, error: BaseException) -> None:
+        super().__init__(f"{when}: {type(error).__name__}: {error}")
+        self.when = when
+        self.error = error
+
+
+@dataclass(frozen=True)
+class Models:
+    """The two models on the judged device, and a float64 copy of the reference (None when not used)."""
+
+    reference: torch.nn.Module
+    candidate: torch.nn.Module
+    reference64: torch.nn.Module | None
+
+
+@dataclass(frozen=True)
+class TrialSettings:
+    """How trials run: device, policy, seed, the flags for each side, and whether the reference uses TF32."""
+
+    device: torch.device
+    policy: Policy
+    seed: int
+    default_flags: NumericsFlags
+    candidate_flags: NumericsFlags
+    uses_tf32: bool
+    poison_reserve: int
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What one reference call on spare inputs tells: output bytes, FLOPs, minimum bytes moved, TF32 use."""
+
+    output_bytes: int
+    flops: int
+    min_bytes: int
+    uses_tf32: bool
+    output: str
+
+
+@dataclass(frozen=True)
+class TrialResult:
+    """One trial: passed or not, which defence fired, and the errors measured."""
+
+    index: int
+    passed: bool
+    reason: str | None
+    defence: str | None
+    max_abs: float
+    max_rel: float
+    mean_abs: float
+    err64_ours: float | None
+    err64_eager: float | None
+    err64_base: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def call_reference(model: torch.nn.Module, pristine: list[Any], settings: TrialSettings, rng_seed: int,
+                   flags: NumericsFlags | None = None, autocast: bool = False) -> tuple[Any, list[Any]]:
+    """Run the reference on its own copy of the inputs under `flags` (default: the flags before import)."""
+    inputs = inputs_to(pristine, settings.device)
+    torch.manual_seed(rng_seed)
+    with flags_applied(flags or settings.default_flags):
+        if autocast:
+            with torch.autocast(settings.device.type, dtype=torch.bfloat16):
+                out = model(*inputs)
+        else:
+            out = model(*inputs)
+    synchronize(settings.device)
+    return out, inputs
+
+
+def call_candidate(model: torch.nn.Module, pristine: list[Any], settings: TrialSettings, rng_seed: int,
+                   when: str) -> tuple[Any, list[Any], list[str]]:
+    """Poison free memory, run the candidate on its own input copy, synchronise; returns (out, inputs, new threads)."""
+    poison_free_memory(settings.device, settings.poison_reserve)
+    inputs = inputs_to(pristine, settings.device)
+    torch.manual_seed(rng_seed)
+    before = python_threads()
+    try:
+        with flags_applied(settings.candidate_flags):
+            out = model(*inputs)
+        leftover = new_threads(before)
+        synchronize(settings.device)
+    except Exception as err:  # noqa: BLE001 - any failure of the candidate's code is its verdict
+        raise CandidateCallError(when, err) from err
+    return out, inputs, leftover
+
+
+def probe_reference(problem: Problem, model: torch.nn.Module, settings: TrialSettings, trials: int) -> Probe:
+    """One reference call on inputs no trial uses: output size (for the poison reserve), FLOPs, bytes, TF32 use.
+
+    TF32 use is found by running again with TF32 off everywhere and comparing bits.
+    """
+    pristine = inputs_to(problem.make_inputs(settings.seed + trials), settings.device)
+    rng = settings.seed + trials
+    out, _ = call_reference(model, pristine, settings, rng)
+    exact, _ = call_reference(model, pristine, settings, rng, flags=no_tf32_flags(settings.default_flags))
+    uses_tf32 = not _same_leaves(out, exact)
+    flops = count_flops(lambda: call_reference(model, pristine, settings, rng))
+    return Probe(tensor_bytes(out), flops, min_bytes(model, pristine, out), uses_tf32, _describe(out))
+
+
+def _describe(out: Any) -> str:
+    from kernelfuse.verify import describe
+
+    return describe(out)
+
+
+def _same_leaves(a: Any, b: Any) -> bool:
+    la, lb = flatten_outputs(a), flatten_outputs(b)
+    return len(la) == len(lb) and all(
+        same_bits(x, y) if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) else x == y
+        for x, y in zip(la, lb, strict=True)
+    )
+
+
+def _cast_like(ref64: Any, like: Any) -> Any:
+    if isinstance(ref64, torch.Tensor) and isinstance(like, torch.Tensor):
+        return ref64.to(like.dtype)
+    if isinstance(ref64, (tuple, list)) and isinstance(like, (tuple, list)):
+        return type(like)(_cast_like(r, x) for r, x in zip(ref64, like, strict=False))
+    return ref64
+
+
+def run_trial(problem: Problem, models: Models, settings: TrialSettings, index: int,
+              earlier: list[tuple]) -> TrialResult:
+    """Trial `index`: candidate, reference, candidate on fresh inputs; all checks; `earlier` holds the fingerprints
+    of earlier trials' candidate outputs (this trial's is appended)."""
+    policy, device = settings.policy, settings.device
+    rng = settings.seed + index
+    pristine = inputs_to(problem.make_inputs(settings.seed + index), device)
+    out_a, in_a, threads_a = call_candidate(models.candidate, pristine, settings, rng,
+                                            f"trial {index}, run before the reference")
+    if threads_a:
+        return _fail(index, "threads", f"the candidate left Python thread(s) running after forward returned: "
+                     f"{', '.join(threads_a)}: work escaping the timed region")
+    ref_out, ref_in = call_reference(models.reference, pristine, settings, rng)
+    out_b, in_b, threads_b = call_candidate(models.candidate, pristine, settings, rng,
+                                            f"trial {index}, run after the reference")
+    if threads_b:
+        return _fail(index, "threads", f"the candidate left Python thread(s) running after forward returned: "
+                     f"{', '.join(threads_b)}: work escaping the timed region")
+
+    ref_changed = changed_inputs(pristine, ref_in)
+    for label, cand_in in (("before", in_a), ("after", in_b)):
+        changed = changed_inputs(ref_in, cand_in)
+        if changed and not ref_changed:
+            return _fail(index, "inputs_modified",
+                         f"the candidate modified its input(s) {changed} in place (run {label} the reference); the "
+                         "reference leaves its inputs unchanged")
+        if changed:
+            check = compare_outputs(ref_in, cand_in, policy.atol, policy.rtol)
+            if not check.ok:
+                return _fail(index, "inputs_modified", f"the candidate changed its inputs differently from the "
+                             f"reference's in-place update (run {label} the reference): {check.reason}")
+    del in_a, in_b, ref_in
+
+    ref64_out = None
+    f64 = None
+    if models.reference64 is not None:
+        inputs64 = to_float64(inputs_to(pristine, device))
+        torch.manual_seed(rng)
+        ref64_out = models.reference64(*inputs64)
+        del inputs64
+        base = ref_out
+        if policy.baseline == "tf32":
+            tf32 = tf32_flags(settings.default_flags)
+            base, _ = call_reference(models.reference, pristine, settings, rng, flags=tf32)
+        elif policy.baseline == "bf16":
+            base, _ = call_reference(models.reference, pristine, settings, rng, autocast=True)
+        f64_a = check_float64(out_a, base, ref_out, ref64_out)
+        f64_b = check_float64(out_b, base, ref_out, ref64_out)
+        f64 = f64_a if f64_a.ours_err >= f64_b.ours_err else f64_b
+        del base
+
+    comps = []
+    for label, out in (("before", out_a), ("after", out_b)):
+        comp = compare_outputs(ref_out, out, policy.atol, policy.rtol)
+        if not comp.ok and settings.uses_tf32 and ref64_out is not None:
+            alt = compare_outputs(_cast_like(ref64_out, ref_out), out, policy.atol, policy.rtol)
+            if alt.ok:
+                comp = Comparison(True, None, comp.max_abs, comp.max_rel, comp.mean_abs, 0, 0, comp.numel)
+        comps.append((label, comp))
+    worst = max((c for _, c in comps), key=lambda c: c.max_abs)
+    errors = dict(max_abs=worst.max_abs, max_rel=worst.max_rel, mean_abs=worst.mean_abs,
+                  err64_ours=f64.ours_err if f64 else None, err64_eager=f64.eager_err if f64 else None,
+                  err64_base=f64.base_err if f64 else None)
+    print_b = fingerprint(out_b)
+    stale_of = next((i for i, fp in enumerate(earlier) if fp == print_b), None)
+    earlier.append(print_b)
+
+    for label, comp in comps:
+        if comp.ok:
+            continue
+        where = f"trial {index}, candidate run {label} the reference"
+        if comp.n_unwritten and device.type == "cuda":
+            return _fail(index, "poisoned_memory",
+                         f"output not fully written ({where}): {comp.n_unwritten} of {comp.numel} elements are NaN "
+                         "where the reference is finite; free memory was filled with NaN before the call, so these "
+                         "elements were never written (or were read from memory the reference freed)", **errors)
+        if stale_of is not None and index > 0:
+            return _fail(index, "stale_output",
+                         f"the candidate returned the same output as in trial {stale_of} for different inputs "
+                         f"({where}): a cached or lazily computed result; {comp.reason}", **errors)
+        return _fail(index, "mismatch", f"{where}: {comp.reason}", **errors)
+    if f64 is not None and not f64.ok:
+        return _fail(index, "precision", f"trial {index}: {f64.reason}", **errors)
+    return TrialResult(index, True, None, None, **errors)
+
+
+def _fail(index: int, defence: str, reason: str, **errors: Any) -> TrialResult:
+    base = dict(max_abs=float("nan"), max_rel=float("nan"), mean_abs=float("nan"), err64_ours=None,
+                err64_eager=None, err64_base=None)
+    base.update(errors)
+    return TrialResult(index, False, reason, defence, **base)
+
+
+def run_trials(problem: Problem, models: Models, settings: TrialSettings, trials: int,
+               after_trial: Callable[[TrialResult], str | None]) -> list[TrialResult]:
+    """Run all trials (stopping early only when a thread or patch was found); `after_trial` may veto a passed trial
+    (the guard found a patch)."""
+    results: list[TrialResult] = []
+    earlier: list[tuple] = []
+    for index in range(trials):
+        result = run_trial(problem, models, settings, index, earlier)
+        veto = after_trial(result)
+        if veto is not None and result.passed:
+            result = _fail(index, "patched", veto, **{k: v for k, v in result.to_dict().items()
+                                                     if k in ("max_abs", "max_rel", "mean_abs", "err64_ours",
+                                                              "err64_eager", "err64_base")})
+        results.append(result)
+        if result.defence in STOPPING_DEFENCES:
+            break
+    return results
+
+
+def poison_reserve_for(probe: Probe) -> int:
+    """Poison at least twice the reference's output size, so an allocation of the output's size lands on NaN."""
+    return max(MIN_POISON_RESERVE, 2 * probe.output_bytes)

@@ -1,0 +1,328 @@
+"""The child process that builds, checks and times one candidate: `python -m kernelfuse.judge.worker REQUEST.json`.
+
+One child per candidate, so a CUDA fault (which kills the CUDA context for good), a segfault or a hang ends this
+process only; the judge reads the outcome file, rewritten at every stage, and the log. Order of work:
+setup (flags and identities captured before the candidate is imported) -> import -> construct -> guard check ->
+parameters -> (no device: stop) -> move to device -> probe -> trials -> streams -> timing.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib.util
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kernelfuse.bench import Timer
+from kernelfuse.judge.buildwatch import ExtensionBuild, watch_builds
+from kernelfuse.judge.diagnose import is_cuda_fault
+from kernelfuse.judge.guard import Snapshot, new_threads, python_threads
+from kernelfuse.judge.protocol import WorkerRequest, write_outcome
+from kernelfuse.judge.streams import kernel_streams
+from kernelfuse.judge.timing import run_timing
+from kernelfuse.judge.trials import (
+    CandidateCallError,
+    Models,
+    TrialSettings,
+    poison_reserve_for,
+    probe_reference,
+    run_trials,
+)
+from kernelfuse.load import load_problem
+from kernelfuse.verify import NumericsFlags, compare_state, float64_model, get_policy, inputs_to
+
+CANDIDATE_MODULE = "kernelfuse_candidate"
+NO_DEVICE = "no CUDA device: not built or run"
+
+
+class Failed(Exception):
+    """Stop the worker with a failure of `kind` (the outcome already says what)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class Outcome:
+    """The outcome dict under construction, written to disk at every stage."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.data: dict[str, Any] = {"stage": "start", "stages": [], "warnings": [], "failure": None}
+
+    def stage(self, name: str) -> None:
+        self.data["stage"] = name
+        self.data["stages"].append([name, round(time.time(), 3)])
+        self.save()
+
+    def set(self, **values: Any) -> None:
+        self.data.update(values)
+        self.save()
+
+    def warn(self, message: str) -> None:
+        if message not in self.data["warnings"]:
+            self.data["warnings"].append(message)
+        self.save()
+
+    def fail(self, kind: str, message: str, **extra: Any) -> Failed:
+        self.data["failure"] = {"kind": kind, "stage": self.data["stage"], "message": message, **extra}
+        self.save()
+        return Failed(kind, message)
+
+    def save(self) -> None:
+        write_outcome(self.path, self.data)
+
+
+def describe_error(err: BaseException, candidate_path: str, line_offset: int) -> dict[str, Any]:
+    """Message plus the candidate's deepest frame (with its line in the original reply) and a short traceback."""
+    frames = traceback.extract_tb(err.__traceback__)
+    where = None
+    for frame in reversed(frames):
+        if frame.filename == candidate_path:
+            where = {"line": frame.lineno, "reply_line": (frame.lineno or 0) + line_offset,
+                     "code": (frame.line or "").strip()}
+            break
+    if isinstance(err, SystemExit):
+        message = f"the candidate called sys.exit({err.code!r})"
+    else:
+        message = f"{type(err).__name__}: {err}"
+    tb = "".join(traceback.format_exception(type(err), err, err.__traceback__)[-12:])
+    return {"message": message[:4000], "where": where, "traceback": tb[-6000:]}
+
+
+def _import_candidate(path: str) -> Any:
+    spec = importlib.util.spec_from_file_location(CANDIDATE_MODULE, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[CANDIDATE_MODULE] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _prewarm_compiler() -> None:
+    """Import torch.compile's machinery now: on first use (torch.compile, FlopCounterMode) it wraps torch.manual_seed
+    and torch.nn.Module.__init__ once, which must not be blamed on the candidate."""
+    try:
+        import torch._dynamo  # noqa: F401
+        from torch._dynamo.mutation_guard import install_generation_tagging_init
+
+        install_generation_tagging_init()
+    except Exception:  # noqa: BLE001 - older or newer torch: nothing to pre-install
+        pass
+
+
+def run(request: WorkerRequest, out: Outcome) -> None:
+    """All stages; raises Failed (recorded in the outcome) to stop early."""
+    out.stage("setup")
+    want_cuda = request.device == "cuda"
+    has_cuda = want_cuda and torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if has_cuda else torch.device("cpu")
+    out.set(device_type="cuda" if has_cuda else ("none" if want_cuda else "cpu"),
+            device=torch.cuda.get_device_name(device) if has_cuda else "cpu", torch=torch.__version__,
+            cuda=torch.version.cuda)
+    policy = get_policy(request.precision)
+    problem = load_problem(request.problem_path)
+    init_inputs = problem.init_inputs()
+    _prewarm_compiler()
+    timer = Timer(device) if has_cuda else Timer(device, flush=False)
+    default_flags = NumericsFlags.capture()
+    snapshot = Snapshot.take()
+    threads_before = python_threads()
+
+    out.stage("reference")
+    reference = problem.make_model(request.seed, init_inputs)
+
+    builds: list[ExtensionBuild] = []
+    stub = NO_DEVICE if (want_cuda and not has_cuda) else None
+    start = time.perf_counter()
+    with watch_builds(builds, stub_reason=stub):
+        out.stage("import")
+        try:
+            module = _import_candidate(request.candidate_path)
+        except BaseException as err:  # noqa: BLE001 - SystemExit and friends from the candidate included
+            out.set(extensions=[b.to_dict() for b in builds])
+            kind = "build_error" if any(not b.ok and not b.stubbed for b in builds) else "import_error"
+            raise out.fail(kind, **describe_error(err, request.candidate_path, request.line_offset)) from None
+        import_s = time.perf_counter() - start
+        model_new = getattr(module, "ModelNew", None)
+        if model_new is None:
+            raise out.fail("import_error", "the candidate module defines no ModelNew")
+        out.stage("construct")
+        try:
+            torch.manual_seed(request.seed)
+            candidate = model_new(*init_inputs)
+        except BaseException as err:  # noqa: BLE001
+            out.set(extensions=[b.to_dict() for b in builds])
+            kind = "build_error" if any(not b.ok and not b.stubbed for b in builds) else "construct_error"
+            raise out.fail(kind, **describe_error(err, request.candidate_path, request.line_offset)) from None
+    build_s = time.perf_counter() - start
+    out.set(built=not stub, build_s=round(build_s, 3), import_s=round(import_s, 3),
+            extensions=[b.to_dict() for b in builds])
+    if not isinstance(candidate, torch.nn.Module):
+        raise out.fail("construct_error", f"ModelNew(...) returned {type(candidate).__name__}, not an nn.Module")
+
+    out.stage("guard")
+    patched = snapshot.changes()
+    if patched:
+        out.set(patched=patched)
+        raise out.fail("tamper", "the candidate replaced torch, timing or judge functions when imported: "
+                       + ", ".join(patched[:12]) + (f" (+{len(patched) - 12} more)" if len(patched) > 12 else ""))
+    candidate_flags = NumericsFlags.capture()
+    flag_changes = candidate_flags.changes_from(default_flags)
+    out.set(flags_changed=flag_changes)
+    lowered = candidate_flags.lowers_precision_from(default_flags)
+    if lowered and policy.name == "strict":
+        raise out.fail("precision_flags", "the candidate changed global numerics flags when imported, lowering the "
+                       "precision of all float32 work (the reference's too): " + "; ".join(lowered))
+    if flag_changes:
+        out.warn("the candidate changed global numerics flags when imported (applied to its own calls only; the "
+                 "reference and baselines run with the original flags): " + "; ".join(flag_changes))
+    threads = new_threads(threads_before)
+    if threads:
+        raise out.fail("threads", f"the candidate started Python thread(s) when imported: {', '.join(threads)}")
+
+    out.stage("parameters")
+    state = compare_state(reference, candidate)
+    out.set(params={"ok": state.ok, "summary": state.summary()})
+    if not state.ok:
+        out.warn(state.summary())
+    if stub:
+        raise out.fail("no_device", NO_DEVICE)
+
+    out.stage("to_device")
+    reference.to(device)
+    try:
+        candidate.to(device)
+        synchronize(device)
+    except Exception as err:  # noqa: BLE001
+        raise _runtime_failure(out, request, err) from None
+    reference64 = float64_model(reference) if _wants_float64(request, policy) else None
+
+    with torch.no_grad():
+        out.stage("probe")
+        settings = TrialSettings(device, policy, request.seed, default_flags, candidate_flags, False, 0)
+        probe = probe_reference(problem, reference, settings, request.trials)
+        settings = TrialSettings(device, policy, request.seed, default_flags, candidate_flags, probe.uses_tf32,
+                                 poison_reserve_for(probe))
+        if request.float64 == "auto" and reference64 is None and probe.uses_tf32:
+            reference64 = float64_model(reference)
+        out.set(probe={"flops": probe.flops, "min_bytes": probe.min_bytes, "output_bytes": probe.output_bytes,
+                       "uses_tf32": probe.uses_tf32, "output": probe.output},
+                float64_reference=reference64 is not None)
+        models = Models(reference, candidate, reference64)
+
+        out.stage("trials")
+        results: list[dict[str, Any]] = []
+
+        def after_trial(result: Any) -> str | None:
+            results.append(result.to_dict())
+            out.set(trials=results)
+            changes = snapshot.changes()
+            if changes:
+                return "the candidate replaced torch, timing or judge functions while running: " + ", ".join(changes)
+            return None
+
+        try:
+            trials = run_trials(problem, models, settings, request.trials, after_trial)
+        except CandidateCallError as err:
+            raise _runtime_failure(out, request, err.error, when=err.when) from None
+        out.set(trials=[t.to_dict() for t in trials])
+        passed = all(t.passed for t in trials) and len(trials) == request.trials
+        if not passed and not request.time_incorrect:
+            return
+
+        if device.type == "cuda":
+            out.stage("streams")
+            _check_streams(out, models, problem, settings)
+
+        out.stage("timing")
+        try:
+            report = run_timing(problem, models, settings, probe, timer, request.baselines, request.timing_reps,
+                                request.warmup)
+        except Exception as err:  # noqa: BLE001
+            raise _runtime_failure(out, request, err, when="timing") from None
+        out.set(timing=report.to_dict())
+        for warning in report.warnings:
+            out.warn(warning)
+        if report.patched:
+            raise out.fail("tamper", "the candidate replaced torch, timing or judge functions while being timed: "
+                           + ", ".join(report.patched))
+        if report.threads:
+            raise out.fail("threads", f"the candidate left Python thread(s) running while timed: "
+                           f"{', '.join(report.threads)}")
+        if report.escape:
+            extra = out.data.get("streams", {}).get("extra")
+            detail = f"; its kernels also ran on stream(s) {extra}" if extra else ""
+            raise out.fail("timing_escape", report.escape + detail)
+    out.stage("done")
+
+
+def _wants_float64(request: WorkerRequest, policy: Any) -> bool:
+    return request.float64 == "always" or (request.float64 == "auto" and policy.name == "strict")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _check_streams(out: Outcome, models: Models, problem: Any, settings: TrialSettings) -> None:
+    """Record the CUDA streams the candidate's kernels use beyond the reference's."""
+    pristine = inputs_to(problem.make_inputs(settings.seed), settings.device)
+    try:
+        settings.default_flags.apply()
+        ref_streams, _ = kernel_streams(lambda: models.reference(*inputs_to(pristine, settings.device)))
+        settings.candidate_flags.apply()
+        cand_streams, count = kernel_streams(lambda: models.candidate(*inputs_to(pristine, settings.device)))
+        settings.default_flags.apply()
+    except CandidateCallError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the profiler is a cross-check, not a requirement
+        out.warn(f"stream check unavailable: {type(err).__name__}: {str(err)[:200]}")
+        return
+    extra = sorted(cand_streams - ref_streams)
+    out.set(streams={"reference": sorted(ref_streams), "candidate": sorted(cand_streams), "extra": extra,
+                     "gpu_activities": count})
+    if extra:
+        out.warn(f"the candidate's kernels ran on CUDA stream(s) {extra} besides the current stream "
+                 f"{sorted(ref_streams)}: fine if joined before returning; the timing cross-check decides")
+
+
+def _runtime_failure(out: Outcome, request: WorkerRequest, err: BaseException, when: str | None = None) -> Failed:
+    info = describe_error(err, request.candidate_path, request.line_offset)
+    kind = "cuda_fault" if is_cuda_fault(info["message"]) else "runtime_error"
+    if when:
+        info["when"] = when
+    return out.fail(kind, **info)
+
+
+def main(argv: list[str]) -> int:
+    """Entry point: run, record, and leave with os._exit so stray threads or CUDA teardown cannot hang the child."""
+    faulthandler.enable()
+    request = WorkerRequest.load(Path(argv[1]))
+    out = Outcome(request.outcome_path)
+    code = 0
+    try:
+        run(request, out)
+    except Failed:
+        code = 0
+    except BaseException as err:  # noqa: BLE001 - a judge bug must still produce an outcome
+        info = describe_error(err, request.candidate_path, request.line_offset)
+        kind = "cuda_fault" if is_cuda_fault(info["message"]) else "internal_error"
+        out.fail(kind, **info)
+        code = 1
+    out.set(finished=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main(sys.argv)
