@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernelfuse.capture import Graph, Node, Ref, TensorMeta
+from kernelfuse.capture import Graph, Node, Ref, TensorMeta, contiguous_strides
 from kernelfuse.ops import ANCHOR_OPS, POINTWISE_BY_ATEN, VIEW_OPS
 from kernelfuse.ops.anchors import family_of
 from kernelfuse.plan.ir import Anchor, EArg, Epilogue, FusedStep, Operand, Plan, Statement, Step, TorchStep
@@ -133,8 +133,16 @@ def _operand_ok(node: Node, out: TensorMeta) -> bool:
     meta = node.meta
     if meta is None or meta.dtype != out.dtype or len(meta.shape) > len(out.shape):
         return False
+    if not _dense(meta):  # the kernel wrappers accept contiguous operands only (a transposed weight, an expand)
+        return False
     offset = len(out.shape) - len(meta.shape)
     return all(d in (1, out.shape[i + offset]) for i, d in enumerate(meta.shape))
+
+
+def _dense(meta: TensorMeta) -> bool:
+    """Contiguous as torch's `is_contiguous()` sees it: the strides of size-1 dimensions do not matter."""
+    expected = contiguous_strides(meta.shape)
+    return meta.numel == 0 or all(d == 1 or s == e for d, s, e in zip(meta.shape, meta.stride, expected, strict=True))
 
 
 def broadcast_strides(meta: TensorMeta, out: TensorMeta) -> tuple[int, ...]:

@@ -13,16 +13,32 @@ from kernelfuse.capture import Graph, Node, Ref
 
 # Ops that return their input's value unchanged; in a traced, non-mutating graph they can be bypassed.
 IDENTITY_OPS = frozenset({"alias.default", "detach.default", "clone.default", "lift_fresh_copy.default"})
+# Of those, the ones that return fresh storage: kept when returned, so the caller never receives an input, a
+# parameter or another output itself where the model returned a copy.
+COPY_OPS = frozenset({"clone.default", "lift_fresh_copy.default"})
 
 
 def drop_identities(graph: Graph) -> Graph:
-    """Bypass alias/detach/clone so they do not split a fusable chain (skipped if the graph mutates anything)."""
+    """Bypass alias/detach/clone so they do not split a fusable chain (skipped if the graph mutates anything).
+
+    A clone the forward returns is kept: the caller gets fresh storage, as from the model, not an input, a
+    parameter or another output.
+    """
     if any(n.op.split(".")[0].endswith("_") for n in graph.nodes):
         return graph  # an in-place op: a clone may be protecting a value, keep the graph as traced
+    returned_copies = set()  # the first copy on each output's chain of identities
+    for ref in graph.outputs:
+        node = graph[ref]
+        while node.op in IDENTITY_OPS and node.args and isinstance(node.args[0], Ref):
+            if node.op in COPY_OPS:
+                returned_copies.add(node.name)
+                break
+            node = graph[node.args[0]]
     rename: dict[str, Ref] = {}
     kept = []
     for node in graph.nodes:
-        if node.op in IDENTITY_OPS and not any(isinstance(a, tuple) and a[:1] == ("kw",) for a in node.args):
+        if node.op in IDENTITY_OPS and not any(isinstance(a, tuple) and a[:1] == ("kw",) for a in node.args) \
+                and node.name not in returned_copies:
             rename[node.name] = _resolve(node.args[0], rename)
             continue
         kept.append(_rewire(node, rename))

@@ -1,0 +1,201 @@
+"""Stage 2 — capture: the forward as ATen ops with shapes, dtypes and strides, traced on fake tensors."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import pytest
+import torch
+from optimizer_helpers import EXAMPLES, run_kernelfuse, write_problem
+
+from kernelfuse.capture import Ref, TensorMeta, capture, contiguous_strides
+from kernelfuse.errors import CaptureError
+from kernelfuse.load import load_problem
+
+EXPECTED_OPS = {
+    "gemm_add_relu": ["t.default", "mm.default", "add.Tensor", "relu.default"],
+    "gemm_sigmoid_scaling_residualadd": ["t.default", "addmm.default", "sigmoid.default", "mul.Tensor", "add.Tensor"],
+    "conv2d_relu_biasadd": ["convolution.default", "relu.default", "add.Tensor"],
+}
+
+
+def _ops(graph):
+    return [n.op for n in graph.nodes if n.op not in ("input", "param", "buffer")]
+
+
+@pytest.fixture(scope="module")
+def graphs():
+    return {name: capture(load_problem(EXAMPLES / f"{name}.py")) for name in EXPECTED_OPS}
+
+
+@pytest.mark.parametrize("name", list(EXPECTED_OPS))
+def test_example_op_sequences(graphs, name):
+    assert _ops(graphs[name]) == EXPECTED_OPS[name]
+
+
+def test_gemm_add_relu_metadata(graphs):
+    g = graphs["gemm_add_relu"]
+    by_op = {n.op: n for n in g.nodes}
+    (x,) = g.inputs
+    assert x.target == 0 and x.meta == TensorMeta((1024, 8192), torch.float32, (8192, 1))
+    state = {n.target: n for n in g.state}
+    assert set(state) == {"gemm.weight", "bias"}
+    assert state["gemm.weight"].op == "param" and state["gemm.weight"].meta.shape == (8192, 8192)
+    assert state["bias"].meta == TensorMeta((8192,), torch.float32, (1,))
+    t = by_op["t.default"]
+    assert t.args == (Ref(state["gemm.weight"].name),)
+    assert t.meta.shape == (8192, 8192) and t.meta.stride == (1, 8192) and not t.meta.is_contiguous
+    mm = by_op["mm.default"]
+    assert mm.args == (Ref(x.name), Ref(t.name))
+    assert mm.meta == TensorMeta((1024, 8192), torch.float32, (8192, 1))
+    assert by_op["add.Tensor"].args == (Ref(mm.name), Ref(state["bias"].name))
+    assert g.outputs == (Ref(by_op["relu.default"].name),)
+    assert [u.name for u in g.users(mm.name)] == [by_op["add.Tensor"].name]
+
+
+def test_gemm_sigmoid_residual_structure(graphs):
+    g = graphs["gemm_sigmoid_scaling_residualadd"]
+    by_op = {n.op: n for n in g.nodes}
+    addmm = by_op["addmm.default"]
+    assert addmm.meta.shape == (1024, 8192)
+    assert by_op["mul.Tensor"].args == (Ref(by_op["sigmoid.default"].name), 2.0)
+    # the residual reads the addmm output a second time
+    assert by_op["add.Tensor"].args == (Ref(by_op["mul.Tensor"].name), Ref(addmm.name))
+    assert sorted(u.op for u in g.users(addmm.name)) == ["add.Tensor", "sigmoid.default"]
+
+
+def test_conv_metadata(graphs):
+    g = graphs["conv2d_relu_biasadd"]
+    conv = next(n for n in g.nodes if n.op == "convolution.default")
+    assert conv.meta == TensorMeta((128, 128, 126, 126), torch.float32, contiguous_strides((128, 128, 126, 126)))
+    assert conv.args[3:] == ((1, 1), (0, 0), (1, 1), False, (0, 0), 1)
+    bias = next(n for n in g.state if n.target == "bias")
+    assert bias.meta.shape == (128, 1, 1) and bias.meta.stride == (1, 1, 1)
+    weight = g[conv.args[1]]
+    assert weight.target == "conv.weight" and weight.meta.shape == (128, 64, 3, 3)
+
+
+def test_strides_of_non_contiguous_values(tmp_path):
+    path = write_problem(tmp_path, "perm", """
+        def forward(self, x):
+            y = x.permute(0, 2, 1)
+            return y * 2.0
+        """, "[torch.rand(3, 4, 5)]")
+    g = capture(load_problem(path))
+    perm = next(n for n in g.nodes if n.op == "permute.default")
+    assert perm.meta.shape == (3, 5, 4) and perm.meta.stride == (20, 1, 5)
+    mul = next(n for n in g.nodes if n.op == "mul.Tensor")
+    assert mul.meta.shape == (3, 5, 4)
+
+
+def test_dtypes_are_recorded(tmp_path):
+    path = write_problem(tmp_path, "half", """
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 8, dtype=torch.bfloat16)
+
+        def forward(self, x):
+            return torch.sigmoid(self.lin(x)).float()
+        """, "[torch.rand(4, 16, dtype=torch.bfloat16)]")
+    g = capture(load_problem(path))
+    addmm = next(n for n in g.nodes if n.op == "addmm.default")
+    assert addmm.meta.dtype == torch.bfloat16
+    assert g[g.outputs[0]].meta.dtype == torch.float32
+
+
+def test_capture_allocates_no_real_memory(tmp_path):
+    # get_inputs() asks for 2^34 floats (64 GiB): only a fake tensor may ever exist
+    path = write_problem(tmp_path, "huge", """
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x):
+            return torch.relu(self.lin(x))
+        """, "[torch.rand(1 << 30, 16)]")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    start = time.perf_counter()
+    g = capture(load_problem(path))
+    elapsed = time.perf_counter() - start
+    grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+    assert g.inputs[0].meta.shape == (1 << 30, 16)
+    out = g[g.outputs[0]]
+    assert out.meta.numel == 1 << 34 and out.meta.dtype == torch.float32
+    assert grown_kib < 1 << 20, f"capture grew the peak RSS by {grown_kib} KiB"
+    assert elapsed < 60  # a generous bound: filling 64 GiB would take minutes, if it did not fail first
+
+
+def test_multiple_outputs_and_inputs(tmp_path):
+    path = write_problem(tmp_path, "multi", """
+        def forward(self, a, b):
+            s = a + b
+            return s, torch.relu(s)
+        """, "[torch.rand(2, 3), torch.rand(2, 3)]")
+    g = capture(load_problem(path))
+    assert [n.target for n in g.inputs] == [0, 1]
+    add = next(n for n in g.nodes if n.op == "add.Tensor")
+    relu = next(n for n in g.nodes if n.op == "relu.default")
+    assert g.outputs == (Ref(add.name), Ref(relu.name))
+    assert g.is_output(add.name) and g.users(add.name) == [relu]
+
+
+UNTRACEABLE = """
+def __init__(self):
+    super().__init__()
+    self.lin = nn.Linear(16, 16)
+
+def forward(self, x):
+    y = self.lin(x)
+    if y.sum() > 0:  # data-dependent control flow: fake tensors have no values
+        return y
+    return -y
+"""
+
+
+def test_untraceable_forward_raises_capture_error(tmp_path):
+    path = write_problem(tmp_path, "untraceable", UNTRACEABLE, "[torch.rand(4, 16)]")
+    with pytest.raises(CaptureError, match="could not trace forward to ATen ops: DataDependent") as info:
+        capture(load_problem(path))
+    assert info.value.exit_code == 3
+
+
+def test_untraceable_forward_exit_code_3(tmp_path):
+    path = write_problem(tmp_path, "untraceable", UNTRACEABLE, "[torch.rand(4, 16)]")
+    out = tmp_path / "out.py"
+    result = run_kernelfuse("optimize", str(path), "-o", str(out), "--cpu-only")
+    assert result.returncode == 3, result.stderr
+    assert "could not trace forward to ATen ops" in result.stderr and "Traceback" not in result.stderr
+    assert not out.exists()
+
+
+def test_constructor_error_during_capture_is_a_problem_error(tmp_path):
+    path = write_problem(tmp_path, "ctor", """
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3, 3) @ torch.randn(4, 4))
+
+        def forward(self, x):
+            return x
+        """, "[torch.rand(3)]")
+    from kernelfuse.errors import ProblemError
+
+    line = r"line \d+: self.w = nn.Parameter\(torch.randn\(3, 3\) @ torch.randn\(4, 4\)\)"
+    with pytest.raises(ProblemError, match=line):
+        capture(load_problem(path))
+
+
+@pytest.mark.xfail(strict=True, reason="known limitation: Module.half()/.to() inside FakeTensorMode fails to swap "
+                                       "parameters (torch keeps a weakref to fresh fake tensors); reported as a "
+                                       "problem error although the problem is valid")
+def test_constructor_converting_dtype_can_be_captured(tmp_path):
+    path = write_problem(tmp_path, "tohalf", """
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 8).half()
+
+        def forward(self, x):
+            return torch.relu(self.lin(x))
+        """, "[torch.rand(4, 16).half()]")
+    g = capture(load_problem(path))
+    assert g[g.outputs[0]].meta.dtype == torch.float16

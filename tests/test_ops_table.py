@@ -1,0 +1,192 @@
+"""The pointwise op table: every row is fused, interpreted like the model on the CPU, and compiles with nvcc.
+
+Adding a row to kernelfuse.ops.POINTWISE_OPS without a case here fails `test_every_row_has_a_case`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+from optimizer_helpers import assert_interpreter_matches, pipeline, write_problem
+
+from kernelfuse.codegen import generate
+from kernelfuse.ops import POINTWISE_BY_ATEN, POINTWISE_OPS, float_literal, render_cuda
+
+A = "torch.ops.aten"
+
+# case id -> (row, forward expression over y (the Linear output) and self.w (a [16] parameter), non-default params)
+CASES: dict[str, tuple[str, str, bool]] = {
+    "relu": ("relu.default", f"{A}.relu.default(y)", False),
+    "sigmoid": ("sigmoid.default", f"{A}.sigmoid.default(y)", False),
+    "tanh": ("tanh.default", f"{A}.tanh.default(y)", False),
+    "silu": ("silu.default", f"{A}.silu.default(y)", False),
+    "exp": ("exp.default", f"{A}.exp.default(y)", False),
+    "log": ("log.default", f"{A}.log.default(y)", False),  # NaN for negative y: NaN must match too
+    "neg": ("neg.default", f"{A}.neg.default(y)", False),
+    "abs": ("abs.default", f"{A}.abs.default(y)", False),
+    "sqrt": ("sqrt.default", f"{A}.sqrt.default(y)", False),
+    "rsqrt": ("rsqrt.default", f"{A}.rsqrt.default(y)", False),
+    "gelu": ("gelu.default", f"{A}.gelu.default(y)", False),
+    "gelu-tanh": ("gelu.default", f"{A}.gelu.default(y, approximate='tanh')", True),
+    "softplus": ("softplus.default", f"{A}.softplus.default(y, 2.0, 3.0)", True),
+    "leaky_relu": ("leaky_relu.default", f"{A}.leaky_relu.default(y, 0.3)", True),
+    "hardtanh": ("hardtanh.default", f"{A}.hardtanh.default(y, -0.25, 0.5)", True),
+    "clamp": ("clamp.default", f"{A}.clamp.default(y, -0.5, 0.25)", True),
+    "clamp-max-only": ("clamp.default", f"{A}.clamp.default(y, None, 0.25)", True),
+    "clamp-min-only": ("clamp.default", f"{A}.clamp.default(y, -0.25)", True),
+    "add": ("add.Tensor", f"{A}.add.Tensor(y, self.w)", False),
+    "add-alpha": ("add.Tensor", f"{A}.add.Tensor(y, self.w, alpha=0.5)", True),
+    "add-left": ("add.Tensor", f"{A}.add.Tensor(self.w, y, alpha=-2.0)", True),
+    "add-scalar": ("add.Tensor", f"{A}.add.Tensor(y, 0.75)", False),
+    "sub": ("sub.Tensor", f"{A}.sub.Tensor(y, self.w)", False),
+    "sub-alpha": ("sub.Tensor", f"{A}.sub.Tensor(y, self.w, alpha=0.5)", True),
+    "sub-left": ("sub.Tensor", f"{A}.sub.Tensor(self.w, y)", False),
+    "sub-scalar": ("sub.Tensor", f"{A}.sub.Tensor(y, 0.75)", False),
+    "mul": ("mul.Tensor", f"{A}.mul.Tensor(y, self.w)", False),
+    "mul-left": ("mul.Tensor", f"{A}.mul.Tensor(self.w, y)", False),
+    "mul-scalar": ("mul.Tensor", f"{A}.mul.Tensor(y, 1.5)", False),
+    "div": ("div.Tensor", f"{A}.div.Tensor(y, self.w)", False),
+    "div-left": ("div.Tensor", f"{A}.div.Tensor(self.w, y)", False),
+    "maximum": ("maximum.default", f"{A}.maximum.default(y, self.w)", False),
+    "maximum-left": ("maximum.default", f"{A}.maximum.default(self.w, y)", False),
+    "minimum": ("minimum.default", f"{A}.minimum.default(y, self.w)", False),
+    "minimum-left": ("minimum.default", f"{A}.minimum.default(self.w, y)", False),
+}
+
+BODY = """
+def __init__(self):
+    super().__init__()
+    self.lin = nn.Linear(16, 16)
+    self.w = nn.Parameter(torch.randn(16))
+    with torch.no_grad():
+        self.w[3] = float("nan")
+
+def forward(self, x):
+    y = self.lin(x)
+    return {expr}
+"""
+
+
+def test_every_row_has_a_case():
+    assert {row for row, _, _ in CASES.values()} == set(POINTWISE_BY_ATEN)
+    assert len(POINTWISE_BY_ATEN) == len(POINTWISE_OPS), "one row per ATen overload"
+    for row in POINTWISE_OPS:
+        if row.params:
+            assert any(r == row.aten and nondefault for r, _, nondefault in CASES.values()), row.aten
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_row_is_fused_and_interpreted_like_the_model(tmp_path, case):
+    aten, expr, nondefault = CASES[case]
+    path = write_problem(tmp_path, "row", BODY.format(expr=expr), "[torch.randn(6, 16)]")
+    problem, graph, plans = pipeline(path)
+    (plan,) = plans
+    node = next(n for n in graph.nodes if n.op == aten)
+    (step,) = plan.fused
+    assert step.replaces[-1] == node.name, f"{aten} was not fused: {plan.summary()}"
+    assert plan.unfused == []
+    (st,) = step.epilogue.statements
+    row = POINTWISE_BY_ATEN[aten]
+    assert st.aten == aten and st.op == row.ir
+    assert len(st.args) == len(row.operands) and len(st.params) == len(row.params)
+    if nondefault:
+        assert st.params != tuple(default for _, default in row.params)
+    assert all(p is not None for p in st.params)
+    if "left" in case:
+        assert st.args[1] == "acc" and st.args[0] == "in0"
+    inputs = problem.make_inputs(0)
+    inputs[0][2] = float("nan")  # one row of the Linear output is NaN
+    inputs[0][4, 0] = float("inf")
+    assert_interpreter_matches(problem, plan, inputs=inputs)
+    # and the CUDA expression renders with every placeholder filled
+    sources = generate(plan)
+    assert sources is not None
+    apply_fn = sources.cuda[sources.cuda.index("k0_apply"):sources.cuda.index("k0_kernel")]
+    for placeholder in ("{0}", "{1}", "{p0}", "{p1}", "None"):
+        assert placeholder not in apply_fn
+
+
+def test_render_cuda_gelu_variants_and_alpha():
+    gelu = POINTWISE_BY_ATEN["gelu.default"]
+    assert render_cuda(gelu, ["v"], ["none"]) == "kf_gelu_erf(v)"
+    assert render_cuda(gelu, ["v"], ["tanh"]) == "kf_gelu_tanh(v)"
+    add = POINTWISE_BY_ATEN["add.Tensor"]
+    assert render_cuda(add, ["a", "b"], [1.0]) == "(a + b)"
+    assert render_cuda(add, ["a", "b"], [0.5]) == "(a + 0.5f * b)"
+    clamp = POINTWISE_BY_ATEN["clamp.default"]
+    assert render_cuda(clamp, ["v"], [float("-inf"), 0.25]) == "kf_clamp(v, (-INFINITY), 0.25f)"
+
+
+@pytest.mark.parametrize("value, text", [(0.1, "0.10000000149011612f"), (2.0, "2.0f"), (-0.5, "(-0.5f)"),
+                                         (float("nan"), "NAN"), (float("inf"), "INFINITY"),
+                                         (float("-inf"), "(-INFINITY)"), (1e-30, "1.0000000031710769e-30f"),
+                                         (3, "3.0f")])
+def test_float_literal_is_the_float32_value(value, text):
+    assert float_literal(value) == text
+
+
+# ---- every row at once, compiled with nvcc ------------------------------------------------------------------
+
+def all_rows_expr() -> str:
+    """One chain applying every case's op in turn, so one epilogue holds every row."""
+    v = "y"
+    for _, expr, _ in CASES.values():
+        v = expr.replace("(y", f"({v}").replace(", y", f", {v}")
+    return v
+
+
+ALL_BODY = """
+def __init__(self):
+    super().__init__()
+    self.lin = nn.Linear(16, 16, dtype={dtype})
+    self.w = nn.Parameter(torch.rand(16, dtype={dtype}) + 0.5)
+
+def forward(self, x):
+    y = self.lin(x)
+    return {expr}
+"""
+
+
+def _all_rows_plan(tmp_path, dtype: str):
+    path = write_problem(tmp_path, f"all_rows_{dtype.split('.')[-1]}",
+                         ALL_BODY.format(dtype=dtype, expr=all_rows_expr()), f"[torch.rand(8, 16, dtype={dtype})]")
+    problem, graph, plans = pipeline(path)
+    (plan,) = plans
+    return problem, plan
+
+
+def test_all_rows_fuse_into_one_epilogue(tmp_path):
+    problem, plan = _all_rows_plan(tmp_path, "torch.float32")
+    (step,) = plan.fused
+    assert plan.unfused == []
+    assert {st.aten for st in step.epilogue.statements} == set(POINTWISE_BY_ATEN)
+    assert len(step.epilogue.statements) == len(CASES)
+    assert_interpreter_matches(problem, plan)
+
+
+NVCC_PLACES = ("/usr/local/bin/nvcc", "/usr/local/cuda/bin/nvcc")
+
+
+def _nvcc() -> str:
+    nvcc = shutil.which("nvcc") or next((p for p in NVCC_PLACES if os.path.exists(p)), None)
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    return nvcc
+
+
+@pytest.mark.parametrize("dtype", ["torch.float32", "torch.float16", "torch.bfloat16"])
+def test_all_rows_compile_with_nvcc(tmp_path, dtype):
+    nvcc = _nvcc()
+    _, plan = _all_rows_plan(tmp_path, dtype)
+    sources = generate(plan)
+    cu = tmp_path / "all_rows.cu"
+    cu.write_text(sources.cuda)
+    for row in POINTWISE_OPS:  # every row's device expression is in the translation unit
+        assert f"// {row.aten.split('.')[0]}" in sources.cuda
+    result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-c", str(cu), "-o", str(tmp_path / "all_rows.o")],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert (tmp_path / "all_rows.o").stat().st_size > 0

@@ -1,0 +1,382 @@
+"""Stage 4 — plan: which chains fuse, which stay torch calls and why; the CPU interpreter equals the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from optimizer_helpers import (
+    EXAMPLE_NAMES,
+    EXAMPLES,
+    assert_interpreter_matches,
+    pipeline,
+    shrunk_example,
+    write_problem,
+)
+
+from kernelfuse.capture import Ref, capture
+from kernelfuse.load import load_problem
+from kernelfuse.plan import FusedStep, PlanOptions, TorchStep, make_plan, plan_variants
+from kernelfuse.rewrite import rewrite
+
+
+@pytest.fixture(scope="module")
+def example_plans():
+    out = {}
+    for name in EXAMPLE_NAMES:
+        graph = rewrite(capture(load_problem(EXAMPLES / f"{name}.py")))
+        out[name] = plan_variants(graph)
+    return out
+
+
+def test_gemm_add_relu_plan(example_plans):
+    (plan,) = example_plans["gemm_add_relu"]
+    assert plan.variant == "fused"
+    (step,) = plan.fused
+    assert step.chain(plan.graph) == "mm -> add -> relu"
+    assert step.anchor.family == "matmul" and step.inplace and step.needs_kernel
+    assert [st.op for st in step.epilogue.statements] == ["add", "relu"]
+    (operand,) = step.epilogue.operands
+    assert plan.graph[operand.ref].target == "bias"
+    assert operand.strides == (0, 1)  # row bias broadcast over the batch
+    assert step.epilogue.statements[0].args == ("acc", "in0")
+    assert step.epilogue.statements[1].args == ("add",)
+    assert plan.unfused == []
+    assert plan.summary().splitlines() == [
+        "plan variant: fused",
+        "  fused k0: mm -> add -> relu  (cuBLAS + epilogue kernel)",
+        "  unfused: none",
+    ]
+
+
+def test_gemm_sigmoid_residual_plan(example_plans):
+    (plan,) = example_plans["gemm_sigmoid_scaling_residualadd"]
+    (step,) = plan.fused
+    assert step.replaces == ("addmm", "sigmoid", "mul", "add")
+    assert step.out == "add" and step.epilogue.result == "add"
+    sig, mul, add = step.epilogue.statements
+    assert sig.args == ("acc",)
+    assert mul.args == ("sigmoid", 2.0)
+    assert add.args == ("mul", "acc")  # the residual reads the anchor's own value, not a second tensor
+    assert step.epilogue.operands == ()
+    # the view feeding addmm stays a torch call, labelled as a view and not reported as unfused
+    assert [s.node.op for s in plan.steps if isinstance(s, TorchStep)] == ["t.default"]
+    assert plan.unfused == []
+
+
+def test_conv_plan_has_two_layout_variants(example_plans):
+    plans = example_plans["conv2d_relu_biasadd"]
+    assert [p.variant for p in plans] == ["fused-nhwc", "fused-nchw"]
+    for plan, layout in zip(plans, ("nhwc", "nchw"), strict=True):
+        (step,) = plan.fused
+        assert step.anchor.family == "conv" and step.anchor.layout == layout
+        assert step.anchor.fused_relu, "convolution -> relu goes to cuDNN's fused conv+bias+relu"
+        assert step.replaces == ("convolution", "relu", "add")
+        (st,) = step.epilogue.statements
+        assert st.op == "add" and st.args == ("acc", "in0")
+        assert step.epilogue.operands[0].strides == (0, 1, 0, 0)  # per-channel bias
+        assert step.inplace == (layout == "nchw")
+        assert "conv+bias+relu" in plan.summary() and f"[{layout}]" in plan.summary()
+
+
+LIN = """
+def __init__(self):
+    super().__init__()
+    self.lin = nn.Linear(16, 16)
+{extra}
+
+def forward(self, x):
+    y = self.lin(x)
+{body}
+"""
+
+
+def _plan(tmp_path, body: str, extra: str = "", inputs: str = "[torch.randn(4, 16)]", name: str = "p"):
+    path = write_problem(tmp_path, name, LIN.format(body=body, extra=extra), inputs)
+    problem, graph, plans = pipeline(path)
+    return problem, graph, plans[0]
+
+
+def _step_for(plan, op_name: str) -> TorchStep:
+    return next(s for s in plan.steps if isinstance(s, TorchStep) and s.node.name == op_name)
+
+
+def test_chain_stops_before_a_value_that_is_also_returned(tmp_path):
+    problem, g, plan = _plan(tmp_path, """
+    r = torch.relu(y)
+    return r, torch.sigmoid(r)
+    """)
+    (step,) = plan.fused
+    assert step.replaces == ("addmm", "relu") and step.out == "relu"
+    assert _step_for(plan, "sigmoid").reason.startswith("pointwise op not fused")
+    assert_interpreter_matches(problem, plan)
+
+
+def test_chain_stops_before_a_value_read_by_a_reduction(tmp_path):
+    problem, g, plan = _plan(tmp_path, """
+    r = torch.relu(y)
+    s = r * 3.0
+    return s + r.sum(dim=1, keepdim=True)
+    """)
+    (step,) = plan.fused
+    assert step.replaces == ("addmm", "relu")
+    assert {s.node.op for s in plan.unfused} == {"mul.Tensor", "sum.dim_IntList", "add.Tensor"}
+    assert _step_for(plan, "sum_1").reason == "reduction: no kernel yet"
+    assert_interpreter_matches(problem, plan)
+
+
+def test_anchor_with_an_outside_user_is_not_fused(tmp_path):
+    problem, g, plan = _plan(tmp_path, """
+    return y, torch.relu(y)
+    """)
+    assert plan.fused == []
+    assert _step_for(plan, "addmm").reason == "library call, nothing to fuse behind it"
+    assert_interpreter_matches(problem, plan)
+
+
+def test_later_operand_computed_outside_the_chain(tmp_path):
+    # the tanh reads x only, so it may feed the epilogue as an operand even though it is computed after addmm
+    problem, g, plan = _plan(tmp_path, """
+    t = torch.tanh(x)
+    return torch.relu(y) * t
+    """)
+    (step,) = plan.fused
+    assert step.replaces == ("addmm", "relu", "mul")
+    assert [g[o.ref].op for o in step.epilogue.operands] == ["tanh.default"]
+    assert plan.steps.index(step) > plan.steps.index(_step_for(plan, "tanh"))
+    assert_interpreter_matches(problem, plan)
+
+
+def test_dtype_mismatched_operand_is_not_fused(tmp_path):
+    problem, g, plan = _plan(tmp_path, """
+    return torch.relu(y + self.b)
+    """, extra="    self.b = nn.Parameter(torch.randn(16, dtype=torch.float64))")
+    add = next(n for n in g.nodes if n.op == "add.Tensor")
+    assert add.meta.dtype == torch.float64
+    assert plan.fused == []
+    assert {s.node.op for s in plan.unfused} == {"addmm.default", "add.Tensor", "relu.default"}
+    assert_interpreter_matches(problem, plan)
+
+
+def test_half_operand_of_float_chain_is_not_fused(tmp_path):
+    problem, g, plan = _plan(tmp_path, """
+    r = torch.relu(y)
+    return r + self.b
+    """, extra="    self.b = nn.Parameter(torch.randn(16, dtype=torch.float16))")
+    (step,) = plan.fused
+    assert step.replaces == ("addmm", "relu")  # the float32 + float16 add stays a torch call
+    assert_interpreter_matches(problem, plan)
+
+
+@pytest.mark.parametrize("operand", ["self.m.t()", "self.b.expand(4, 16)", "self.m[::4]"])
+def test_operand_the_kernel_wrapper_would_refuse_is_not_fused(tmp_path, operand):
+    """The generated wrappers check operands with is_contiguous(): a strided operand must stay a torch call."""
+    problem, g, plan = _plan(tmp_path, f"""
+    r = torch.relu(y)
+    return r * {operand}
+    """, extra="    self.m = nn.Parameter(torch.randn(16, 16))\n    self.b = nn.Parameter(torch.randn(16))",
+        inputs="[torch.randn(16, 16)]" if "m.t" in operand else "[torch.randn(4, 16)]",
+        name="strided")
+    (step,) = plan.fused
+    assert step.replaces == ("addmm", "relu")
+    assert_interpreter_matches(problem, plan)
+
+
+def test_size_one_dims_do_not_make_an_operand_strided(tmp_path):
+    problem, g, plan = _plan(tmp_path, """
+    return torch.relu(y) * self.b.unsqueeze(0)
+    """, extra="    self.b = nn.Parameter(torch.randn(16))")
+    (step,) = plan.fused
+    assert step.replaces == ("addmm", "relu", "mul")
+    assert step.epilogue.operands[0].meta.shape == (1, 16)
+    assert_interpreter_matches(problem, plan)
+
+
+def test_broadcast_to_a_bigger_shape_is_not_fused(tmp_path):
+    problem, g, plan = _plan(tmp_path, """
+    return torch.relu(y) + self.b
+    """, extra="    self.b = nn.Parameter(torch.randn(3, 1, 16))")
+    (step,) = plan.fused
+    assert step.replaces == ("addmm", "relu")  # [4,16] + [3,1,16] has another shape than the anchor
+    assert_interpreter_matches(problem, plan)
+
+
+def test_softmax_is_reported_unfused(tmp_path):
+    problem, g, plan = _plan(tmp_path, """
+    return torch.softmax(torch.relu(y), dim=1)
+    """)
+    assert [s.chain(g) for s in plan.fused] == ["addmm -> relu"]
+    (unfused,) = plan.unfused
+    assert unfused.node.op == "_softmax.default" and unfused.reason == "softmax: no kernel yet"
+    assert "unfused: _softmax.default (softmax: no kernel yet)" in plan.summary()
+    assert_interpreter_matches(problem, plan)
+
+
+def test_unknown_op_is_reported_as_other(tmp_path):
+    problem, g, plan = _plan(tmp_path, """
+    return torch.cumsum(torch.relu(y), dim=1)
+    """)
+    (unfused,) = plan.unfused
+    assert unfused.node.op == "cumsum.default" and unfused.reason == "other: no kernel yet"
+
+
+def test_integer_matmul_anchor_is_not_fused(tmp_path):
+    path = write_problem(tmp_path, "intmm", """
+        def forward(self, a, b):
+            return torch.relu(torch.mm(a, b))
+        """, "[torch.randint(0, 5, (4, 4)), torch.randint(0, 5, (4, 4))]")
+    problem, g, plans = pipeline(path)
+    (plan,) = plans
+    assert plan.fused == []
+    mm = next(s for s in plan.unfused if s.node.op == "mm.default")
+    assert mm.reason == "library call: dtype torch.int64 not fused"
+    assert_interpreter_matches(problem, plan)
+
+
+TWO_LAYERS = """
+def __init__(self):
+    super().__init__()
+    self.a = nn.Linear(16, 16)
+    self.b = nn.Linear(16, 16)
+
+def forward(self, x):
+    return torch.sigmoid(self.b(torch.relu(self.a(x))))
+"""
+
+
+def test_max_fusions_caps_the_number_of_fused_anchors(tmp_path):
+    problem, g, plans = pipeline(write_problem(tmp_path, "two", TWO_LAYERS, "[torch.randn(4, 16)]"))
+    full = plans[0]
+    assert [s.chain(g) for s in full.fused] == ["addmm -> relu", "addmm -> sigmoid"]
+    assert [s.kernel for s in full.fused] == ["k0", "k1"]
+    capped = make_plan(g, PlanOptions(max_fusions=1))
+    assert [s.chain(g) for s in capped.fused] == ["addmm -> relu"]
+    assert {s.node.op for s in capped.unfused} == {"addmm.default", "sigmoid.default"}
+    none = make_plan(g, PlanOptions(max_fusions=0))
+    assert none.fused == [] and none.variant == "fused"
+    for plan in (full, capped, none):
+        assert_interpreter_matches(problem, plan)
+
+
+def test_every_graph_node_is_computed_exactly_once(tmp_path):
+    problem, g, plans = pipeline(write_problem(tmp_path, "two", TWO_LAYERS, "[torch.randn(4, 16)]"))
+    for plan in plans:
+        computed = []
+        for s in plan.steps:
+            computed += list(s.replaces) if isinstance(s, FusedStep) else [s.node.name]
+        expected = [n.name for n in g.nodes if n.op not in ("input", "param", "buffer")]
+        assert sorted(computed) == sorted(expected)
+
+
+CONV = """
+def __init__(self):
+    super().__init__()
+    self.conv = nn.Conv2d(3, 8, 3, padding=1)
+    self.scale = nn.Parameter(torch.randn(8, 1, 1))
+
+def forward(self, x):
+{body}
+"""
+
+
+def _conv_plans(tmp_path, body: str, name: str = "c"):
+    return pipeline(write_problem(tmp_path, name, CONV.format(body=body), "[torch.randn(2, 3, 6, 6)]"))
+
+
+def test_conv_without_relu_uses_plain_convolution(tmp_path):
+    problem, g, plans = _conv_plans(tmp_path, """
+    return torch.sigmoid(self.conv(x) * self.scale)
+    """)
+    for plan in plans:
+        (step,) = plan.fused
+        assert not step.anchor.fused_relu
+        assert step.replaces == ("convolution", "mul", "sigmoid")
+        assert step.epilogue.operands[0].strides == (0, 1, 0, 0)
+        assert_interpreter_matches(problem, plan)
+
+
+def test_conv_relu_with_relu_returned_keeps_cudnn_relu_only(tmp_path):
+    problem, g, plans = _conv_plans(tmp_path, """
+    r = torch.relu(self.conv(x))
+    return r, r * self.scale
+    """)
+    for plan in plans:
+        (step,) = plan.fused
+        assert step.anchor.fused_relu and step.replaces == ("convolution", "relu")
+        assert step.epilogue.statements == ()
+        assert step.needs_kernel == (step.anchor.layout == "nhwc")
+        assert_interpreter_matches(problem, plan)
+
+
+def test_conv_read_twice_does_not_take_cudnn_relu(tmp_path):
+    problem, g, plans = _conv_plans(tmp_path, """
+    c = self.conv(x)
+    return torch.relu(c) + c
+    """)
+    for plan in plans:
+        (step,) = plan.fused
+        assert not step.anchor.fused_relu
+        assert step.replaces == ("convolution", "relu", "add")
+        assert_interpreter_matches(problem, plan)
+
+
+def test_lone_convolution(tmp_path):
+    problem, g, plans = _conv_plans(tmp_path, """
+    return self.conv(x)
+    """)
+    nhwc, nchw = plans
+    assert nhwc.fused == []  # a layout change alone buys nothing
+    assert nhwc.unfused[0].reason == "library call, nothing to fuse behind it"
+    for plan in plans:
+        assert_interpreter_matches(problem, plan)
+
+
+def test_transposed_convolution_is_not_fused(tmp_path):
+    path = write_problem(tmp_path, "convt", """
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.ConvTranspose2d(3, 4, 3)
+
+        def forward(self, x):
+            return torch.relu(self.conv(x))
+        """, "[torch.randn(2, 3, 5, 5)]")
+    problem, g, plans = pipeline(path)
+    for plan in plans:
+        assert plan.fused == []
+        conv = next(s for s in plan.unfused if s.node.op == "convolution.default")
+        assert conv.reason == "library call: only 2-d, non-transposed convolution is fused"
+        assert_interpreter_matches(problem, plan)
+
+
+@pytest.mark.parametrize("name", EXAMPLE_NAMES)
+def test_interpreter_equals_model_on_examples(tmp_path, name):
+    problem, g, plans = pipeline(shrunk_example(name, tmp_path))
+    assert plans and all(p.fused for p in plans)
+    for plan in plans:
+        assert_interpreter_matches(problem, plan)
+
+
+def test_interpreter_equals_model_on_many_pointwise_ops(tmp_path):
+    problem, g, plan = _plan(tmp_path, """
+    a = torch.sigmoid(y) * self.w - torch.tanh(y)
+    b = F.gelu(a, approximate="tanh") + F.silu(y) / (torch.exp(-y.abs()) + 1.0)
+    c = torch.clamp(F.softplus(b, beta=2.0, threshold=3.0), min=-0.5)
+    d = F.leaky_relu(c, 0.3) + F.hardtanh(torch.neg(c), -0.2, 0.4) + torch.sqrt(c.abs() + 1.0)
+    e = torch.maximum(d, self.w) - torch.minimum(torch.rsqrt(d.abs() + 1.0), torch.log(y.abs() + 2.0))
+    return torch.add(F.gelu(e), torch.clamp(y, max=0.25), alpha=0.5)
+    """, extra="    self.w = nn.Parameter(torch.randn(16))")
+    (step,) = plan.fused
+    assert plan.unfused == []
+    assert len(step.epilogue.statements) >= 25
+    x = problem.make_inputs(0)
+    x[0][1, :3] = float("nan")
+    assert_interpreter_matches(problem, plan, inputs=x)
+
+
+def test_fused_step_output_order_with_two_outputs(tmp_path):
+    problem, g, plan = _plan(tmp_path, """
+    return torch.relu(x), torch.sigmoid(y) * 2.0
+    """)
+    (step,) = plan.fused
+    assert step.replaces == ("addmm", "sigmoid", "mul")
+    assert g.outputs[1] == Ref(step.out)
+    assert_interpreter_matches(problem, plan)
