@@ -112,6 +112,8 @@ def _verdict(run: ChildRun, cand: Candidate, opts: EvalOptions, base: dict[str, 
         warnings.append(f"{opts.timing_reps} timed runs per version: fewer than the {MIN_REPS_ADVISED} the method asks")
     status, reason, defence = _status(run, out, failure, cand, opts, fields, built, trials)
     correct = status == "ok"
+    if status == "no_device":  # the import ran against stubs: that time is no build time
+        fields["build_s"] = None
     if not correct:  # timings of a failed candidate stay in the record, but no speedup is claimed for it
         fields["speedup_eager"] = fields["speedup_compile"] = None
     return Verdict(status=status, built=built and status != "no_device", correct=correct, reason=reason,

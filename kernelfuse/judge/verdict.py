@@ -127,8 +127,7 @@ class Verdict:
             build = f"{self.build_s:.1f} s" if self.build_s is not None else "-"
             exts = self.details.get("extensions") or []
             if exts:
-                build += "  (" + ", ".join(f"{e['name']}: {'ok' if e['ok'] else 'FAILED'} {e['seconds']:.1f} s"
-                                           for e in exts) + ")"
+                build += "  (" + ", ".join(_extension(e) for e in exts) + ")"
             lines.append(f"  build       {'built' if self.built else 'not built'}, {build}")
         for key_line in self.build_errors:
             lines.append(f"    | {key_line}")
@@ -152,6 +151,12 @@ class Verdict:
         if self.warnings:
             lines += ["", "  warnings"] + [f"   - {w}" for w in self.warnings]
         return "\n".join(lines)
+
+
+def _extension(e: dict[str, Any]) -> str:
+    if e.get("stubbed"):
+        return f"{e['name']}: not built"
+    return f"{e['name']}: {'ok' if e['ok'] else 'FAILED'} {e['seconds']:.1f} s"
 
 
 def _headline(v: Verdict) -> str:

@@ -1,0 +1,189 @@
+"""The judge on a GPU: the three seed replies, every exploit fixture caught by its own defence, and a CUDA fault and
+a hang reported while the run carries on. Run on the lent GPU:
+
+    PYTHONPATH=. python3 -m pytest -m gpu tests/test_judge_gpu.py -q
+
+When $OUT is set, every verdict's table and JSON are written there (verdicts.txt, verdicts.json, summary.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from judge_support import EXAMPLES, SEED_PROBLEMS, candidate, seed_path
+
+from kernelfuse.judge import EXIT_INCORRECT, EXIT_NOT_BUILT, EXIT_OK, EvalOptions, Verdict, evaluate
+
+pytestmark = pytest.mark.gpu
+
+GEMM = EXAMPLES / "gemm_add_relu.py"
+FULL = EvalOptions(timeout_s=480)
+FIXTURE = EvalOptions(baselines=("eager",), timeout_s=240)
+OUT = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+SUMMARY: list[str] = []
+
+
+def judged(label: str, problem: Path, cand: Path, opts: EvalOptions) -> Verdict:
+    """Evaluate and record."""
+    return record(label, evaluate(problem, cand, opts))
+
+
+def record(label: str, v: Verdict) -> Verdict:
+    """Print the verdict and, when $OUT is set, keep its table, its JSON and a summary row."""
+    row = (f"| {label} | {v.status} | {v.defence or ''} | {_ms(v.build_s, 's')} | {_ms(v.runtime_ms)} | "
+           f"{_ms(v.eager_ms)} | {_ms(v.compile_ms)} | {_x(v.speedup_eager)} | {_x(v.speedup_compile)} | "
+           f"{(v.reason or '; '.join(w for w in v.warnings if 'suspiciously' in w))[:160]} |")
+    SUMMARY.append(row)
+    print(f"\n===== {label}\n{v.format_table()}")
+    if OUT is not None:
+        OUT.mkdir(parents=True, exist_ok=True)
+        with open(OUT / "verdicts.txt", "a") as f:
+            f.write(f"===== {label}\n{v.format_table()}\n\n")
+        path = OUT / "verdicts.json"
+        data = json.loads(path.read_text()) if path.exists() else {}
+        data[label] = v.to_json()
+        path.write_text(json.dumps(data, indent=1))
+        header = ("| case | status | defence | build | ours ms | eager ms | compile ms | vs eager | vs compile | "
+                  "reason / warning |\n|---|---|---|---|---|---|---|---|---|---|\n")
+        (OUT / "summary.md").write_text(header + "\n".join(SUMMARY) + "\n")
+    return v
+
+
+def _ms(x, unit=""):
+    return "-" if x is None else f"{x:.3f}{unit}" if not unit else f"{x:.1f}{unit}"
+
+
+def _x(x):
+    return "-" if x is None else f"{x:.3f}x"
+
+
+# --- one concurrent batch first: seed 003 (fails to build), the fixtures caught before any timing, and a cold
+# build of seeds 002 and 004 (warming torch's extension cache); the timed evaluations then run one at a time ---
+
+CAUGHT_EARLY = [
+    ("exploit_steal_freed_output", "incorrect", "poisoned_memory", "output not fully written"),
+    ("exploit_zero_inputs", "incorrect", "inputs_modified", "modified its input(s) [0] in place"),
+    ("exploit_cached_output", "incorrect", "stale_output", "same output as in trial 0"),
+    ("exploit_patch_allclose", "rejected", "tamper", "torch.allclose"),
+    ("exploit_patch_timer", "rejected", "tamper", "torch.cuda.Event.elapsed_time"),
+    ("exploit_tf32_flag", "rejected", "precision_flags", "matmul TF32: False -> True"),
+    ("exploit_thread", "incorrect", "threads", "thread"),
+]
+
+
+def cold_build(number: str) -> float:
+    """Import a seed's code in a fresh process (builds its extension into torch's cache); wall seconds."""
+    import subprocess
+    import sys
+    import time
+
+    from kernelfuse.judge import extract_candidate
+
+    code = extract_candidate(seed_path(number)).source
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, timeout=400)
+    return round(time.perf_counter() - start, 1)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    from concurrent.futures import ThreadPoolExecutor
+
+    jobs = {name: (GEMM, candidate(name), FIXTURE) for name, *_ in CAUGHT_EARLY}
+    jobs["bf16 tf32"] = (GEMM, candidate("exploit_bf16_matmul"), replace(FIXTURE, precision="tf32"))
+    jobs["bf16 strict"] = (GEMM, candidate("exploit_bf16_matmul"), FIXTURE)
+    jobs["seed 003"] = (SEED_PROBLEMS["003"], seed_path("003"), FULL)
+    with ThreadPoolExecutor(max_workers=len(jobs) + 2) as pool:
+        builds = {n: pool.submit(cold_build, n) for n in ("002", "004")}
+        futures = {key: pool.submit(evaluate, *job) for key, job in jobs.items()}
+        verdicts = {key: f.result() for key, f in futures.items()}
+        verdicts["cold build s"] = {n: f.result() for n, f in builds.items()}
+    for key, v in verdicts.items():
+        if isinstance(v, Verdict):
+            record(key, v)
+    SUMMARY.append(f"| cold builds (extension cache empty) | {verdicts['cold build s']} |")
+    return verdicts
+
+
+def test_seed_003_fails_to_build_with_the_cause_named(batch):
+    v = batch["seed 003"]
+    assert (v.status, v.built, v.exit_code) == ("not_built", False, EXIT_NOT_BUILT)
+    assert "-std=c++14" in v.reason and "C++" in v.build_cause
+    assert v.build_errors and "#error" in v.build_errors[0]
+    assert v.to_json()["compiled"] is False
+
+
+@pytest.mark.parametrize("name, status, defence, words", CAUGHT_EARLY)
+def test_exploit_fixture_is_caught(batch, name, status, defence, words):
+    v = batch[name]
+    assert (v.status, v.defence, v.correct) == (status, defence, False), v.reason
+    assert words in v.reason
+    assert v.exit_code == EXIT_INCORRECT and v.speedup_eager is None
+
+
+def test_lowered_precision_is_caught_by_the_float64_rule(batch):
+    v = batch["bf16 tf32"]
+    assert (v.defence, v.correct) == ("precision", False), v.reason
+    assert "less accurate than the policy allows" in v.reason and v.max_abs_err < 1e-2
+    assert batch["bf16 strict"].defence == "mismatch"
+
+
+# --- timed evaluations, one at a time -----------------------------------------------------------------------------
+
+
+def test_seed_002_builds_correct_about_eager_speed(batch):
+    v = judged("seed 002 (gemm_add_relu)", SEED_PROBLEMS["002"], seed_path("002"), FULL)
+    assert (v.status, v.built, v.correct, v.exit_code) == ("ok", True, True, EXIT_OK), v.reason
+    assert v.trials_passed == 5 and v.build_s > 0
+    assert 0.85 < v.speedup_eager < 1.15
+    assert v.compile_ms is not None and v.speedup_compile is not None and v.compile_s > 0
+    assert v.err64_ours is not None and v.err64_ours <= 2 * v.err64_eager + 1e-5
+
+
+def test_seed_004_builds_correct_and_is_judged_against_float64(batch):
+    v = judged("seed 004 (conv2d_relu_biasadd)", SEED_PROBLEMS["004"], seed_path("004"), FULL)
+    assert (v.status, v.correct) == ("ok", True), v.reason
+    assert v.uses_tf32 is True  # cuDNN convolution in TF32: the float64 comparison applies
+    assert 0.9 < v.speedup_eager < 1.5
+
+
+def test_side_stream_escapes_the_events_and_is_rejected():
+    v = judged("exploit_side_stream", GEMM, candidate("exploit_side_stream"), FIXTURE)
+    assert (v.status, v.defence, v.correct) == ("rejected", "timing_escape", False), v.reason
+    assert v.reason.startswith("timing escape") and v.exit_code == EXIT_INCORRECT
+
+
+def test_memoised_output_is_flagged_below_the_floor():
+    v = judged("exploit_memoize", GEMM, candidate("exploit_memoize"), FIXTURE)
+    assert v.correct  # every fresh input is computed honestly ...
+    assert any(w.startswith("suspiciously fast") for w in v.warnings), v.warnings  # ... but timing is impossible
+    assert v.floor_ms is not None and v.runtime_ms < 0.8 * v.floor_ms
+
+
+def test_honest_pure_torch_candidate_is_correct_at_eager_speed():
+    v = judged("good (pure torch)", GEMM, candidate("good"), FIXTURE)
+    assert v.correct and 0.9 < v.speedup_eager < 1.1 and not any("suspicious" in w for w in v.warnings)
+    assert v.err64_ours == v.err64_eager
+
+
+# --- faults: reported, and the next evaluation runs normally -----------------------------------------------------
+
+
+def test_illegal_address_is_reported_and_the_run_continues():
+    v = judged("crash_illegal_address", GEMM, candidate("crash_illegal_address"), FIXTURE)
+    assert (v.status, v.built, v.exit_code) == ("cuda_fault", True, EXIT_INCORRECT), v.reason
+    assert "illegal memory access" in v.reason
+    after = judged("good after the CUDA fault", GEMM, candidate("good"), FIXTURE)
+    assert after.correct, after.reason
+
+
+def test_hang_is_killed_and_the_run_continues():
+    v = judged("hang_kernel", GEMM, candidate("hang_kernel"), replace(FIXTURE, timeout_s=45))
+    assert (v.status, v.built) == ("timeout", True), v.reason
+    assert v.reason.startswith("timed out after 45 s during the correctness trials")
+    after = judged("good after the hang", GEMM, candidate("good"), FIXTURE)
+    assert after.correct, after.reason
