@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _optimize(args: argparse.Namespace) -> int:
-    from kernelfuse.optimize import OptimizeOptions, optimize_file
+    from kernelfuse.pipeline import OptimizeOptions, optimize_file
 
     if args.trials < 1:
         raise KernelfuseError("--trials must be at least 1")

@@ -22,7 +22,7 @@ from kernelfuse.capture import capture
 from kernelfuse.emit import emit_reference
 from kernelfuse.load import load_problem
 from kernelfuse.ops import POINTWISE_BY_ATEN
-from kernelfuse.optimize import OptimizeOptions, emit_file, optimize_file
+from kernelfuse.pipeline import OptimizeOptions, emit_file, optimize_file
 from kernelfuse.plan import FusedStep, plan_variants
 from kernelfuse.rewrite import rewrite
 

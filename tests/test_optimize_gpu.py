@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kernelfuse.optimize import OptimizeOptions, optimize_file
+from kernelfuse.pipeline import OptimizeOptions, optimize_file
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ["gemm_add_relu", "gemm_sigmoid_scaling_residualadd", "conv2d_relu_biasadd"]
