@@ -56,6 +56,8 @@ def test_escape_cross_check():
     message = escaped_work(side_stream, eager)
     assert message.startswith("timing escape: CUDA events measured 0.040 ms") and "side stream" in message
     assert escaped_work([], eager) is None
+    assert escaped_work(honest, []) is None  # no baseline: the gap is compared with zero
+    assert "more than a synchronise takes" in escaped_work(side_stream, [])
 
 
 def test_floor_and_the_suspicion_margin():

@@ -127,8 +127,11 @@ def test_exploit_fixture_is_caught(batch, name, status, defence, words):
 
 def test_lowered_precision_is_caught_by_the_float64_rule(batch):
     v = batch["bf16 tf32"]
+    # Within the tf32 policy's tolerance of eager (else the defence would read "mismatch"), but against float64 far
+    # less accurate than eager with TF32 (measured on an H200: 0.0398 vs 0.00053).
     assert (v.defence, v.correct) == ("precision", False), v.reason
-    assert "less accurate than the policy allows" in v.reason and v.max_abs_err < 1e-2
+    assert "less accurate than the policy allows" in v.reason and "eager with TF32" in v.reason
+    assert v.err64_ours > 2 * v.err64_base
     assert batch["bf16 strict"].defence == "mismatch"
 
 

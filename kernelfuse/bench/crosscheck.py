@@ -24,18 +24,19 @@ def _median(values: Sequence[float]) -> float:
 def escaped_work(candidate: Sequence[Sample], baseline: Sequence[Sample]) -> str | None:
     """A sentence describing escaped work, or None when the candidate's gap is in line with the baseline's.
 
-    Flags when median(host - event) of the candidate exceeds the baseline's by more than
-    max(MIN_EXCESS_MS, EXCESS_FRACTION * candidate host median).
+    Flags when median(host - event) of the candidate exceeds the baseline's (0 without baseline samples) by more
+    than max(MIN_EXCESS_MS, EXCESS_FRACTION * candidate host median).
     """
-    if not candidate or not baseline:
+    if not candidate:
         return None
     gap = _median([s.gap_ms for s in candidate])
-    base_gap = _median([s.gap_ms for s in baseline])
+    base_gap = _median([s.gap_ms for s in baseline]) if baseline else 0.0
     host = _median([s.host_ms for s in candidate])
     event = _median([s.event_ms for s in candidate])
     excess = gap - base_gap
     if excess > max(MIN_EXCESS_MS, EXCESS_FRACTION * host):
         return (f"timing escape: CUDA events measured {event:.3f} ms but the synchronised call took {host:.3f} ms on "
-                f"the host ({excess:.3f} ms more than eager's gap): work ran outside the timed stream "
+                f"the host ({excess:.3f} ms more than {'eager' if baseline else 'a synchronise'} takes): work ran "
+                f"outside the timed stream "
                 f"(side stream or thread)")
     return None

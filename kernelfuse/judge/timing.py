@@ -93,7 +93,7 @@ def run_timing(problem: Problem, models: Models, settings: TrialSettings, probe:
     stats = {name: summarize([s.event_ms for s in values]).to_dict() for name, values in samples.items()}
     for name, values in samples.items():
         stats[name]["host_median"] = summarize([s.host_ms for s in values]).median
-    escape = escaped_work(samples["candidate"], samples["eager"]) if "eager" in samples else None
+    escape = escaped_work(samples["candidate"], samples.get("eager", []))
 
     floor: Floor | None = None
     if device.type == "cuda":

@@ -41,6 +41,7 @@ from kernelfuse.verify import (
 )
 
 MIN_POISON_RESERVE = 256 << 20
+BASELINE_LABELS = {"fp32": "eager", "tf32": "eager with TF32", "bf16": "eager under bf16 autocast"}
 STOPPING_DEFENCES = ("threads", "patched")  # after these, further calls of the candidate prove nothing
 
 
@@ -224,8 +225,9 @@ def run_trial(problem: Problem, models: Models, settings: TrialSettings, index: 
             base, _ = call_reference(models.reference, pristine, settings, rng, flags=tf32)
         elif policy.baseline == "bf16":
             base, _ = call_reference(models.reference, pristine, settings, rng, autocast=True)
-        f64_a = check_float64(out_a, base, ref_out, ref64_out)
-        f64_b = check_float64(out_b, base, ref_out, ref64_out)
+        label = BASELINE_LABELS.get(policy.baseline, "eager")
+        f64_a = check_float64(out_a, base, ref_out, ref64_out, label)
+        f64_b = check_float64(out_b, base, ref_out, ref64_out, label)
         f64 = f64_a if f64_a.ours_err >= f64_b.ours_err else f64_b
         del base
 

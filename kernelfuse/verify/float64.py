@@ -33,6 +33,7 @@ class Float64Check:
     eager_err: float
     ref_scale: float
     ok: bool
+    baseline: str = "eager"
 
     @property
     def reason(self) -> str | None:
@@ -40,7 +41,8 @@ class Float64Check:
             return None
         bound = SLACK_FACTOR * self.base_err + SLACK_REL * self.ref_scale
         return (f"less accurate than the policy allows: max abs error vs float64 {self.ours_err:.3g} > "
-                f"{SLACK_FACTOR:g} x eager's {self.base_err:.3g} + {SLACK_REL:g} x {self.ref_scale:.3g} = {bound:.3g}")
+                f"{SLACK_FACTOR:g} x that of {self.baseline} ({self.base_err:.3g}) + {SLACK_REL:g} x max|ref| "
+                f"{self.ref_scale:.3g} = {bound:.3g}")
 
 
 def float64_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -90,9 +92,10 @@ def accuracy_ok(ours_err: float, base_err: float, ref_scale: float) -> bool:
     return ours_err <= SLACK_FACTOR * base_err + SLACK_REL * ref_scale
 
 
-def check_float64(ours: Any, base: Any, eager: Any, ref64: Any) -> Float64Check:
-    """Errors vs float64 of the candidate (`ours`), the policy baseline (`base`) and eager, and the rule's verdict."""
+def check_float64(ours: Any, base: Any, eager: Any, ref64: Any, baseline: str = "eager") -> Float64Check:
+    """Errors vs float64 of the candidate (`ours`), the policy baseline (`base`, described by `baseline`) and eager,
+    and the rule's verdict."""
     ours_err, base_err = max_abs_error(ours, ref64), max_abs_error(base, ref64)
     eager_err = base_err if eager is base else max_abs_error(eager, ref64)
     scale = max_abs_value(ref64)
-    return Float64Check(ours_err, base_err, eager_err, scale, accuracy_ok(ours_err, base_err, scale))
+    return Float64Check(ours_err, base_err, eager_err, scale, accuracy_ok(ours_err, base_err, scale), baseline)
