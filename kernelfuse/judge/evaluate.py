@@ -114,6 +114,9 @@ def _verdict(run: ChildRun, cand: Candidate, opts: EvalOptions, base: dict[str, 
     correct = status == "ok"
     if status == "no_device":  # the import ran against stubs: that time is no build time
         fields["build_s"] = None
+    elif fields["build_s"] is None:  # a failed build: the seconds its extension builds took before failing
+        spent = [e["seconds"] for e in out.get("extensions") or [] if not e.get("stubbed")]
+        fields["build_s"] = round(sum(spent), 3) if spent else None
     if not correct:  # timings of a failed candidate stay in the record, but no speedup is claimed for it
         fields["speedup_eager"] = fields["speedup_compile"] = None
     return Verdict(status=status, built=built and status != "no_device", correct=correct, reason=reason,
