@@ -49,12 +49,15 @@ def main() -> None:
 
         rows.append(("conv eager NCHW", median_ms(eager)))
         rows.append(("conv alone NCHW", median_ms(lambda: F.conv2d(x, w, b1))))
-        rows.append(("cudnn_conv_relu NCHW", median_ms(lambda: torch.cudnn_convolution_relu(x, w, b1, (1, 1), (0, 0), (1, 1), 1))))
+        one = (1, 1)
+        rows.append(("cudnn_conv_relu NCHW",
+                     median_ms(lambda: torch.cudnn_convolution_relu(x, w, b1, one, (0, 0), one, 1))))
         xcl = x.contiguous(memory_format=torch.channels_last)
         wcl = w.contiguous(memory_format=torch.channels_last)
         rows.append(("x->channels_last", median_ms(lambda: x.contiguous(memory_format=torch.channels_last))))
         rows.append(("conv alone NHWC (x,w cl)", median_ms(lambda: F.conv2d(xcl, wcl, b1))))
-        rows.append(("cudnn_conv_relu NHWC (x,w cl)", median_ms(lambda: torch.cudnn_convolution_relu(xcl, wcl, b1, (1, 1), (0, 0), (1, 1), 1))))
+        rows.append(("cudnn_conv_relu NHWC (x,w cl)",
+                     median_ms(lambda: torch.cudnn_convolution_relu(xcl, wcl, b1, one, (0, 0), one, 1))))
         y = torch.cudnn_convolution_relu(xcl, wcl, b1, (1, 1), (0, 0), (1, 1), 1)
         print("NHWC out strides", y.stride(), "is cl", y.is_contiguous(memory_format=torch.channels_last))
         rows.append(("NHWC->NCHW .contiguous()", median_ms(lambda: y.contiguous())))
@@ -62,9 +65,8 @@ def main() -> None:
         ref = eager()
         ref64 = torch.relu(F.conv2d(x.double(), w.double(), b1.double())) + b2.double()
         got = torch.cudnn_convolution_relu(xcl, wcl, b1, (1, 1), (0, 0), (1, 1), 1) + b2
-        print("err eager vs f64", (ref.double() - ref64).abs().max().item(), "NHWC vs f64", (got.double() - ref64).abs().max().item(),
-              "NHWC vs eager", (got - ref).abs().max().item())
-        del ref64, got, ref, y
+        print("err eager vs f64", (ref.double() - ref64).abs().max().item(),
+              "NHWC vs f64", (got.double() - ref64).abs().max().item(), "NHWC vs eager", (got - ref).abs().max().item())
         t0 = time.perf_counter()
         compiled = torch.compile(eager)
         compiled()
@@ -72,7 +74,6 @@ def main() -> None:
         print("compile s", round(time.perf_counter() - t0, 1))
         rows.append(("conv torch.compile", median_ms(compiled)))
         print("compile out strides", compiled().stride())
-        del x, xcl
         torch._dynamo.reset()
 
         a = torch.rand(1024, 8192, device="cuda")
