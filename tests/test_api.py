@@ -68,3 +68,18 @@ def test_gpu_module_is_fused_and_matches() -> None:
     out = fused(x)
     out.sum().backward()
     assert model.fc.weight.grad is not None
+
+
+def test_in_process_module_without_kernels_guards_and_falls_back_on_cpu() -> None:
+    """conv -> relu (NCHW) fuses into cuDNN's conv+relu with no custom kernel: the guard must still be there."""
+    from kernelfuse.emit.module import build_module
+    from kernelfuse.plan import PlanOptions, make_plan
+    from kernelfuse.rewrite import rewrite
+
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.ReLU())
+    x = torch.randn(2, 3, 8, 8)
+    plan = make_plan(rewrite(capture_module(model, [x])), PlanOptions(conv_layout="nchw"))
+    assert plan.fused and not plan.fused[0].needs_kernel
+    fused = build_module(model, plan, None, forward_arg_names(model))
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x), atol=0, rtol=0)
