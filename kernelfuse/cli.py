@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 from kernelfuse.errors import KernelfuseError
@@ -42,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # torch warns at import when NumPy is absent; kernelfuse does not use NumPy, so keep the output clean
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     args = build_parser().parse_args(argv)
     try:
         if args.command == "optimize":

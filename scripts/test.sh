@@ -8,7 +8,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 # torch 2.14.1 is the CUDA 13 build (compiles CUDA extensions); pip takes it from the local wheel cache where present.
-.venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.14.1" pytest ruff
+.venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.14.1" numpy pytest ruff
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 if [ -z "${CUDA_HOME:-}" ]; then
   for d in /usr/local/cuda /usr/local/cuda-*; do
