@@ -13,6 +13,7 @@ import statistics
 import torch
 from torch.utils.cpp_extension import load_inline
 
+from kernelfuse.bench import Timer
 from kernelfuse.capture import capture
 from kernelfuse.codegen import CodegenOptions, generate
 from kernelfuse.load import load_problem
@@ -21,19 +22,11 @@ from kernelfuse.rewrite import rewrite
 
 
 def median_ms(fn, reps: int = 20) -> float:
-    flush = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
+    """Median CUDA-event time of `fn` with L2 flushed before each call (kernelfuse.bench's timer)."""
+    timer = Timer(torch.device("cuda"))
     for _ in range(3):
         fn()
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(timer.time(fn)[0].event_ms for _ in range(reps))
 
 
 def main() -> None:

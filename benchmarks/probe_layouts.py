@@ -1,6 +1,6 @@
 """Probe: time the library-call variants the planner chooses between, on the GPU at hand.
 
-Run on the device: python benchmarks/probe_layouts.py. Prints one table; timings are medians of CUDA-event
+Run on the device from the repo root: PYTHONPATH=. python benchmarks/probe_layouts.py. Prints one table; timings are medians of CUDA-event
 measurements with an L2 flush before each trial (same method as kernelfuse.bench).
 """
 
@@ -13,22 +13,15 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kernelfuse.bench import Timer
 
-def median_ms(fn, reps: int = 20, warmup: int = 3) -> float:
-    flush = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda")
-    for _ in range(warmup):
+
+def median_ms(fn, reps: int = 20) -> float:
+    """Median CUDA-event time of `fn` with L2 flushed before each call (kernelfuse.bench's timer)."""
+    timer = Timer(torch.device("cuda"))
+    for _ in range(3):
         fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(timer.time(fn)[0].event_ms for _ in range(reps))
 
 
 def main() -> None:

@@ -121,23 +121,20 @@ def flags_applied(flags: NumericsFlags) -> Iterator[None]:
 
 def tf32_flags(base: NumericsFlags) -> NumericsFlags:
     """`base` with TF32 allowed for matrix products and convolutions (the tf32 policy's eager baseline)."""
-    v = dict(base.values)
-    v["torch.get_float32_matmul_precision()"] = "high"
-    v["torch.backends.cuda.matmul.allow_tf32"] = "True"
-    v["torch.backends.cudnn.allow_tf32"] = "True"
-    for name in ("torch.backends.cuda.matmul.fp32_precision", "torch.backends.cudnn.conv.fp32_precision"):
-        if v[name] not in ("n/a", "error"):
-            v[name] = "tf32"
-    return NumericsFlags(tuple(v.items()))
+    return _with_tf32(base, True)
 
 
 def no_tf32_flags(base: NumericsFlags) -> NumericsFlags:
     """`base` with TF32 off everywhere: eager in true fp32, to find out whether the reference used TF32."""
+    return _with_tf32(base, False)
+
+
+def _with_tf32(base: NumericsFlags, on: bool) -> NumericsFlags:
     v = dict(base.values)
-    v["torch.get_float32_matmul_precision()"] = "highest"
-    v["torch.backends.cuda.matmul.allow_tf32"] = "False"
-    v["torch.backends.cudnn.allow_tf32"] = "False"
+    v["torch.get_float32_matmul_precision()"] = "high" if on else "highest"
+    v["torch.backends.cuda.matmul.allow_tf32"] = str(on)
+    v["torch.backends.cudnn.allow_tf32"] = str(on)
     for name in ("torch.backends.cuda.matmul.fp32_precision", "torch.backends.cudnn.conv.fp32_precision"):
         if v[name] not in ("n/a", "error"):
-            v[name] = "ieee"
+            v[name] = "tf32" if on else "ieee"
     return NumericsFlags(tuple(v.items()))
