@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _optimize(args: argparse.Namespace) -> int:
-    from kernelfuse.pipeline import OptimizeOptions, optimize_file
+    from kernelfuse.pipeline import OptimizeOptions, describe_verdict, optimize_file
 
     if args.trials < 1:
         raise KernelfuseError("--trials must be at least 1")
@@ -75,7 +75,7 @@ def _optimize(args: argparse.Namespace) -> int:
     if result.variants:
         print("\nvariants:")
         for v in result.variants:
-            print(f"  {v.variant:12s} {_short(v.verdict)}")
+            print(f"  {v.variant:12s} {describe_verdict(v.verdict)}")
     if result.cold_build_s is not None:
         print(f"extension build: cold {result.cold_build_s:.1f} s (all variants in parallel); "
               f"cached: see build_s in the table")
@@ -88,14 +88,6 @@ def _optimize(args: argparse.Namespace) -> int:
     for note in result.notes:
         print(f"note: {note}")
     return 0
-
-
-def _short(verdict: object) -> str:
-    if not verdict.built:
-        return f"not built: {verdict.reason}"
-    if not verdict.correct:
-        return f"incorrect: {verdict.reason}"
-    return f"{verdict.runtime_ms:.3f} ms (eager {verdict.eager_ms:.3f} ms, {verdict.speedup_eager:.3f}x)"
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ import torch
 from kernelfuse.capture import Graph, capture
 from kernelfuse.codegen import generate
 from kernelfuse.emit import emit_modelnew, emit_reference
-from kernelfuse.judge import EvalOptions, evaluate
+from kernelfuse.judge import EvalOptions, Verdict, evaluate
 from kernelfuse.load import Problem, load_problem
 from kernelfuse.plan import Plan, interpret, plan_variants
 from kernelfuse.rewrite import rewrite
@@ -51,7 +51,7 @@ class CpuCheck:
 @dataclass(frozen=True)
 class VariantResult:
     variant: str
-    verdict: object  # kernelfuse.judge.Verdict
+    verdict: Verdict
 
 
 @dataclass
@@ -61,7 +61,7 @@ class OptimizeResult:
     plans: list[Plan]
     cpu_checks: list[CpuCheck]
     variants: list[VariantResult] = field(default_factory=list)
-    final: object | None = None  # the final Verdict on the shipped file (GPU only)
+    final: Verdict | None = None  # the judge's verdict on the shipped file (GPU only)
     notes: list[str] = field(default_factory=list)
     cold_build_s: float | None = None  # parallel first build of all variants (the judge's build_s is then cached)
 
@@ -165,7 +165,7 @@ def _choose_on_gpu(problem: Problem, plans: list[Plan], options: OptimizeOptions
     for plan in plans:
         verdict = evaluate(problem.path, files[plan.variant], quick)
         result.variants.append(VariantResult(plan.variant, verdict))
-        log(f"      {plan.variant}: " + _one_line(verdict))
+        log(f"      {plan.variant}: " + describe_verdict(verdict))
         faster = best is None or (verdict.runtime_ms or float("inf")) < best[1].runtime_ms
         if verdict.correct and verdict.runtime_ms is not None and faster:
             best = (plan, verdict)
@@ -218,8 +218,8 @@ def prebuild(files: list[Path]) -> None:
         p.wait()
 
 
-def _one_line(verdict: object) -> str:
-    v = verdict
+def describe_verdict(v: Verdict) -> str:
+    """One line per variant for the optimizer's progress and summary."""
     if not v.built:
         return f"did not build: {v.reason}"
     if not v.correct:

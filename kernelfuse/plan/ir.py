@@ -111,7 +111,8 @@ class Plan:
             lib = {"matmul": "cuBLAS", "conv": "cuDNN"}[s.anchor.family]
             extra = " conv+bias+relu" if s.anchor.fused_relu else ""
             layout = f" [{s.anchor.layout}]" if s.anchor.family == "conv" else ""
-            lines.append(f"  fused {s.kernel}: {s.chain(self.graph)}  ({lib}{extra}{layout} + epilogue kernel)")
+            kernel = " + epilogue kernel" if s.needs_kernel else ""
+            lines.append(f"  fused {s.kernel}: {s.chain(self.graph)}  ({lib}{extra}{layout}{kernel})")
         for s in self.unfused:
             lines.append(f"  unfused: {s.node.op} ({s.reason})")
         if not self.unfused:
