@@ -224,4 +224,6 @@ def describe_verdict(v: Verdict) -> str:
         return f"did not build: {v.reason}"
     if not v.correct:
         return f"incorrect: {v.reason}"
+    if v.runtime_ms is None or v.eager_ms is None or v.speedup_eager is None:
+        return "correct, not timed"
     return f"correct, {v.runtime_ms:.3f} ms vs eager {v.eager_ms:.3f} ms ({v.speedup_eager:.3f}x)"
