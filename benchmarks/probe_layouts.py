@@ -1,7 +1,7 @@
 """Probe: time the library-call variants the planner chooses between, on the GPU at hand.
 
-Run on the device from the repo root: PYTHONPATH=. python benchmarks/probe_layouts.py. Prints one table; timings are medians of CUDA-event
-measurements with an L2 flush before each trial (same method as kernelfuse.bench).
+Run on the device from the repo root: PYTHONPATH=. python benchmarks/probe_layouts.py. Prints one table;
+timings are medians of CUDA-event measurements with an L2 flush before each trial (kernelfuse.bench's timer).
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def optimize_file(problem_path: str | Path, out_path: str | Path, options: Optim
     log(f"[1/5] loaded {problem.path}")
     graph = rewrite(capture(problem))
     log(f"[2/5] captured {len(graph.nodes)} ATen nodes on fake tensors")
-    plans = plan_variants(graph)
+    plans = plan_variants(graph, options.precision)
     for plan in plans:
         log("[3/5] " + plan.summary().replace("\n", "\n      "))
     checks = [check_on_cpu(problem, graph, plan) for plan in plans]

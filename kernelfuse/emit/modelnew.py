@@ -70,6 +70,28 @@ def _use_kernels(module, inputs):
 '''
 
 
+# Only in files whose plan runs a matmul under the tf32 policy.
+TF32_HELPER = '''
+def _with_tf32(call):
+    """Run one matrix product with TF32 tensor cores allowed (tf32 policy); the global setting is restored."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        return call()
+    finally:
+        torch.set_float32_matmul_precision(previous)
+'''
+
+
+def runtime_text(plan: Plan, sources: CudaSources | None) -> str:
+    """The module-level support code a fused forward calls: loader, guard, TF32 helper (as needed)."""
+    parts = [LOADER] if sources is not None else []
+    parts.append(GUARD)
+    if any(s.anchor.tf32 for s in plan.fused):
+        parts.append(TF32_HELPER)
+    return "\n\n".join(p.strip("\n") + "\n" for p in parts)
+
+
 def emit_modelnew(problem: Problem, plan: Plan, sources: CudaSources | None, report: str) -> str:
     """The text of the ModelNew file for `plan` (`sources` None: the plan needs no custom kernel)."""
     cls = class_source(problem)
@@ -81,14 +103,12 @@ def emit_modelnew(problem: Problem, plan: Plan, sources: CudaSources | None, rep
     body = _model_new_class(problem, cls, forward, plan, arg_names, sources is not None, guarded)
     parts = [header, "import hashlib\nimport inspect\n", prelude.rstrip() + "\n", body]
     specs = ", ".join(f"({tuple(n.meta.shape)}, {n.meta.dtype})" for n in plan.graph.inputs)
-    if sources is not None:
-        parts.append(LOADER)
-        parts.append(GUARD)
-        parts.append(f"NAME = {problem.name!r}\nFUNCTIONS = {sources.functions!r}\nINPUT_SPECS = [{specs}]\n")
-        parts.append(f'CUDA_SRC = r"""\n{sources.cuda}"""\n\nCPP_SRC = r"""\n{sources.cpp}"""\n')
-    elif guarded:
-        parts.append(GUARD)
+    if guarded:
+        parts.append(runtime_text(plan, sources))
         parts.append(f"INPUT_SPECS = [{specs}]\n")
+    if sources is not None:
+        parts.append(f"NAME = {problem.name!r}\nFUNCTIONS = {sources.functions!r}\n")
+        parts.append(f'CUDA_SRC = r"""\n{sources.cuda}"""\n\nCPP_SRC = r"""\n{sources.cpp}"""\n')
     return _tidy("\n\n".join(p.strip("\n") + "\n" for p in parts))
 
 
@@ -207,6 +227,9 @@ def _fused_lines(graph, step: FusedStep, names: dict[str, str]) -> list[str]:
         else:
             call = (f"torch.convolution({x}, {w}, {b}, {list(stride)}, {list(padding)}, {list(dilation)}, False, "
                     f"{list(output_padding)}, {groups})")
+    elif anchor.tf32:
+        lines.append("    # cuBLAS with TF32 tensor cores: the tf32 precision policy allows it")
+        call = f"_with_tf32(lambda: {_call(node, names)})"
     else:
         call = _call(node, names)
     lines.append(f"    {acc} = {call}")

@@ -13,7 +13,7 @@ import textwrap
 import torch
 
 from kernelfuse.codegen import CudaSources
-from kernelfuse.emit.modelnew import GUARD, LOADER, forward_source
+from kernelfuse.emit.modelnew import forward_source, runtime_text
 from kernelfuse.plan.ir import Plan
 
 WRAPPER = '''
@@ -36,12 +36,10 @@ def build_module(model: torch.nn.Module, plan: Plan, sources: CudaSources | None
     """A module whose forward runs `plan` (its kernels built now), falling back to `model` like a ModelNew."""
     specs = [(tuple(n.meta.shape), n.meta.dtype) for n in plan.graph.inputs]
     namespace: dict[str, object] = {"torch": torch, "hashlib": hashlib, "inspect": inspect, "INPUT_SPECS": specs}
-    runtime = GUARD
     if sources is not None:
         namespace.update(NAME=type(model).__name__.lower(), FUNCTIONS=sources.functions,
                          CUDA_SRC=sources.cuda, CPP_SRC=sources.cpp)
-        runtime = LOADER + GUARD
-    exec(compile(runtime, "<kernelfuse runtime>", "exec"), namespace)  # noqa: S102 - our own generated code
+    exec(compile(runtime_text(plan, sources), "<kernelfuse runtime>", "exec"), namespace)  # noqa: S102 - our own generated code
     forward = forward_source(plan, arg_names, sources is not None, True, state="self.inner")
     doc = plan.summary().replace('"""', "'''").replace("\n", "\n    ")
     code = WRAPPER.format(doc=doc, forward=textwrap.indent(forward, "    "))

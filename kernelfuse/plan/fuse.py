@@ -26,14 +26,19 @@ class PlanOptions:
 
     conv_layout: str = "nhwc"  # "nhwc" | "nchw"
     cudnn_fused_relu: bool = True
+    matmul_tf32: bool = False  # the tf32 policy: matrix products on TF32 tensor cores
     max_fusions: int | None = None
 
 
-def plan_variants(graph: Graph) -> list[Plan]:
-    """The fused plans worth measuring: one per convolution layout when the graph has a convolution."""
+def plan_variants(graph: Graph, precision: str = "strict") -> list[Plan]:
+    """The fused plans worth measuring: one per convolution layout when the graph has a convolution.
+
+    Under the tf32 policy matrix products may run on TF32 tensor cores (cuDNN convolutions already do by default).
+    """
     has_conv = any(ANCHOR_OPS.get(n.op) == "conv" for n in graph.nodes)
     layouts = ("nhwc", "nchw") if has_conv else ("nchw",)
-    return [make_plan(graph, PlanOptions(conv_layout=layout)) for layout in layouts]
+    tf32 = precision == "tf32"
+    return [make_plan(graph, PlanOptions(conv_layout=layout, matmul_tf32=tf32)) for layout in layouts]
 
 
 def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
@@ -59,6 +64,8 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
         elif node.name not in absorbed and node.op not in ("input", "param", "buffer"):
             steps.append(TorchStep(node, _unfused_reason(graph, node)))
     variant = "fused" if not any(s.anchor.family == "conv" for s in fused.values()) else f"fused-{options.conv_layout}"
+    if options.matmul_tf32 and any(s.anchor.tf32 for s in fused.values()):
+        variant += "-tf32"
     return Plan(graph, tuple(steps), variant)
 
 
@@ -95,7 +102,8 @@ def _fuse_behind(graph: Graph, anchor_node: Node, options: PlanOptions, kernel: 
         return None
     out_node = graph[members[-1].name] if members else graph[acc_name]
     epilogue = _epilogue(graph, members, acc_name, out_node.meta)
-    anchor = Anchor(anchor_node, family, fused_relu, options.conv_layout if family == "conv" else "nchw")
+    anchor = Anchor(anchor_node, family, fused_relu, options.conv_layout if family == "conv" else "nchw",
+                    tf32=options.matmul_tf32 and family == "matmul")
     replaces = (anchor_node.name,) + ((acc_name,) if fused_relu else ()) + tuple(m.name for m in members)
     return FusedStep(kernel, anchor, epilogue, replaces, out_node.name)
 

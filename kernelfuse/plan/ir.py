@@ -58,6 +58,7 @@ class Anchor:
     family: str  # "matmul" | "conv"
     fused_relu: bool = False  # conv: at::cudnn_convolution_relu replaces convolution -> relu
     layout: str = "nchw"  # conv: "nchw", or "nhwc" (channels-last conv, epilogue transposes back)
+    tf32: bool = False  # matmul under the tf32 policy: cuBLAS may use TF32 tensor cores for this call
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class Plan:
     def summary(self) -> str:
         lines = [f"plan variant: {self.variant}"]
         for s in self.fused:
-            lib = {"matmul": "cuBLAS", "conv": "cuDNN"}[s.anchor.family]
+            lib = {"matmul": "cuBLAS", "conv": "cuDNN"}[s.anchor.family] + (" TF32" if s.anchor.tf32 else "")
             extra = " conv+bias+relu" if s.anchor.fused_relu else ""
             layout = f" [{s.anchor.layout}]" if s.anchor.family == "conv" else ""
             kernel = " + epilogue kernel" if s.needs_kernel else ""
