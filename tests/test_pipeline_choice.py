@@ -1,0 +1,92 @@
+"""The optimizer's GPU decisions, with the judge replaced by scripted verdicts (the decision logic runs on CPU).
+
+Ships the fastest verified variant only if it beats eager; a variant that fails is dropped; when nothing fused
+verifies or pays, the unfused file (the original ops) ships and the notes say why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import kernelfuse.pipeline as pipeline
+from kernelfuse.judge import Verdict
+from kernelfuse.pipeline import OptimizeOptions, optimize_file
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _verdict(correct: bool, ms: float | None = None, eager: float = 4.0) -> Verdict:
+    return Verdict(problem="p", candidate="c", code_from="file", precision="strict",
+                   status="ok" if correct else "incorrect", built=True, correct=correct,
+                   reason=None if correct else "5 of 5 trials failed", runtime_ms=ms if correct else None,
+                   eager_ms=eager, speedup_eager=(eager / ms) if correct and ms else None)
+
+
+def _run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, problem: str, script: dict[str, Verdict]) -> tuple:
+    judged: list[str] = []
+
+    def fake_evaluate(problem_path: Path, candidate: Path, options: object) -> Verdict:
+        text = candidate.read_text()
+        variant = "unfused" if "unfused (the original ops)" in text else next(
+            v for v in script if v != "unfused" and f"variant: {v}" in text)
+        judged.append(variant)
+        return script[variant]
+
+    monkeypatch.setattr(pipeline, "evaluate", fake_evaluate)
+    monkeypatch.setattr(pipeline, "prebuild", lambda files: None)
+    monkeypatch.setattr(pipeline.torch.cuda, "get_device_name", lambda *a: "scripted GPU")
+    out = tmp_path / "out.py"
+    result = optimize_file(EXAMPLES / f"{problem}.py", out, OptimizeOptions(use_gpu=True), log=lambda s: None)
+    return result, out.read_text(), judged
+
+
+def test_fastest_verified_variant_ships(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    script = {"fused-nhwc": _verdict(True, 1.7), "fused-nchw": _verdict(True, 2.5), "unfused": _verdict(True, 4.0)}
+    result, text, judged = _run(monkeypatch, tmp_path, "conv2d_relu_biasadd", script)
+    assert result.shipped == "fused-nhwc"
+    assert "ext.to_channels_last" in text
+    assert judged == ["fused-nhwc", "fused-nchw", "fused-nhwc"]  # two variants, then the final check
+
+
+def test_failing_variant_is_dropped(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    script = {"fused-nhwc": _verdict(False), "fused-nchw": _verdict(True, 2.5), "unfused": _verdict(True, 4.0)}
+    result, text, _ = _run(monkeypatch, tmp_path, "conv2d_relu_biasadd", script)
+    assert result.shipped == "fused-nchw"
+    assert "to_channels_last" not in text and "cudnn_convolution_relu" in text
+
+
+def test_no_verified_variant_ships_unfused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    script = {"fused": _verdict(False), "unfused": _verdict(True, 2.8, eager=2.8)}
+    result, text, _ = _run(monkeypatch, tmp_path, "gemm_add_relu", script)
+    assert result.shipped == "unfused"
+    assert any("no fused variant verified" in n for n in result.notes)
+    assert "def forward(self, x):" in text and "_extension" not in text
+
+
+def test_fusion_that_does_not_pay_ships_unfused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    script = {"fused": _verdict(True, 2.9, eager=2.8), "unfused": _verdict(True, 2.8, eager=2.8)}
+    result, text, _ = _run(monkeypatch, tmp_path, "gemm_add_relu", script)
+    assert result.shipped == "unfused"
+    assert any("fusion does not pay" in n and "0.966x" in n for n in result.notes)
+    assert "CUDA_SRC" not in text
+
+
+def test_final_check_failure_never_ships_the_fused_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    calls = {"n": 0}
+    good, bad = _verdict(True, 2.7, eager=2.8), _verdict(False)
+
+    def fused_then_fails() -> Verdict:
+        calls["n"] += 1
+        return good if calls["n"] == 1 else bad
+
+    class Script(dict):
+        def __getitem__(self, key: str) -> Verdict:
+            return fused_then_fails() if key == "fused" else super().__getitem__(key)
+
+    script = Script({"fused": good, "unfused": _verdict(True, 2.8, eager=2.8)})
+    result, text, _ = _run(monkeypatch, tmp_path, "gemm_add_relu", script)
+    assert result.shipped == "unfused"
+    assert any("final check" in n for n in result.notes)
+    assert "CUDA_SRC" not in text
