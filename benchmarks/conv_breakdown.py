@@ -8,25 +8,16 @@ Prediction written before measuring: input transpose ~0.27 ms (1.07 GB at ~4 TB/
 from __future__ import annotations
 
 import hashlib
-import statistics
 
 import torch
 from torch.utils.cpp_extension import load_inline
 
-from kernelfuse.bench import Timer
+from kernelfuse.bench.timer import median_event_ms as median_ms
 from kernelfuse.capture import capture
 from kernelfuse.codegen import CodegenOptions, generate
 from kernelfuse.load import load_problem
 from kernelfuse.plan import plan_variants
 from kernelfuse.rewrite import rewrite
-
-
-def median_ms(fn, reps: int = 20) -> float:
-    """Median CUDA-event time of `fn` with L2 flushed before each call (kernelfuse.bench's timer)."""
-    timer = Timer(torch.device("cuda"))
-    for _ in range(3):
-        fn()
-    return statistics.median(timer.time(fn)[0].event_ms for _ in range(reps))
 
 
 def main() -> None:

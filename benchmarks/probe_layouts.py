@@ -7,21 +7,12 @@ timings are medians of CUDA-event measurements with an L2 flush before each tria
 from __future__ import annotations
 
 import inspect
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
-from kernelfuse.bench import Timer
-
-
-def median_ms(fn, reps: int = 20) -> float:
-    """Median CUDA-event time of `fn` with L2 flushed before each call (kernelfuse.bench's timer)."""
-    timer = Timer(torch.device("cuda"))
-    for _ in range(3):
-        fn()
-    return statistics.median(timer.time(fn)[0].event_ms for _ in range(reps))
+from kernelfuse.bench.timer import median_event_ms as median_ms
 
 
 def main() -> None:

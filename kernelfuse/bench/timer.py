@@ -83,3 +83,13 @@ class Timer:
         c.synchronize()
         host_ms = (c.perf_counter() - t0) * 1e3
         return Sample(float(c.elapsed_time(start, end)), host_ms), result
+
+
+def median_event_ms(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> float:
+    """Median CUDA-event time of `fn` over `reps` calls, L2 flushed before each (for benchmark scripts)."""
+    timer = Timer(torch.device("cuda"))
+    for _ in range(warmup):
+        fn()
+    times = sorted(timer.time(fn)[0].event_ms for _ in range(reps))
+    mid = len(times) // 2
+    return times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
