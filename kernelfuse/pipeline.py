@@ -8,6 +8,8 @@ if it beats eager; otherwise the unfused file (the original ops) ships and the r
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -157,7 +159,7 @@ def _choose_on_gpu(problem: Problem, plans: list[Plan], options: OptimizeOptions
     log(f"[5/5] building {len(files)} variant(s) in parallel, then judging each ({options.trials} trials, "
         f"{options.precision})")
     started = time.perf_counter()
-    prebuild(list(files.values()))
+    prebuild(list(files.values()), options.timeout_s)
     result.cold_build_s = time.perf_counter() - started
     log(f"      cold build of {len(files)} extension(s) in parallel: {result.cold_build_s:.1f} s")
     quick = judge_options(options, ("eager",))
@@ -206,16 +208,22 @@ def _ship_unfused(problem: Problem, result: OptimizeResult, log: Callable[[str],
     return result
 
 
-def prebuild(files: list[Path]) -> None:
+def prebuild(files: list[Path], timeout_s: float = 900.0) -> None:
     """Build every candidate's extension at once in child processes, warming torch's cache for the judge.
 
-    Failures are ignored here: the judge builds again (a cache hit when this worked) and reports any error.
+    Failures and time-outs are not judged here: the judge builds again (a cache hit when this worked) and reports
+    any error with its cause. Each child runs in its own session so a stuck compiler is killed with it.
     """
     code = "import runpy, sys; g = runpy.run_path(sys.argv[1]); f = g.get('_extension'); f and f()"
     procs = [subprocess.Popen([sys.executable, "-c", code, str(f)], stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL) for f in files]
+                              stderr=subprocess.DEVNULL, start_new_session=True) for f in files]
+    deadline = time.monotonic() + timeout_s
     for p in procs:
-        p.wait()
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
 
 
 def describe_verdict(v: Verdict) -> str:

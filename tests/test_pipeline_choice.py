@@ -90,3 +90,16 @@ def test_final_check_failure_never_ships_the_fused_file(monkeypatch: pytest.Monk
     assert result.shipped == "unfused"
     assert any("final check" in n for n in result.notes)
     assert "CUDA_SRC" not in text
+
+
+def test_prebuild_kills_a_stuck_build(tmp_path: Path) -> None:
+    import time
+
+    stuck = tmp_path / "stuck.py"
+    stuck.write_text("import time\n\ndef _extension():\n    time.sleep(60)\n")
+    fine = tmp_path / "fine.py"
+    fine.write_text("def _extension():\n    open(__file__ + '.built', 'w').close()\n")
+    started = time.monotonic()
+    pipeline.prebuild([stuck, fine], timeout_s=3.0)
+    assert time.monotonic() - started < 20
+    assert (tmp_path / "fine.py.built").exists()
