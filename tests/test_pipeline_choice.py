@@ -35,7 +35,7 @@ def _run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, problem: str, script: 
         return script[variant]
 
     monkeypatch.setattr(pipeline, "evaluate", fake_evaluate)
-    monkeypatch.setattr(pipeline, "prebuild", lambda files: None)
+    monkeypatch.setattr(pipeline, "prebuild", lambda files, timeout_s=0: None)
     monkeypatch.setattr(pipeline.torch.cuda, "get_device_name", lambda *a: "scripted GPU")
     out = tmp_path / "out.py"
     result = optimize_file(EXAMPLES / f"{problem}.py", out, OptimizeOptions(use_gpu=True), log=lambda s: None)
