@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import resource
-import time
 
 import pytest
 import torch
@@ -115,15 +114,12 @@ def test_capture_allocates_no_real_memory(tmp_path):
             return torch.relu(self.lin(x))
         """, "[torch.rand(1 << 30, 16)]")
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    start = time.perf_counter()
     g = capture(load_problem(path))
-    elapsed = time.perf_counter() - start
     grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     assert g.inputs[0].meta.shape == (1 << 30, 16)
     out = g[g.outputs[0]]
     assert out.meta.numel == 1 << 34 and out.meta.dtype == torch.float32
     assert grown_kib < 1 << 20, f"capture grew the peak RSS by {grown_kib} KiB"
-    assert elapsed < 60  # a generous bound: filling 64 GiB would take minutes, if it did not fail first
 
 
 def test_multiple_outputs_and_inputs(tmp_path):

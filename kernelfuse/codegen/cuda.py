@@ -172,7 +172,7 @@ def _apply_function(k: str, epi: Epilogue, ctype: str, index_t: str) -> str:
     names = {"acc": "acc", **{f"in{i}": f"in{i}_v" for i in range(len(epi.operands))}}
     for st in epi.statements:
         row = POINTWISE_BY_ATEN[st.aten]
-        args = [names[a] if isinstance(a, str) else _const(a) for a in st.args]
+        args = [names[a] if isinstance(a, str) else float_literal(a) for a in st.args]
         var = f"v_{st.name}"
         lines.append(f"  const float {var} = {render_cuda(row, args, list(st.params))};  // {st.aten.split('.')[0]}")
         names[st.name] = var
@@ -341,10 +341,6 @@ def offset_expr(strides: tuple[int, ...], shape: tuple[int, ...]) -> str:
             term = f"{term} * {stride}"
         terms.append(term)
     return " + ".join(terms) if terms else "0"
-
-
-def _const(value: float) -> str:
-    return float_literal(value)
 
 
 def _tag(dtype: torch.dtype) -> str:
