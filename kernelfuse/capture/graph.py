@@ -72,8 +72,12 @@ class Node:
 
 @dataclass(frozen=True)
 class Graph:
+    """The forward as traced; `training` is the module mode it was traced in (BatchNorm, Dropout and any op eager
+    switches on `module.training` were recorded in that mode only, so the fused forward serves only that mode)."""
+
     nodes: tuple[Node, ...]
     outputs: tuple[Ref, ...]
+    training: bool = True
     _index: dict[str, Node] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -1,68 +1,156 @@
-"""Trace a problem's forward to ATen ops on fake tensors: shapes, dtypes and strides without allocating data.
+"""Trace a problem's forward to ATen ops: shapes, dtypes and strides without allocating the problem's activations.
 
-The model is constructed and the inputs are drawn inside a `FakeTensorMode`, so a problem whose output is 1 GB
-costs nothing on the host. `make_fx` then records the forward at the ATen level (Linear becomes `t` + `mm`/
-`addmm`, Conv2d becomes `convolution`), which is the vocabulary the planner's op tables speak.
+The model is constructed for real on the CPU (its weights are needed for the check anyway, and constructors may
+call `.item()`, `.half()` or `.to(torch.bfloat16)`), or on the meta device when its parameters alone exceed
+`PARAM_LIMIT_BYTES`. The inputs are drawn inside a `FakeTensorMode` and the module's state is mirrored as fake
+tensors, so a problem whose output is 1 GB costs nothing on the host. `make_fx` then records the forward at the
+ATen level (Linear becomes `t` + `mm`/`addmm`, Conv2d becomes `convolution`), the planner's vocabulary.
 """
 
 from __future__ import annotations
 
+import logging
 import operator
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from kernelfuse.capture.graph import Arg, Graph, Node, Ref, TensorMeta
 from kernelfuse.errors import CaptureError, ProblemError
 from kernelfuse.load import Problem
 
+PARAM_LIMIT_BYTES = 2 * 1024**3  # larger models are built on the meta device: no host copy of their weights
 
-def capture(problem: Problem) -> Graph:
-    """The problem's forward as a Graph of normalised ATen ops, traced on fake tensors."""
-    mode = FakeTensorMode()
-    init_inputs = problem.init_inputs()  # plain Python values (sizes, factors), taken outside fake mode
-    with mode:
-        model = problem.make_model(init_inputs=init_inputs)
-        inputs = problem.make_inputs(seed=0)
-    return _trace(model, list(inputs), mode, str(problem.path))
+# Calls that mean "the forward branches on a tensor's value": make_fx cannot record one graph for them.
+DATA_DEPENDENT = ("_local_scalar_dense", "data-dependent", "Data dependent", "DataDependentOutputException")
 
 
-def capture_module(model: torch.nn.Module, example_inputs: list[torch.Tensor]) -> Graph:
-    """A live module's forward as a Graph: its tensors are mirrored as fake tensors, no data is touched."""
+def build_model(problem: Problem) -> torch.nn.Module:
+    """`Model(*get_init_inputs())` under the problem's seed: on the CPU, or on the meta device when too large."""
+    init_inputs = problem.init_inputs()
+    if state_bytes_on_meta(problem, init_inputs) > PARAM_LIMIT_BYTES:
+        with torch.device("meta"):
+            return problem.make_model(init_inputs=init_inputs)
+    return problem.make_model(init_inputs=init_inputs)
+
+
+def state_bytes_on_meta(problem: Problem, init_inputs: list) -> int:
+    """Bytes of the model's parameters and buffers, constructed on the meta device (0 when that fails: a
+    constructor that reads values, `.item()`, cannot run there, and such models are small enough to build)."""
+    try:
+        with torch.device("meta"), _quiet():
+            model = problem.model_cls(*init_inputs)
+    except Exception:  # noqa: BLE001 - any failure: fall back to the real construction, which reports errors
+        return 0
+    return sum(t.numel() * t.element_size() for _, t in module_state(model))
+
+
+def module_state(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Parameters, buffers and plain tensor attributes (`self.h0 = torch.randn(...)`), by attribute path."""
+    state = [*model.named_parameters(), *model.named_buffers()]
+    seen = {id(t) for _, t in state}
+    for prefix, sub in model.named_modules():
+        for name, value in vars(sub).items():
+            if isinstance(value, torch.Tensor) and not name.startswith("_") and id(value) not in seen:
+                seen.add(id(value))
+                state.append((f"{prefix}.{name}" if prefix else name, value))
+    return state
+
+
+def capture(problem: Problem, model: torch.nn.Module | None = None, batch: int | None = None) -> Graph:
+    """The problem's forward as a Graph of normalised ATen ops, traced on fake inputs and fake copies of the state.
+
+    `model`: an already built model (else `build_model`). `batch`: cut every input's leading dimension to at most
+    this (the CPU check re-captures at its own, smaller shapes).
+    """
+    model = build_model(problem) if model is None else model
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fake_state = {n: mode.from_tensor(t) for n, t in [*model.named_parameters(), *model.named_buffers()]}
-    fake_inputs = [mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
-    return _trace(model, fake_inputs, mode, type(model).__name__, fake_state)
+    with mode:
+        inputs = problem.make_inputs(seed=0)
+    for i, t in enumerate(inputs):
+        if not isinstance(t, torch.Tensor):
+            raise ProblemError(f"{problem.path}: get_inputs() item {i} is a {type(t).__name__}, not a tensor; "
+                               "kernelfuse compiles forwards of tensors only (make it a constructor argument)")
+    if batch is not None:
+        with mode:
+            inputs = [_cut_batch(t, batch) for t in inputs]
+    return capture_module(model, inputs, mode, str(problem.path))
 
 
-def _trace(model: torch.nn.Module, inputs: list, mode: FakeTensorMode, what: str,
-           state: dict[str, torch.Tensor] | None = None) -> Graph:
-    params = list(model.named_parameters())
-    buffers = list(model.named_buffers())
-    state_names = [n for n, _ in params] + [n for n, _ in buffers]
-    kinds = ["param"] * len(params) + ["buffer"] * len(buffers)
-    flat = [t for _, t in params] + [t for _, t in buffers] + list(inputs)
-    if state is not None:  # a live module: trace against its fake mirrors
-        flat = [state[n] for n in state_names] + list(inputs)
-    n_state = len(state_names)
+def capture_module(model: torch.nn.Module, example_inputs: list[torch.Tensor], mode: FakeTensorMode | None = None,
+                   what: str | None = None) -> Graph:
+    """A live module's forward as a Graph: its tensors are mirrored as fake tensors, no data is touched."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if mode is None else mode
+    state = module_state(model)
+    names = [n for n, _ in state]
+    kinds = ["param" if isinstance(t, torch.nn.Parameter) else "buffer" for _, t in state]
+    flat = [_fake(mode, t) for _, t in state] + [_fake(mode, t) for t in example_inputs]
+    n_state = len(names)
 
     def forward(*flat_args: torch.Tensor) -> object:
-        state = dict(zip(state_names, flat_args[:n_state], strict=True))
-        return torch.func.functional_call(model, state, tuple(flat_args[n_state:]))
+        return torch.func.functional_call(model, dict(zip(names, flat_args[:n_state], strict=True)),
+                                          tuple(flat_args[n_state:]))
 
+    what = what or type(model).__name__
     try:
-        with mode, torch.no_grad():
+        with mode, torch.no_grad(), _quiet():
             gm = make_fx(forward, tracing_mode="real")(*flat)
     except ProblemError:
         raise
     except Exception as err:  # noqa: BLE001 - tracing failures of arbitrary models become one clear error
-        raise CaptureError(
-            f"{what}: could not trace forward to ATen ops: {type(err).__name__}: {err}") from None
-    return _to_graph(gm, state_names, kinds)
+        raise _capture_error(err, what) from None
+    return _to_graph(gm, names, kinds, model.training)
 
 
-def _to_graph(gm: torch.fx.GraphModule, state_names: list[str], kinds: list[str]) -> Graph:
+def _fake(mode: FakeTensorMode, t: object) -> object:
+    if not isinstance(t, torch.Tensor) or isinstance(t, FakeTensor):
+        return t
+    if t.is_meta:  # a model built on the meta device: its fake mirror lives on the CPU like the inputs
+        with mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, requires_grad=t.requires_grad)
+    return mode.from_tensor(t)
+
+
+def _cut_batch(t: torch.Tensor, batch: int) -> torch.Tensor:
+    if t.dim() == 0 or t.shape[0] <= batch:
+        return t
+    return t[:batch].clone()
+
+
+def _capture_error(err: Exception, what: str) -> CaptureError:
+    """One line naming the user's own line; data-dependent control flow says what to change."""
+    line = ""
+    for frame in reversed(traceback.extract_tb(err.__traceback__)):
+        if frame.filename == what:
+            line = f" at line {frame.lineno} ({(frame.line or '?').strip()})"
+            break
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    if any(k in f"{type(err).__name__} {err}" for k in DATA_DEPENDENT):
+        return CaptureError(f"{what}: forward branches on a tensor's value{line}: kernelfuse traces one graph "
+                            "for all inputs (compute both branches with torch.where, or move the test out of forward)")
+    return CaptureError(f"{what}: could not trace forward to ATen ops{line}: {type(err).__name__}: {text}")
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """Torch logs internal errors of fake tensors and tracing (many lines) before it raises: keep them from the
+    user, who gets one line from us."""
+    loggers = [logging.getLogger(n) for n in ("torch", "torch._subclasses", "torch.fx", "torch._dynamo")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+
+
+def _to_graph(gm: torch.fx.GraphModule, state_names: list[str], kinds: list[str], training: bool) -> Graph:
     nodes: list[Node] = []
     outputs: tuple[Ref, ...] = ()
     placeholder = 0
@@ -74,6 +162,8 @@ def _to_graph(gm: torch.fx.GraphModule, state_names: list[str], kinds: list[str]
             else:
                 nodes.append(Node(fx_node.name, "input", meta=meta, target=placeholder - len(state_names)))
             placeholder += 1
+        elif fx_node.op == "get_attr":  # a tensor made inside forward (`torch.tensor(2.0)`): a constant
+            nodes.append(_constant(fx_node.name, getattr(gm, str(fx_node.target))))
         elif fx_node.op == "call_function":
             if fx_node.target is operator.getitem:  # one result of a multi-output op (batch_norm, max_pool...)
                 op = "getitem"
@@ -91,7 +181,17 @@ def _to_graph(gm: torch.fx.GraphModule, state_names: list[str], kinds: list[str]
             if not all(isinstance(r, torch.fx.Node) for r in result):
                 raise CaptureError("forward must return a tensor or a tuple of tensors")
             outputs = tuple(Ref(r.name) for r in result)
-    return Graph(tuple(nodes), outputs)
+    return Graph(tuple(nodes), outputs, training)
+
+
+def _constant(name: str, value: torch.Tensor) -> Node:
+    """A one-element tensor constant becomes `aten.scalar_tensor` (exact: same value, dtype, 0-d shape)."""
+    if value.numel() != 1 or value.dim() != 0:
+        raise CaptureError(f"forward creates a tensor constant of shape {list(value.shape)}: register it in the "
+                           "constructor with self.register_buffer(...) so its value is part of the model")
+    meta = TensorMeta((), value.dtype, ())
+    args = (value.item(), ("kw", "dtype", value.dtype), ("kw", "device", torch.device("cpu")))
+    return Node(name, "scalar_tensor.default", args, meta)
 
 
 def _meta(val: object) -> TensorMeta | None:

@@ -58,7 +58,9 @@ def _extension():
 # torch.cudnn_convolution_relu also run only on CUDA tensors and have no backward.
 GUARD = '''
 def _use_kernels(module, inputs):
-    """The fused path serves inference on the captured shapes; anything else runs the original ops."""
+    """The fused path serves inference on the captured shapes and mode; anything else runs the original ops."""
+    if any(m.training != CAPTURED_TRAINING for m in module.modules()):
+        return False  # BatchNorm, Dropout...: the kernels were planned for the other train/eval mode
     if torch.is_grad_enabled() and (
         any(p.requires_grad for p in module.parameters()) or any(t.requires_grad for t in inputs)
     ):
@@ -105,7 +107,7 @@ def emit_modelnew(problem: Problem, plan: Plan, sources: CudaSources | None, rep
     specs = ", ".join(f"({tuple(n.meta.shape)}, {n.meta.dtype})" for n in plan.graph.inputs)
     if guarded:
         parts.append(runtime_text(plan, sources))
-        parts.append(f"INPUT_SPECS = [{specs}]\n")
+        parts.append(f"INPUT_SPECS = [{specs}]\nCAPTURED_TRAINING = {plan.graph.training}\n")
     if sources is not None:
         parts.append(f"NAME = {problem.name!r}\nFUNCTIONS = {sources.functions!r}\n")
         parts.append(f'CUDA_SRC = r"""\n{sources.cuda}"""\n\nCPP_SRC = r"""\n{sources.cpp}"""\n')

@@ -35,7 +35,8 @@ def build_module(model: torch.nn.Module, plan: Plan, sources: CudaSources | None
                  arg_names: list[str]) -> torch.nn.Module:
     """A module whose forward runs `plan` (its kernels built now), falling back to `model` like a ModelNew."""
     specs = [(tuple(n.meta.shape), n.meta.dtype) for n in plan.graph.inputs]
-    namespace: dict[str, object] = {"torch": torch, "hashlib": hashlib, "inspect": inspect, "INPUT_SPECS": specs}
+    namespace: dict[str, object] = {"torch": torch, "hashlib": hashlib, "inspect": inspect, "INPUT_SPECS": specs,
+                                 "CAPTURED_TRAINING": plan.graph.training}
     if sources is not None:
         namespace.update(NAME=type(model).__name__.lower(), FUNCTIONS=sources.functions,
                          CUDA_SRC=sources.cuda, CPP_SRC=sources.cpp)

@@ -43,7 +43,7 @@ def drop_identities(graph: Graph) -> Graph:
             continue
         kept.append(_rewire(node, rename))
     outputs = tuple(_resolve(r, rename) for r in graph.outputs)
-    return Graph(tuple(kept), outputs)
+    return Graph(tuple(kept), outputs, graph.training)
 
 
 def div_by_scalar_to_mul(graph: Graph) -> Graph:
@@ -56,7 +56,7 @@ def div_by_scalar_to_mul(graph: Graph) -> Graph:
             inv = (torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(node.args[1]), dtype=torch.float32))
             node = Node(node.name, "mul.Tensor", (node.args[0], inv.item()), node.meta, node.target)
         nodes.append(node)
-    return Graph(tuple(nodes), graph.outputs)
+    return Graph(tuple(nodes), graph.outputs, graph.training)
 
 
 PASSES: tuple[Callable[[Graph], Graph], ...] = (drop_identities, div_by_scalar_to_mul)
