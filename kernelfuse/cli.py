@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
         add_eval_arguments = None
     if add_eval_arguments is not None:
         add_eval_arguments(ev)
+    from kernelfuse.suite.cli import add_bench_arguments
+
+    add_bench_arguments(sub.add_parser("bench", help="optimize or judge a whole suite (KernelBench levels, folders)"))
     return parser
 
 
@@ -50,6 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "optimize":
             return _optimize(args)
+        if args.command == "bench":
+            from kernelfuse.suite.cli import run_bench
+
+            return run_bench(args)
         from kernelfuse.judge.cli import run_eval
 
         return run_eval(args)

@@ -1,0 +1,135 @@
+"""One problem's work in its own child process: `python -m kernelfuse.suite.job SPEC.json RESULT.json PHASE`.
+
+Two phases, so builds can run ahead on the CPU while the GPU times another problem:
+- "build": warm the caches without timing anything: the optimizer's variant extensions (or the candidate's own
+  load_inline builds) are compiled into torch's extension cache, and torch.compile's baseline is compiled once
+  into Inductor's cache (one untimed forward on the GPU; skipped when no baseline asks for it).
+- "judge": the optimizer end to end (`optimize_file`, whose builds now hit the cache) or the judge on the candidate;
+  the verdict JSON is written to RESULT.json.
+A crash or hang here kills only this child: the pool turns it into this problem's record.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+PHASES = ("build", "judge")
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """What to do for one problem. candidate None: optimize the problem into `output`."""
+
+    problem: str
+    candidate: str | None
+    output: str
+    precision: str = "strict"
+    baselines: tuple[str, ...] = ("eager", "compile")
+    cpu_only: bool = False
+    timeout_s: float = 900.0
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self)))
+
+    @staticmethod
+    def load(path: Path) -> JobSpec:
+        data = json.loads(path.read_text())
+        data["baselines"] = tuple(data["baselines"])
+        return JobSpec(**data)
+
+
+def run_phase(spec: JobSpec, phase: str) -> dict[str, Any]:
+    """Run one phase in this process and return what it found (JSON-ready)."""
+    start = time.perf_counter()
+    result = build(spec) if phase == "build" else judge(spec)
+    result["seconds"] = round(time.perf_counter() - start, 3)
+    return result
+
+
+def build(spec: JobSpec) -> dict[str, Any]:
+    """Compile the extensions the judge will load and warm torch.compile's cache; nothing is timed."""
+    from kernelfuse.pipeline import emit_file, prebuild
+
+    workdir = Path(tempfile.mkdtemp(prefix="kernelfuse_bench_build_"))
+    if spec.candidate is None:
+        from kernelfuse.capture import capture
+        from kernelfuse.load import load_problem
+        from kernelfuse.plan import plan_variants
+        from kernelfuse.rewrite import rewrite
+
+        problem = load_problem(spec.problem)
+        plans = [p for p in plan_variants(rewrite(capture(problem)), spec.precision) if p.fused]
+        files = [workdir / f"{problem.name}_{p.variant}.py" for p in plans]
+        for plan, path in zip(plans, files, strict=True):
+            path.write_text(emit_file(problem, plan, f"variant under evaluation: {plan.variant}"))
+    else:
+        from kernelfuse.judge import extract_candidate
+
+        candidate = extract_candidate(Path(spec.candidate))
+        files = [workdir / "candidate_modelnew.py"]
+        files[0].write_text(candidate.source)
+    prebuild(files, spec.timeout_s)
+    compiled = warm_compile(spec) if "compile" in spec.baselines and not spec.cpu_only else None
+    return {"prebuilt": len(files), "compile_warm_s": compiled}
+
+
+def warm_compile(spec: JobSpec) -> float | None:
+    """Compile the reference with torch.compile as the judge will (same model, seed and input shapes), so the
+    judge's compile reads Inductor's cache. Returns the seconds it took, or None without a GPU or on failure."""
+    import torch
+
+    from kernelfuse.load import DEFAULT_SEED, load_problem
+
+    if not torch.cuda.is_available():
+        return None
+    start = time.perf_counter()
+    try:
+        problem = load_problem(spec.problem)
+        model = problem.make_model(DEFAULT_SEED).cuda()
+        inputs = [x.cuda() if isinstance(x, torch.Tensor) else x for x in problem.make_inputs(DEFAULT_SEED)]
+        torch.compile(model)(*inputs)
+        torch.cuda.synchronize()
+    except Exception:  # noqa: BLE001 - a failed warm-up only means the judge compiles cold (and reports why)
+        return None
+    return round(time.perf_counter() - start, 3)
+
+
+def judge(spec: JobSpec) -> dict[str, Any]:
+    """The verdict on this problem: the optimizer's shipped file, or the given candidate."""
+    if spec.candidate is None:
+        from kernelfuse.pipeline import OptimizeOptions, optimize_file
+
+        options = OptimizeOptions(precision=spec.precision, timeout_s=spec.timeout_s,
+                                  use_gpu=False if spec.cpu_only else None, final_baselines=spec.baselines)
+        result = optimize_file(spec.problem, spec.output, options, log=lambda s: print(s, flush=True))
+        return {"verdict": result.final.to_json() if result.final is not None else None, "shipped": result.shipped,
+                "notes": result.notes, "cold_build_s": result.cold_build_s, "output": str(result.output)}
+    from kernelfuse.judge import EvalOptions, evaluate
+
+    options = EvalOptions(precision=spec.precision, timeout_s=spec.timeout_s, baselines=spec.baselines,
+                          device="cpu" if spec.cpu_only else "cuda")
+    return {"verdict": evaluate(spec.problem, spec.candidate, options).to_json()}
+
+
+def main(argv: list[str]) -> int:
+    spec_path, result_path, phase = Path(argv[0]), Path(argv[1]), argv[2]
+    if phase not in PHASES:
+        print(f"phase must be one of {PHASES}", file=sys.stderr)
+        return 2
+    try:
+        result = run_phase(JobSpec.load(spec_path), phase)
+    except Exception as err:  # noqa: BLE001 - the pool records this problem's failure and goes on
+        first = str(err).splitlines()[0] if str(err) else ""
+        result = {"error": f"{type(err).__name__}: {first}", "error_type": type(err).__name__}
+    result_path.write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
