@@ -19,3 +19,9 @@ class CaptureError(KernelfuseError):
     """The model's forward could not be traced to ATen ops."""
 
     exit_code = 3
+
+
+class UsageError(KernelfuseError):
+    """The command line names something unusable (an output path that cannot be written, a missing candidate)."""
+
+    exit_code = 2

@@ -20,16 +20,14 @@ from pathlib import Path
 
 import torch
 
-from kernelfuse.capture import Graph, capture
+from kernelfuse.capture import build_model, capture
 from kernelfuse.codegen import generate
+from kernelfuse.cpucheck import CpuCheck, check_plans
 from kernelfuse.emit import emit_modelnew, emit_reference
 from kernelfuse.judge import EvalOptions, Verdict, evaluate
-from kernelfuse.load import Problem, load_problem
-from kernelfuse.plan import Plan, interpret, plan_variants
-from kernelfuse.rewrite import rewrite
-
-CPU_CHECK_BATCH = 2
-CPU_TOLERANCE = 1e-5
+from kernelfuse.load import Problem, check_output_path, load_problem
+from kernelfuse.plan import Plan, plan_variants
+from kernelfuse.rewrite import RULE_NAMES, RuleFiring, apply_rules
 
 
 @dataclass(frozen=True)
@@ -40,14 +38,8 @@ class OptimizeOptions:
     use_gpu: bool | None = None  # None: use one when torch sees it
     final_baselines: tuple[str, ...] = ("eager", "compile")
     timing_reps: int = 50
-
-
-@dataclass(frozen=True)
-class CpuCheck:
-    variant: str
-    ok: bool
-    max_abs_err: float | None
-    note: str
+    no_rewrites: bool = False  # --no-rewrites: plan the graph as captured
+    disabled_rewrites: tuple[str, ...] = ()  # --no-rewrite NAME: rewrite rules switched off
 
 
 @dataclass(frozen=True)
@@ -66,26 +58,32 @@ class OptimizeResult:
     final: Verdict | None = None  # the judge's verdict on the shipped file (GPU only)
     notes: list[str] = field(default_factory=list)
     cold_build_s: float | None = None  # parallel first build of all variants (the judge's build_s is then cached)
+    rewrites: tuple[RuleFiring, ...] = ()  # the rewrite rules that fired, in order
 
 
 def optimize_file(problem_path: str | Path, out_path: str | Path, options: OptimizeOptions = OptimizeOptions(),
                   log: Callable[[str], None] = print) -> OptimizeResult:
+    out_path = check_output_path(Path(problem_path), Path(out_path))
     problem = load_problem(problem_path)
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
     log(f"[1/5] loaded {problem.path}")
-    graph = rewrite(capture(problem))
-    log(f"[2/5] captured {len(graph.nodes)} ATen nodes on fake tensors")
+    model = build_model(problem)
+    rewritten = apply_rules(capture(problem, model), RULE_NAMES if options.no_rewrites else options.disabled_rewrites)
+    graph = rewritten.graph
+    mode = "training" if graph.training else "eval"
+    log(f"[2/5] captured {len(graph.nodes)} ATen nodes on fake tensors ({mode} mode); {rewritten.summary()}")
     plans = plan_variants(graph, options.precision)
     for plan in plans:
         log("[3/5] " + plan.summary().replace("\n", "\n      "))
-    checks = [check_on_cpu(problem, graph, plan) for plan in plans]
+    checks = check_plans(problem, model, graph, plans, options.precision)
+    del model  # the weights are not needed past the check: the judge builds its own copies
     for c in checks:
-        log(f"[4/5] CPU interpreter check ({c.variant}): {'ok' if c.ok else 'FAILED'} — {c.note}")
+        log(f"[4/5] CPU interpreter check ({c.variant}): {c.status} — {c.note}")
     use_gpu = torch.cuda.is_available() if options.use_gpu is None else options.use_gpu
-    result = OptimizeResult(out_path, plans[0].variant, plans, checks)
-    good = [p for p, c in zip(plans, checks, strict=True) if c.ok]
-    if not any(p.fused for p in plans):
+    result = OptimizeResult(out_path, plans[0].variant, plans, checks, rewrites=rewritten.fired)
+    # a plan that passed comes first; a skipped check is no pass, but the GPU judge still verifies such a plan
+    good = [p for p, c in sorted(zip(plans, checks, strict=True), key=lambda pc: not pc[1].ok)
+            if c.ok or c.skipped]
+    if not any(p.fused or p.generated for p in plans):
         result.notes.append("nothing to fuse (no library call with pointwise ops behind it): "
                             "shipping the unfused model")
         return _ship_unfused(problem, result, log)
@@ -94,10 +92,11 @@ def optimize_file(problem_path: str | Path, out_path: str | Path, options: Optim
         return _ship_unfused(problem, result, log)
     if not use_gpu:
         plan = good[0]
+        check = checks[plans.index(plan)]
         out_path.write_text(emit_file(problem, plan, "not verified on a GPU (none available)"))
         result.shipped = plan.variant
-        result.notes.append("no CUDA device: GPU build, verification and benchmark did NOT run; "
-                            "the plan was checked with the CPU interpreter only")
+        result.notes.append("no CUDA device: GPU build, verification and benchmark did NOT run; " + (
+            "the plan was checked with the CPU interpreter only" if check.ok else f"the CPU check was {check.note}"))
         log(f"[5/5] wrote {out_path} ({plan.variant})")
         return result
     return _choose_on_gpu(problem, good, options, result, log)
@@ -105,47 +104,6 @@ def optimize_file(problem_path: str | Path, out_path: str | Path, options: Optim
 
 def emit_file(problem: Problem, plan: Plan, report: str) -> str:
     return emit_modelnew(problem, plan, generate(plan), report)
-
-
-def check_on_cpu(problem: Problem, graph: Graph, plan: Plan) -> CpuCheck:
-    """Interpret the plan on the CPU against the original model, on the real weights and small batches."""
-    try:
-        model = problem.make_model()
-        inputs = small_inputs(graph)
-        state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-        with torch.no_grad():
-            torch.manual_seed(0)
-            expected = model(*inputs)
-            torch.manual_seed(0)
-            got = interpret(plan, state, inputs)
-    except Exception as err:  # noqa: BLE001 - the check reports, the pipeline decides
-        return CpuCheck(plan.variant, False, None, f"interpreter raised {type(err).__name__}: {err}")
-    expected = list(expected) if isinstance(expected, (tuple, list)) else [expected]
-    if len(expected) != len(got):
-        return CpuCheck(plan.variant, False, None, f"{len(got)} outputs, model returns {len(expected)}")
-    worst = 0.0
-    for e, g in zip(expected, got, strict=True):
-        if e.shape != g.shape or e.dtype != g.dtype:
-            what = f"output {tuple(g.shape)} {g.dtype} vs {tuple(e.shape)} {e.dtype}"
-            return CpuCheck(plan.variant, False, None, what)
-        if not torch.allclose(g, e, atol=CPU_TOLERANCE, rtol=CPU_TOLERANCE, equal_nan=True):
-            err = (g.double() - e.double()).abs().max().item()
-            return CpuCheck(plan.variant, False, err, f"mismatch, max abs error {err:.3g}")
-        worst = max(worst, (g.double() - e.double()).abs().max().item() if g.numel() else 0.0)
-    shapes = ", ".join(str(tuple(t.shape)) for t in inputs)
-    return CpuCheck(plan.variant, True, worst, f"max abs error {worst:.3g} on inputs {shapes}")
-
-
-def small_inputs(graph: Graph, batch: int = CPU_CHECK_BATCH) -> list[torch.Tensor]:
-    """Random inputs with the captured shapes, the leading (batch) dimension cut to `batch` to fit the CPU."""
-    out = []
-    for node in graph.inputs:
-        shape = list(node.meta.shape)
-        if shape:
-            shape[0] = min(shape[0], batch)
-        out.append(torch.rand(shape, dtype=node.meta.dtype) if node.meta.dtype.is_floating_point
-                   else torch.zeros(shape, dtype=node.meta.dtype))
-    return out
 
 
 def _choose_on_gpu(problem: Problem, plans: list[Plan], options: OptimizeOptions, result: OptimizeResult,

@@ -151,7 +151,8 @@ def forward(self, x):
 
 def test_untraceable_forward_raises_capture_error(tmp_path):
     path = write_problem(tmp_path, "untraceable", UNTRACEABLE, "[torch.rand(4, 16)]")
-    with pytest.raises(CaptureError, match=r"forward branches on a tensor's value at line 13 \(if y.sum\(\) > 0:") as info:
+    message = r"forward branches on a tensor's value at line 13 \(if y.sum\(\) > 0:"
+    with pytest.raises(CaptureError, match=message) as info:
         capture(load_problem(path))
     assert info.value.exit_code == 3
 

@@ -36,7 +36,7 @@ def build_module(model: torch.nn.Module, plan: Plan, sources: CudaSources | None
     """A module whose forward runs `plan` (its kernels built now), falling back to `model` like a ModelNew."""
     specs = [(tuple(n.meta.shape), n.meta.dtype) for n in plan.graph.inputs]
     namespace: dict[str, object] = {"torch": torch, "hashlib": hashlib, "inspect": inspect, "INPUT_SPECS": specs,
-                                 "CAPTURED_TRAINING": plan.graph.training}
+                                    "CAPTURED_TRAINING": plan.graph.training}
     if sources is not None:
         namespace.update(NAME=type(model).__name__.lower(), FUNCTIONS=sources.functions,
                          CUDA_SRC=sources.cuda, CPP_SRC=sources.cpp)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from kernelfuse.errors import ProblemError
+from kernelfuse.load.paths import read_source
 
 REQUIRED_NAMES = ("Model", "get_inputs", "get_init_inputs")
 DEFAULT_SEED = 42
@@ -63,9 +64,7 @@ def load_problem(path: str | Path) -> Problem:
     import, or a missing name.
     """
     path = Path(path)
-    if not path.is_file():
-        raise ProblemError(f"{path}: no such file")
-    source = path.read_text()
+    source = read_source(path)
     try:
         code = compile(source, str(path), "exec")
     except SyntaxError as err:

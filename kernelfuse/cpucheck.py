@@ -1,0 +1,183 @@
+"""The CPU check: interpret each plan with torch ops against the original model, on the real weights.
+
+A plan is specialised to the captured shapes (views and group norms carry the batch size as constants), so the
+check does not cut the batch of a captured plan. It re-captures the forward at a small batch and re-plans it with
+the same planner and policy; when that graph and plan have the same structure as the shipped one (same ATen op
+sequence, same fusion summary), the small plan is checked. Otherwise the shipped plan itself is checked at full
+shape when that fits in `FULL_SHAPE_LIMIT_BYTES`. Where neither can run the result says "skipped" and why: a
+skipped check never counts as a pass. Every check is time-bounded.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from kernelfuse.capture import Graph, capture
+from kernelfuse.capture.trace import module_state
+from kernelfuse.errors import KernelfuseError
+from kernelfuse.load import Problem
+from kernelfuse.plan import Plan, interpret, plan_variants
+from kernelfuse.rewrite import rewrite
+
+CHECK_BATCH = 2
+CHECK_TIMEOUT_S = 30.0
+FULL_SHAPE_LIMIT_BYTES = 2 * 1024**3
+TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 2e-2}  # the rest (fp32, fp64, integers): 1e-5
+DEFAULT_TOLERANCE = 1e-5
+
+
+@dataclass(frozen=True)
+class CpuCheck:
+    variant: str
+    ok: bool
+    max_abs_err: float | None
+    note: str
+    skipped: bool = False  # could not run (reason in `note`): neither a pass nor a failure
+
+    @property
+    def status(self) -> str:
+        return "skipped" if self.skipped else "ok" if self.ok else "FAILED"
+
+
+class _Skip(Exception):
+    """The check cannot run here; the message is the reason."""
+
+
+class _Timeout(Exception):
+    pass
+
+
+def check_plans(problem: Problem, model: torch.nn.Module, graph: Graph, plans: list[Plan], precision: str,
+                timeout_s: float = CHECK_TIMEOUT_S) -> list[CpuCheck]:
+    """One CpuCheck per plan (`graph`: the rewritten graph the plans were made from; `model`: its module)."""
+    try:
+        with _time_limit(timeout_s):
+            return [_check(problem, model, plan, p, inputs) for plan, (p, inputs) in
+                    zip(plans, _checkable(problem, model, graph, plans, precision), strict=True)]
+    except _Skip as why:
+        return [CpuCheck(p.variant, False, None, f"skipped: {why}", skipped=True) for p in plans]
+    except _Timeout:
+        return [CpuCheck(p.variant, False, None, f"skipped: the check ran past its {timeout_s:.0f} s limit",
+                         skipped=True) for p in plans]
+
+
+def _checkable(problem: Problem, model: torch.nn.Module, graph: Graph, plans: list[Plan],
+               precision: str) -> list[tuple[Plan, list[torch.Tensor]]]:
+    """For each plan, the plan to interpret and its inputs: a re-planned small-batch twin, or itself at full shape."""
+    if any(t.is_meta for _, t in module_state(model)):
+        raise _Skip("the model's parameters exceed 2 GB: built on the meta device, no weights to check with")
+    small = _small_twins(problem, model, graph, plans, precision)
+    if small is not None:
+        return small
+    full = sum(n.meta.numel * n.meta.dtype.itemsize for n in graph.nodes if n.meta is not None)
+    if full > FULL_SHAPE_LIMIT_BYTES:
+        raise _Skip(f"the graph is not batch-independent and needs {full / 2**30:.1f} GB at full shape "
+                    f"(limit {FULL_SHAPE_LIMIT_BYTES / 2**30:.0f} GB)")
+    inputs = random_inputs(graph)
+    return [(p, inputs) for p in plans]
+
+
+def _small_twins(problem: Problem, model: torch.nn.Module, graph: Graph, plans: list[Plan],
+                 precision: str) -> list[tuple[Plan, list[torch.Tensor]]] | None:
+    """Plans re-made by the same planner on a small-batch capture, if their structure is the shipped plans'."""
+    if all(not n.meta.shape or n.meta.shape[0] <= CHECK_BATCH for n in graph.inputs):
+        return None  # already small: check the plans themselves
+    try:
+        small_graph = rewrite(capture(problem, model, batch=CHECK_BATCH))
+    except KernelfuseError:
+        return None
+    twins = {p.variant: p for p in plan_variants(small_graph, precision)}
+    if [n.op for n in small_graph.nodes] != [n.op for n in graph.nodes]:
+        return None
+    out = []
+    for plan in plans:
+        twin = twins.get(plan.variant)
+        if twin is None or twin.summary() != plan.summary():
+            return None
+        out.append((twin, random_inputs(small_graph)))
+    return out
+
+
+def _check(problem: Problem, model: torch.nn.Module, shipped: Plan, plan: Plan,
+           inputs: list[torch.Tensor]) -> CpuCheck:
+    state = dict(module_state(model))
+    before = {k: v.clone() for k, v in state.items() if not isinstance(v, torch.nn.Parameter)}
+    try:
+        with torch.no_grad():
+            torch.manual_seed(0)
+            expected = model(*inputs)
+    except Exception as err:  # noqa: BLE001 - the model itself cannot run on the CPU: nothing to compare with
+        raise _Skip(f"the model does not run on the CPU at the check's shapes ({type(err).__name__}: "
+                    f"{_first_line(err)})") from None
+    finally:
+        _restore(state, before)
+    try:
+        with torch.no_grad():
+            torch.manual_seed(0)
+            got = interpret(plan, {**state, **{k: v.clone() for k, v in before.items()}}, inputs)
+    except Exception as err:  # noqa: BLE001 - the check reports, the pipeline decides
+        return CpuCheck(shipped.variant, False, None, f"interpreter raised {type(err).__name__}: {_first_line(err)}")
+    return compare(shipped.variant, expected, got, inputs)
+
+
+def compare(variant: str, expected: object, got: list[torch.Tensor], inputs: list[torch.Tensor]) -> CpuCheck:
+    """Same count, shapes and dtypes, values within the dtype's tolerance (NaN where NaN)."""
+    expected = list(expected) if isinstance(expected, (tuple, list)) else [expected]
+    if len(expected) != len(got):
+        return CpuCheck(variant, False, None, f"{len(got)} outputs, model returns {len(expected)}")
+    worst = 0.0
+    for e, g in zip(expected, got, strict=True):
+        if not isinstance(e, torch.Tensor) or e.shape != g.shape or e.dtype != g.dtype:
+            what = f"output {tuple(g.shape)} {g.dtype} vs {getattr(e, 'shape', e)} {getattr(e, 'dtype', '')}"
+            return CpuCheck(variant, False, None, what)
+        tol = TOLERANCE.get(e.dtype, DEFAULT_TOLERANCE)
+        err = (g.double() - e.double()).abs().nan_to_num(0.0).max().item() if g.numel() else 0.0
+        if not torch.allclose(g, e, atol=tol, rtol=tol, equal_nan=True):
+            return CpuCheck(variant, False, err, f"mismatch, max abs error {err:.3g} (tolerance {tol:g})")
+        worst = max(worst, err)
+    shapes = ", ".join(str(tuple(t.shape)) for t in inputs)
+    return CpuCheck(variant, True, worst, f"max abs error {worst:.3g} on inputs {shapes}")
+
+
+def random_inputs(graph: Graph) -> list[torch.Tensor]:
+    """Inputs with the graph's shapes and dtypes: uniform [0, 1) floats, zeros otherwise."""
+    return [torch.rand(n.meta.shape, dtype=n.meta.dtype) if n.meta.dtype.is_floating_point
+            else torch.zeros(n.meta.shape, dtype=n.meta.dtype) for n in graph.inputs]
+
+
+def _restore(state: dict[str, torch.Tensor], before: dict[str, torch.Tensor]) -> None:
+    """Put back buffers the model's forward updated in place (BatchNorm running statistics in training mode)."""
+    with torch.no_grad():
+        for k, v in before.items():
+            if state[k].shape == v.shape:
+                state[k].copy_(v)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+@contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Raise _Timeout in the main thread after `seconds` (between torch calls); no limit in other threads."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum: int, frame: object) -> None:
+        raise _Timeout
+
+    previous: Callable | int | None = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
