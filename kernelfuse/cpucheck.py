@@ -54,12 +54,13 @@ class _Timeout(Exception):
 
 
 def check_plans(problem: Problem, model: torch.nn.Module, graph: Graph, plans: list[Plan], precision: str,
-                timeout_s: float = CHECK_TIMEOUT_S) -> list[CpuCheck]:
-    """One CpuCheck per plan (`graph`: the rewritten graph the plans were made from; `model`: its module)."""
+                prepare: Callable[[Graph], Graph] = rewrite, timeout_s: float = CHECK_TIMEOUT_S) -> list[CpuCheck]:
+    """One CpuCheck per plan. `graph`: the graph the plans were made from, `prepare` applied to its capture (the
+    same rewrite rules make the small-batch twin); `model`: the problem's module, with its real weights."""
     try:
         with _time_limit(timeout_s):
-            return [_check(problem, model, plan, p, inputs) for plan, (p, inputs) in
-                    zip(plans, _checkable(problem, model, graph, plans, precision), strict=True)]
+            twins = _checkable(problem, model, graph, plans, precision, prepare)
+            return [_check(model, plan, p, inputs) for plan, (p, inputs) in zip(plans, twins, strict=True)]
     except _Skip as why:
         return [CpuCheck(p.variant, False, None, f"skipped: {why}", skipped=True) for p in plans]
     except _Timeout:
@@ -67,12 +68,12 @@ def check_plans(problem: Problem, model: torch.nn.Module, graph: Graph, plans: l
                          skipped=True) for p in plans]
 
 
-def _checkable(problem: Problem, model: torch.nn.Module, graph: Graph, plans: list[Plan],
-               precision: str) -> list[tuple[Plan, list[torch.Tensor]]]:
+def _checkable(problem: Problem, model: torch.nn.Module, graph: Graph, plans: list[Plan], precision: str,
+               prepare: Callable[[Graph], Graph]) -> list[tuple[Plan, list[torch.Tensor]]]:
     """For each plan, the plan to interpret and its inputs: a re-planned small-batch twin, or itself at full shape."""
     if any(t.is_meta for _, t in module_state(model)):
         raise _Skip("the model's parameters exceed 2 GB: built on the meta device, no weights to check with")
-    small = _small_twins(problem, model, graph, plans, precision)
+    small = _small_twins(problem, model, graph, plans, precision, prepare)
     if small is not None:
         return small
     full = sum(n.meta.numel * n.meta.dtype.itemsize for n in graph.nodes if n.meta is not None)
@@ -83,13 +84,13 @@ def _checkable(problem: Problem, model: torch.nn.Module, graph: Graph, plans: li
     return [(p, inputs) for p in plans]
 
 
-def _small_twins(problem: Problem, model: torch.nn.Module, graph: Graph, plans: list[Plan],
-                 precision: str) -> list[tuple[Plan, list[torch.Tensor]]] | None:
+def _small_twins(problem: Problem, model: torch.nn.Module, graph: Graph, plans: list[Plan], precision: str,
+                 prepare: Callable[[Graph], Graph]) -> list[tuple[Plan, list[torch.Tensor]]] | None:
     """Plans re-made by the same planner on a small-batch capture, if their structure is the shipped plans'."""
     if all(not n.meta.shape or n.meta.shape[0] <= CHECK_BATCH for n in graph.inputs):
         return None  # already small: check the plans themselves
     try:
-        small_graph = rewrite(capture(problem, model, batch=CHECK_BATCH))
+        small_graph = prepare(capture(problem, model, batch=CHECK_BATCH))
     except KernelfuseError:
         return None
     twins = {p.variant: p for p in plan_variants(small_graph, precision)}
@@ -104,7 +105,7 @@ def _small_twins(problem: Problem, model: torch.nn.Module, graph: Graph, plans: 
     return out
 
 
-def _check(problem: Problem, model: torch.nn.Module, shipped: Plan, plan: Plan,
+def _check(model: torch.nn.Module, shipped: Plan, plan: Plan,
            inputs: list[torch.Tensor]) -> CpuCheck:
     state = dict(module_state(model))
     before = {k: v.clone() for k, v in state.items() if not isinstance(v, torch.nn.Parameter)}

@@ -67,14 +67,15 @@ def optimize_file(problem_path: str | Path, out_path: str | Path, options: Optim
     problem = load_problem(problem_path)
     log(f"[1/5] loaded {problem.path}")
     model = build_model(problem)
-    rewritten = apply_rules(capture(problem, model), RULE_NAMES if options.no_rewrites else options.disabled_rewrites)
+    disabled = RULE_NAMES if options.no_rewrites else options.disabled_rewrites
+    rewritten = apply_rules(capture(problem, model), disabled)
     graph = rewritten.graph
     mode = "training" if graph.training else "eval"
     log(f"[2/5] captured {len(graph.nodes)} ATen nodes on fake tensors ({mode} mode); {rewritten.summary()}")
     plans = plan_variants(graph, options.precision)
     for plan in plans:
         log("[3/5] " + plan.summary().replace("\n", "\n      "))
-    checks = check_plans(problem, model, graph, plans, options.precision)
+    checks = check_plans(problem, model, graph, plans, options.precision, lambda g: apply_rules(g, disabled).graph)
     del model  # the weights are not needed past the check: the judge builds its own copies
     for c in checks:
         log(f"[4/5] CPU interpreter check ({c.variant}): {c.status} — {c.note}")
