@@ -33,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--trials", type=int, default=5, help="verification trials with fresh inputs (default 5)")
     opt.add_argument("--no-compile-baseline", action="store_true", help="skip timing torch.compile in the report")
     opt.add_argument("--cpu-only", action="store_true", help="do not use a GPU even if one is present")
+    opt.add_argument("--no-rewrite", action="append", default=[], metavar="NAME",
+                     help="switch off one rewrite rule (repeatable; the log names the rules that fired)")
+    opt.add_argument("--no-rewrites", action="store_true", help="switch off every rewrite rule")
     ev = sub.add_parser("eval", help="judge a ModelNew candidate (file or model reply) against its problem")
     try:
         from kernelfuse.judge.cli import add_eval_arguments
@@ -80,6 +83,8 @@ def _optimize(args: argparse.Namespace) -> int:
         precision=args.precision,
         trials=args.trials,
         use_gpu=False if args.cpu_only else None,
+        no_rewrites=args.no_rewrites,
+        disabled_rewrites=tuple(args.no_rewrite),
         final_baselines=("eager",) if args.no_compile_baseline else ("eager", "compile"),
     )
     result = optimize_file(args.problem, args.output, options, log=lambda s: print(s, flush=True))

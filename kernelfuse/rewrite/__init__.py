@@ -1,5 +1,16 @@
-"""Stage 3 — rewrite: exact algebraic clean-ups of the Graph before planning."""
+"""Stage 3 — rewrite: exact algebraic simplifications of the Graph before planning, as named, switchable rules."""
 
-from kernelfuse.rewrite.rules import PASSES, div_by_scalar_to_mul, drop_identities, rewrite
+from kernelfuse.rewrite.engine import RuleFiring
+from kernelfuse.rewrite.rules import (
+    RULE_NAMES,
+    RULES,
+    RewriteResult,
+    Rule,
+    apply_rules,
+    div_by_scalar_to_mul,
+    drop_identities,
+    rewrite,
+)
 
-__all__ = ["PASSES", "div_by_scalar_to_mul", "drop_identities", "rewrite"]
+__all__ = ["RULES", "RULE_NAMES", "RewriteResult", "Rule", "RuleFiring", "apply_rules", "div_by_scalar_to_mul",
+           "drop_identities", "rewrite"]

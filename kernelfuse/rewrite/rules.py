@@ -1,21 +1,32 @@
-"""Graph rewrites before planning: each a pure named function Graph -> Graph, applied in the order of `PASSES`.
+"""The rewrite stage: named rules applied in the order of `RULES`, each individually switchable.
 
-Every rule preserves eager numerics exactly (each has a test that proves it on the CPU).
+A rule is either a whole-graph pass (Graph -> Graph) or a local rule (a match at one node, see
+`kernelfuse.rewrite.engine`). The stage applies the list again until no rule fires, so a rule can expose work
+for one listed before it, and records every firing. Every rule states its identity and conditions in its
+docstring and has a CPU test that proves it on random values and one where its condition fails.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from kernelfuse.capture import Graph, Node, Ref
+from kernelfuse.errors import KernelfuseError
+from kernelfuse.rewrite.chains import collapse_clamps, common_subexpressions, double_views, neutral_scalars
+from kernelfuse.rewrite.engine import Match, RuleFiring, rebuild, rewire, run_local
+from kernelfuse.rewrite.monotonic import reduce_before_monotonic
+from kernelfuse.rewrite.reductions import reduce_before_affine, reduce_linear_output, size1_reductions
 
 # Ops that return their input's value unchanged; in a traced, non-mutating graph they can be bypassed.
 IDENTITY_OPS = frozenset({"alias.default", "detach.default", "clone.default", "lift_fresh_copy.default"})
 # Of those, the ones that return fresh storage: kept when returned, so the caller never receives an input, a
 # parameter or another output itself where the model returned a copy.
 COPY_OPS = frozenset({"clone.default", "lift_fresh_copy.default"})
+MAX_ROUNDS = 10  # passes over the whole list; each round that fires removes or shrinks work, so few are needed
 
 
 def drop_identities(graph: Graph) -> Graph:
@@ -41,9 +52,9 @@ def drop_identities(graph: Graph) -> Graph:
                 and node.name not in returned_copies:
             rename[node.name] = _resolve(node.args[0], rename)
             continue
-        kept.append(_rewire(node, rename))
+        kept.append(rewire(node, rename))
     outputs = tuple(_resolve(r, rename) for r in graph.outputs)
-    return Graph(tuple(kept), outputs, graph.training)
+    return rebuild(graph, kept, outputs)
 
 
 def div_by_scalar_to_mul(graph: Graph) -> Graph:
@@ -56,16 +67,100 @@ def div_by_scalar_to_mul(graph: Graph) -> Graph:
             inv = (torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(node.args[1]), dtype=torch.float32))
             node = Node(node.name, "mul.Tensor", (node.args[0], inv.item()), node.meta, node.target)
         nodes.append(node)
-    return Graph(tuple(nodes), graph.outputs, graph.training)
+    return rebuild(graph, nodes, graph.outputs)
 
 
-PASSES: tuple[Callable[[Graph], Graph], ...] = (drop_identities, div_by_scalar_to_mul)
+class UnknownRewriteError(KernelfuseError):
+    """A rule named to be switched off (`--no-rewrite NAME`) does not exist: a usage error."""
+
+    exit_code = 2
 
 
-def rewrite(graph: Graph, passes: tuple[Callable[[Graph], Graph], ...] = PASSES) -> Graph:
-    for rule in passes:
-        graph = rule(graph)
-    return graph
+@dataclass(frozen=True)
+class Rule:
+    """A named rule: `run` maps a graph to the rewritten graph and the firings it made."""
+
+    name: str
+    run: Callable[[Graph], tuple[Graph, tuple[RuleFiring, ...]]]
+    doc: str
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.doc}"
+
+
+@dataclass(frozen=True)
+class RewriteResult:
+    graph: Graph
+    fired: tuple[RuleFiring, ...]
+
+    @property
+    def rules_fired(self) -> tuple[str, ...]:
+        """Names of the rules that fired, in order of first firing, each once."""
+        return tuple(dict.fromkeys(f.rule for f in self.fired))
+
+    def summary(self) -> str:
+        if not self.fired:
+            return "rewrites: none fired"
+        counts = [f"{name} x{sum(f.rule == name for f in self.fired)}" for name in self.rules_fired]
+        return "rewrites: " + ", ".join(counts)
+
+
+def _whole(fn: Callable[[Graph], Graph]) -> Rule:
+    def run(graph: Graph) -> tuple[Graph, tuple[RuleFiring, ...]]:
+        out = fn(graph)
+        if out == graph:
+            return graph, ()
+        new = {n.name: n.op for n in out.nodes}
+        changed = tuple(n.name for n in graph.nodes if new.get(n.name) != n.op)
+        return out, (RuleFiring(fn.__name__, changed, _first_line(fn)),)
+
+    return Rule(fn.__name__, run, _first_line(fn))
+
+
+def _local(match: Match) -> Rule:
+    return Rule(match.__name__, partial(run_local, match.__name__, match), _first_line(match))
+
+
+def _first_line(fn: Callable) -> str:
+    return (fn.__doc__ or "").strip().split("\n")[0]
+
+
+RULES: tuple[Rule, ...] = (
+    _whole(drop_identities),
+    _whole(div_by_scalar_to_mul),
+    _local(common_subexpressions),
+    _local(neutral_scalars),
+    _local(double_views),
+    _local(collapse_clamps),
+    _local(size1_reductions),
+    _local(reduce_before_monotonic),
+    _local(reduce_before_affine),
+    _local(reduce_linear_output),
+)
+RULE_NAMES: tuple[str, ...] = tuple(r.name for r in RULES)
+
+
+def apply_rules(graph: Graph, disabled: Collection[str] = ()) -> RewriteResult:
+    """Apply every rule not in `disabled`, in order, until none fires; the result records each firing."""
+    unknown = sorted(set(disabled) - set(RULE_NAMES))
+    if unknown:
+        raise UnknownRewriteError(f"unknown rewrite rule {', '.join(unknown)}: the rules are "
+                                  f"{', '.join(RULE_NAMES)}")
+    fired: list[RuleFiring] = []
+    for _ in range(MAX_ROUNDS):
+        before = len(fired)
+        for rule in RULES:
+            if rule.name not in disabled:
+                graph, new = rule.run(graph)
+                fired.extend(new)
+        if len(fired) == before:
+            break
+    return RewriteResult(graph, tuple(fired))
+
+
+def rewrite(graph: Graph, disabled: Collection[str] = ()) -> Graph:
+    """The rewritten graph (see `apply_rules` for the record of what fired)."""
+    return apply_rules(graph, disabled).graph
 
 
 def _resolve(arg: object, rename: dict[str, Ref]) -> Ref:
@@ -73,14 +168,3 @@ def _resolve(arg: object, rename: dict[str, Ref]) -> Ref:
     while arg.name in rename:
         arg = rename[arg.name]
     return arg
-
-
-def _rewire(node: Node, rename: dict[str, Ref]) -> Node:
-    def sub(a: object) -> object:
-        if isinstance(a, Ref):
-            return _resolve(a, rename)
-        if isinstance(a, tuple):
-            return tuple(sub(x) for x in a)
-        return a
-
-    return Node(node.name, node.op, tuple(sub(a) for a in node.args), node.meta, node.target)

@@ -1,0 +1,166 @@
+"""Rules that make reductions cheaper: over size-1 dims, before affine scalar ops, and after a Linear.
+
+Each rule holds in real arithmetic; where fp32 rounding can differ (the order of a sum changes) the docstring
+says so, and the judge checks the result within the precision policy's tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kernelfuse.capture import Graph, Node, Ref
+from kernelfuse.rewrite.engine import FLOATS, Builder, Replacement, scalar, single_use
+
+LIST_REDUCTIONS = frozenset({"sum.dim_IntList", "mean.dim", "amax.default", "amin.default", "logsumexp.default"})
+INDEXED_REDUCTIONS = frozenset({"max.dim", "min.dim"})  # (values, indices), read through getitem
+LINEAR_REDUCTIONS = frozenset({"sum.dim_IntList", "mean.dim"})
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """A reduction node read as (input, reduced dims, keepdim); dims are non-negative and sorted."""
+
+    x: Ref
+    dims: tuple[int, ...]
+    keepdim: bool
+
+
+def as_reduction(graph: Graph, node: Node) -> Reduction | None:
+    """`node` as a reduction over listed dims of a float tensor, or None (kwargs such as dtype, reduce-all)."""
+    if node.op not in LIST_REDUCTIONS | INDEXED_REDUCTIONS or len(node.args) < 2:
+        return None
+    x, dims = node.args[0], node.args[1]
+    if not isinstance(x, Ref) or any(isinstance(a, tuple) and a[:1] == ("kw",) for a in node.args):
+        return None
+    meta = graph[x].meta
+    dims = (dims,) if isinstance(dims, int) else dims
+    if meta is None or meta.dtype not in FLOATS or not isinstance(dims, tuple) or not dims:
+        return None
+    rank = max(len(meta.shape), 1)
+    keepdim = bool(node.args[2]) if len(node.args) > 2 else False
+    return Reduction(x, tuple(sorted(d % rank for d in dims)), keepdim)
+
+
+def unused_indices(graph: Graph, multi: Node, values: Node) -> bool:
+    """Every reader of a (values, indices) op other than `values` is an unused getitem of the indices."""
+    return all(u is values or (u.op == "getitem" and u.args[1] == 1 and not graph.users(u.name)
+                               and not graph.is_output(u.name)) for u in graph.users(multi.name))
+
+
+def size1_reductions(graph: Graph, node: Node) -> Replacement | None:
+    """A reduction or normalisation over dims that all have size 1 does nothing to the values.
+
+    sum, mean, amax, amin, logsumexp and max/min (values; the indices must be unused, they would be zeros) over
+    size-1 dims return x itself (a view without those dims when keepdim is false): exact for every float value,
+    including NaN and +-Inf (logsumexp of one element is that element: ATen replaces an infinite max by 0).
+    softmax over a size-1 dim is 1 where x is finite and NaN where x is +-Inf or NaN: written `(x - x) + 1`,
+    which is exactly that; log_softmax is `x - x` (0, or NaN at non-finite x). Float dtypes only (an integer
+    sum would promote); no dtype argument.
+    """
+    if node.op in ("_softmax.default", "_log_softmax.default"):
+        x, dim, half_to_float = node.args[:3]
+        meta = graph[x].meta if isinstance(x, Ref) else None
+        if meta is None or meta.dtype not in FLOATS or half_to_float or meta.shape[dim] != 1:
+            return None
+        b = Builder(graph, node)
+        zero = b.add("sub.Tensor", x, x)
+        if node.op == "_log_softmax.default":
+            return b.done(zero, "log_softmax over a size-1 dim is x - x")
+        return b.done(b.add("add.Tensor", zero, 1.0), "softmax over a size-1 dim is (x - x) + 1")
+    values = node
+    if node.op == "getitem" and node.args[1] == 0 and graph[node.args[0]].op in INDEXED_REDUCTIONS:
+        node = graph[node.args[0]]
+        if not unused_indices(graph, node, values):
+            return None
+    elif node.op not in LIST_REDUCTIONS:
+        return None
+    r = as_reduction(graph, node)
+    if r is None or any(graph[r.x].meta.shape[d] != 1 for d in r.dims):
+        return None
+    b = Builder(graph, values)
+    what = f"{node.op.split('.')[0]} over size-1 dims {list(r.dims)}"
+    if r.keepdim:
+        return b.done(r.x, f"{what} is the identity")
+    return b.done(b.add("view.default", r.x, values.meta.shape), f"{what} is a view")
+
+
+AFFINE_OPS = frozenset({"mul.Tensor", "div.Tensor", "add.Tensor", "sub.Tensor"})
+
+
+def reduce_before_affine(graph: Graph, node: Node) -> Replacement | None:
+    """sum/mean of (x * c), (x / c), (x + c) or (x - c) for a finite Python scalar c moves the scalar op after the
+    reduction, which then runs on the smaller tensor and may meet a Linear (see `reduce_linear_output`).
+
+    sum(x*c) = sum(x)*c and mean(x*c) = mean(x)*c, division likewise (c != 0: zero is left alone, x*0 is NaN
+    at Inf and 0 elsewhere, 0*sum(x) differs where the sum overflows); sum(x+c) = sum(x) + n*c with n the
+    number of reduced elements, but mean(x+c) = mean(x) + c; likewise for subtraction. Exact in real
+    arithmetic; in fp32 the rounding of the scalar step moves (one rounding instead of n), and NaN/Inf
+    propagate the same way. The scalar op must be the reduction's only reader, keep x's dtype (no promotion)
+    and not broadcast x.
+    """
+    if node.op not in LINEAR_REDUCTIONS:
+        return None
+    r = as_reduction(graph, node)
+    if r is None:
+        return None
+    inner = graph[r.x]
+    if inner.op not in AFFINE_OPS or len(inner.args) != 2 or single_use(graph, inner.name) is not node:
+        return None
+    a, c = inner.args
+    if inner.op in ("mul.Tensor", "add.Tensor") and isinstance(c, Ref):
+        a, c = c, a
+    value = scalar(c)
+    if not isinstance(a, Ref) or value is None or not math.isfinite(value) or graph[a].meta != inner.meta:
+        return None
+    if inner.op in ("mul.Tensor", "div.Tensor") and value == 0:
+        return None
+    shape = graph[a].meta.shape
+    n = math.prod(shape[d] for d in r.dims)
+    if inner.op in ("add.Tensor", "sub.Tensor") and node.op == "sum.dim_IntList":
+        value *= n
+    b = Builder(graph, node)
+    reduced = b.add(node.op, a, *node.args[1:])
+    out = b.add(inner.op, reduced, value)
+    return b.done(out, f"{node.op.split('.')[0]}({inner.op.split('.')[0]}(x, {c!r})) = "
+                       f"{inner.op.split('.')[0]}({node.op.split('.')[0]}(x), {value!r})")
+
+
+def reduce_linear_output(graph: Graph, node: Node) -> Replacement | None:
+    """sum/mean over the output features of a matrix product is a matrix-vector product with the weight reduced
+    first: sum_j (x @ B)[i, j] = x @ B.sum(1), and for addmm(bias, x, B) plus bias.sum(-1) (mean likewise with
+    means). The reduced weight is recomputed from the parameter on every call (never cached: weights change).
+
+    Conditions: 2-d mm/addmm without beta/alpha, reduction over dim 1 only, the product has no other reader
+    (else the GEMM still runs and nothing is saved), the bias's last dim is the feature dim (a bias broadcast
+    along the features would need n * b), float32/float64. Exact in real arithmetic; in floating point the sum
+    is reassociated (weights summed first), which changes rounding, not the order of magnitude of the error.
+    For finite inputs only: an Inf in x meets weights of both signs in different columns (NaN in the original
+    sum) but their sum in one product here.
+    """
+    if node.op not in LINEAR_REDUCTIONS:
+        return None
+    r = as_reduction(graph, node)
+    if r is None or r.dims != (1,) or len(graph[r.x].meta.shape) != 2:
+        return None
+    mm = graph[r.x]
+    if mm.op not in ("mm.default", "addmm.default") or single_use(graph, mm.name) is not node:
+        return None
+    if len(mm.args) != (2 if mm.op == "mm.default" else 3) or not all(isinstance(a, Ref) for a in mm.args):
+        return None
+    *bias, x, weight = mm.args
+    features = mm.meta.shape[1]
+    if bias and (not graph[bias[0]].meta.shape or graph[bias[0]].meta.shape[-1] != features):
+        return None
+    b = Builder(graph, node)
+    w = b.add(node.op, weight, (1,), True)
+    kind = node.op.split(".")[0]
+    if bias:
+        out = b.add("addmm.default", b.add(node.op, bias[0], (-1,), True), x, w)
+    else:
+        out = b.add("mm.default", x, w)
+    if not r.keepdim:
+        out = b.add("view.default", out, node.meta.shape)
+    k, n = graph[weight].meta.shape
+    return b.done(out, f"{kind} over {n} output features of {mm.op.split('.')[0]} = x @ weight.{kind}(1)"
+                       f"{f' + bias.{kind}()' if bias else ''} ({n}x fewer multiply-adds)")
