@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import warnings
 from pathlib import Path
 
-from kernelfuse.errors import KernelfuseError
+from kernelfuse import __version__
+from kernelfuse.errors import KernelfuseError, UsageError
 
 EPILOG = """exit codes (optimize): 0 file written; 2 bad problem file; 3 forward could not be traced;
   4 the shipped file failed verification on the GPU. See `kernelfuse eval --help` for eval's codes."""
@@ -21,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"kernelfuse {__version__} (torch {_torch_version()})")
     sub = parser.add_subparsers(dest="command", required=True)
     opt = sub.add_parser("optimize", help="emit a fused, verified ModelNew file for a problem file",
                          description="Capture, plan, generate CUDA, emit ModelNew; on a GPU build, verify and "
@@ -33,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--trials", type=int, default=5, help="verification trials with fresh inputs (default 5)")
     opt.add_argument("--no-compile-baseline", action="store_true", help="skip timing torch.compile in the report")
     opt.add_argument("--cpu-only", action="store_true", help="do not use a GPU even if one is present")
+    opt.add_argument("--json", type=Path, default=None, metavar="REPORT.json",
+                     help="also write a machine-readable report (schema: README, 'optimize --json')")
     opt.add_argument("--no-rewrite", action="append", default=[], metavar="NAME",
                      help="switch off one rewrite rule (repeatable; the log names the rules that fired)")
     opt.add_argument("--no-rewrites", action="store_true", help="switch off every rewrite rule")
@@ -54,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     args = build_parser().parse_args(argv)
     try:
+        check_paths(args)
         if args.command == "optimize":
             return _optimize(args)
         if args.command == "bench":
@@ -69,9 +75,40 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("kernelfuse: interrupted", file=sys.stderr)
         return 130
+    except Exception as err:  # noqa: BLE001 - a bug of ours: one line, the traceback on request
+        if os.environ.get("KERNELFUSE_DEBUG"):
+            raise
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        print(f"kernelfuse: internal error: {type(err).__name__}: {first} (a kernelfuse bug: please report it; "
+              "KERNELFUSE_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 1
     except BrokenPipeError:  # output piped into `head` and closed: not an error of ours
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - silence the flush at interpreter exit
         return 141
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """Usage errors found before any work starts: unreadable inputs, an output path that cannot be written."""
+    from kernelfuse.load import check_output_path, read_source
+
+    if getattr(args, "problem", None) is not None:
+        read_source(args.problem)
+    if args.command == "optimize":
+        check_output_path(args.problem, args.output)
+        if args.json is not None:
+            check_output_path(args.problem, args.json)
+    if args.command == "eval" and not args.candidate.is_file():
+        what = "is a directory" if args.candidate.is_dir() else "no such file"
+        raise UsageError(f"{args.candidate}: {what}; give the candidate ModelNew file or model reply to judge")
+
+
+def _torch_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "not installed"
 
 
 def _optimize(args: argparse.Namespace) -> int:
@@ -88,6 +125,10 @@ def _optimize(args: argparse.Namespace) -> int:
         final_baselines=("eager",) if args.no_compile_baseline else ("eager", "compile"),
     )
     result = optimize_file(args.problem, args.output, options, log=lambda s: print(s, flush=True))
+    if args.json is not None:
+        from kernelfuse.report import optimize_json
+
+        args.json.write_text(json.dumps(optimize_json(result, str(args.problem), args.precision), indent=2) + "\n")
     if result.variants:
         print("\nvariants:")
         for v in result.variants:

@@ -89,20 +89,18 @@ def _small_twins(problem: Problem, model: torch.nn.Module, graph: Graph, plans: 
     """Plans re-made by the same planner on a small-batch capture, if their structure is the shipped plans'."""
     if all(not n.meta.shape or n.meta.shape[0] <= CHECK_BATCH for n in graph.inputs):
         return None  # already small: check the plans themselves
-    try:
-        small_graph = prepare(capture(problem, model, batch=CHECK_BATCH))
-    except KernelfuseError:
-        return None
-    twins = {p.variant: p for p in plan_variants(small_graph, precision)}
-    if [n.op for n in small_graph.nodes] != [n.op for n in graph.nodes]:
-        return None
-    out = []
-    for plan in plans:
-        twin = twins.get(plan.variant)
-        if twin is None or twin.summary() != plan.summary():
-            return None
-        out.append((twin, random_inputs(small_graph)))
-    return out
+    for min_rank in (1, 2):  # every input's batch, or only the matrices' (a vector may broadcast along a row)
+        try:
+            small_graph = prepare(capture(problem, model, batch=CHECK_BATCH, min_rank=min_rank))
+        except KernelfuseError:
+            continue
+        if [n.op for n in small_graph.nodes] != [n.op for n in graph.nodes]:
+            continue
+        twins = {p.variant: p for p in plan_variants(small_graph, precision)}
+        if all(p.variant in twins and twins[p.variant].summary() == p.summary() for p in plans):
+            inputs = random_inputs(small_graph)
+            return [(twins[p.variant], inputs) for p in plans]
+    return None
 
 
 def _check(model: torch.nn.Module, shipped: Plan, plan: Plan,

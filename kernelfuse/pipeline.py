@@ -75,19 +75,20 @@ def optimize_file(problem_path: str | Path, out_path: str | Path, options: Optim
     plans = plan_variants(graph, options.precision)
     for plan in plans:
         log("[3/5] " + plan.summary().replace("\n", "\n      "))
-    checks = check_plans(problem, model, graph, plans, options.precision, lambda g: apply_rules(g, disabled).graph)
-    del model  # the weights are not needed past the check: the judge builds its own copies
-    for c in checks:
-        log(f"[4/5] CPU interpreter check ({c.variant}): {c.status} — {c.note}")
-    use_gpu = torch.cuda.is_available() if options.use_gpu is None else options.use_gpu
-    result = OptimizeResult(out_path, plans[0].variant, plans, checks, rewrites=rewritten.fired)
-    # a plan that passed comes first; a skipped check is no pass, but the GPU judge still verifies such a plan
-    good = [p for p, c in sorted(zip(plans, checks, strict=True), key=lambda pc: not pc[1].ok)
-            if c.ok or c.skipped]
+    result = OptimizeResult(out_path, plans[0].variant, plans, [], rewrites=rewritten.fired)
     if not any(p.fused or p.generated for p in plans):
         result.notes.append("nothing to fuse (no library call with pointwise ops behind it): "
                             "shipping the unfused model")
         return _ship_unfused(problem, result, log)
+    checks = check_plans(problem, model, graph, plans, options.precision, lambda g: apply_rules(g, disabled).graph)
+    result.cpu_checks = checks
+    del model  # the weights are not needed past the check: the judge builds its own copies
+    for c in checks:
+        log(f"[4/5] CPU interpreter check ({c.variant}): {c.status} — {c.note}")
+    use_gpu = torch.cuda.is_available() if options.use_gpu is None else options.use_gpu
+    # a plan that passed comes first; a skipped check is no pass, but the GPU judge still verifies such a plan
+    good = [p for p, c in sorted(zip(plans, checks, strict=True), key=lambda pc: not pc[1].ok)
+            if c.ok or c.skipped]
     if not good:
         result.notes.append("every fused plan failed the CPU check: shipping the unfused model")
         return _ship_unfused(problem, result, log)

@@ -61,11 +61,12 @@ def module_state(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     return state
 
 
-def capture(problem: Problem, model: torch.nn.Module | None = None, batch: int | None = None) -> Graph:
+def capture(problem: Problem, model: torch.nn.Module | None = None, batch: int | None = None,
+            min_rank: int = 1) -> Graph:
     """The problem's forward as a Graph of normalised ATen ops, traced on fake inputs and fake copies of the state.
 
-    `model`: an already built model (else `build_model`). `batch`: cut every input's leading dimension to at most
-    this (the CPU check re-captures at its own, smaller shapes).
+    `model`: an already built model (else `build_model`). `batch`: cut the leading dimension of every input of at
+    least `min_rank` dimensions to at most this (the CPU check re-captures at its own, smaller shapes).
     """
     model = build_model(problem) if model is None else model
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -77,7 +78,7 @@ def capture(problem: Problem, model: torch.nn.Module | None = None, batch: int |
                                "kernelfuse compiles forwards of tensors only (make it a constructor argument)")
     if batch is not None:
         with mode:
-            inputs = [_cut_batch(t, batch) for t in inputs]
+            inputs = [_cut_batch(t, batch) if t.dim() >= min_rank else t for t in inputs]
     return capture_module(model, inputs, mode, str(problem.path))
 
 

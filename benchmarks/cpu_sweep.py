@@ -1,0 +1,108 @@
+"""Run `kernelfuse optimize --cpu-only` over every problem of a KernelBench-style folder and tabulate the outcomes.
+
+Each problem runs in its own child process (own session, killed with its children at the time limit) under a
+memory limit, at most `--jobs` at a time. One JSON line per problem goes to the log; the table of outcomes per
+level (exit 0 with the CPU check ok / skipped (reason) / failed, exit 2 and why, other failures) is printed.
+
+    python benchmarks/cpu_sweep.py ../shared/kernelbench --log benchmarks/results/cpu_sweep.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+CHECK_LINE = re.compile(r"CPU interpreter check \([^)]*\): (ok|skipped|FAILED) — (.*)")
+
+
+def limit_memory(limit_bytes: int) -> None:
+    """In the child: cap its private writable memory (RLIMIT_DATA: heap and anonymous mappings, which is where
+    tensors live; RLIMIT_AS would also count the address space CUDA libraries reserve at import)."""
+    resource.setrlimit(resource.RLIMIT_DATA, (limit_bytes, limit_bytes))
+    os.setsid()
+
+
+def run_one(problem: Path, outdir: Path, timeout_s: float, mem_bytes: int) -> dict:
+    out = outdir / f"{problem.parent.name}_{problem.stem}_new.py"
+    cmd = [sys.executable, "-m", "kernelfuse", "optimize", str(problem), "-o", str(out), "--cpu-only"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    started = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: limit_memory(mem_bytes))  # noqa: PLW1509 - only resource calls
+    timed_out = False
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+    checks = CHECK_LINE.findall(stdout)
+    return {
+        "level": problem.parent.name, "problem": problem.name, "rc": proc.returncode, "timed_out": timed_out,
+        "seconds": round(time.monotonic() - started, 1),
+        "check": checks[0][0] if checks else None, "check_note": checks[0][1] if checks else None,
+        "traceback": "Traceback (most recent call last)" in stderr,
+        "error": stderr.strip().splitlines()[-1] if stderr.strip() else "",
+        "stderr_lines": len(stderr.strip().splitlines()),
+    }
+
+
+def outcome(r: dict) -> str:
+    if r["timed_out"]:
+        return "timeout"
+    if r["rc"] == 0:
+        if r["check"] == "ok":
+            return "exit 0, check ok"
+        if r["check"] == "skipped":
+            return "exit 0, check skipped: " + re.sub(r"\(.*", "", r["check_note"].removeprefix("skipped: "))[:60]
+        return f"exit 0, check {r['check']}"
+    if r["traceback"]:
+        return f"exit {r['rc']}, traceback"
+    if r["rc"] < 0:
+        return f"killed by signal {-r['rc']} (memory?)"
+    return f"exit {r['rc']}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("root", type=Path, help="folder holding level1/, level2/, level3/")
+    parser.add_argument("--log", type=Path, default=REPO / "benchmarks" / "results" / "cpu_sweep.jsonl")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--mem-gb", type=float, default=4.0)
+    parser.add_argument("--only", default="", help="substring a problem's path must contain")
+    args = parser.parse_args()
+    problems = sorted(p for p in args.root.glob("level*/*.py") if args.only in str(p))
+    args.log.parent.mkdir(parents=True, exist_ok=True)
+    results = []
+    with tempfile.TemporaryDirectory() as outdir, args.log.open("w") as log, \
+            ThreadPoolExecutor(args.jobs) as pool:
+        for r in pool.map(lambda p: run_one(p, Path(outdir), args.timeout, int(args.mem_gb * 2**30)), problems):
+            results.append(r)
+            log.write(json.dumps(r) + "\n")
+            log.flush()
+            print(f"{r['level']}/{r['problem']}: {outcome(r)} ({r['seconds']} s) {r['error'][:150]}", flush=True)
+    table: dict[str, Counter] = defaultdict(Counter)
+    for r in results:
+        table[outcome(r)][r["level"]] += 1
+    levels = sorted({r["level"] for r in results})
+    print("\n| outcome | " + " | ".join(levels) + " |\n|---|" + "---|" * len(levels))
+    for name, counts in sorted(table.items()):
+        print(f"| {name} | " + " | ".join(str(counts[lv]) for lv in levels) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
