@@ -341,3 +341,45 @@ def test_float32_graph_keeps_dtypes_and_runs(tmp_path):
         exact = ref(x[0].double())
     assert got.dtype == torch.float32
     assert (got.double() - exact).abs().max() <= 2 * (eager.double() - exact).abs().max() + 1e-6
+
+
+# ---- the optimize pipeline and the command line -----------------------------------------------------------------
+
+GEMM_SUM = """
+def __init__(self):
+    super().__init__()
+    self.lin = nn.Linear(16, 32)
+
+def forward(self, x):
+    return torch.logsumexp((self.lin(x) / 2.0).sum(1, keepdim=True), 1, keepdim=True)
+"""
+
+
+def test_optimize_cpu_only_records_and_switches_rules(tmp_path):
+    from optimizer_helpers import write_problem
+
+    from kernelfuse.pipeline import OptimizeOptions, optimize_file
+
+    path = write_problem(tmp_path, "gemm_sum", GEMM_SUM, "[torch.randn(4, 16)]")
+    logs: list[str] = []
+    result = optimize_file(path, tmp_path / "out.py", OptimizeOptions(use_gpu=False), log=logs.append)
+    fired = {f.rule for f in result.rewrites}
+    assert {"reduce_linear_output", "size1_reductions", "reduce_before_affine"} <= fired
+    assert any("reduce_linear_output" in line for line in logs)
+    assert result.cpu_checks and all(c.ok for c in result.cpu_checks), result.cpu_checks
+    off = optimize_file(path, tmp_path / "off.py", OptimizeOptions(use_gpu=False,
+                        disabled_rewrites=("reduce_linear_output",)), log=lambda s: None)
+    assert "reduce_linear_output" not in {f.rule for f in off.rewrites} and off.rewrites
+    none = optimize_file(path, tmp_path / "none.py", OptimizeOptions(use_gpu=False, no_rewrites=True),
+                         log=lambda s: None)
+    assert none.rewrites == ()
+
+
+def test_cli_unknown_rule_exits_2(tmp_path, capsys):
+    from optimizer_helpers import write_problem
+
+    from kernelfuse.cli import main
+
+    path = write_problem(tmp_path, "gemm_sum", GEMM_SUM, "[torch.randn(4, 16)]")
+    code = main(["optimize", str(path), "-o", str(tmp_path / "o.py"), "--cpu-only", "--no-rewrite", "nope"])
+    assert code == 2 and "unknown rewrite rule nope" in capsys.readouterr().err
