@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# Install kernelfuse with its test tools into .venv (torch's CUDA 13 build, so the generated CUDA can be
-# compile-checked with nvcc), lint, and run the test suite. GPU tests are skipped where no GPU is present.
+# Install kernelfuse with its test tools into .venv, lint, and run the test suite. GPU tests are skipped where no
+# GPU is present. A torch already importable in .venv (the quick start's, or the system's through
+# --system-site-packages) is kept when it is a CUDA build (it compiles the generated CUDA with nvcc); only
+# otherwise is the pinned CUDA 13 build installed: torch is downloaded at most once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
-  "$PY" -m venv .venv
+  "$PY" -m venv --system-site-packages .venv
 fi
-# torch 2.14.1 is the CUDA 13 build (compiles CUDA extensions); pip takes it from the local wheel cache where present.
-.venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.14.1" numpy pytest ruff
+if ! .venv/bin/python -c "import sys, torch; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null; then
+  # torch 2.14.1 is the CUDA 13 build; pip takes it from the local wheel cache where present.
+  .venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.14.1"
+fi
+.venv/bin/python -m pip install --quiet --disable-pip-version-check numpy pytest ruff
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 if [ -z "${CUDA_HOME:-}" ]; then
   for d in /usr/local/cuda /usr/local/cuda-*; do
