@@ -6,7 +6,7 @@ import warnings
 
 import torch
 
-from kernelfuse.capture import capture_module
+from kernelfuse.capture import capture_module, module_state
 from kernelfuse.codegen import generate
 from kernelfuse.emit.module import build_module, forward_arg_names
 from kernelfuse.plan import interpret, plan_variants
@@ -26,7 +26,7 @@ def optimize(model: torch.nn.Module, example_inputs: list[torch.Tensor] | tuple[
     inputs = list(example_inputs)
     tol = get_policy(precision).atol
     graph = rewrite(capture_module(model, inputs))
-    plans = [p for p in plan_variants(graph, precision) if p.fused]
+    plans = [p for p in plan_variants(graph, precision) if p.fused or p.generated]
     if not plans:
         warnings.warn("kernelfuse: nothing to fuse in this model; returning it unchanged", stacklevel=2)
         return model
@@ -34,7 +34,7 @@ def optimize(model: torch.nn.Module, example_inputs: list[torch.Tensor] | tuple[
         warnings.warn("kernelfuse: example inputs are not on a CUDA device; returning the model unchanged",
                       stacklevel=2)
         return model
-    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    state = dict(module_state(model))  # parameters, buffers and plain tensor attributes, as captured
     with torch.no_grad():
         expected = model(*inputs)
         expected = list(expected) if isinstance(expected, (tuple, list)) else [expected]

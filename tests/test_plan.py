@@ -15,7 +15,7 @@ from optimizer_helpers import (
 
 from kernelfuse.capture import Ref, capture
 from kernelfuse.load import load_problem
-from kernelfuse.plan import FusedStep, PlanOptions, TorchStep, make_plan, plan_variants
+from kernelfuse.plan import FusedStep, GenStep, PlanOptions, TorchStep, make_plan, plan_variants
 from kernelfuse.rewrite import rewrite
 
 
@@ -100,6 +100,10 @@ def _step_for(plan, op_name: str) -> TorchStep:
     return next(s for s in plan.steps if isinstance(s, TorchStep) and s.node.name == op_name)
 
 
+def _gen_for(plan, op_name: str) -> GenStep:
+    return next(s for s in plan.generated if op_name in s.replaces)
+
+
 def test_chain_stops_before_a_value_that_is_also_returned(tmp_path):
     problem, g, plan = _plan(tmp_path, """
     r = torch.relu(y)
@@ -107,7 +111,8 @@ def test_chain_stops_before_a_value_that_is_also_returned(tmp_path):
     """)
     (step,) = plan.fused
     assert step.replaces == ("addmm", "relu") and step.out == "relu"
-    assert _step_for(plan, "sigmoid").reason.startswith("pointwise op not fused")
+    (gen,) = plan.generated  # the sigmoid reads the returned relu: a pointwise kernel of its own
+    assert gen.replaces == ("sigmoid",) and gen.source.ref == Ref("relu")
     assert_interpreter_matches(problem, plan)
 
 
@@ -119,8 +124,9 @@ def test_chain_stops_before_a_value_read_by_a_reduction(tmp_path):
     """)
     (step,) = plan.fused
     assert step.replaces == ("addmm", "relu")
-    assert {s.node.op for s in plan.unfused} == {"mul.Tensor", "sum.dim_IntList", "add.Tensor"}
-    assert _step_for(plan, "sum_1").reason == "reduction: no kernel yet"
+    assert plan.unfused == []
+    assert sorted(g.replaces for g in plan.generated) == [("mul", "add"), ("sum_1",)]
+    assert _gen_for(plan, "sum_1").spec.kind == "sum"
     assert_interpreter_matches(problem, plan)
 
 
@@ -142,7 +148,7 @@ def test_later_operand_computed_outside_the_chain(tmp_path):
     (step,) = plan.fused
     assert step.replaces == ("addmm", "relu", "mul")
     assert [g[o.ref].op for o in step.epilogue.operands] == ["tanh.default"]
-    assert plan.steps.index(step) > plan.steps.index(_step_for(plan, "tanh"))
+    assert plan.steps.index(step) > plan.steps.index(_gen_for(plan, "tanh"))
     assert_interpreter_matches(problem, plan)
 
 
@@ -200,14 +206,25 @@ def test_broadcast_to_a_bigger_shape_is_not_fused(tmp_path):
     assert_interpreter_matches(problem, plan)
 
 
-def test_softmax_is_reported_unfused(tmp_path):
+def test_softmax_takes_the_anchor_epilogue_as_its_prologue(tmp_path):
     problem, g, plan = _plan(tmp_path, """
     return torch.softmax(torch.relu(y), dim=1)
     """)
-    assert [s.chain(g) for s in plan.fused] == ["addmm -> relu"]
+    (anchor,) = plan.fused
+    assert anchor.replaces == ("addmm",) and not anchor.needs_kernel  # the relu moved into the softmax kernel
+    (gen,) = plan.generated
+    assert gen.chain(g) == "relu -> _softmax" and gen.spec.kind == "softmax" and gen.source.ref == Ref("addmm")
+    assert "generated k1: relu -> _softmax  (softmax kernel)" in plan.summary()
+    assert_interpreter_matches(problem, plan)
+
+
+def test_softmax_without_the_generated_kernels_is_reported_unfused(tmp_path):
+    path = write_problem(tmp_path, "p", LIN.format(body="    return torch.softmax(torch.relu(y), dim=1)", extra=""),
+                         "[torch.randn(4, 16)]")
+    problem, g, _ = pipeline(path)
+    plan = make_plan(g, PlanOptions(generated=False))
     (unfused,) = plan.unfused
     assert unfused.node.op == "_softmax.default" and unfused.reason == "softmax: no kernel yet"
-    assert "unfused: _softmax.default (softmax: no kernel yet)" in plan.summary()
     assert_interpreter_matches(problem, plan)
 
 
@@ -249,10 +266,11 @@ def test_max_fusions_caps_the_number_of_fused_anchors(tmp_path):
     assert [s.chain(g) for s in full.fused] == ["addmm -> relu", "addmm -> sigmoid"]
     assert [s.kernel for s in full.fused] == ["k0", "k1"]
     capped = make_plan(g, PlanOptions(max_fusions=1))
-    assert [s.chain(g) for s in capped.fused] == ["addmm -> relu"]
+    assert [s.chain(g) for s in capped.fused] == ["addmm -> relu"] and capped.generated == []
     assert {s.node.op for s in capped.unfused} == {"addmm.default", "sigmoid.default"}
+    assert "fusion cap" in _step_for(capped, "sigmoid").reason
     none = make_plan(g, PlanOptions(max_fusions=0))
-    assert none.fused == [] and none.variant == "fused"
+    assert none.fused == [] and none.generated == [] and none.variant == "fused"
     for plan in (full, capped, none):
         assert_interpreter_matches(problem, plan)
 
@@ -262,7 +280,7 @@ def test_every_graph_node_is_computed_exactly_once(tmp_path):
     for plan in plans:
         computed = []
         for s in plan.steps:
-            computed += list(s.replaces) if isinstance(s, FusedStep) else [s.node.name]
+            computed += list(s.replaces) if isinstance(s, (FusedStep, GenStep)) else [s.node.name]
         expected = [n.name for n in g.nodes if n.op not in ("input", "param", "buffer")]
         assert sorted(computed) == sorted(expected)
 
@@ -330,7 +348,7 @@ def test_lone_convolution(tmp_path):
         assert_interpreter_matches(problem, plan)
 
 
-def test_transposed_convolution_is_not_fused(tmp_path):
+def test_transposed_convolution_takes_an_nchw_epilogue(tmp_path):
     path = write_problem(tmp_path, "convt", """
         def __init__(self):
             super().__init__()
@@ -340,11 +358,11 @@ def test_transposed_convolution_is_not_fused(tmp_path):
             return torch.relu(self.conv(x))
         """, "[torch.randn(2, 3, 5, 5)]")
     problem, g, plans = pipeline(path)
-    for plan in plans:
-        assert plan.fused == []
-        conv = next(s for s in plan.unfused if s.node.op == "convolution.default")
-        assert conv.reason == "library call: only 2-d, non-transposed convolution is fused"
-        assert_interpreter_matches(problem, plan)
+    (plan,) = plans  # no channels-last variant: that one is for 2-d, non-transposed convolutions
+    (step,) = plan.fused
+    assert step.replaces == ("convolution", "relu") and step.anchor.layout == "nchw"
+    assert not step.anchor.fused_relu and step.inplace
+    assert_interpreter_matches(problem, plan)
 
 
 @pytest.mark.parametrize("name", EXAMPLE_NAMES)

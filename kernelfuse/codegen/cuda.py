@@ -11,13 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from kernelfuse.capture import TensorMeta, contiguous_strides
+from kernelfuse.capture import TensorMeta
+from kernelfuse.codegen.common import AT_TYPES, C_TYPES, INT32_LIMIT, ints, offset_expr
+from kernelfuse.codegen.generated import REDUCE_PRELUDE, render_generated
 from kernelfuse.ops import CUDA_PRELUDE, POINTWISE_BY_ATEN, float_literal, render_cuda
 from kernelfuse.plan.ir import Epilogue, FusedStep, Plan
 
-C_TYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
-AT_TYPES = {torch.float32: "at::kFloat", torch.float16: "at::kHalf", torch.bfloat16: "at::kBFloat16"}
-INT32_LIMIT = 2**31 - 1
 THREADS = 256
 MAX_BLOCKS = 1 << 20  # kf_blocks' cap on the grid of the flat kernels
 
@@ -63,6 +62,19 @@ static void kf_check(const torch::Tensor& t, const char* what, at::IntArrayRef s
 
 static void kf_check_launch(cudaError_t err, const char* kernel) {
   TORCH_CHECK(err == cudaSuccess, "kernelfuse: launching ", kernel, " failed: ", cudaGetErrorString(err));
+}
+"""
+
+# Generated kernels read tensors through the strides they were captured with: the wrapper checks those strides.
+CPP_STRIDED_CHECK = r"""
+static void kf_check_strided(const torch::Tensor& t, const char* what, at::IntArrayRef sizes, at::IntArrayRef strides,
+                             at::ScalarType dtype) {
+  TORCH_CHECK(t.is_cuda(), "kernelfuse: ", what, " must be a CUDA tensor");
+  TORCH_CHECK(t.scalar_type() == dtype, "kernelfuse: ", what, " has dtype ", t.scalar_type(), ", expected ", dtype);
+  TORCH_CHECK(t.sizes() == sizes, "kernelfuse: ", what, " has shape ", t.sizes(), ", the kernel was built for ", sizes);
+  for (size_t d = 0; d < sizes.size(); ++d)
+    TORCH_CHECK(sizes[d] == 1 || t.stride(d) == strides[d], "kernelfuse: ", what, " has strides ", t.strides(),
+                ", the kernel was built for ", strides);
 }
 """
 
@@ -120,10 +132,14 @@ class CudaSources:
 def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSources | None:
     """The extension for `plan`, or None when the plan launches no custom kernel."""
     steps = [s for s in plan.fused if s.needs_kernel]
-    if not steps:
+    gens = plan.generated
+    if not steps and not gens:
         return None
     cuda = [HEADER, CUDA_PRELUDE]
     cpp = [CPP_HEADER]
+    if gens:
+        cuda.append(REDUCE_PRELUDE)
+        cpp.append(CPP_STRIDED_CHECK)
     functions: list[str] = []
     if any(s.anchor.layout == "nhwc" for s in steps):
         dtypes = sorted({s.anchor.node.meta.dtype for s in steps if s.anchor.layout == "nhwc"}, key=str)
@@ -138,6 +154,11 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
         cuda.append(kernel)
         cpp.append(wrapper)
         functions.append(step.kernel)
+    for gen in gens:
+        kernel, wrapper = render_generated(plan, gen)
+        cuda.append(kernel)
+        cpp.append(wrapper)
+        functions.append(gen.kernel)
     return CudaSources("\n".join(cuda), "\n".join(cpp), tuple(functions))
 
 
@@ -274,9 +295,9 @@ def _wrapper(plan: Plan, step: FusedStep, launch_params: str) -> str:
         lines.append("  const torch::Tensor acc = acc_in.contiguous(at::MemoryFormat::ChannelsLast);")
     else:
         lines.append("  const torch::Tensor& acc = acc_in;")
-    lines.append(f'  kf_check(acc, "{k} input", {{{_ints(epi.out.shape)}}}, {at_type}, {str(nhwc).lower()});')
+    lines.append(f'  kf_check(acc, "{k} input", {{{ints(epi.out.shape)}}}, {at_type}, {str(nhwc).lower()});')
     for i, operand in enumerate(epi.operands):
-        lines.append(f'  kf_check(in{i}, "{k} operand in{i} ({operand.ref.name})", {{{_ints(operand.meta.shape)}}}, '
+        lines.append(f'  kf_check(in{i}, "{k} operand in{i} ({operand.ref.name})", {{{ints(operand.meta.shape)}}}, '
                      f"{at_type}, false);")
     lines.append("  torch::Tensor out = " + ("at::empty(acc.sizes(), acc.options());" if nhwc else "acc;"))
     ptrs = "".join(f", in{i}.data_ptr()" for i in range(len(epi.operands)))
@@ -311,41 +332,5 @@ torch::Tensor to_channels_last(const torch::Tensor& x) {{
 """
 
 
-def offset_expr(strides: tuple[int, ...], shape: tuple[int, ...]) -> str:
-    """C expression for an operand's element offset at logical (contiguous) output index `i`.
-
-    Adjacent output dimensions whose operand strides chain (or are both broadcast) are merged first, so a
-    per-channel bias over NCHW becomes `(i / HW) % C`, a row bias `i % N`, a same-shape operand just `i`.
-    """
-    out_strides = contiguous_strides(shape)
-    groups: list[list[int]] = []  # [size, operand stride, output stride]
-    for d, (size, stride) in enumerate(zip(shape, strides, strict=True)):
-        if size == 1:
-            continue
-        if groups:
-            last = groups[-1]
-            if (stride == 0 and last[1] == 0) or (stride != 0 and last[1] == stride * size):
-                last[0] *= size
-                last[1] = stride
-                last[2] = out_strides[d]
-                continue
-        groups.append([size, stride, out_strides[d]])
-    terms = []
-    for g, (size, stride, out_stride) in enumerate(groups):
-        if stride == 0:
-            continue
-        term = "i" if out_stride == 1 else f"(i / {out_stride})"
-        if g > 0:  # the outermost group needs no modulo: i / out_stride < size already
-            term = f"({term} % {size})"
-        if stride != 1:
-            term = f"{term} * {stride}"
-        terms.append(term)
-    return " + ".join(terms) if terms else "0"
-
-
 def _tag(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _ints(values: tuple[int, ...]) -> str:
-    return ", ".join(str(v) for v in values)

@@ -16,9 +16,10 @@ import torch
 
 from kernelfuse.capture import Node, Ref
 from kernelfuse.codegen import CudaSources
+from kernelfuse.codegen.generated import tensor_args
 from kernelfuse.errors import ProblemError
 from kernelfuse.load import Problem, class_source
-from kernelfuse.plan.ir import FusedStep, Plan, TorchStep
+from kernelfuse.plan.ir import FusedStep, GenStep, Plan, TorchStep
 
 # Readable spellings for common ATen calls; anything else is written `torch.ops.aten.<op>(...)`.
 PY_SPELLING = {
@@ -207,6 +208,8 @@ def forward_source(plan: Plan, arg_names: list[str], has_kernels: bool, guarded:
             var = f"v_{step.node.name}"
             out.append(f"    {var} = {_call(step.node, names)}")
             names[step.node.name] = var
+        elif isinstance(step, GenStep):
+            out += _generated_lines(graph, step, names)
         else:
             out += _fused_lines(graph, step, names)
     results = ", ".join(names[r.name] for r in graph.outputs)
@@ -221,7 +224,7 @@ def _fused_lines(graph, step: FusedStep, names: dict[str, str]) -> list[str]:
     acc = f"v_{node.name}" if not step.needs_kernel else "acc"
     if anchor.family == "conv":
         x, w, b = (_py(a, names) for a in node.args[:3])
-        stride, padding, dilation, _, output_padding, groups = node.args[3:9]
+        stride, padding, dilation, transposed, output_padding, groups = node.args[3:9]
         if anchor.layout == "nhwc":
             x_meta = graph[node.args[0]].meta
             x = f"ext.to_channels_last({x}{'' if x_meta.is_contiguous else '.contiguous()'})"
@@ -231,7 +234,7 @@ def _fused_lines(graph, step: FusedStep, names: dict[str, str]) -> list[str]:
             call = f"torch.cudnn_convolution_relu({x}, {w}, {b}, {list(stride)}, {list(padding)}, {list(dilation)}, {groups})"
             lines.append("    # cuDNN fused convolution + bias + ReLU")
         else:
-            call = (f"torch.convolution({x}, {w}, {b}, {list(stride)}, {list(padding)}, {list(dilation)}, False, "
+            call = (f"torch.convolution({x}, {w}, {b}, {list(stride)}, {list(padding)}, {list(dilation)}, {transposed}, "
                     f"{list(output_padding)}, {groups})")
     elif anchor.tf32:
         lines.append("    # cuBLAS with TF32 tensor cores: the tf32 precision policy allows it")
@@ -249,6 +252,14 @@ def _fused_lines(graph, step: FusedStep, names: dict[str, str]) -> list[str]:
         lines.append(f"    v_{step.out} = {acc}")
     names[step.out] = f"v_{step.out}"
     return lines
+
+
+def _generated_lines(graph, step: GenStep, names: dict[str, str]) -> list[str]:
+    """One call of a generated kernel; the comment names the ops it computes and its algorithm."""
+    args = ", ".join(_py(ref, names) for _, ref in tensor_args(step))
+    names[step.out] = f"v_{step.out}"
+    return [f"    # {step.kernel}: {step.chain(graph)}  ({step.family} kernel)",
+            f"    v_{step.out} = ext.{step.kernel}({args})"]
 
 
 def _call(node: Node, names: dict[str, str]) -> str:

@@ -2,15 +2,17 @@
 
 from kernelfuse.plan.fuse import PlanOptions, broadcast_strides, make_plan, plan_variants
 from kernelfuse.plan.interpret import interpret
-from kernelfuse.plan.ir import Anchor, Epilogue, FusedStep, Operand, Plan, Statement, TorchStep
+from kernelfuse.plan.ir import Anchor, Epilogue, FusedStep, GenStep, Operand, Plan, Program, Statement, TorchStep
 
 __all__ = [
     "Anchor",
     "Epilogue",
     "FusedStep",
+    "GenStep",
     "Operand",
     "Plan",
     "PlanOptions",
+    "Program",
     "Statement",
     "TorchStep",
     "broadcast_strides",

@@ -8,14 +8,27 @@ output) ends the epilogue before it. Every refusal keeps the node as a torch cal
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from kernelfuse.capture import Graph, Node, Ref, TensorMeta, contiguous_strides
 from kernelfuse.ops import ANCHOR_OPS, POINTWISE_BY_ATEN, VIEW_OPS
 from kernelfuse.ops.anchors import family_of
-from kernelfuse.plan.ir import Anchor, EArg, Epilogue, FusedStep, Operand, Plan, Statement, Step, TorchStep
+from kernelfuse.plan.ir import (
+    Anchor,
+    EArg,
+    Epilogue,
+    FusedStep,
+    GenStep,
+    Operand,
+    Plan,
+    Program,
+    Statement,
+    Step,
+    TorchStep,
+)
+from kernelfuse.plan.schedule import constant_arg, schedule, space_strides
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -28,6 +41,7 @@ class PlanOptions:
     cudnn_fused_relu: bool = True
     matmul_tf32: bool = False  # the tf32 policy: matrix products on TF32 tensor cores
     max_fusions: int | None = None
+    generated: bool = True  # generated kernels (pointwise chains, reductions, norms) besides anchor epilogues
 
 
 def plan_variants(graph: Graph, precision: str = "strict") -> list[Plan]:
@@ -35,14 +49,16 @@ def plan_variants(graph: Graph, precision: str = "strict") -> list[Plan]:
 
     Under the tf32 policy matrix products may run on TF32 tensor cores (cuDNN convolutions already do by default).
     """
-    has_conv = any(ANCHOR_OPS.get(n.op) == "conv" for n in graph.nodes)
+    has_conv = any(is_conv2d(graph, n) for n in graph.nodes)
     layouts = ("nhwc", "nchw") if has_conv else ("nchw",)
     tf32 = precision == "tf32"
     return [make_plan(graph, PlanOptions(conv_layout=layout, matmul_tf32=tf32)) for layout in layouts]
 
 
 def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
-    fused: dict[str, FusedStep] = {}  # root node name -> step
+    """Anchors take their pointwise epilogues; the scheduler turns the rest into generated kernels; an anchor's
+    epilogue whose only reader is a reduction kernel moves into that kernel's prologue (one pass, not two)."""
+    fused: dict[str, FusedStep] = {}  # output node name -> step
     absorbed: set[str] = set()
     for node in graph.nodes:
         if node.name in absorbed or node.op not in ANCHOR_OPS or node.meta is None:
@@ -57,16 +73,56 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
             continue
         fused[step.out] = step
         absorbed.update(step.replaces)
+    cap = None if options.max_fusions is None else max(options.max_fusions - len(fused), 0)
+    gens, reasons = schedule(graph, absorbed, len(fused), cap) if options.generated else ([], {})
+    by_out: dict[str, Step] = dict(fused)
+    for gen in gens:
+        by_out[gen.out] = gen
+    _merge_into_reductions(graph, by_out)
+    done = {name for step in by_out.values() for name in step.replaces}
     steps: list[Step] = []
     for node in graph.nodes:
-        if node.name in fused:
-            steps.append(fused[node.name])
-        elif node.name not in absorbed and node.op not in ("input", "param", "buffer"):
-            steps.append(TorchStep(node, _unfused_reason(graph, node)))
-    variant = "fused" if not any(s.anchor.family == "conv" for s in fused.values()) else f"fused-{options.conv_layout}"
-    if options.matmul_tf32 and any(s.anchor.tf32 for s in fused.values()):
+        if node.name in by_out:
+            steps.append(by_out[node.name])
+        elif node.name not in done and node.op not in ("input", "param", "buffer"):
+            steps.append(TorchStep(node, reasons.get(node.name) or _unfused_reason(graph, node)))
+    has_conv = any(isinstance(s, FusedStep) and is_conv2d(graph, s.anchor.node) for s in steps)
+    variant = f"fused-{options.conv_layout}" if has_conv else "fused"
+    if options.matmul_tf32 and any(isinstance(s, FusedStep) and s.anchor.tf32 for s in steps):
         variant += "-tf32"
     return Plan(graph, tuple(steps), variant)
+
+
+def _merge_into_reductions(graph: Graph, by_out: dict[str, Step]) -> None:
+    """An in-place anchor epilogue whose value only a reduction kernel reads joins that kernel's prologue."""
+    gens = {s.source.ref.name: s for s in by_out.values() if isinstance(s, GenStep) and s.spec is not None}
+    for name, step in list(by_out.items()):
+        if not isinstance(step, FusedStep) or not step.inplace or not step.epilogue.statements:
+            continue
+        gen = gens.get(name)
+        if gen is None or len(graph.users(name)) != 1 or graph.is_output(name):
+            continue
+        acc_name = step.replaces[1] if step.anchor.fused_relu else step.replaces[0]
+        acc_meta = graph[acc_name].meta
+        source_strides = space_strides(acc_meta, acc_meta.shape, gen.prologue.space)
+        operands = [space_strides(o.meta, step.epilogue.out.shape, gen.prologue.space) for o in step.epilogue.operands]
+        if source_strides is None or any(s is None for s in operands):
+            continue
+        first = [Operand(o.ref, o.meta, s) for o, s in zip(step.epilogue.operands, operands, strict=True)]
+        shift = len(first)
+        renamed = {"acc": step.epilogue.result}
+        renamed.update({f"in{i}": f"in{i + shift}" for i in range(len(gen.prologue.operands))})
+        later = tuple(Statement(st.name, st.op, st.aten, tuple(renamed.get(a, a) if isinstance(a, str) else a
+                                                                for a in st.args), st.params)
+                      for st in gen.prologue.statements)
+        prologue = Program(step.epilogue.statements + later, tuple(first) + gen.prologue.operands, gen.prologue.space)
+        anchor_only = replace(step, epilogue=Epilogue((), (), acc_meta), replaces=step.replaces[:len(step.replaces) -
+                              len(step.epilogue.statements)], out=acc_name)
+        merged = replace(gen, source=Operand(Ref(acc_name), acc_meta, source_strides), prologue=prologue,
+                         replaces=tuple(s.name for s in step.epilogue.statements) + gen.replaces)
+        del by_out[name]
+        by_out[acc_name] = anchor_only
+        by_out[gen.out] = merged
 
 
 def anchor_supported(graph: Graph, node: Node) -> tuple[bool, str]:
@@ -75,19 +131,26 @@ def anchor_supported(graph: Graph, node: Node) -> tuple[bool, str]:
         return False, f"dtype {node.meta.dtype} not fused"
     if not node.meta.is_contiguous:
         return False, "non-contiguous library output"
-    if ANCHOR_OPS[node.op] == "conv":
-        weight = graph[node.args[1]].meta
-        transposed = node.args[6]
-        if weight is None or len(weight.shape) != 4 or transposed:
-            return False, "only 2-d, non-transposed convolution is fused"
+    if ANCHOR_OPS[node.op] == "conv" and graph[node.args[1]].meta is None:
+        return False, "convolution weight is not a tensor"
     return True, ""
+
+
+def is_conv2d(graph: Graph, node: Node) -> bool:
+    """A 2-d, non-transposed convolution: the one cuDNN runs channels-last and with fused bias+ReLU here.
+    Other convolutions (1-d, 3-d, transposed) take an in-place epilogue in their NCHW output."""
+    if ANCHOR_OPS.get(node.op) != "conv":
+        return False
+    weight = graph[node.args[1]].meta
+    return weight is not None and len(weight.shape) == 4 and not node.args[6]
 
 
 def _fuse_behind(graph: Graph, anchor_node: Node, options: PlanOptions, kernel: str) -> FusedStep | None:
     family = ANCHOR_OPS[anchor_node.op]
     users = graph.users(anchor_node.name)
+    conv2d = is_conv2d(graph, anchor_node)
     fused_relu = (
-        family == "conv" and options.cudnn_fused_relu and len(users) == 1 and users[0].op == "relu.default"
+        conv2d and options.cudnn_fused_relu and len(users) == 1 and users[0].op == "relu.default"
         and not graph.is_output(anchor_node.name)
     )
     inside = {anchor_node.name}
@@ -96,13 +159,14 @@ def _fuse_behind(graph: Graph, anchor_node: Node, options: PlanOptions, kernel: 
         inside.add(users[0].name)
         acc_name = users[0].name
     members = _grow(graph, anchor_node, inside)
-    if family == "conv" and options.conv_layout == "nhwc" and not members and not fused_relu:
+    layout = options.conv_layout if conv2d else "nchw"
+    if family == "conv" and layout == "nhwc" and not members and not fused_relu:
         return None  # a lone convolution: nothing to fuse, the torch call is as good
     if family == "matmul" and not members:
         return None
     out_node = graph[members[-1].name] if members else graph[acc_name]
     epilogue = _epilogue(graph, members, acc_name, out_node.meta)
-    anchor = Anchor(anchor_node, family, fused_relu, options.conv_layout if family == "conv" else "nchw",
+    anchor = Anchor(anchor_node, family, fused_relu, layout,
                     tf32=options.matmul_tf32 and family == "matmul")
     replaces = (anchor_node.name,) + ((acc_name,) if fused_relu else ()) + tuple(m.name for m in members)
     return FusedStep(kernel, anchor, epilogue, replaces, out_node.name)
@@ -184,22 +248,10 @@ def _epilogue(graph: Graph, members: list[Node], acc_name: str, out: TensorMeta)
     for node in members:
         row = POINTWISE_BY_ATEN[node.op]
         args = tuple(value(node.args[i]) if i < len(node.args) else 0.0 for i in row.operands)
-        params = tuple(_param(node, pos, default) for pos, default in row.params)
+        params = tuple(constant_arg(node, pos, default) for pos, default in row.params)
         statements.append(Statement(node.name, row.ir, row.aten, args, params))
         names[node.name] = node.name
     return Epilogue(tuple(statements), tuple(operands), out)
-
-
-def _param(node: Node, pos: int | str, default: object) -> object:
-    """A constant argument by keyword name or by position; an omitted or None (optional) one is the default."""
-    if isinstance(pos, str):
-        for a in node.args:
-            if isinstance(a, tuple) and len(a) == 3 and a[0] == "kw" and a[1] == pos:
-                return default if a[2] is None else a[2]
-        return default
-    plain = [a for a in node.args if not (isinstance(a, tuple) and len(a) == 3 and a[0] == "kw")]
-    value = plain[pos] if pos < len(plain) else default
-    return default if value is None else value
 
 
 def _unfused_reason(graph: Graph, node: Node) -> str:

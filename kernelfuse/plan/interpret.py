@@ -12,7 +12,7 @@ import torch
 
 from kernelfuse.capture import Graph, Node, Ref
 from kernelfuse.ops import POINTWISE_BY_ATEN
-from kernelfuse.plan.ir import FusedStep, Plan, TorchStep
+from kernelfuse.plan.ir import Epilogue, FusedStep, GenStep, Plan, Program, TorchStep
 
 
 def interpret(plan: Plan, state: dict[str, torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -26,6 +26,8 @@ def interpret(plan: Plan, state: dict[str, torch.Tensor], inputs: Sequence[torch
     for step in plan.steps:
         if isinstance(step, TorchStep):
             env[step.node.name] = call_aten(step.node, env)
+        elif isinstance(step, GenStep):
+            env[step.out] = _run_generated(step, env)
         else:
             env[step.out] = _run_fused(plan.graph, step, env)
     return [env[r.name] for r in plan.graph.outputs]  # type: ignore[misc]
@@ -50,14 +52,32 @@ def _run_fused(graph: Graph, step: FusedStep, env: dict[str, object]) -> torch.T
     acc = call_aten(step.anchor.node, env)
     if step.anchor.fused_relu:
         acc = torch.relu(acc)
+    return _run_program(step.epilogue, acc, env)
+
+
+def _run_generated(step: GenStep, env: dict[str, object]) -> torch.Tensor:
+    """Prologue on the source, the reduction node's own ATen call on its result, then the epilogue."""
+    value = _run_program(step.prologue, env[step.source.ref.name], env)
+    if step.reduce_node is not None:
+        node = step.reduce_node
+        local = {**env, "__kf_reduce_input": value}
+        args = (Ref("__kf_reduce_input"),) + node.args[1:]
+        value = call_aten(Node(node.name, node.op, args, node.meta), local)
+        index = getattr(step.spec, "out_index", None)
+        if index is not None:
+            value = value[index]  # type: ignore[index]
+    return _run_program(step.epilogue, value, env)
+
+
+def _run_program(program: Epilogue | Program, acc: object, env: dict[str, object]) -> torch.Tensor:
     values: dict[str, object] = {"acc": acc}
-    for i, operand in enumerate(step.epilogue.operands):
+    for i, operand in enumerate(program.operands):
         values[f"in{i}"] = env[operand.ref.name]
-    for st in step.epilogue.statements:
+    for st in program.statements:
         row = POINTWISE_BY_ATEN[st.aten]
         args = [values[a] if isinstance(a, str) else a for a in st.args]
         values[st.name] = row.torch_fn(*args, *st.params)
-    return values[step.epilogue.result]  # type: ignore[return-value]
+    return values[program.result]  # type: ignore[return-value]
 
 
 def _value(a: object, env: dict[str, object]) -> object:

@@ -84,12 +84,52 @@ class FusedStep:
 
 
 @dataclass(frozen=True)
+class Program:
+    """A pointwise SSA program over an iteration space: `acc` is the value entering it (a load of `source`, or
+    the reduction's result), `in0`, `in1`, ... are operands with their element strides over `space`."""
+
+    statements: tuple[Statement, ...]
+    operands: tuple[Operand, ...]
+    space: tuple[int, ...]
+
+    @property
+    def result(self) -> str:
+        return self.statements[-1].name if self.statements else "acc"
+
+
+@dataclass(frozen=True)
+class GenStep:
+    """A generated kernel: load `source` over `spec.space` (or `prologue.space` without a reduction), run the
+    prologue, then at most one reduction/normalisation (`spec`, from kernelfuse.ops.reductions), then the
+    epilogue over the output; write `out`. `reduce_node` is the ATen node the reduction replaces."""
+
+    kernel: str
+    source: Operand
+    prologue: Program
+    reduce_node: Node | None
+    spec: object | None  # kernelfuse.ops.reductions.ReduceSpec (kept untyped here: ops imports capture only)
+    epilogue: Program
+    out_meta: TensorMeta
+    replaces: tuple[str, ...]
+    out: str
+
+    def chain(self, graph: Graph) -> str:
+        return " -> ".join(graph[n].op.split(".")[0] for n in self.replaces if graph[n].op != "getitem")
+
+    @property
+    def family(self) -> str:
+        if self.spec is None:
+            return "pointwise"
+        return f"{self.spec.kind}"  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
 class TorchStep:
     node: Node
     reason: str  # why it stays a torch call ("view", "reduction: no kernel yet", ...)
 
 
-Step = FusedStep | TorchStep
+Step = FusedStep | GenStep | TorchStep
 
 
 @dataclass(frozen=True)
@@ -103,6 +143,10 @@ class Plan:
         return [s for s in self.steps if isinstance(s, FusedStep)]
 
     @property
+    def generated(self) -> list[GenStep]:
+        return [s for s in self.steps if isinstance(s, GenStep)]
+
+    @property
     def unfused(self) -> list[TorchStep]:
         return [s for s in self.steps if isinstance(s, TorchStep) and s.reason != "view"]
 
@@ -114,6 +158,8 @@ class Plan:
             layout = f" [{s.anchor.layout}]" if s.anchor.family == "conv" else ""
             kernel = " + epilogue kernel" if s.needs_kernel else ""
             lines.append(f"  fused {s.kernel}: {s.chain(self.graph)}  ({lib}{extra}{layout}{kernel})")
+        for g in self.generated:
+            lines.append(f"  generated {g.kernel}: {g.chain(self.graph)}  ({g.family} kernel)")
         for s in self.unfused:
             lines.append(f"  unfused: {s.node.op} ({s.reason})")
         if not self.unfused:

@@ -1,0 +1,253 @@
+"""The reduction table: one row per ATen reduction, softmax or normalisation op the generated kernels compute.
+
+A row reads the node's arguments and says how to iterate it: the `space` (the input's shape, regrouped where the
+op's semantics need it, e.g. group norm's [N, G, C/G, HxW]), which of its dims are reduced, and the op's constants
+and affine operands. `kind` names the CUDA algorithm (kernelfuse.codegen.reduce renders each kind):
+
+- reducing kinds write one value per row (the kept dims): sum, mean, amax, amin, prod, logsumexp;
+- broadcasting kinds write the whole space, each element transformed by its row's statistics: softmax,
+  log_softmax, norm (layer/group/batch norm in training mode: mean and biased variance), and affine_norm
+  (batch norm in eval mode: running statistics, no reduction).
+
+A row that cannot take a node returns the reason as a string; the scheduler reports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from kernelfuse.capture import Graph, Node, Ref
+
+BROADCAST_KINDS = frozenset({"softmax", "log_softmax", "norm", "affine_norm"})
+
+
+@dataclass(frozen=True)
+class ReduceSpec:
+    """How one reduction node iterates: over `space`, reducing `reduced` dims; `out_index` is the output that
+    carries the value (multi-output ops: its getitem index, else None). Affine operands are graph values with
+    their element strides over `space` computed by the planner; `running` holds batch norm's running mean and
+    variance (updated in place in training mode)."""
+
+    kind: str
+    source: Ref
+    space: tuple[int, ...]
+    reduced: tuple[int, ...]
+    source_strides: tuple[int, ...]
+    weight: tuple[Ref, tuple[int, ...]] | None = None
+    bias: tuple[Ref, tuple[int, ...]] | None = None
+    running: tuple[Ref, Ref] | None = None
+    eps: float = 0.0
+    momentum: float = 0.0
+    out_index: int | None = None
+
+    @property
+    def broadcast(self) -> bool:
+        return self.kind in BROADCAST_KINDS
+
+    @property
+    def rows(self) -> int:
+        return _prod(s for d, s in enumerate(self.space) if d not in self.reduced)
+
+    @property
+    def row_size(self) -> int:
+        return _prod(self.space[d] for d in self.reduced)
+
+
+Parse = Callable[[Graph, Node], "ReduceSpec | str"]
+
+
+@dataclass(frozen=True)
+class ReductionOp:
+    aten: str
+    kind: str
+    parse: Parse
+
+
+def _prod(values) -> int:
+    n = 1
+    for v in values:
+        n *= v
+    return n
+
+
+def _plain(node: Node) -> list[object]:
+    return [a for a in node.args if not (isinstance(a, tuple) and len(a) == 3 and a[0] == "kw")]
+
+
+def _kw(node: Node, name: str, default: object = None) -> object:
+    for a in node.args:
+        if isinstance(a, tuple) and len(a) == 3 and a[0] == "kw" and a[1] == name:
+            return a[2]
+    return default
+
+
+def _arg(node: Node, pos: int, name: str, default: object = None) -> object:
+    plain = _plain(node)
+    return plain[pos] if pos < len(plain) else _kw(node, name, default)
+
+
+def _source(graph: Graph, node: Node) -> tuple[Ref, tuple[int, ...], tuple[int, ...]] | str:
+    src = node.args[0]
+    if not isinstance(src, Ref) or graph[src].meta is None:
+        return "input is not a tensor"
+    meta = graph[src].meta
+    if meta.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"dtype {meta.dtype} not supported"
+    if meta.numel == 0 or not meta.shape:
+        return "empty or 0-d input"
+    return src, meta.shape, meta.stride
+
+
+def _dims(dims: object, rank: int) -> tuple[int, ...] | str:
+    if dims is None or dims == () or dims == []:
+        return tuple(range(rank))
+    if isinstance(dims, int):
+        dims = (dims,)
+    out = sorted({d % rank for d in dims})  # type: ignore[union-attr]
+    return tuple(out)
+
+
+def _dim_reduction(kind: str, dims_pos: int, keep_pos: int, dtype_kw: bool = False,
+                   out_index: int | None = None) -> Parse:
+    """sum/mean/amax/amin/logsumexp/prod/max.dim/min.dim: reduce the listed dims (none listed: all dims)."""
+
+    def parse(graph: Graph, node: Node) -> ReduceSpec | str:
+        src = _source(graph, node)
+        if isinstance(src, str):
+            return src
+        ref, shape, stride = src
+        if dtype_kw and _arg(node, keep_pos + 1, "dtype") is not None:
+            return "reduction with a dtype argument"
+        dims = _dims(_arg(node, dims_pos, "dim"), len(shape)) if dims_pos >= 0 else tuple(range(len(shape)))
+        if isinstance(dims, str):
+            return dims
+        return ReduceSpec(kind, ref, shape, dims, stride, out_index=out_index)
+
+    return parse
+
+
+def _softmax(kind: str) -> Parse:
+    def parse(graph: Graph, node: Node) -> ReduceSpec | str:
+        src = _source(graph, node)
+        if isinstance(src, str):
+            return src
+        ref, shape, stride = src
+        if _arg(node, 2, "half_to_float", False):
+            return "softmax with half_to_float"
+        return ReduceSpec(kind, ref, shape, (int(node.args[1]) % len(shape),), stride)  # type: ignore[arg-type]
+
+    return parse
+
+
+def _affine(graph: Graph, arg: object, strides: tuple[int, ...], dtype: torch.dtype) -> tuple | str | None:
+    if arg is None:
+        return None
+    if not isinstance(arg, Ref) or graph[arg].meta is None:
+        return "affine argument is not a tensor"
+    meta = graph[arg].meta
+    if meta.dtype != dtype or not meta.is_contiguous:
+        return "affine parameter of another dtype or layout"
+    return arg, strides
+
+
+def _layer_norm(graph: Graph, node: Node) -> ReduceSpec | str:
+    src = _source(graph, node)
+    if isinstance(src, str):
+        return src
+    ref, shape, stride = src
+    normalized = tuple(node.args[1])  # type: ignore[arg-type]
+    k = len(shape) - len(normalized)
+    if k < 0 or tuple(shape[k:]) != normalized:
+        return "normalized_shape does not match the input"
+    affine_strides = (0,) * k + tuple(_contiguous(normalized))
+    dtype = graph[ref].meta.dtype
+    weight = _affine(graph, node.args[2], affine_strides, dtype)
+    bias = _affine(graph, node.args[3], affine_strides, dtype)
+    if isinstance(weight, str) or isinstance(bias, str):
+        return weight if isinstance(weight, str) else bias  # type: ignore[return-value]
+    return ReduceSpec("norm", ref, shape, tuple(range(k, len(shape))), stride, weight, bias,
+                      eps=float(node.args[4]), out_index=0)  # type: ignore[arg-type]
+
+
+def _group_norm(graph: Graph, node: Node) -> ReduceSpec | str:
+    src = _source(graph, node)
+    if isinstance(src, str):
+        return src
+    ref, shape, stride = src
+    n, c, hw, groups, eps = (node.args[i] for i in (3, 4, 5, 6, 7))
+    if not graph[ref].meta.is_contiguous or c % groups:  # type: ignore[operator]
+        return "non-contiguous input"
+    cg = c // groups  # type: ignore[operator]
+    space = (n, groups, cg, hw)
+    src_strides = (c * hw, cg * hw, hw, 1)  # type: ignore[operator]
+    dtype = graph[ref].meta.dtype
+    weight = _affine(graph, node.args[1], (0, cg, 1, 0), dtype)
+    bias = _affine(graph, node.args[2], (0, cg, 1, 0), dtype)
+    if isinstance(weight, str) or isinstance(bias, str):
+        return weight if isinstance(weight, str) else bias  # type: ignore[return-value]
+    return ReduceSpec("norm", ref, space, (2, 3), src_strides, weight, bias, eps=float(eps),  # type: ignore[arg-type]
+                      out_index=0)
+
+
+def _batch_norm(graph: Graph, node: Node) -> ReduceSpec | str:
+    src = _source(graph, node)
+    if isinstance(src, str):
+        return src
+    ref, shape, _ = src
+    if len(shape) < 2 or not graph[ref].meta.is_contiguous:
+        return "batch norm over a non-contiguous or 1-d input"
+    x, w, b, rm, rv, training, momentum, eps = node.args[:8]
+    n, c = shape[0], shape[1]
+    hw = _prod(shape[2:])
+    space, strides = (n, c, hw), (c * hw, hw, 1)
+    dtype = graph[ref].meta.dtype
+    weight = _affine(graph, w, (0, 1, 0), dtype)
+    bias = _affine(graph, b, (0, 1, 0), dtype)
+    if isinstance(weight, str) or isinstance(bias, str):
+        return weight if isinstance(weight, str) else bias  # type: ignore[return-value]
+    running = None
+    if rm is not None or rv is not None:
+        if not (isinstance(rm, Ref) and isinstance(rv, Ref)):
+            return "only one running statistic given"
+        if any(graph[r].meta.dtype != dtype for r in (rm, rv)):
+            return "running statistics of another dtype"
+        running = (rm, rv)
+    if not training:
+        if running is None:
+            return "eval-mode batch norm without running statistics"
+        return ReduceSpec("affine_norm", ref, space, (), strides, weight, bias, running, eps=float(eps),
+                          out_index=0)
+    return ReduceSpec("norm", ref, space, (0, 2), strides, weight, bias, running, eps=float(eps),
+                      momentum=float(momentum), out_index=0)
+
+
+def _contiguous(shape: tuple[int, ...]) -> list[int]:
+    strides, acc = [], 1
+    for d in reversed(shape):
+        strides.append(acc)
+        acc *= d
+    return list(reversed(strides))
+
+
+REDUCTION_OPS: tuple[ReductionOp, ...] = (
+    ReductionOp("sum.dim_IntList", "sum", _dim_reduction("sum", 1, 2, dtype_kw=True)),
+    ReductionOp("sum.default", "sum", _dim_reduction("sum", -1, 0)),
+    ReductionOp("mean.dim", "mean", _dim_reduction("mean", 1, 2, dtype_kw=True)),
+    ReductionOp("mean.default", "mean", _dim_reduction("mean", -1, 0)),
+    ReductionOp("amax.default", "amax", _dim_reduction("amax", 1, 2)),
+    ReductionOp("amin.default", "amin", _dim_reduction("amin", 1, 2)),
+    ReductionOp("max.dim", "amax", _dim_reduction("amax", 1, 2, out_index=0)),
+    ReductionOp("min.dim", "amin", _dim_reduction("amin", 1, 2, out_index=0)),
+    ReductionOp("prod.dim_int", "prod", _dim_reduction("prod", 1, 2, dtype_kw=True)),
+    ReductionOp("logsumexp.default", "logsumexp", _dim_reduction("logsumexp", 1, 2)),
+    ReductionOp("_softmax.default", "softmax", _softmax("softmax")),
+    ReductionOp("_log_softmax.default", "log_softmax", _softmax("log_softmax")),
+    ReductionOp("native_layer_norm.default", "norm", _layer_norm),
+    ReductionOp("native_group_norm.default", "norm", _group_norm),
+    ReductionOp("native_batch_norm.default", "norm", _batch_norm),
+)
+
+REDUCTION_BY_ATEN: dict[str, ReductionOp] = {row.aten: row for row in REDUCTION_OPS}

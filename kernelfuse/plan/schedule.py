@@ -1,0 +1,247 @@
+"""The scheduler for generated kernels: partition the nodes no library anchor took into GenSteps.
+
+A GenStep is `prologue (pointwise over the input's space) -> at most one reduction -> epilogue (pointwise over
+the output)`. Walking the graph in order, a pointwise or reduction node seeds a kernel; pointwise nodes that read a
+value inside it join while the shapes agree; a chain whose only reader is a reduction becomes that reduction's
+prologue. A value needed outside the kernel (another reader, a graph output) ends the chain before it, so every
+intermediate stays in registers. Each refusal has a reason (`can_fuse -> (ok, reason)`), shown in the plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernelfuse.capture import Graph, Node, Ref, TensorMeta
+from kernelfuse.ops import POINTWISE_BY_ATEN
+from kernelfuse.ops.reductions import REDUCTION_BY_ATEN, ReduceSpec
+from kernelfuse.plan.ir import EArg, GenStep, Operand, Program, Statement
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass
+class _Chain:
+    """A pointwise chain being grown: its members in order and the names of the values it computes."""
+
+    members: list[Node]
+    inside: set[str]
+
+
+def schedule(graph: Graph, taken: set[str], first_kernel: int, max_kernels: int | None = None
+             ) -> tuple[list[GenStep], dict[str, str]]:
+    """GenSteps for the nodes not in `taken`, and the refusal reason for each node that stays a torch call."""
+    steps: list[GenStep] = []
+    reasons: dict[str, str] = {}
+    used = set(taken)
+    for node in graph.nodes:
+        if node.name in used or node.op in ("input", "param", "buffer"):
+            continue
+        if max_kernels is not None and len(steps) >= max_kernels:
+            if node.op in POINTWISE_BY_ATEN or node.op in REDUCTION_BY_ATEN:
+                reasons.setdefault(node.name, "fusion cap (--max-fusions) reached")
+            continue
+        step = _kernel_from(graph, node, used, f"k{first_kernel + len(steps)}", reasons)
+        if step is not None:
+            steps.append(step)
+            used.update(step.replaces)
+    return steps, reasons
+
+
+def can_fuse_pointwise(graph: Graph, node: Node, space: TensorMeta) -> tuple[bool, str]:
+    """Can `node` join a pointwise chain over `space`? Same shape and dtype, float, every tensor it reads usable."""
+    if node.op not in POINTWISE_BY_ATEN:
+        return False, "not a pointwise op of the table"
+    if node.meta is None or node.meta.dtype not in FLOAT_DTYPES:
+        return False, "not a floating-point tensor"
+    if node.meta.shape != space.shape or node.meta.dtype != space.dtype:
+        return False, f"shape or dtype differs from the kernel's {space}"
+    for ref in node.refs:
+        meta = graph[ref].meta
+        if meta is None or meta.dtype != space.dtype:
+            return False, f"operand %{ref.name} has another dtype"
+        if not _broadcasts(meta.shape, space.shape):
+            return False, f"operand %{ref.name} does not broadcast to the output"
+    return True, ""
+
+
+def _kernel_from(graph: Graph, seed: Node, used: set[str], kernel: str, reasons: dict[str, str]) -> GenStep | None:
+    if seed.op in REDUCTION_BY_ATEN:
+        return _reduction_kernel(graph, seed, None, used, kernel, reasons)
+    ok, why = can_fuse_pointwise(graph, seed, seed.meta) if seed.op in POINTWISE_BY_ATEN else (False, "")
+    if not ok:
+        if why:
+            reasons[seed.name] = why
+        return None
+    chain = _grow(graph, [seed], seed.meta, used)
+    last = chain.members[-1]
+    readers = graph.users(last.name)
+    if len(readers) == 1 and readers[0].op in REDUCTION_BY_ATEN and not graph.is_output(last.name) \
+            and readers[0].args and readers[0].args[0] == Ref(last.name):
+        step = _reduction_kernel(graph, readers[0], chain, used, kernel, reasons)
+        if step is not None:
+            return step
+    return _pointwise_kernel(graph, chain, kernel)
+
+
+def _grow(graph: Graph, members: list[Node], space: TensorMeta, used: set[str]) -> _Chain:
+    """Extend a chain with later pointwise nodes reading it; then shrink until only its last value escapes."""
+    inside = {m.name for m in members}
+    start = graph.nodes.index(members[-1])
+    for node in graph.nodes[start + 1:]:
+        if node.name in used or node.name in inside or not any(r.name in inside for r in node.refs):
+            continue
+        if can_fuse_pointwise(graph, node, space)[0]:
+            members.append(node)
+            inside.add(node.name)
+    while len(members) > 1 and _escaping(graph, members, inside):
+        inside.discard(members.pop().name)
+    return _Chain(members, inside)
+
+
+def _escaping(graph: Graph, members: list[Node], inside: set[str]) -> bool:
+    """Does a value other than the chain's last one have a reader outside the chain (or leave the graph)?"""
+    return any(
+        graph.is_output(m.name) or any(u.name not in inside for u in graph.users(m.name))
+        for m in members[:-1]
+    )
+
+
+def _reduction_kernel(graph: Graph, node: Node, prologue: _Chain | None, used: set[str], kernel: str,
+                      reasons: dict[str, str]) -> GenStep | None:
+    spec = REDUCTION_BY_ATEN[node.op].parse(graph, node)
+    if isinstance(spec, str):
+        reasons[node.name] = spec
+        return None
+    value, extra = _result_value(graph, node, spec)
+    if value is None:
+        reasons[node.name] = extra  # type: ignore[assignment]
+        return None
+    out_meta = graph[value].meta
+    src_meta = graph[spec.source].meta
+    replaces = [*(m.name for m in prologue.members)] if prologue else []
+    if prologue is not None:
+        source, program = _program(graph, prologue.members, src_meta, spec.space)
+        if source is None:
+            reasons[node.name] = "prologue operands cannot follow the reduction's iteration space"
+            return _reduction_kernel(graph, node, None, used, kernel, reasons)
+    else:
+        source = Operand(spec.source, src_meta, spec.source_strides)
+        program = Program((), (), spec.space)
+    replaces += [node.name, *extra]
+    epi_chain = _grow(graph, [graph[value]], out_meta, used | set(replaces)) if graph.users(value) else None
+    epi_members = epi_chain.members[1:] if epi_chain else []
+    if epi_members and (graph.is_output(value) or len(graph.users(value)) > 1):
+        epi_members = []  # the reduction's value is needed as it is elsewhere
+    _, epilogue = _program(graph, epi_members, out_meta, out_meta.shape, acc=value)
+    out = epi_members[-1].name if epi_members else value
+    replaces += [m.name for m in epi_members]
+    return GenStep(kernel, source, program, node, spec, epilogue, graph[out].meta, tuple(replaces), out)
+
+
+def _result_value(graph: Graph, node: Node, spec: ReduceSpec) -> tuple[str | None, list[str] | str]:
+    """The node carrying the reduction's value, and the getitems the kernel absorbs (all others must be unused)."""
+    if spec.out_index is None:
+        return node.name, []
+    value, extra = None, []
+    for user in graph.users(node.name):
+        if user.op != "getitem":
+            return None, "multi-output op read without getitem"
+        index = user.args[1]
+        if index == spec.out_index:
+            value = user.name
+        elif graph.users(user.name) or graph.is_output(user.name):
+            return None, f"its output {index} (statistics or indices) is used"
+        extra.append(user.name)
+    if value is None:
+        return None, "its value is unused"
+    return value, extra
+
+
+def _pointwise_kernel(graph: Graph, chain: _Chain, kernel: str) -> GenStep:
+    out_meta = chain.members[-1].meta
+    source, program = _program(graph, chain.members, out_meta, out_meta.shape)
+    assert source is not None  # the chain's own space: every operand broadcasts to it
+    return GenStep(kernel, source, program, None, None, Program((), (), out_meta.shape), out_meta,
+                   tuple(m.name for m in chain.members), chain.members[-1].name)
+
+
+def _program(graph: Graph, members: list[Node], meta: TensorMeta, space: tuple[int, ...],
+             acc: str | None = None) -> tuple[Operand | None, Program]:
+    """Statements for `members` over `space`; the first tensor the first member reads from outside is the source
+    (`acc`) unless `acc` names the value entering the program. Operand strides are mapped onto `space`."""
+    names: dict[str, str] = {acc: "acc"} if acc else {}
+    operands: list[Operand] = []
+    source: list[Operand] = []
+    ok = True
+
+    def value(arg: object) -> EArg:
+        nonlocal ok
+        if not isinstance(arg, Ref):
+            return float(arg)  # type: ignore[arg-type]
+        if arg.name in names:
+            return names[arg.name]
+        node = graph[arg]
+        strides = space_strides(node.meta, meta.shape, space)
+        if strides is None:
+            ok = False
+            strides = (0,) * len(space)
+        operand = Operand(arg, node.meta, strides)
+        if not source and acc is None:
+            source.append(operand)
+            names[arg.name] = "acc"
+        else:
+            names[arg.name] = f"in{len(operands)}"
+            operands.append(operand)
+        return names[arg.name]
+
+    statements = []
+    for node in members:
+        row = POINTWISE_BY_ATEN[node.op]
+        args = tuple(value(node.args[i]) if i < len(node.args) else 0.0 for i in row.operands)
+        params = tuple(constant_arg(node, pos, default) for pos, default in row.params)
+        statements.append(Statement(node.name, row.ir, row.aten, args, params))
+        names[node.name] = node.name
+    src = source[0] if source else None
+    if not ok:
+        return None, Program((), (), space)
+    if src is None and acc is None:
+        return None, Program((), (), space)
+    return src, Program(tuple(statements), tuple(operands), space)
+
+
+def space_strides(meta: TensorMeta, shape: tuple[int, ...], space: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The element strides of a tensor broadcast to `shape`, viewed as `space` (a regrouping of `shape`), or None
+    when that view does not exist (its layout cannot follow the regrouping)."""
+    offset = len(shape) - len(meta.shape)
+    strides = []
+    for d in range(len(shape)):
+        k = d - offset
+        strides.append(0 if k < 0 or (meta.shape[k] == 1 and shape[d] != 1) else meta.stride[k])
+    if tuple(shape) == tuple(space):
+        return tuple(strides)
+    probe = torch.empty_strided(shape, strides, device="meta")
+    try:
+        return tuple(probe.view(space).stride())
+    except RuntimeError:
+        return None
+
+
+def _broadcasts(shape: tuple[int, ...], out: tuple[int, ...]) -> bool:
+    if len(shape) > len(out):
+        return False
+    offset = len(out) - len(shape)
+    return all(d in (1, out[i + offset]) for i, d in enumerate(shape))
+
+
+def constant_arg(node: Node, pos: int | str, default: object) -> object:
+    """A constant argument by keyword name or by position; an omitted or None (optional) one is the default."""
+    if isinstance(pos, str):
+        for a in node.args:
+            if isinstance(a, tuple) and len(a) == 3 and a[0] == "kw" and a[1] == pos:
+                return default if a[2] is None else a[2]
+        return default
+    plain = [a for a in node.args if not (isinstance(a, tuple) and len(a) == 3 and a[0] == "kw")]
+    got = plain[pos] if pos < len(plain) else default
+    return default if got is None else got
