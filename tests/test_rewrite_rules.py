@@ -383,3 +383,29 @@ def test_cli_unknown_rule_exits_2(tmp_path, capsys):
     path = write_problem(tmp_path, "gemm_sum", GEMM_SUM, "[torch.randn(4, 16)]")
     code = main(["optimize", str(path), "-o", str(tmp_path / "o.py"), "--cpu-only", "--no-rewrite", "nope"])
     assert code == 2 and "unknown rewrite rule nope" in capsys.readouterr().err
+
+
+# ---- average pooling over a Linear's features --------------------------------------------------------------------
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("fn", [
+    lambda m, x: nn.functional.avg_pool2d(m.lin(x).unsqueeze(1).unsqueeze(-2), (1, 2)).squeeze(-2).squeeze(1),
+    lambda m, x: torch.relu(nn.functional.avg_pool1d(m.lin(x).unsqueeze(1), 3)).squeeze(1),
+    lambda m, x: nn.functional.avg_pool1d(m.lin(x).unsqueeze(1), 4).squeeze(1) * 2.0,  # 6 features: one window
+])
+def test_avg_pool_linear_output(fn, bias):
+    r = prove(fn, signed(5, 8), rule="avg_pool_linear_output", bias=bias, rtol=1e-10)
+    (product,) = [n for n in r.graph.nodes if n.op in ("mm.default", "addmm.default")]
+    assert product.meta.shape[1] < 6 and not any(n.op.startswith("avg_pool") for n in r.graph.nodes)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda m, x: nn.functional.avg_pool1d(m.lin(x).unsqueeze(1), 2, stride=1).squeeze(1),  # overlapping windows
+    lambda m, x: nn.functional.avg_pool1d(m.lin(x).unsqueeze(1), 2, padding=1).squeeze(1),  # padded
+    lambda m, x: nn.functional.avg_pool1d(m.lin(x).unsqueeze(1), 4, ceil_mode=True).squeeze(1),  # partial window
+    lambda m, x: nn.functional.avg_pool1d(torch.sigmoid(m.lin(x)).unsqueeze(1), 2).squeeze(1),  # not linear
+    lambda m, x: (nn.functional.avg_pool1d(m.lin(x).unsqueeze(1), 2).squeeze(1), m.lin(x)),  # GEMM needed anyway
+    lambda m, x: nn.functional.avg_pool2d(m.lin(x).view(5, 1, 2, 3), (1, 3)).flatten(1),  # features split in 2-d
+])
+def test_avg_pool_linear_output_negative(fn):
+    prove(fn, signed(5, 8), rule="avg_pool_linear_output", fires=False)

@@ -164,3 +164,59 @@ def reduce_linear_output(graph: Graph, node: Node) -> Replacement | None:
     k, n = graph[weight].meta.shape
     return b.done(out, f"{kind} over {n} output features of {mm.op.split('.')[0]} = x @ weight.{kind}(1)"
                        f"{f' + bias.{kind}()' if bias else ''} ({n}x fewer multiply-adds)")
+
+
+SIZE1_VIEWS = frozenset({"unsqueeze.default", "view.default", "reshape.default", "_unsafe_view.default"})
+
+
+def avg_pool_linear_output(graph: Graph, node: Node) -> Replacement | None:
+    """Average pooling over the output features of a matrix product is a smaller matrix product with the weight
+    columns averaged in groups: mean_{f in group j} (x @ B + b)[i, f] = x @ mean_group_j(B) + mean_group_j(b).
+
+    Matches avg_pool2d over a Linear's output viewed as [N, 1, ..., 1, F] (only size-1 dims added), with a
+    kernel and stride of [1, k], no padding, floor mode and no divisor override (every window full, so
+    count_include_pad does not matter); trailing features that fill no window are dropped, as the pool drops
+    them. The product and the views have no other reader. The averaged weight is recomputed from the parameter
+    on every call. Float32/float64. Exact in real arithmetic; the sum is reassociated (weights averaged first),
+    like `reduce_linear_output`, and the same finite-inputs caveat applies.
+    """
+    if node.op != "avg_pool2d.default" or len(node.args) < 2 or node.meta is None:
+        return None
+    kernel, stride = node.args[1], (node.args[2] if len(node.args) > 2 else ())
+    rest = tuple(node.args[3:]) + (0, False, True, None)[len(node.args[3:]):]
+    padding, ceil_mode, _, divisor = rest[:4]
+    if tuple(kernel) != (1, kernel[-1]) or tuple(stride) not in ((), tuple(kernel)) or ceil_mode \
+            or divisor is not None or padding not in (0, (0, 0), (0,)):
+        return None
+    k = kernel[-1]
+    src = graph[node.args[0]]
+    while src.op in SIZE1_VIEWS and single_use(graph, src.name) is not None:
+        src = graph[src.args[0]]
+    mm = src
+    if mm.op not in ("mm.default", "addmm.default") or mm.meta is None or len(mm.meta.shape) != 2:
+        return None
+    n, features = mm.meta.shape
+    pooled = graph[node.args[0]].meta.shape
+    if pooled[0] != n or pooled[-1] != features or any(d != 1 for d in pooled[1:-1]) or mm.meta.dtype not in FLOATS:
+        return None
+    if single_use(graph, mm.name) is None or not all(isinstance(a, Ref) for a in mm.args) \
+            or len(mm.args) != (2 if mm.op == "mm.default" else 3):
+        return None
+    *bias, x, weight = mm.args
+    if bias and graph[bias[0]].meta.shape != (features,):
+        return None
+    groups = features // k
+    b = Builder(graph, node)
+    rows = graph[weight].meta.shape[0]
+    whole = groups * k == features
+    w = b.add("view.default", weight if whole else b.add("slice.Tensor", weight, 1, 0, groups * k), (rows, groups, k))
+    w = b.add("mean.dim", w, (2,))
+    if bias:
+        bb = bias[0] if whole else b.add("slice.Tensor", bias[0], 0, 0, groups * k)
+        bb = b.add("view.default", bb, (groups, k))
+        out = b.add("addmm.default", b.add("mean.dim", bb, (1,)), x, w)
+    else:
+        out = b.add("mm.default", x, w)
+    out = b.add("view.default", out, node.meta.shape)
+    return b.done(out, f"avg_pool by {k} over {features} output features of {mm.op.split('.')[0]} = x @ the weight "
+                       f"averaged in groups of {k} ({k}x fewer multiply-adds)")

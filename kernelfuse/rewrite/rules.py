@@ -19,7 +19,12 @@ from kernelfuse.errors import KernelfuseError
 from kernelfuse.rewrite.chains import collapse_clamps, common_subexpressions, double_views, neutral_scalars
 from kernelfuse.rewrite.engine import Match, RuleFiring, rebuild, rewire, run_local
 from kernelfuse.rewrite.monotonic import reduce_before_monotonic
-from kernelfuse.rewrite.reductions import reduce_before_affine, reduce_linear_output, size1_reductions
+from kernelfuse.rewrite.reductions import (
+    avg_pool_linear_output,
+    reduce_before_affine,
+    reduce_linear_output,
+    size1_reductions,
+)
 
 # Ops that return their input's value unchanged; in a traced, non-mutating graph they can be bypassed.
 IDENTITY_OPS = frozenset({"alias.default", "detach.default", "clone.default", "lift_fresh_copy.default"})
@@ -136,6 +141,7 @@ RULES: tuple[Rule, ...] = (
     _local(reduce_before_monotonic),
     _local(reduce_before_affine),
     _local(reduce_linear_output),
+    _local(avg_pool_linear_output),
 )
 RULE_NAMES: tuple[str, ...] = tuple(r.name for r in RULES)
 
