@@ -49,8 +49,8 @@ class _Skip(Exception):
     """The check cannot run here; the message is the reason."""
 
 
-class _Timeout(Exception):
-    pass
+class _Timeout(BaseException):
+    """Raised by the timer: a BaseException, so no `except Exception` on the way turns it into a failure."""
 
 
 def check_plans(problem: Problem, model: torch.nn.Module, graph: Graph, plans: list[Plan], precision: str,
