@@ -8,6 +8,7 @@ from __future__ import annotations
 import ctypes
 import math
 import os
+import re
 import shutil
 import subprocess
 
@@ -16,8 +17,9 @@ import torch
 from optimizer_helpers import assert_interpreter_matches, pipeline, write_problem
 
 from kernelfuse.codegen import generate
-from kernelfuse.ops import POINTWISE_BY_ATEN, POINTWISE_OPS, float_literal, render_cuda
+from kernelfuse.ops import CUDA_PRELUDE, POINTWISE_BY_ATEN, POINTWISE_OPS, float_literal, render_cuda
 from kernelfuse.ops.pointwise import prelude_for
+from kernelfuse.ops.pointwise_helpers import HELPERS
 
 A = "torch.ops.aten"
 
@@ -432,3 +434,19 @@ def test_row_expression_matches_aten_on_the_gpu(gpu_module, case):
     out = gpu_module.run(list(EXPR_CASES).index(case), *(pool[k].float().contiguous() for k in ("x", "y", "z", "mask")))
     bad = ulp_mismatches(out.cpu(), ref.cpu(), max_ulp=GPU_ULP)
     assert not bad, [(pool["x"][i].item(), pool["y"][i].item(), out[i].item(), ref[i].item()) for i in bad[:8]]
+
+
+def test_prelude_for_emits_exactly_the_helpers_the_rows_call():
+    for case, (aten_name, operands, params) in EXPR_CASES.items():  # a row declares every helper it renders
+        row = POINTWISE_BY_ATEN[aten_name]
+        expr = render_cuda(row, [o if isinstance(o, str) else float_literal(o) for o in operands], list(params))
+        assert set(re.findall(r"\bkf_\w+", expr)) <= set(row.helpers), case
+    for row in POINTWISE_OPS:
+        assert set(re.findall(r"float (kf_\w+)\(", prelude_for([row]))) == set(row.helpers), row.aten
+    clamps = [POINTWISE_BY_ATEN[a] for a in ("hardtanh.default", "clamp.default", "relu.default")]
+    assert prelude_for(clamps) == HELPERS["kf_relu"] + "\n" + HELPERS["kf_clamp"] + "\n"  # once each, table order
+    assert prelude_for([POINTWISE_BY_ATEN["mul.Tensor"]]).strip() == ""
+    assert set(HELPERS) == {h for row in POINTWISE_OPS for h in row.helpers}, "a helper no row uses"
+    for name, source in HELPERS.items():  # self-contained, so a row's helpers are all it needs
+        assert set(re.findall(r"\bkf_\w+", source)) == {name}
+        assert source in CUDA_PRELUDE
