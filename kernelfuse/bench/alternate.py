@@ -26,11 +26,13 @@ def time_alternating(
     warmup: int = 3,
     after_call: Callable[[str], None] | None = None,
     before_call: Callable[[str], None] | None = None,
+    on_result: Callable[[str, Any], None] | None = None,
 ) -> dict[str, list[Sample]]:
     """`reps` timed samples per runner, after `warmup` untimed calls each.
 
     `before_call(name)` and `after_call(name)` run outside the timed region around each call: the judge sets each
-    version's numerics flags before, and checks that the candidate left no threads behind after.
+    version's numerics flags and inputs before, and checks that the candidate left no threads or changed state
+    behind after. `on_result(name, result)` sees what each timed call returned (the judge checks it).
     """
     names = list(runners)
     for name in names:
@@ -47,6 +49,8 @@ def time_alternating(
             if before_call:
                 before_call(name)
             sample, result = timer.time(runners[name])
+            if on_result:
+                on_result(name, result)
             del result
             samples[name].append(sample)
             if after_call:

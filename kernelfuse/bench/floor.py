@@ -4,7 +4,7 @@ FLOPs are counted by torch's FlopCounterMode (matrix products and convolutions; 
 Bytes are the fewest a version must move: inputs, parameters and buffers read once, outputs written once. The two
 ceilings are measured on the device at hand (a large device-to-device copy; a large matrix product in the precision
 the policy allows), as METHOD.md says, rather than taken from a datasheet. A candidate faster than the floor did not
-do the work, or cached it: the judge flags that as a warning.
+do the work, or cached it: the judge warns, and well below it gives the verdict "implausible".
 """
 
 from __future__ import annotations
@@ -118,9 +118,13 @@ def floor_estimate(flops: int, nbytes: int, ceilings: Ceilings) -> Floor:
     return Floor(flops, nbytes, compute_ms, memory_ms, ceilings)
 
 
-def below_floor(runtime_ms: float, floor: Floor) -> str | None:
-    """A warning when `runtime_ms` beats the floor by more than the margin; None otherwise."""
-    if floor.ms > 0 and runtime_ms < SUSPICIOUS_FRACTION * floor.ms:
-        return (f"suspiciously fast: {runtime_ms:.3f} ms is {floor.ms / runtime_ms:.1f}x faster than the floor "
+def below_floor(runtime_ms: float, floor: Floor, fraction: float = SUSPICIOUS_FRACTION,
+                label: str = "suspiciously fast") -> str | None:
+    """A sentence when `runtime_ms` is below `fraction` x the floor; None otherwise (and for fraction <= 0).
+
+    The judge warns below SUSPICIOUS_FRACTION and gives the verdict "implausible" below its `--implausible-margin`.
+    """
+    if fraction > 0 and floor.ms > 0 and runtime_ms < fraction * floor.ms:
+        return (f"{label}: {runtime_ms:.3f} ms is {floor.ms / runtime_ms:.1f}x faster than the floor "
                 f"estimate {floor.describe()}: the work may be skipped, cached or done outside the timed region")
     return None

@@ -45,6 +45,17 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cuda (default) or cpu (pure-torch candidates; for testing the judge)")
     parser.add_argument("--float64", choices=["always", "auto", "never"], default="always",
                         help="compare with a float64 reference: always (default), auto, never")
+    parser.add_argument("--mode", choices=["train", "eval", "both"], default="train",
+                        help="train: models as constructed (default, the benchmark's way); eval: .eval() on both; "
+                             "both: correctness judged in each")
+    parser.add_argument("--robust", action="store_true",
+                        help="extra trials on standard-normal, x100 and all-negative inputs, reported in the verdict's "
+                             "`robust` field (the main verdict is unchanged)")
+    parser.add_argument("--input-sets", type=int, default=4, metavar="N",
+                        help="distinct input sets the timing loop rotates over (default 4; fewer if memory is short)")
+    parser.add_argument("--implausible-margin", type=float, default=0.5, metavar="F",
+                        help="verdict 'implausible' when the median runtime is below F x the floor estimate "
+                             "(default 0.5; 0 turns it off; below 0.8 x is always a warning)")
     parser.add_argument("--keep-workdir", action="store_true", help="keep the child's work folder (log, outcome)")
 
 
@@ -53,7 +64,8 @@ def options_from_args(args: argparse.Namespace) -> EvalOptions:
     baselines = tuple(b.strip() for b in args.baselines.split(",") if b.strip())
     return EvalOptions(trials=args.trials, precision=args.precision, timeout_s=args.timeout, baselines=baselines,
                        seed=args.seed, timing_reps=args.reps, warmup=args.warmup, device=args.device,
-                       float64=args.float64, keep_workdir=args.keep_workdir)
+                       float64=args.float64, keep_workdir=args.keep_workdir, mode=args.mode, robust=args.robust,
+                       input_sets=args.input_sets, implausible_margin=args.implausible_margin)
 
 
 def run_eval(args: argparse.Namespace) -> int:

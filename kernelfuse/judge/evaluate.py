@@ -23,7 +23,8 @@ from kernelfuse.judge.verdict import Verdict
 from kernelfuse.load import load_problem
 
 NOT_BUILT_KINDS = ("import_error", "build_error", "construct_error")
-REJECT_KINDS = ("tamper", "precision_flags", "threads", "timing_escape")
+REJECT_KINDS = ("tamper", "precision_flags", "threads", "timing_escape", "device_state")
+INCORRECT_KINDS = ("timed_output_mismatch", "output_type")
 STAGE_WORDS = {
     "setup": "setup (importing torch, loading the problem)", "reference": "building the reference model",
     "import": "import of the candidate (building its extensions)", "construct": "ModelNew(...) construction",
@@ -67,7 +68,8 @@ def _run(workdir: Path, problem_path: Path, cand: Candidate, opts: EvalOptions) 
         line_offset=cand.line_offset, outcome_path=str(workdir / OUTCOME_FILE), trials=opts.trials,
         precision=opts.precision, seed=opts.seed, timing_reps=opts.timing_reps, warmup=opts.warmup,
         baselines=tuple(opts.baselines), device=opts.device, float64=opts.float64,
-        time_incorrect=opts.time_incorrect,
+        time_incorrect=opts.time_incorrect, input_sets=opts.input_sets, implausible_margin=opts.implausible_margin,
+        mode=opts.mode, robust=opts.robust,
     )
     request.save(workdir / REQUEST_FILE)
     return run_worker(workdir / REQUEST_FILE, workdir / OUTCOME_FILE, workdir / LOG_FILE, opts.timeout_s)
@@ -107,6 +109,12 @@ def _verdict(run: ChildRun, cand: Candidate, opts: EvalOptions, base: dict[str, 
     if out.get("timing"):
         fields["details"]["floor"] = out["timing"].get("floor")
         fields["details"]["timing_escape"] = out["timing"].get("escape")
+        fields["input_sets"] = out["timing"].get("input_sets")
+        fields["checked_timed_calls"] = out["timing"].get("checked_calls")
+    fields["mode"] = opts.mode
+    if out.get("robust") is not None:
+        fields["robust"] = out["robust"]["ok"]
+        fields["robust_failures"] = tuple(out["robust"]["failures"])
     warnings = warnings + [w for w in out.get("warnings", []) if w not in warnings]
     if out.get("timing") and opts.timing_reps < MIN_REPS_ADVISED:
         warnings.append(f"{opts.timing_reps} timed runs per version: fewer than the {MIN_REPS_ADVISED} the method asks")
@@ -181,6 +189,10 @@ def _status(run: ChildRun, out: dict[str, Any], failure: dict[str, Any] | None, 
             return "not_built", f"{label}{where}: {message}", None
         if kind in REJECT_KINDS:
             return ("rejected" if built else "not_built"), message, kind
+        if kind in INCORRECT_KINDS:
+            return after_build, message, kind
+        if kind == "implausible":
+            return "implausible", message, kind
         if kind in ("runtime_error", "cuda_fault"):
             when = failure.get("when")
             prefix = "CUDA fault" if kind == "cuda_fault" else "the candidate raised"

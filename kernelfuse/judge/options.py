@@ -10,6 +10,7 @@ from kernelfuse.verify import POLICIES
 BASELINES = ("eager", "compile")
 DEVICES = ("cuda", "cpu")
 FLOAT64_MODES = ("always", "auto", "never")
+MODES = ("train", "eval", "both")
 MIN_REPS_ADVISED = 20
 
 
@@ -23,6 +24,12 @@ class EvalOptions:
     calls per version (DESIGN.md: at least 20). device: "cuda" (the real judge) or "cpu" (tests and pure-torch
     candidates; no poisoning, no events). float64: "always" compare with a float64 reference, "auto" only under
     strict or where the reference uses TF32, "never". time_incorrect: also time a candidate that failed.
+    input_sets: distinct input sets the timing loop rotates over (fewer where device memory is short).
+    implausible_margin: a median runtime below this fraction of the floor estimate is the verdict "implausible"
+    (0 turns the verdict off; below 0.8 x the floor is always a warning). mode: "train" (as constructed, the
+    benchmark's way), "eval" (.eval() on both models) or "both" (correctness judged in each; timed in train mode).
+    robust: extra trials on inputs of other distributions (standard normal, x100, all negative), reported in the
+    verdict's `robust` field without changing `correct`.
     """
 
     trials: int = 5
@@ -37,6 +44,10 @@ class EvalOptions:
     time_incorrect: bool = False
     keep_workdir: bool = False
     log_tail_lines: int = 30
+    input_sets: int = 4
+    implausible_margin: float = 0.5
+    mode: str = "train"
+    robust: bool = False
 
     def __post_init__(self) -> None:
         if self.precision not in POLICIES:
@@ -48,5 +59,9 @@ class EvalOptions:
             raise ValueError(f"device must be one of {', '.join(DEVICES)}, not {self.device!r}")
         if self.float64 not in FLOAT64_MODES:
             raise ValueError(f"float64 must be one of {', '.join(FLOAT64_MODES)}, not {self.float64!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {', '.join(MODES)}, not {self.mode!r}")
+        if self.input_sets < 1 or not 0 <= self.implausible_margin < 1:
+            raise ValueError("input_sets must be >= 1 and implausible_margin in [0, 1)")
         if self.trials < 1 or self.timing_reps < 1 or self.warmup < 0 or self.timeout_s <= 0:
             raise ValueError("trials and timing_reps must be >= 1, warmup >= 0, timeout_s > 0")

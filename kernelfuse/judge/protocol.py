@@ -35,6 +35,10 @@ class WorkerRequest:
     device: str
     float64: str
     time_incorrect: bool
+    input_sets: int = 4
+    implausible_margin: float = 0.5
+    mode: str = "train"
+    robust: bool = False
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=1))

@@ -1,8 +1,9 @@
-"""The timing phase inside the worker: candidate, eager and torch.compile alternating on one input set.
+"""The timing phase inside the worker: candidate, eager and torch.compile alternating over a pool of input sets.
 
 torch.compile is compiled first (its compile time measured), then every version gets warm-up calls, then rounds of
-timed calls with the order rotated each round. Afterwards: the host-time cross-check, the streams the candidate's
-kernels used, and the floor estimate.
+timed calls with the order rotated each round. The candidate's timed calls are checked as they happen
+(judge.timedcheck: fresh inputs, plain outputs, device state, sampled comparison with the reference). Afterwards:
+the host-time cross-check and the floor estimate; a runtime below `implausible_margin` x the floor is a verdict.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from kernelfuse.bench import (
     time_alternating,
 )
 from kernelfuse.judge.guard import Snapshot, new_threads, python_threads
+from kernelfuse.judge.timedcheck import TimedInputs
 from kernelfuse.judge.trials import Models, Probe, TrialSettings
 from kernelfuse.load import Problem
-from kernelfuse.verify import inputs_to
 
 
 @dataclass(frozen=True)
@@ -42,19 +43,26 @@ class TimingReport:
     patched: tuple[str, ...]
     floor: dict[str, Any] | None
     warnings: tuple[str, ...] = field(default=())
+    input_sets: int = 1
+    checked_calls: int = 0
+    failure: tuple[str, str] | None = None
+    implausible: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"stats": self.stats, "compile_s": self.compile_s, "compile_error": self.compile_error,
                 "escape": self.escape, "threads": list(self.threads), "patched": list(self.patched),
-                "floor": self.floor, "warnings": list(self.warnings)}
+                "floor": self.floor, "warnings": list(self.warnings), "input_sets": self.input_sets,
+                "checked_calls": self.checked_calls, "failure": list(self.failure) if self.failure else None,
+                "implausible": self.implausible}
 
 
 def run_timing(problem: Problem, models: Models, settings: TrialSettings, probe: Probe, timer: Timer,
-               baselines: tuple[str, ...], reps: int, warmup: int) -> TimingReport:
+               baselines: tuple[str, ...], reps: int, warmup: int, input_sets: int = 4,
+               implausible_margin: float = 0.5) -> TimingReport:
     """Time the candidate and the requested baselines ("eager", "compile") alternating, then cross-check."""
     device = settings.device
-    pristine = inputs_to(problem.make_inputs(settings.seed), device)
-    own = {name: inputs_to(pristine, device) for name in ("candidate", *baselines)}
+    pool = TimedInputs(problem, models, settings, ["candidate", *baselines], input_sets, reps)
+    own = {name: pool.own[name][0] for name in pool.own}
     runners: dict[str, Callable[[], Any]] = {"candidate": lambda: models.candidate(*own["candidate"])}
     flags = {"candidate": settings.candidate_flags}
     warnings: list[str] = []
@@ -82,12 +90,21 @@ def run_timing(problem: Problem, models: Models, settings: TrialSettings, probe:
 
     def before_call(name: str) -> None:
         flags[name].apply()
+        own[name] = pool.inputs(name)
+        if name == "candidate":
+            pool.before_candidate()
 
     def after_call(name: str) -> None:
         if name == "candidate":
             threads_seen.extend(t for t in new_threads(before) if t not in threads_seen)
+            pool.after_candidate()
 
-    samples = time_alternating(runners, timer, reps, warmup, after_call=after_call, before_call=before_call)
+    def on_result(name: str, result: Any) -> None:
+        if name == "candidate":
+            pool.check_result(result)
+
+    samples = time_alternating(runners, timer, reps, warmup, after_call=after_call, before_call=before_call,
+                               on_result=on_result)
     settings.default_flags.apply()
     patched = tuple(snapshot.changes())
     stats = {name: summarize([s.event_ms for s in values]).to_dict() for name, values in samples.items()}
@@ -103,9 +120,12 @@ def run_timing(problem: Problem, models: Models, settings: TrialSettings, probe:
             floor = floor_estimate(probe.flops, probe.min_bytes, measure_ceilings(timer, kind))
         except Exception as err:  # noqa: BLE001 - no floor is a missing number, not a failure
             warnings.append(f"floor estimate failed: {type(err).__name__}: {err}")
-        if floor is not None:
-            slow = below_floor(stats["candidate"]["median"], floor)
-            if slow:
-                warnings.append(slow)
+    implausible = None
+    if floor is not None:
+        implausible = below_floor(stats["candidate"]["median"], floor, implausible_margin, "implausible")
+        slow = None if implausible else below_floor(stats["candidate"]["median"], floor)
+        if slow:
+            warnings.append(slow)
     return TimingReport(stats, compile_s, compile_error, escape, tuple(threads_seen), patched,
-                        floor.to_dict() if floor else None, tuple(warnings))
+                        floor.to_dict() if floor else None, tuple(warnings), pool.sets, pool.n_checked,
+                        pool.failure, implausible)

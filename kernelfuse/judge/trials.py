@@ -7,7 +7,9 @@ NaN; every call gets its own copy of the inputs. So:
   there is nothing to steal at all);
 - modified inputs show when the copy is compared with the reference's copy afterwards;
 - a cached answer fails the next trial's fresh inputs (and is named when it equals an earlier trial's output);
-- threads still running after a call are reported;
+- threads still running after a call are reported, and so is device state a call changed (judge.devicestate);
+- outputs must be plain tensors owning their storage (judge.outputs);
+- the two candidate runs on the same inputs must agree within the tolerance (else "nondeterministic");
 - precision lowered below the policy fails the float64 rule (kernelfuse.verify.float64).
 """
 
@@ -20,7 +22,9 @@ from typing import Any
 import torch
 
 from kernelfuse.bench.floor import count_flops, min_bytes, tensor_bytes
+from kernelfuse.judge.devicestate import DeviceState
 from kernelfuse.judge.guard import new_threads, python_threads
+from kernelfuse.judge.outputs import borrowed_output, impure_output
 from kernelfuse.load import Problem
 from kernelfuse.verify import (
     Comparison,
@@ -42,7 +46,7 @@ from kernelfuse.verify import (
 
 MIN_POISON_RESERVE = 256 << 20
 BASELINE_LABELS = {"fp32": "eager", "tf32": "eager with TF32", "bf16": "eager under bf16 autocast"}
-STOPPING_DEFENCES = ("threads", "patched")  # after these, further calls of the candidate prove nothing
+STOPPING_DEFENCES = ("threads", "patched", "device_state")  # after these, further calls of the candidate prove nothing
 
 
 class CandidateCallError(Exception):
@@ -127,20 +131,32 @@ def call_reference(model: torch.nn.Module, pristine: list[Any], settings: TrialS
 
 
 def call_candidate(model: torch.nn.Module, pristine: list[Any], settings: TrialSettings, rng_seed: int,
-                   when: str) -> tuple[Any, list[Any], list[str]]:
-    """Poison free memory, run the candidate on its own input copy, synchronise; returns (out, inputs, new threads)."""
+                   when: str) -> tuple[Any, list[Any], tuple[str, str] | None]:
+    """Poison free memory, run the candidate on its own input copy, synchronise.
+
+    Returns (out, inputs, issue): issue is (defence, message) when the call left Python threads running or changed
+    device state (kernelfuse.judge.devicestate), else None.
+    """
     poison_free_memory(settings.device, settings.poison_reserve)
     inputs = inputs_to(pristine, settings.device)
     torch.manual_seed(rng_seed)
     before = python_threads()
     try:
         with flags_applied(settings.candidate_flags):
+            state = DeviceState.capture(settings.device)
             out = model(*inputs)
+            changed = DeviceState.capture(settings.device).changes_from(state, settings.policy.name == "strict")
         leftover = new_threads(before)
         synchronize(settings.device)
     except Exception as err:  # noqa: BLE001 - any failure of the candidate's code is its verdict
         raise CandidateCallError(when, err) from err
-    return out, inputs, leftover
+    if leftover:
+        return out, inputs, ("threads", f"the candidate left Python thread(s) running after forward returned: "
+                             f"{', '.join(leftover)}: work escaping the timed region")
+    if changed:
+        return out, inputs, ("device_state", f"forward left the device state changed ({when}): "
+                             + "; ".join(changed))
+    return out, inputs, None
 
 
 def probe_reference(problem: Problem, model: torch.nn.Module, settings: TrialSettings, trials: int) -> Probe:
@@ -180,23 +196,30 @@ def _cast_like(ref64: Any, like: Any) -> Any:
 
 
 def run_trial(problem: Problem, models: Models, settings: TrialSettings, index: int,
-              earlier: list[tuple]) -> TrialResult:
+              earlier: list[tuple], make_inputs: Callable[[int], list[Any]] | None = None) -> TrialResult:
     """Trial `index`: candidate, reference, candidate on fresh inputs; all checks; `earlier` holds the fingerprints
-    of earlier trials' candidate outputs (this trial's is appended)."""
+    of earlier trials' candidate outputs (this trial's is appended). `make_inputs(seed)` replaces the problem's
+    input factory (the robustness trials' other distributions)."""
     policy, device = settings.policy, settings.device
     rng = settings.seed + index
-    pristine = inputs_to(problem.make_inputs(settings.seed + index), device)
-    out_a, in_a, threads_a = call_candidate(models.candidate, pristine, settings, rng,
-                                            f"trial {index}, run before the reference")
-    if threads_a:
-        return _fail(index, "threads", f"the candidate left Python thread(s) running after forward returned: "
-                     f"{', '.join(threads_a)}: work escaping the timed region")
+    pristine = inputs_to(make_inputs(settings.seed + index) if make_inputs else
+                         problem.make_inputs(settings.seed + index), device)
+    out_a, in_a, issue_a = call_candidate(models.candidate, pristine, settings, rng,
+                                          f"trial {index}, run before the reference")
+    if issue_a:
+        return _fail(index, *issue_a)
     ref_out, ref_in = call_reference(models.reference, pristine, settings, rng)
-    out_b, in_b, threads_b = call_candidate(models.candidate, pristine, settings, rng,
-                                            f"trial {index}, run after the reference")
-    if threads_b:
-        return _fail(index, "threads", f"the candidate left Python thread(s) running after forward returned: "
-                     f"{', '.join(threads_b)}: work escaping the timed region")
+    out_b, in_b, issue_b = call_candidate(models.candidate, pristine, settings, rng,
+                                          f"trial {index}, run after the reference")
+    if issue_b:
+        return _fail(index, *issue_b)
+    for out, cand_in in ((out_a, in_a), (out_b, in_b)):
+        impure = impure_output(out, ref_out)
+        if impure:
+            return _fail(index, "output_type", f"trial {index}: {impure}")
+        borrowed = borrowed_output(out, cand_in, models.candidate, ref_out, ref_in, models.reference)
+        if borrowed:
+            return _fail(index, "output_alias", f"trial {index}: {borrowed}")
 
     ref_changed = changed_inputs(pristine, ref_in)
     for label, cand_in in (("before", in_a), ("after", in_b)):
@@ -247,6 +270,9 @@ def run_trial(problem: Problem, models: Models, settings: TrialSettings, index: 
     stale_of = next((i for i, fp in enumerate(earlier) if fp == print_b), None)
     earlier.append(print_b)
 
+    twice = compare_outputs(out_a, out_b, policy.atol, policy.rtol)
+    if not twice.ok and all(c.ok for _, c in comps):
+        comps.append(("twice", twice))
     for label, comp in comps:
         if comp.ok:
             continue
@@ -256,6 +282,11 @@ def run_trial(problem: Problem, models: Models, settings: TrialSettings, index: 
                          f"output not fully written ({where}): {comp.n_unwritten} of {comp.numel} elements are NaN "
                          "where the reference is finite; free memory was filled with NaN before the call, so these "
                          "elements were never written (or were read from memory the reference freed)", **errors)
+        if not twice.ok:
+            return _fail(index, "nondeterministic",
+                         f"two runs of the candidate on the same inputs differ beyond the tolerance (trial {index}): "
+                         f"{twice.reason}; uninitialised memory, a race or randomness the seed does not control",
+                         **errors)
         if stale_of is not None and index > 0:
             return _fail(index, "stale_output",
                          f"the candidate returned the same output as in trial {stale_of} for different inputs "
@@ -274,13 +305,14 @@ def _fail(index: int, defence: str, reason: str, **errors: Any) -> TrialResult:
 
 
 def run_trials(problem: Problem, models: Models, settings: TrialSettings, trials: int,
-               after_trial: Callable[[TrialResult], str | None]) -> list[TrialResult]:
-    """Run all trials (stopping early only when a thread or patch was found); `after_trial` may veto a passed trial
-    (the guard found a patch)."""
+               after_trial: Callable[[TrialResult], str | None],
+               make_inputs: Callable[[int], list[Any]] | None = None) -> list[TrialResult]:
+    """Run all trials (stopping early only when a thread, patch or device-state change was found); `after_trial` may
+    veto a passed trial (the guard found a patch)."""
     results: list[TrialResult] = []
     earlier: list[tuple] = []
     for index in range(trials):
-        result = run_trial(problem, models, settings, index, earlier)
+        result = run_trial(problem, models, settings, index, earlier, make_inputs)
         veto = after_trial(result)
         if veto is not None and result.passed:
             result = _fail(index, "patched", veto, **{k: v for k, v in result.to_dict().items()

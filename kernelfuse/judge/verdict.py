@@ -20,7 +20,9 @@ STATUS_EXIT = {
     "ok": EXIT_OK, "incorrect": EXIT_INCORRECT, "rejected": EXIT_INCORRECT, "runtime_error": EXIT_INCORRECT,
     "cuda_fault": EXIT_INCORRECT, "crashed": EXIT_INCORRECT, "timeout": EXIT_INCORRECT,
     "internal_error": EXIT_INCORRECT, "not_built": EXIT_NOT_BUILT, "no_device": EXIT_NO_DEVICE,
+    "implausible": EXIT_INCORRECT,
 }
+ROBUST_NOTE = "correct only on the problem's input distribution"
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,11 @@ class Verdict:
     speedup_eager: float | None = None
     speedup_compile: float | None = None
     floor_ms: float | None = None
+    input_sets: int | None = None
+    checked_timed_calls: int | None = None
+    mode: str = "train"
+    robust: bool | None = None
+    robust_failures: tuple[str, ...] = ()
     device: str = "unknown"
     torch_version: str = ""
     warnings: tuple[str, ...] = ()
@@ -75,6 +82,7 @@ class Verdict:
         data = asdict(self)
         data["build_errors"] = list(self.build_errors)
         data["warnings"] = list(self.warnings)
+        data["robust_failures"] = list(self.robust_failures)
         data["exit_code"] = self.exit_code
         data = _finite(data)
         data.update(self._kernelbench())
@@ -141,6 +149,15 @@ class Verdict:
             base = "" if self.err64_base in (None, self.err64_eager) else f", policy baseline {_num(self.err64_base)}"
             lines.append(f"  vs float64  ours {_num(self.err64_ours)} · eager {_num(self.err64_eager)}{base} "
                          f"(rule: ours <= {SLACK_FACTOR:g} x baseline + {SLACK_REL:g} x max|ref|)")
+        if self.mode != "train":
+            lines.append(f"  mode        {self.mode} (.eval() {'on both models' if self.mode == 'eval' else 'also'})")
+        if self.robust is not None:
+            robust = "yes: other input distributions pass too" if self.robust else f"NO: {ROBUST_NOTE}"
+            lines.append(f"  robust      {robust}")
+            lines += [f"    | {f}" for f in self.robust_failures]
+        if self.input_sets is not None:
+            lines.append(f"  timed calls {self.input_sets} input set(s) rotated, fresh contents each call; "
+                         f"{self.checked_timed_calls} checked against the reference")
         if self.uses_tf32 is not None:
             lines.append(f"  reference   {'uses TF32 (float64 comparison applies)' if self.uses_tf32 else 'true fp32'}"
                          + ("" if self.params_match is None else
@@ -165,7 +182,8 @@ def _headline(v: Verdict) -> str:
         return f"CORRECT (built, {v.trials_passed}/{v.trials} trials{speed})"
     labels = {"incorrect": "INCORRECT", "rejected": "REJECTED", "runtime_error": "RUNTIME ERROR",
               "cuda_fault": "CUDA FAULT", "crashed": "CRASHED", "timeout": "TIMED OUT", "not_built": "NOT BUILT",
-              "no_device": "NOT RUN (no CUDA device)", "internal_error": "JUDGE ERROR"}
+              "no_device": "NOT RUN (no CUDA device)", "internal_error": "JUDGE ERROR",
+              "implausible": "IMPLAUSIBLE (faster than the physical floor)"}
     text = labels.get(v.status, v.status.upper())
     if v.defence:
         text += f"  [defence: {v.defence}]"

@@ -3,7 +3,8 @@
 One child per candidate, so a CUDA fault (which kills the CUDA context for good), a segfault or a hang ends this
 process only; the judge reads the outcome file, rewritten at every stage, and the log. Order of work:
 setup (flags and identities captured before the candidate is imported) -> import -> construct -> guard check ->
-parameters -> (no device: stop) -> move to device -> probe -> trials -> streams -> timing.
+parameters -> (no device: stop) -> move to device -> probe -> trials (per mode; robustness trials) -> streams ->
+timing (checked timed calls, implausibility).
 """
 
 from __future__ import annotations
@@ -32,12 +33,20 @@ from kernelfuse.judge.trials import (
     TrialSettings,
     poison_reserve_for,
     probe_reference,
+    run_trial,
     run_trials,
 )
 from kernelfuse.load import load_problem
 from kernelfuse.verify import NumericsFlags, compare_state, float64_model, get_policy, inputs_to
 
 CANDIDATE_MODULE = "kernelfuse_candidate"
+MODE_RUNS = {"train": ("train",), "eval": ("eval",), "both": ("train", "eval")}
+ROBUST_INPUTS = {  # --robust: other input distributions (float inputs only), each from the problem's own seed
+    "standard normal": lambda x, seed: torch.randn(x.shape, dtype=x.dtype,
+                                                   generator=torch.Generator().manual_seed(seed)),
+    "scaled by 100": lambda x, seed: x * 100,
+    "all negative": lambda x, seed: -x.abs() - torch.finfo(x.dtype).tiny,
+}
 NO_DEVICE = "no CUDA device: not built or run"
 
 
@@ -222,19 +231,29 @@ def run(request: WorkerRequest, out: Outcome) -> None:
         results: list[dict[str, Any]] = []
 
         def after_trial(result: Any) -> str | None:
-            results.append(result.to_dict())
+            results.append({**result.to_dict(), "mode": mode})
             out.set(trials=results)
             changes = snapshot.changes()
             if changes:
                 return "the candidate replaced torch, timing or judge functions while running: " + ", ".join(changes)
             return None
 
-        try:
-            trials = run_trials(problem, models, settings, request.trials, after_trial)
-        except CandidateCallError as err:
-            raise _runtime_failure(out, request, err.error, when=err.when) from None
-        out.set(trials=[t.to_dict() for t in trials])
-        passed = all(t.passed for t in trials) and len(trials) == request.trials
+        passed = True
+        for mode in MODE_RUNS[request.mode]:
+            reference.train(mode == "train")
+            candidate.train(mode == "train")
+            try:
+                trials = run_trials(problem, models, settings, request.trials, after_trial)
+            except CandidateCallError as err:
+                raise _runtime_failure(out, request, err.error, when=_in_mode(err.when, mode, request)) from None
+            out.set(trials=results)
+            passed = all(t.passed for t in trials) and len(trials) == request.trials
+            if not passed:
+                break
+        if passed and request.robust:
+            out.set(robust=_robust_trials(problem, models, settings, request))
+        reference.train(MODE_RUNS[request.mode][0] == "train")
+        candidate.train(MODE_RUNS[request.mode][0] == "train")
         if not passed and not request.time_incorrect:
             return
 
@@ -245,7 +264,7 @@ def run(request: WorkerRequest, out: Outcome) -> None:
         out.stage("timing")
         try:
             report = run_timing(problem, models, settings, probe, timer, request.baselines, request.timing_reps,
-                                request.warmup)
+                                request.warmup, request.input_sets, request.implausible_margin)
         except Exception as err:  # noqa: BLE001
             raise _runtime_failure(out, request, err, when="timing") from None
         out.set(timing=report.to_dict())
@@ -261,7 +280,33 @@ def run(request: WorkerRequest, out: Outcome) -> None:
             extra = out.data.get("streams", {}).get("extra")
             detail = f"; its kernels also ran on stream(s) {extra}" if extra else ""
             raise out.fail("timing_escape", report.escape + detail)
+        if report.failure:
+            raise out.fail(*report.failure)
+        if report.implausible:
+            raise out.fail("implausible", report.implausible + f" (verdict below {request.implausible_margin:g} x "
+                           "the floor: --implausible-margin)")
     out.stage("done")
+
+
+def _in_mode(when: str, mode: str, request: WorkerRequest) -> str:
+    return when if request.mode == "train" else f"{when}, {mode} mode"
+
+
+def _robust_trials(problem: Any, models: Models, settings: TrialSettings, request: WorkerRequest) -> dict[str, Any]:
+    """One trial per other input distribution; failures are reported, never raised (the main verdict stands)."""
+    failures: list[str] = []
+    for j, (name, transform) in enumerate(ROBUST_INPUTS.items()):
+        def make_inputs(seed: int, transform: Any = transform) -> list[Any]:
+            return [transform(x, seed) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                    for x in problem.make_inputs(seed)]
+        try:
+            result = run_trial(problem, models, settings, request.trials + 1 + j, [], make_inputs)
+        except CandidateCallError as err:
+            failures.append(f"{name}: the candidate raised: {type(err.error).__name__}: {err.error}"[:500])
+            continue
+        if not result.passed:
+            failures.append(f"{name}: {result.reason}"[:500])
+    return {"ok": not failures, "failures": failures, "distributions": list(ROBUST_INPUTS)}
 
 
 def _wants_float64(request: WorkerRequest, policy: Any) -> bool:

@@ -1,0 +1,147 @@
+"""What the timing loop feeds the candidate and how its timed calls are checked.
+
+A judge that checks correctness on a few calls and then times many calls on one input can be gamed: count the
+calls, look at the caller or the clock, and be honest only while checked; memoise on the input's pointer or
+contents and be free while timed. So, around every timed call (outside the timed region):
+- inputs rotate over a pool of distinct input sets (seeds of the correctness trials, as many as memory allows), and
+  the candidate's set gets new contents before each call (the set's own values, rolled by a random offset, written
+  into the same buffers): a memo keyed on the pointer returns a stale answer, one keyed on the contents never hits;
+- every output must be a plain tensor like the reference's (judge.outputs), and the device state (precision flags,
+  stream, L2 settings) must be as before the call (judge.devicestate);
+- a random sample of the timed calls, drawn from the OS's entropy after the candidate is loaded and always including
+  the last call, is compared with the reference run on the same inputs (every call on the CPU path).
+A candidate cannot tell a checked call from an unchecked one without reading the judge's own frames (out of scope:
+README, Limits). Instances hold the loop's counters, so this class is mutable by design.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+import torch
+
+from kernelfuse.judge.devicestate import DeviceState
+from kernelfuse.judge.outputs import impure_output
+from kernelfuse.judge.trials import Models, TrialSettings, call_reference
+from kernelfuse.load import Problem
+from kernelfuse.verify import compare_outputs, inputs_to, to_float64
+
+POOL_MEMORY_FRACTION = 0.25  # of the free device memory, for the input pool of all versions together
+CHECK_ALL_UP_TO = 8  # timed calls: up to this many, every call is checked
+CHECK_FRACTION = 0.25
+MIN_CHECKED = 4
+CALL_SEED_OFFSET = 1_000_003  # torch seed before timed call c: seed + offset + c (the reference gets the same)
+
+
+def pool_size(wanted: int, input_bytes: int, versions: int, device: torch.device) -> int:
+    """How many input sets fit: `wanted`, bounded by a fraction of free device memory (at least 1)."""
+    if device.type != "cuda" or input_bytes <= 0:
+        return max(1, wanted)
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1, min(wanted, int(POOL_MEMORY_FRACTION * free) // max(1, input_bytes * (versions + 1))))
+
+
+def checked_calls(reps: int, device: torch.device) -> set[int]:
+    """Indices of the timed candidate calls to compare with the reference: all on the CPU or when few, else a
+    random quarter (at least MIN_CHECKED) plus the last, drawn from OS entropy."""
+    if device.type != "cuda" or reps <= CHECK_ALL_UP_TO:
+        return set(range(reps))
+    count = max(MIN_CHECKED, int(CHECK_FRACTION * reps))
+    return set(random.SystemRandom().sample(range(reps - 1), min(count, reps - 1))) | {reps - 1}
+
+
+class TimedInputs:
+    """The input pool, each version's own buffers, and the checks on the candidate's timed calls."""
+
+    def __init__(self, problem: Problem, models: Models, settings: TrialSettings, names: list[str], sets: int,
+                 reps: int) -> None:
+        self.models, self.settings = models, settings
+        device = settings.device
+        first = inputs_to(problem.make_inputs(settings.seed), device)
+        n = pool_size(sets, sum(x.numel() * x.element_size() for x in first if isinstance(x, torch.Tensor)),
+                      len(names), device)
+        self.pool = [first] + [inputs_to(problem.make_inputs(settings.seed + k), device) for k in range(1, n)]
+        self.own = {name: [inputs_to(p, device) for p in self.pool] for name in names}
+        self.calls = dict.fromkeys(names, 0)
+        self.timed = 0
+        self.checked = checked_calls(reps, device)
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+        self.current: list[Any] = []
+        self.state: DeviceState | None = None
+        self.call_seed = settings.seed
+        self.template, _ = call_reference(models.reference, self.pool[0], settings, settings.seed)
+        self.failure: tuple[str, str] | None = None
+        self.n_checked = 0
+
+    @property
+    def sets(self) -> int:
+        return len(self.pool)
+
+    def inputs(self, name: str) -> list[Any]:
+        """The inputs for `name`'s next call (fresh contents for the candidate), advancing its counter."""
+        k = self.calls[name] % len(self.pool)
+        self.calls[name] += 1
+        own = self.own[name][k]
+        if name == "candidate":
+            self.current = [self._rolled(x) for x in self.pool[k]]
+            for dst, src in zip(own, self.current, strict=True):
+                if isinstance(dst, torch.Tensor):
+                    dst.copy_(src)
+        return own
+
+    def _rolled(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or x.numel() < 2:
+            return x
+        shift = int(torch.randint(1, x.numel(), (1,), generator=self.generator, device=x.device))
+        return torch.roll(x.reshape(-1), shift).view(x.shape)
+
+    def before_candidate(self) -> None:
+        """Seed torch as the checked reference call will be, and capture the device state (flags already set)."""
+        self.call_seed = self.settings.seed + CALL_SEED_OFFSET + self.calls["candidate"]
+        torch.manual_seed(self.call_seed)
+        self.state = DeviceState.capture(self.settings.device)
+
+    def after_candidate(self) -> None:
+        """Device state must be as before the call."""
+        if self.state is None or self.failure:
+            return
+        changed = DeviceState.capture(self.settings.device).changes_from(self.state, self.settings.policy.name ==
+                                                                         "strict")
+        if changed:
+            self.failure = ("device_state", "a timed call left the device state changed: " + "; ".join(changed))
+
+    def check_result(self, out: Any) -> None:
+        """A timed candidate call's output: plain, and (for the sampled calls) equal to the reference's."""
+        index = self.timed
+        self.timed += 1
+        if self.failure:
+            return
+        impure = impure_output(out, self.template)
+        if impure:
+            self.failure = ("output_type", f"timed call {index}: {impure}")
+            return
+        if index not in self.checked:
+            return
+        self.n_checked += 1
+        ref, _ = call_reference(self.models.reference, self.current, self.settings, self.call_seed)
+        policy = self.settings.policy
+        comp = compare_outputs(ref, out, policy.atol, policy.rtol)
+        if not comp.ok and self.settings.uses_tf32 and self.models.reference64 is not None:
+            comp = self._against_float64(out, ref) or comp
+        if not comp.ok:
+            self.failure = ("timed_output_mismatch", f"timed call {index} of {len(self.checked)} checked (input set "
+                            f"{(self.calls['candidate'] - 1) % len(self.pool)}): the output differs from the "
+                            f"reference's for the same inputs: {comp.reason}; correct while checked, wrong while "
+                            "timed")
+
+    def _against_float64(self, out: Any, ref: Any) -> Any:
+        torch.manual_seed(self.call_seed)
+        ref64 = self.models.reference64(*to_float64(inputs_to(self.current, self.settings.device)))
+        like = ref64.to(ref.dtype) if isinstance(ref64, torch.Tensor) and isinstance(ref, torch.Tensor) else None
+        if like is None:
+            return None
+        comp = compare_outputs(like, out, self.settings.policy.atol, self.settings.policy.rtol)
+        return comp if comp.ok else None
