@@ -72,7 +72,20 @@ CAUGHT_EARLY = [
     ("exploit_patch_timer", "rejected", "tamper", "torch.cuda.Event.elapsed_time"),
     ("exploit_tf32_flag", "rejected", "precision_flags", "matmul TF32: False -> True"),
     ("exploit_thread", "incorrect", "threads", "thread"),
+    ("output_subclass", "incorrect", "output_type", "a tensor subclass"),
+    ("output_torch_function", "incorrect", "output_type", "__torch_function__"),
+    ("output_lazy_proxy", "incorrect", "output_type", "not a tensor"),
+    ("output_alias_input", "incorrect", "output_alias", "shares storage with an input"),
+    ("output_alias_buffer", "incorrect", "output_alias", "shares storage with a parameter"),
+    ("nondet_noise", "incorrect", "nondeterministic", "two runs of the candidate on the same inputs differ"),
+    ("nondet_clock", "incorrect", "nondeterministic", "two runs of the candidate on the same inputs differ"),
+    ("nondet_uninit_cuda", "incorrect", "poisoned_memory", "output not fully written"),
+    ("state_tf32_in_forward", "incorrect", "device_state", "matmul TF32: False -> True"),
+    ("state_stream_in_forward", "incorrect", "device_state", "current CUDA stream"),
+    ("state_l2_persist", "incorrect", "device_state", "persisting L2 cache limit"),
 ]
+# Caught only while timed (issue 6): honest during the trials, wrong (or stale) in the timing loop.
+CAUGHT_TIMED = ["timed_call_count", "timed_stack_inspect", "timed_caller_frame", "memo_data_ptr", "memo_content_sum"]
 
 
 def cold_build(number: str) -> float:
@@ -94,10 +107,11 @@ def batch():
     from concurrent.futures import ThreadPoolExecutor
 
     jobs = {name: (GEMM, candidate(name), FIXTURE) for name, *_ in CAUGHT_EARLY}
+    jobs.update({name: (GEMM, candidate(name), FIXTURE) for name in CAUGHT_TIMED})
     jobs["bf16 tf32"] = (GEMM, candidate("exploit_bf16_matmul"), replace(FIXTURE, precision="tf32"))
     jobs["bf16 strict"] = (GEMM, candidate("exploit_bf16_matmul"), FIXTURE)
     jobs["seed 003"] = (SEED_PROBLEMS["003"], seed_path("003"), FULL)
-    with ThreadPoolExecutor(max_workers=len(jobs) + 2) as pool:
+    with ThreadPoolExecutor(max_workers=14) as pool:  # bounded: each child holds ~2-3 GB of GPU memory
         builds = {n: pool.submit(cold_build, n) for n in ("002", "004")}
         futures = {key: pool.submit(evaluate, *job) for key, job in jobs.items()}
         verdicts = {key: f.result() for key, f in futures.items()}
@@ -123,6 +137,13 @@ def test_exploit_fixture_is_caught(batch, name, status, defence, words):
     assert (v.status, v.defence, v.correct) == (status, defence, False), v.reason
     assert words in v.reason
     assert v.exit_code == EXIT_INCORRECT and v.speedup_eager is None
+
+
+@pytest.mark.parametrize("name", CAUGHT_TIMED)
+def test_timing_gamer_is_caught_by_the_timed_output_check(batch, name):
+    v = batch[name]
+    assert (v.status, v.defence, v.correct) == ("incorrect", "timed_output_mismatch", False), v.reason
+    assert "correct while checked, wrong while timed" in v.reason and v.to_json()["runtime"] == -1.0
 
 
 def test_lowered_precision_is_caught_by_the_float64_rule(batch):
@@ -160,17 +181,24 @@ def test_side_stream_escapes_the_events_and_is_rejected():
     assert v.reason.startswith("timing escape") and v.exit_code == EXIT_INCORRECT
 
 
-def test_memoised_output_is_flagged_below_the_floor():
+def test_memo_on_contents_does_not_pay():
     v = judged("exploit_memoize", GEMM, candidate("exploit_memoize"), FIXTURE)
-    assert v.correct  # every fresh input is computed honestly ...
-    assert any(w.startswith("suspiciously fast") for w in v.warnings), v.warnings  # ... but timing is impossible
-    assert v.floor_ms is not None and v.runtime_ms < 0.8 * v.floor_ms
+    assert v.correct and v.input_sets == 4  # fresh contents before every timed call: the memo never hits ...
+    assert not any("suspicious" in w for w in v.warnings), v.warnings  # ... so its time is honest
+    assert v.floor_ms is not None and v.runtime_ms > 0.8 * v.floor_ms and 0.9 < v.speedup_eager < 1.1
+
+
+def test_honest_prepacked_candidate_is_correct_and_modes_and_robust_run():
+    v = judged("good_prepacked (--mode both --robust)", GEMM, candidate("good_prepacked"),
+               replace(FIXTURE, mode="both", robust=True))
+    assert v.correct and v.robust is True, (v.reason, v.robust_failures)
+    assert not any("suspicious" in w for w in v.warnings) and v.checked_timed_calls >= 5
 
 
 def test_honest_pure_torch_candidate_is_correct_at_eager_speed():
     v = judged("good (pure torch)", GEMM, candidate("good"), FIXTURE)
     assert v.correct and 0.9 < v.speedup_eager < 1.1 and not any("suspicious" in w for w in v.warnings)
-    assert v.err64_ours == v.err64_eager
+    assert v.err64_ours == v.err64_eager and v.input_sets == 4 and v.status != "implausible"
 
 
 # --- faults: reported, and the next evaluation runs normally -----------------------------------------------------
