@@ -115,7 +115,7 @@ def _optimize(args: argparse.Namespace) -> int:
     from kernelfuse.pipeline import OptimizeOptions, describe_verdict, optimize_file
 
     if args.trials < 1:
-        raise KernelfuseError("--trials must be at least 1")
+        raise UsageError("--trials must be at least 1")
     options = OptimizeOptions(
         precision=args.precision,
         trials=args.trials,

@@ -47,20 +47,20 @@ def test_optimize_in_process_reports_cpu_only(tmp_path, capsys):
 
 
 def test_optimize_with_nothing_to_fuse_ships_unfused(tmp_path, capsys):
-    problem = write_problem(tmp_path, "softmax_only", """
-        def forward(self, x):
-            return torch.softmax(x, dim=1)
-        """, "[torch.rand(4, 8)]")
+    problem = write_problem(tmp_path, "mm_only", """
+        def forward(self, a, b):
+            return torch.mm(a, b)
+        """, "[torch.rand(4, 8), torch.rand(8, 4)]")
     out = tmp_path / "new.py"
     assert main(["optimize", str(problem), "-o", str(out), "--cpu-only"]) == 0
     text = out.read_text()
     assert "unfused (the original ops)" in text and "CUDA_SRC" not in text
-    assert "unfused: _softmax.default (softmax: no kernel yet)" in capsys.readouterr().out
+    assert "unfused: mm.default (library call, nothing to fuse behind it)" in capsys.readouterr().out
 
 
 def test_bad_trials_is_an_error(tmp_path, capsys):
     problem = shrunk_example("gemm_add_relu", tmp_path)
-    assert main(["optimize", str(problem), "-o", str(tmp_path / "x.py"), "--trials", "0"]) == 1
+    assert main(["optimize", str(problem), "-o", str(tmp_path / "x.py"), "--trials", "0"]) == 2
     assert "--trials must be at least 1" in capsys.readouterr().err
     assert not (tmp_path / "x.py").exists()
 
