@@ -122,17 +122,24 @@ def test_size1_reduction_returned_is_kept():
     lambda m, x: (x + 1.5).sum(2),  # sum of a constant: n * c
     lambda m, x: (x - 0.75).mean(2),  # mean of a constant: c
     lambda m, x: (x - 2.0).sum((0, 2), keepdim=True),
+    lambda m, x: (x * m.scale).sum(2, keepdim=True),  # a per-channel tensor, constant along the reduced dim
+    lambda m, x: (x / m.scale).mean((1, 2), keepdim=True),
+    lambda m, x: nn.functional.avg_pool2d(x.unsqueeze(0) * m.scale, 2),
+    lambda m, x: nn.functional.avg_pool2d(x.unsqueeze(0) * 3.0, 2, padding=1),  # zero padding scales to zero
 ])
 def test_reduce_before_affine(fn):
     r = prove(fn, signed(3, 4, 5), rule="reduce_before_affine", rtol=1e-10)
     ops = [n.op for n in r.graph.nodes]
-    assert ops.index(next(o for o in ops if o in ("sum.dim_IntList", "mean.dim"))) < \
+    assert ops.index(next(o for o in ops if o in ("sum.dim_IntList", "mean.dim", "avg_pool2d.default"))) < \
         ops.index(next(o for o in ops if o in ("mul.Tensor", "div.Tensor", "add.Tensor", "sub.Tensor")))
 
 
 @pytest.mark.parametrize("fn", [
     lambda m, x: (x * 0.0).sum(2),  # x*0 is NaN at Inf: left alone
-    lambda m, x: (x * m.scale).sum(2),  # a tensor, not a constant
+    lambda m, x: (x * m.scale).sum(2),  # keepdim=False: the per-channel tensor would broadcast against other dims
+    lambda m, x: (x * m.scale).sum(0, keepdim=True),  # the tensor varies along the reduced dim
+    lambda m, x: nn.functional.avg_pool2d(x.unsqueeze(0) + 1.0, 2, padding=1),  # padding would count the 1.0
+    lambda m, x: (x + m.scale).sum(2, keepdim=True),  # adding a tensor: not handled (needs n * c)
     lambda m, x: (x * 2.0).amax(2),  # not a linear reduction (the monotonic rule's business, not this one's)
     lambda m, x: ((x * 2.0).sum(2), x * 2.0),  # the scaled value has another reader
 ])

@@ -11,7 +11,7 @@ import math
 
 from kernelfuse.capture import Graph, Node, Ref
 from kernelfuse.rewrite.engine import FLOATS, Builder, Replacement, scalar, single_use
-from kernelfuse.rewrite.reductions import INDEXED_REDUCTIONS, as_reduction, unused_indices
+from kernelfuse.rewrite.reductions import INDEXED_REDUCTIONS, as_reduction, constant_along, unused_indices
 
 POOLS = {"max_pool2d_with_indices.default": 2, "max_pool3d_with_indices.default": 3}  # op -> pooled trailing dims
 ORDER_REDUCTIONS = frozenset({"amax.default", "amin.default"})
@@ -49,11 +49,7 @@ def _non_decreasing(graph: Graph, f: Node, dims: tuple[int, ...], keeps_rank: bo
     if f.op in ("add.Tensor", "sub.Tensor") and len(rest) == 1:
         if c is not None:
             return x if math.isfinite(c) else None
-        operand = graph[rest[0]].meta if isinstance(rest[0], Ref) else None
-        if operand is None or not keeps_rank or len(operand.shape) > len(f.meta.shape):
-            return None
-        offset = len(f.meta.shape) - len(operand.shape)
-        return x if all(d < offset or operand.shape[d - offset] == 1 for d in dims) else None
+        return x if keeps_rank and constant_along(graph, rest[0], f.meta, dims) else None
     return None
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernelfuse.capture import Graph, Node, Ref
+from kernelfuse.capture import Graph, Node, Ref, TensorMeta
 from kernelfuse.rewrite.engine import FLOATS, Builder, Replacement, scalar, single_use
 
 LIST_REDUCTIONS = frozenset({"sum.dim_IntList", "mean.dim", "amax.default", "amin.default", "logsumexp.default"})
@@ -90,42 +90,65 @@ def size1_reductions(graph: Graph, node: Node) -> Replacement | None:
 AFFINE_OPS = frozenset({"mul.Tensor", "div.Tensor", "add.Tensor", "sub.Tensor"})
 
 
+AVG_POOLS = {"avg_pool2d.default": 2, "avg_pool3d.default": 3}  # op -> pooled trailing dims
+
+
+def constant_along(graph: Graph, operand: object, out: TensorMeta, dims: tuple[int, ...]) -> bool:
+    """`operand` is a tensor that broadcasts into `out` without growing it and has size 1 (or no dim) at every
+    dim in `dims`: the same value for every element a reduction over `dims` combines."""
+    meta = graph[operand].meta if isinstance(operand, Ref) else None
+    if meta is None or meta.dtype != out.dtype or len(meta.shape) > len(out.shape):
+        return False
+    offset = len(out.shape) - len(meta.shape)
+    return all(d in (1, out.shape[i + offset]) for i, d in enumerate(meta.shape)) \
+        and all(d < offset or meta.shape[d - offset] == 1 for d in dims)
+
+
 def reduce_before_affine(graph: Graph, node: Node) -> Replacement | None:
     """sum/mean of (x * c), (x / c), (x + c) or (x - c) for a finite Python scalar c moves the scalar op after the
-    reduction, which then runs on the smaller tensor and may meet a Linear (see `reduce_linear_output`).
+    reduction, which then runs on the smaller tensor and may meet a Linear (see `reduce_linear_output`); so do
+    x * c and x / c for a tensor c constant along the reduced dims (a per-channel scale before a spatial mean
+    or an average pooling; the reduction must keep the rank so c broadcasts as before).
 
-    sum(x*c) = sum(x)*c and mean(x*c) = mean(x)*c, division likewise (c != 0: zero is left alone, x*0 is NaN
-    at Inf and 0 elsewhere, 0*sum(x) differs where the sum overflows); sum(x+c) = sum(x) + n*c with n the
-    number of reduced elements, but mean(x+c) = mean(x) + c; likewise for subtraction. Exact in real
-    arithmetic; in fp32 the rounding of the scalar step moves (one rounding instead of n), and NaN/Inf
-    propagate the same way. The scalar op must be the reduction's only reader, keep x's dtype (no promotion)
-    and not broadcast x.
+    sum(x*c) = sum(x)*c and mean(x*c) = mean(x)*c, division likewise (a scalar c = 0 is left alone: x*0 is NaN
+    at Inf and 0 elsewhere); avg_pool(x*c) = avg_pool(x)*c (zero padding scales to zero); sum(x+c) = sum(x) + n*c
+    with n the number of reduced elements, but mean(x+c) = mean(x) + c; likewise for subtraction (not for
+    pooling: padding would count c). Exact in real arithmetic; in fp32 the rounding of the scalar step moves
+    (one rounding instead of n), NaN/Inf propagate the same way, and an intermediate sum that overflows can
+    differ. The op must be the reduction's only reader, keep x's dtype (no promotion) and not broadcast x.
     """
-    if node.op not in LINEAR_REDUCTIONS:
+    if node.op in AVG_POOLS:
+        x_meta = graph[node.args[0]].meta
+        if x_meta is None or x_meta.dtype not in FLOATS:
+            return None
+        rank = len(x_meta.shape)
+        dims, keeps_rank, source = tuple(range(rank - AVG_POOLS[node.op], rank)), True, node.args[0]
+    elif node.op in LINEAR_REDUCTIONS and (r := as_reduction(graph, node)) is not None:
+        dims, keeps_rank, source = r.dims, r.keepdim, r.x
+    else:
         return None
-    r = as_reduction(graph, node)
-    if r is None:
-        return None
-    inner = graph[r.x]
+    inner = graph[source]
     if inner.op not in AFFINE_OPS or len(inner.args) != 2 or single_use(graph, inner.name) is not node:
         return None
     a, c = inner.args
-    if inner.op in ("mul.Tensor", "add.Tensor") and isinstance(c, Ref):
+    if inner.op in ("mul.Tensor", "add.Tensor") and (not isinstance(a, Ref) or graph[a].meta != inner.meta):
         a, c = c, a
+    if not isinstance(a, Ref) or graph[a].meta != inner.meta:
+        return None
     value = scalar(c)
-    if not isinstance(a, Ref) or value is None or not math.isfinite(value) or graph[a].meta != inner.meta:
+    scaling = inner.op in ("mul.Tensor", "div.Tensor")
+    if value is None:
+        if not (scaling and keeps_rank and constant_along(graph, c, inner.meta, dims)):
+            return None
+    elif not math.isfinite(value) or (scaling and value == 0) or (node.op in AVG_POOLS and not scaling):
         return None
-    if inner.op in ("mul.Tensor", "div.Tensor") and value == 0:
-        return None
-    shape = graph[a].meta.shape
-    n = math.prod(shape[d] for d in r.dims)
-    if inner.op in ("add.Tensor", "sub.Tensor") and node.op == "sum.dim_IntList":
-        value *= n
+    elif not scaling and node.op == "sum.dim_IntList":
+        value *= math.prod(inner.meta.shape[d] for d in dims)
     b = Builder(graph, node)
     reduced = b.add(node.op, a, *node.args[1:])
-    out = b.add(inner.op, reduced, value)
-    return b.done(out, f"{node.op.split('.')[0]}({inner.op.split('.')[0]}(x, {c!r})) = "
-                       f"{inner.op.split('.')[0]}({node.op.split('.')[0]}(x), {value!r})")
+    out = b.add(inner.op, reduced, c if value is None else value)
+    what, op = node.op.split(".")[0], inner.op.split(".")[0]
+    return b.done(out, f"{what}({op}(x, c)) = {op}({what}(x), {'c' if value is None else repr(value)})")
 
 
 def reduce_linear_output(graph: Graph, node: Node) -> Replacement | None:
