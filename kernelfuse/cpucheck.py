@@ -59,8 +59,7 @@ def check_plans(problem: Problem, model: torch.nn.Module, graph: Graph, plans: l
     same rewrite rules make the small-batch twin); `model`: the problem's module, with its real weights."""
     try:
         with _time_limit(timeout_s):
-            twins = _checkable(problem, model, graph, plans, precision, prepare)
-            return [_check(model, plan, p, inputs) for plan, (p, inputs) in zip(plans, twins, strict=True)]
+            return _run_all(model, _checkable(problem, model, graph, plans, precision, prepare), plans)
     except _Skip as why:
         return [CpuCheck(p.variant, False, None, f"skipped: {why}", skipped=True) for p in plans]
     except _Timeout:
@@ -103,26 +102,40 @@ def _small_twins(problem: Problem, model: torch.nn.Module, graph: Graph, plans: 
     return None
 
 
-def _check(model: torch.nn.Module, shipped: Plan, plan: Plan,
-           inputs: list[torch.Tensor]) -> CpuCheck:
+def _run_all(model: torch.nn.Module, checkable: list[tuple[Plan, list[torch.Tensor]]],
+             shipped: list[Plan]) -> list[CpuCheck]:
+    """Run the model once per distinct input set and interpret every plan against it, on the same state."""
     state = dict(module_state(model))
     before = {k: v.clone() for k, v in state.items() if not isinstance(v, torch.nn.Parameter)}
+    expected: dict[int, object] = {}
+    checks = []
+    for ship, (plan, inputs) in zip(shipped, checkable, strict=True):
+        if id(inputs) not in expected:
+            expected[id(inputs)] = _run_model(model, inputs, state, before)
+        try:
+            with torch.no_grad():
+                torch.manual_seed(0)
+                got = interpret(plan, {**state, **{k: v.clone() for k, v in before.items()}}, inputs)
+        except Exception as err:  # noqa: BLE001 - the check reports, the pipeline decides
+            checks.append(CpuCheck(ship.variant, False, None,
+                                   f"interpreter raised {type(err).__name__}: {_first_line(err)}"))
+            continue
+        checks.append(compare(ship.variant, expected[id(inputs)], got, inputs))
+    return checks
+
+
+def _run_model(model: torch.nn.Module, inputs: list[torch.Tensor], state: dict[str, torch.Tensor],
+               before: dict[str, torch.Tensor]) -> object:
+    """The model's own output under seed 0; buffers it updates (BatchNorm statistics) are put back after."""
     try:
         with torch.no_grad():
             torch.manual_seed(0)
-            expected = model(*inputs)
+            return model(*inputs)
     except Exception as err:  # noqa: BLE001 - the model itself cannot run on the CPU: nothing to compare with
         raise _Skip(f"the model does not run on the CPU at the check's shapes ({type(err).__name__}: "
                     f"{_first_line(err)})") from None
     finally:
         _restore(state, before)
-    try:
-        with torch.no_grad():
-            torch.manual_seed(0)
-            got = interpret(plan, {**state, **{k: v.clone() for k, v in before.items()}}, inputs)
-    except Exception as err:  # noqa: BLE001 - the check reports, the pipeline decides
-        return CpuCheck(shipped.variant, False, None, f"interpreter raised {type(err).__name__}: {_first_line(err)}")
-    return compare(shipped.variant, expected, got, inputs)
 
 
 def compare(variant: str, expected: object, got: list[torch.Tensor], inputs: list[torch.Tensor]) -> CpuCheck:

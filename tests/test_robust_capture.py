@@ -132,3 +132,12 @@ def test_check_that_runs_too_long_is_skipped_not_failed():
     plans = plan_variants(graph)
     checks = check_plans(problem, model, graph, plans, "strict", timeout_s=1e-6)
     assert all(c.skipped and not c.ok and "limit" in c.note for c in checks)
+
+
+def test_a_plan_that_computes_something_else_fails_the_check(monkeypatch):
+    import kernelfuse.cpucheck as cpucheck
+
+    real = cpucheck.interpret
+    monkeypatch.setattr(cpucheck, "interpret", lambda plan, state, x: [t + 1e-3 for t in real(plan, state, x)])
+    _, _, checks = checked(FIXTURES / "tiny_forward_constant.py")
+    assert all(c.status == "FAILED" and "mismatch" in c.note for c in checks), [c.note for c in checks]
