@@ -49,7 +49,7 @@ def render_report(records: list[dict[str, Any]], summary: Summary) -> str:
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>kernelfuse bench</title><style>{STYLE}"
              f"</style></head><body><h1>kernelfuse bench: {len(records)} problem(s)</h1>",
              f"<p>device: {html.escape(', '.join(devices) or 'none')} · precision: "
-             f"{html.escape(', '.join(sorted({str(r.get('precision')) for r in records})))}</p>",
+             f"{html.escape(', '.join(sorted({str(r['precision']) for r in records if r.get('precision')})))}</p>",
              "<h2 id='summary'>Summary</h2>", _summary_table(summary),
              "<h2 id='distribution'>Speedup distribution</h2>", _img(_distribution(records)),
              "<h2 id='per-problem'>Per-problem speedup over eager</h2>", _img(_bars(records)),
