@@ -10,6 +10,7 @@ skipped check never counts as a pass. Every check is time-bounded.
 
 from __future__ import annotations
 
+import copy
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -30,6 +31,8 @@ CHECK_TIMEOUT_S = 30.0
 FULL_SHAPE_LIMIT_BYTES = 2 * 1024**3
 TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 2e-2}  # the rest (fp32, fp64, integers): 1e-5
 DEFAULT_TOLERANCE = 1e-5
+FLOAT64_COPY_LIMIT_BYTES = 512 * 1024**2
+RANDOM_OPS = ("bernoulli", "dropout", "rand", "normal", "uniform", "multinomial", "exponential")
 
 
 @dataclass(frozen=True)
@@ -120,8 +123,44 @@ def _run_all(model: torch.nn.Module, checkable: list[tuple[Plan, list[torch.Tens
             checks.append(CpuCheck(ship.variant, False, None,
                                    f"interpreter raised {type(err).__name__}: {_first_line(err)}"))
             continue
-        checks.append(compare(ship.variant, expected[id(inputs)], got, inputs))
+        check = compare(ship.variant, expected[id(inputs)], got, inputs)
+        if not check.ok and check.max_abs_err is not None and _float64_allowed(model, plan):
+            check = _float64_rule(ship.variant, model, inputs, expected[id(inputs)], got) or check
+        checks.append(check)
     return checks
+
+
+def _float64_allowed(model: torch.nn.Module, plan: Plan) -> bool:
+    """The float64 rule needs a deterministic graph (random masks differ between dtypes) and a model small
+    enough to copy in float64."""
+    size = sum(t.numel() for _, t in module_state(model))
+    return size * 8 <= FLOAT64_COPY_LIMIT_BYTES and not any(
+        any(word in n.op for word in RANDOM_OPS) for n in plan.graph.nodes)
+
+
+def _float64_rule(variant: str, model: torch.nn.Module, inputs: list[torch.Tensor], expected: object,
+                  got: list[torch.Tensor]) -> CpuCheck | None:
+    """The judge's rule where eager itself rounds (a reordered reduction, a matmul done in float64 by a rewrite):
+    against a float64 run of the model the plan must be no less accurate than eager:
+    err(plan) <= 2 x err(eager) + 1e-6 x max|ref|. None when the rule does not pass either."""
+    try:
+        with torch.no_grad():
+            ref_model = copy.deepcopy(model).double()
+            torch.manual_seed(0)
+            ref = ref_model(*[t.double() if t.is_floating_point() else t for t in inputs])
+    except Exception:  # noqa: BLE001 - no float64 run (an op without a float64 kernel): the plain result stands
+        return None
+    ref = list(ref) if isinstance(ref, (tuple, list)) else [ref]
+    expected = list(expected) if isinstance(expected, (tuple, list)) else [expected]
+    worst = 0.0
+    for r, e, g in zip(ref, expected, got, strict=True):
+        ours = (g.double() - r).abs().max().item()
+        eager = (e.double() - r).abs().max().item()
+        if not ours <= 2 * eager + 1e-6 * r.abs().max().item():
+            return None
+        worst = max(worst, (g.double() - e.double()).abs().max().item())
+    return CpuCheck(variant, True, worst, f"max abs error {worst:.3g} vs eager, within the float64 rule "
+                    "(no less accurate than eager against a float64 run)")
 
 
 def _run_model(model: torch.nn.Module, inputs: list[torch.Tensor], state: dict[str, torch.Tensor],
