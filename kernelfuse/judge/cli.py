@@ -1,6 +1,6 @@
 """`kernelfuse eval PROBLEM CANDIDATE`: the judge's command line (wired into kernelfuse.cli as a subcommand).
 
-Exit codes: 0 built and correct; 1 built but incorrect, crashed, hung or rejected by an exploit defence;
+Exit codes: 0 built and correct; 1 built but incorrect, crashed, hung, rejected by a defence or implausibly fast;
 2 usage error or unusable problem file; 3 not built (no code, syntax/import error, extension build failure,
 constructor failure); 4 no CUDA device (parsed, imported and checked only).
 """

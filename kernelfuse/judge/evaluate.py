@@ -39,7 +39,7 @@ def evaluate(problem_path: str | Path, candidate: str | Path, opts: EvalOptions 
     opts = opts or EvalOptions()
     problem = load_problem(problem_path)
     base: dict[str, Any] = {"problem": str(problem_path), "candidate": str(candidate), "precision": opts.precision,
-                            "trials": opts.trials}
+                            "trials": opts.trials * (2 if opts.mode == "both" else 1)}
     try:
         cand = extract_candidate(candidate)
     except (NoCodeError, OSError) as err:
@@ -207,6 +207,6 @@ def _status(run: ChildRun, out: dict[str, Any], failure: dict[str, Any] | None, 
             return after_build, f"{params.get('summary')}, so the same seed gives different weights: {reason}", \
                 "parameters"
         return after_build, reason, first.get("defence")
-    if len(trials) < opts.trials:
-        return after_build, f"only {len(trials)} of {opts.trials} trials ran", None
+    if len(trials) < fields["trials"]:
+        return after_build, f"only {len(trials)} of {fields['trials']} trials ran", None
     return "ok", None, None
