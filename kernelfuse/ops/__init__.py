@@ -7,6 +7,7 @@ from kernelfuse.ops.pointwise import (
     POINTWISE_OPS,
     PointwiseOp,
     float_literal,
+    prelude_for,
     render_cuda,
 )
 
@@ -18,5 +19,6 @@ __all__ = [
     "PointwiseOp",
     "VIEW_OPS",
     "float_literal",
+    "prelude_for",
     "render_cuda",
 ]
