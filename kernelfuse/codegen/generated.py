@@ -107,6 +107,8 @@ def render_generated(plan: Plan, step: GenStep) -> tuple[str, str]:
     ctype = C_TYPES[dtype]
     if spec is None or spec.kind == "affine_norm":  # type: ignore[attr-defined]
         body = _flat_kernel(step, ctype)
+    elif spec.window is not None:  # type: ignore[attr-defined]
+        body = _pool_kernel(step, ctype)
     else:
         body = _row_kernel(step, ctype)
     return f"// {step.kernel}: {step.chain(plan.graph)}\n{body}", _wrapper(plan, step)
@@ -196,6 +198,9 @@ def _program_lines(program: Program, acc: str, offsets: dict[str, str], names_pr
         lines.append(f"{ind}const float {names_prefix}in{i} = kf_load({names_prefix}in{i}_p[{offsets[f'in{i}']}]);")
         names[f"in{i}"] = f"{names_prefix}in{i}"
     for st in program.statements:
+        if st.op == "reshape":  # same flat index: the value is the one it reshapes
+            names[st.name] = names[st.args[0]]  # type: ignore[index]
+            continue
         row = POINTWISE_BY_ATEN[st.aten]
         args = [names[a] if isinstance(a, str) else float_literal(a) for a in st.args]
         var = f"{names_prefix}v_{st.name}"
@@ -207,7 +212,7 @@ def _program_lines(program: Program, acc: str, offsets: dict[str, str], names_pr
 
 def _epilogue_lines(step: GenStep, index: str, ind: str) -> list[str]:
     """The epilogue at output flat index `index` (operands indexed through the output's shape)."""
-    shape = step.out_meta.shape
+    shape = step.epilogue.space  # the reduction's value; a reshape after it keeps the flat index
     offsets = {f"in{i}": offset_expr(o.strides, shape, f"({index})") for i, o in enumerate(step.epilogue.operands)}
     return _program_lines(step.epilogue, "y", offsets, "e_", ind)
 
@@ -269,6 +274,74 @@ def _flat_kernel(step: GenStep, ctype: str) -> str:
     lines += ["  }", "}", ""]
     grid = f"kf_blocks({numel}LL, {BLOCK})"
     return "\n".join(lines) + _launcher(step, ctype, grid)
+
+
+def _pool_kernel(step: GenStep, ctype: str) -> str:
+    """One thread per output element: walk its window over the input (prologue recomputed per element read),
+    skipping positions in the padding; max propagates NaN, avg divides as ATen does (padding counted or not)."""
+    spec = step.spec
+    win = spec.window  # type: ignore[attr-defined]
+    k = step.kernel
+    in_shape = step.prologue.space
+    out_shape = step.out_meta.shape
+    nd = len(win.kernel)
+    lead_in, lead_out = in_shape[:-nd], out_shape[:-nd]
+    assert lead_in == lead_out, (lead_in, lead_out)
+    space = _space_of(step)  # every input dim kept: value(r) takes a flat input index
+    index_t = _index_t(step)
+    numel = _numel(out_shape)
+    isz, osz = _numel(in_shape[-nd:]), _numel(out_shape[-nd:])
+    max_pool = spec.kind == "max_pool"  # type: ignore[attr-defined]
+    lines = [f"// pooling: kernel {list(win.kernel)}, stride {list(win.stride)}, padding {list(win.padding)}, "
+             f"dilation {list(win.dilation)}",
+             f"__global__ void __launch_bounds__({BLOCK}) {k}_kernel({_pointer_params(step, ctype)}) {{",
+             f"  typedef {index_t} INDEX;",
+             f"  for (INDEX i = (INDEX)blockIdx.x * {BLOCK} + threadIdx.x; i < (INDEX){numel}; "
+             f"i += (INDEX)gridDim.x * {BLOCK}) {{"]
+    lines += _value_lambda(step, space, "k", None)
+    lines.append(f"    const INDEX lead = i / {osz};")
+    lines.append(f"    INDEX rest = i % {osz};")
+    for d in reversed(range(nd)):
+        lines.append(f"    const int q{d} = (int)(rest % {out_shape[-nd + d]}); rest /= {out_shape[-nd + d]};")
+    for d in range(nd):
+        lines.append(f"    const int s{d} = q{d} * {win.stride[d]} - {win.padding[d]};")
+    lines.append("    float acc = -INFINITY;" if max_pool else "    float acc = 0.0f;")
+    ind = "    "
+    for d in range(nd):
+        size = in_shape[-nd + d]
+        lines.append(f"{ind}for (int w{d} = 0; w{d} < {win.kernel[d]}; ++w{d}) {{")
+        ind += "  "
+        lines.append(f"{ind}const int p{d} = s{d} + w{d} * {win.dilation[d]};")
+        lines.append(f"{ind}if (p{d} < 0 || p{d} >= {size}) continue;")
+    flat = "p0"
+    for d in range(1, nd):
+        flat = f"({flat}) * {in_shape[-nd + d]} + p{d}"
+    load = f"value(lead * {isz} + {flat})"
+    lines.append(f"{ind}acc = kf_max_op()(acc, {load});" if max_pool else f"{ind}acc += {load};")
+    for _ in range(nd):
+        ind = ind[:-2]
+        lines.append(f"{ind}}}")
+    if not max_pool:
+        lines += _avg_divisor(win, in_shape[-nd:])
+    lines.append("    const float y = acc;")
+    lines += _epilogue_lines(step, "i", "    ")
+    lines.append(f"    out[i] = kf_store<{ctype}>(e_result);")
+    lines += ["  }", "}", ""]
+    return "\n".join(lines) + _launcher(step, ctype, f"kf_blocks({numel}LL, {BLOCK})")
+
+
+def _avg_divisor(win, sizes: tuple[int, ...]) -> list[str]:
+    """ATen's avg_pool divisor: the override, else the window clipped to input + padding (count_include_pad),
+    else the number of positions inside the input."""
+    if win.divisor is not None:
+        return [f"    acc = acc / {float_literal(float(win.divisor))};"]
+    pad_terms, in_terms = [], []
+    for d, size in enumerate(sizes):
+        end = f"min(s{d} + {win.kernel[d]}, {size + win.padding[d]})"
+        pad_terms.append(f"({end} - s{d})")
+        in_terms.append(f"(min({end}, {size}) - max(s{d}, 0))")
+    count = " * ".join(pad_terms if win.count_include_pad else in_terms)
+    return [f"    acc = acc / (float)({count});"]
 
 
 def _row_kernel(step: GenStep, ctype: str) -> str:

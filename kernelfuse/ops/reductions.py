@@ -7,7 +7,9 @@ and affine operands. `kind` names the CUDA algorithm (kernelfuse.codegen.reduce 
 - reducing kinds write one value per row (the kept dims): sum, mean, amax, amin, prod, logsumexp;
 - broadcasting kinds write the whole space, each element transformed by its row's statistics: softmax,
   log_softmax, norm (layer/group/batch norm in training mode: mean and biased variance), and affine_norm
-  (batch norm in eval mode: running statistics, no reduction).
+  (batch norm in eval mode: running statistics, no reduction);
+- window kinds write one value per output position of a pooling window over the trailing dims: max_pool,
+  avg_pool (the `window` field holds the geometry).
 
 A row that cannot take a node returns the reason as a string; the scheduler reports it.
 """
@@ -22,6 +24,18 @@ import torch
 from kernelfuse.capture import Graph, Node, Ref
 
 BROADCAST_KINDS = frozenset({"softmax", "log_softmax", "norm", "affine_norm"})
+
+
+@dataclass(frozen=True)
+class PoolWindow:
+    """A pooling window over the trailing len(kernel) dims, as ATen's pooling ops take it."""
+
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    count_include_pad: bool = True
+    divisor: int | None = None
 
 
 @dataclass(frozen=True)
@@ -42,6 +56,7 @@ class ReduceSpec:
     eps: float = 0.0
     momentum: float = 0.0
     out_index: int | None = None
+    window: PoolWindow | None = None
 
     @property
     def broadcast(self) -> bool:
@@ -224,6 +239,38 @@ def _batch_norm(graph: Graph, node: Node) -> ReduceSpec | str:
                       momentum=float(momentum), out_index=0)
 
 
+def _pool(kind: str, dims: int) -> Parse:
+    """max_pool{d}d_with_indices (indices unused) and avg_pool{d}d: one output per window position."""
+
+    def parse(graph: Graph, node: Node) -> ReduceSpec | str:
+        src = _source(graph, node)
+        if isinstance(src, str):
+            return src
+        ref, shape, stride = src
+        if len(shape) < dims + 1:
+            return "pooling input without a batch or channel dim"
+
+        def dimsof(value: object, default: tuple[int, ...]) -> tuple[int, ...]:
+            if value is None or value == [] or value == ():
+                return default
+            values = (value,) if isinstance(value, int) else tuple(value)  # type: ignore[arg-type]
+            return values * dims if len(values) == 1 else values
+
+        kernel = dimsof(_arg(node, 1, "kernel_size"), ())
+        strides = dimsof(_arg(node, 2, "stride"), kernel)
+        padding = dimsof(_arg(node, 3, "padding", 0), (0,) * dims)
+        if kind == "max_pool":
+            dilation = dimsof(_arg(node, 4, "dilation", 1), (1,) * dims)
+            return ReduceSpec(kind, ref, shape, (), stride, out_index=0,
+                              window=PoolWindow(kernel, strides, padding, dilation))
+        include_pad = bool(_arg(node, 5, "count_include_pad", True))
+        divisor = _arg(node, 6, "divisor_override", None)
+        return ReduceSpec(kind, ref, shape, (), stride, window=PoolWindow(
+            kernel, strides, padding, (1,) * dims, include_pad, int(divisor) if divisor else None))
+
+    return parse
+
+
 def _contiguous(shape: tuple[int, ...]) -> list[int]:
     strides, acc = [], 1
     for d in reversed(shape):
@@ -248,6 +295,12 @@ REDUCTION_OPS: tuple[ReductionOp, ...] = (
     ReductionOp("native_layer_norm.default", "norm", _layer_norm),
     ReductionOp("native_group_norm.default", "norm", _group_norm),
     ReductionOp("native_batch_norm.default", "norm", _batch_norm),
+    ReductionOp("max_pool1d_with_indices.default", "max_pool", _pool("max_pool", 1)),
+    ReductionOp("max_pool2d_with_indices.default", "max_pool", _pool("max_pool", 2)),
+    ReductionOp("max_pool3d_with_indices.default", "max_pool", _pool("max_pool", 3)),
+    ReductionOp("avg_pool1d.default", "avg_pool", _pool("avg_pool", 1)),
+    ReductionOp("avg_pool2d.default", "avg_pool", _pool("avg_pool", 2)),
+    ReductionOp("avg_pool3d.default", "avg_pool", _pool("avg_pool", 3)),
 )
 
 REDUCTION_BY_ATEN: dict[str, ReductionOp] = {row.aten: row for row in REDUCTION_OPS}

@@ -74,8 +74,11 @@ def _run_program(program: Epilogue | Program, acc: object, env: dict[str, object
     for i, operand in enumerate(program.operands):
         values[f"in{i}"] = env[operand.ref.name]
     for st in program.statements:
-        row = POINTWISE_BY_ATEN[st.aten]
         args = [values[a] if isinstance(a, str) else a for a in st.args]
+        if st.op == "reshape":
+            values[st.name] = args[0].reshape(st.params[0])  # type: ignore[union-attr]
+            continue
+        row = POINTWISE_BY_ATEN[st.aten]
         values[st.name] = row.torch_fn(*args, *st.params)
     return values[program.result]  # type: ignore[return-value]
 

@@ -28,7 +28,7 @@ class Operand:
 @dataclass(frozen=True)
 class Statement:
     name: str  # the graph node it computes
-    op: str  # IR op (kernelfuse.ops.pointwise row `ir`)
+    op: str  # IR op (kernelfuse.ops.pointwise row `ir`), or "reshape" (params: the new shape; same flat order)
     aten: str  # the ATen overload, to find the table row
     args: tuple[EArg, ...]
     params: tuple[object, ...]

@@ -19,6 +19,9 @@ from kernelfuse.ops.reductions import REDUCTION_BY_ATEN, ReduceSpec
 from kernelfuse.plan.ir import EArg, GenStep, Operand, Program, Statement
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Reshapes that keep the element order: inside a kernel they rename a value (the flat index is unchanged).
+RESHAPES = frozenset({"view.default", "_unsafe_view.default", "reshape.default", "squeeze.dim", "squeeze.dims",
+                      "squeeze.default", "unsqueeze.default", "flatten.using_ints"})
 
 
 @dataclass
@@ -50,18 +53,21 @@ def schedule(graph: Graph, taken: set[str], first_kernel: int, max_kernels: int 
 
 
 def can_fuse_pointwise(graph: Graph, node: Node, space: TensorMeta) -> tuple[bool, str]:
-    """Can `node` join a pointwise chain over `space`? Same shape and dtype, float, every tensor it reads usable."""
-    if node.op not in POINTWISE_BY_ATEN:
+    """Can `node` join a pointwise chain over `space`? As many elements (a reshape keeps the flat order), the same
+    float dtype, and every tensor it reads broadcasts to its own shape."""
+    if node.op not in POINTWISE_BY_ATEN and node.op not in RESHAPES:
         return False, "not a pointwise op of the table"
     if node.meta is None or node.meta.dtype not in FLOAT_DTYPES:
         return False, "not a floating-point tensor"
-    if node.meta.shape != space.shape or node.meta.dtype != space.dtype:
-        return False, f"shape or dtype differs from the kernel's {space}"
+    if node.meta.numel != space.numel or node.meta.dtype != space.dtype:
+        return False, f"size or dtype differs from the kernel's {space}"
+    if node.op in RESHAPES:
+        return (True, "") if len(node.refs) == 1 else (False, "reshape of a computed shape")
     for ref in node.refs:
         meta = graph[ref].meta
         if meta is None or meta.dtype != space.dtype:
             return False, f"operand %{ref.name} has another dtype"
-        if not _broadcasts(meta.shape, space.shape):
+        if not _broadcasts(meta.shape, node.meta.shape):
             return False, f"operand %{ref.name} does not broadcast to the output"
     return True, ""
 
@@ -160,11 +166,19 @@ def _result_value(graph: Graph, node: Node, spec: ReduceSpec) -> tuple[str | Non
 
 
 def _pointwise_kernel(graph: Graph, chain: _Chain, kernel: str) -> GenStep:
-    out_meta = chain.members[-1].meta
-    source, program = _program(graph, chain.members, out_meta, out_meta.shape)
+    members = _trim_reshapes(chain.members)
+    out_meta = members[-1].meta
+    source, program = _program(graph, members, out_meta, out_meta.shape)
     assert source is not None  # the chain's own space: every operand broadcasts to it
     return GenStep(kernel, source, program, None, None, Program((), (), out_meta.shape), out_meta,
-                   tuple(m.name for m in chain.members), chain.members[-1].name)
+                   tuple(m.name for m in members), members[-1].name)
+
+
+def _trim_reshapes(members: list[Node]) -> list[Node]:
+    """A kernel neither starts nor ends with a reshape: those stay free views outside it."""
+    while len(members) > 1 and members[-1].op in RESHAPES:
+        members = members[:-1]
+    return members
 
 
 def _program(graph: Graph, members: list[Node], meta: TensorMeta, space: tuple[int, ...],
@@ -173,6 +187,7 @@ def _program(graph: Graph, members: list[Node], meta: TensorMeta, space: tuple[i
     (`acc`) unless `acc` names the value entering the program. Operand strides are mapped onto `space`."""
     names: dict[str, str] = {acc: "acc"} if acc else {}
     operands: list[Operand] = []
+    shape = meta.shape
     source: list[Operand] = []
     ok = True
 
@@ -183,7 +198,7 @@ def _program(graph: Graph, members: list[Node], meta: TensorMeta, space: tuple[i
         if arg.name in names:
             return names[arg.name]
         node = graph[arg]
-        strides = space_strides(node.meta, meta.shape, space)
+        strides = space_strides(node.meta, shape, space)
         if strides is None:
             ok = False
             strides = (0,) * len(space)
@@ -198,6 +213,11 @@ def _program(graph: Graph, members: list[Node], meta: TensorMeta, space: tuple[i
 
     statements = []
     for node in members:
+        shape = node.meta.shape
+        if node.op in RESHAPES:  # the same elements in the same order: a new shape, the same flat index
+            statements.append(Statement(node.name, "reshape", node.op, (value(node.args[0]),), (shape,)))
+            names[node.name] = node.name
+            continue
         row = POINTWISE_BY_ATEN[node.op]
         args = tuple(value(node.args[i]) if i < len(node.args) else 0.0 for i in row.operands)
         params = tuple(constant_arg(node, pos, default) for pos, default in row.params)
