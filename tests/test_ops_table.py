@@ -17,8 +17,7 @@ import torch
 from optimizer_helpers import assert_interpreter_matches, pipeline, write_problem
 
 from kernelfuse.codegen import generate
-from kernelfuse.ops import CUDA_PRELUDE, POINTWISE_BY_ATEN, POINTWISE_OPS, float_literal, render_cuda
-from kernelfuse.ops.pointwise import prelude_for
+from kernelfuse.ops import CUDA_PRELUDE, POINTWISE_BY_ATEN, POINTWISE_OPS, float_literal, prelude_for, render_cuda
 from kernelfuse.ops.pointwise_helpers import HELPERS
 
 A = "torch.ops.aten"
