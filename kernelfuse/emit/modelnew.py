@@ -38,20 +38,32 @@ def _extension():
     """Build the kernels below on first use, or load them from torch's extension cache (keyed by source hash)."""
     global _EXTENSION
     if _EXTENSION is None:
+        import os
+
         from torch.utils.cpp_extension import load_inline
 
         digest = hashlib.sha256((CUDA_SRC + CPP_SRC).encode()).hexdigest()[:16]
         # Keep torch's headers out of the kernel file where this torch allows it: a much faster build.
         options = {"no_implicit_headers": True} if "no_implicit_headers" in inspect.signature(load_inline).parameters else {}
-        _EXTENSION = load_inline(
-            name=f"kernelfuse_{NAME}_{digest}",
-            cpp_sources=CPP_SRC,
-            cuda_sources=CUDA_SRC,
-            functions=list(FUNCTIONS),
-            extra_cflags=["-O3"],
-            extra_cuda_cflags=["-O3"],
-            **options,
-        )
+        # Compile the kernels for the GPU at hand only (not a long TORCH_CUDA_ARCH_LIST from the environment).
+        arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+        if torch.cuda.is_available():
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "%d.%d" % torch.cuda.get_device_capability()
+        try:
+            _EXTENSION = load_inline(
+                name=f"kernelfuse_{NAME}_{digest}",
+                cpp_sources=CPP_SRC,
+                cuda_sources=CUDA_SRC,
+                functions=list(FUNCTIONS),
+                extra_cflags=["-O1"],  # the C++ side only checks shapes and launches: its build time is header parsing
+                extra_cuda_cflags=["-O3"],
+                **options,
+            )
+        finally:
+            if arch is None:
+                os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
+            else:
+                os.environ["TORCH_CUDA_ARCH_LIST"] = arch
     return _EXTENSION
 '''
 
