@@ -283,7 +283,7 @@ def _pool_kernel(step: GenStep, ctype: str) -> str:
     win = spec.window  # type: ignore[attr-defined]
     k = step.kernel
     in_shape = step.prologue.space
-    out_shape = step.out_meta.shape
+    out_shape = step.epilogue.space  # the pooled value (a reshape in the epilogue keeps its flat index)
     nd = len(win.kernel)
     lead_in, lead_out = in_shape[:-nd], out_shape[:-nd]
     assert lead_in == lead_out, (lead_in, lead_out)
