@@ -22,7 +22,7 @@ GOLDEN = FIXTURES / "golden"
 ZOO_FAMILIES = [
     "sum", "mean", "amax", "amin", "softmax", "log_softmax", "logsumexp", "softmax", "norm", "norm", "norm", "norm",
     "affine_norm", "pointwise", "prod", "amax", "pointwise", "sum", "sum", "max_pool", "avg_pool", "avg_pool",
-    "max_pool", "avg_pool", "avg_pool",
+    "max_pool", "avg_pool", "avg_pool", "mean", "amax", "sum",
 ]
 
 
@@ -55,6 +55,9 @@ def test_each_kernel_picks_its_row_strategy(zoo):
     assert "strided, 1 thread(s) per row, 25600 rows of 3" in strategies["k3"]  # the innermost dim is kept
     assert "strided" in strategies["k17"] and "rows of 300" in strategies["k17"]  # sum over the outer dim
     assert "inner, 256 thread(s) per row, 1 rows of 64000" in strategies["k18"]  # the whole tensor
+    assert "split, 1 rows of 98304 in 24 chunks of 4096" in strategies["k25"]
+    assert "split, 4 rows of 70000 in 17 chunks" in strategies["k26"]
+    assert "split, 4 rows of 70000" in strategies["k27"]
 
 
 def _strategy(cuda: str, kernel: str) -> tuple[str, str | None]:

@@ -234,46 +234,83 @@ def _pointer_params(step: GenStep, ctype: str) -> str:
 
 
 def _value_lambda(step: GenStep, space: _Space, cls: str, row_prefix: str | None) -> list[str]:
-    """`auto value = [&](INDEX r) -> float`: the prologue at element r of the row (or flat index r)."""
-    tensors = ["src", *(f"in{i}" for i in range(len(step.prologue.operands)))]
-    lines = ["    auto value = [&](INDEX r) -> float {"]
-    lines += _decompose(space, cls, "r", "o_", tensors, "      ")
+    """`value_at(r, acc)`: the prologue at element r (of the row, or flat) given the source value `acc`;
+    `value(r)`: the same with the source loaded through its strides."""
+    operands = [f"in{i}" for i in range(len(step.prologue.operands))]
     base = (lambda n: f"{row_prefix}{n} + o_{n}") if row_prefix else (lambda n: f"o_{n}")
-    lines.append(f"      const float acc = kf_load(src[{base('src')}]);")
-    offsets = {f"in{i}": base(f"in{i}") for i in range(len(step.prologue.operands))}
-    lines += _program_lines(step.prologue, "acc", offsets, "p_", "      ")
-    lines.append("      return p_result;")
-    lines.append("    };")
+    lines = ["    auto value_at = [&](INDEX r, float acc) -> float {"]
+    lines += _decompose(space, cls, "r", "o_", operands, "      ") if operands else []
+    lines += _program_lines(step.prologue, "acc", {n: base(n) for n in operands}, "p_", "      ")
+    lines += ["      return p_result;", "    };", "    auto value = [&](INDEX r) -> float {"]
+    lines += _decompose(space, cls, "r", "o_", ["src"], "      ")
+    lines += [f"      return value_at(r, kf_load(src[{base('src')}]));", "    };"]
     return lines
 
 
 def _flat_kernel(step: GenStep, ctype: str) -> str:
-    """Pointwise over the whole space (and eval-mode batch norm, an affine map per channel)."""
+    """Pointwise over the whole space (and eval-mode batch norm, an affine map per channel). Where the source is
+    contiguous over the space, VEC elements move per 16-byte access (the launcher checks alignment)."""
     k = step.kernel
     space = _space_of(step)
     index_t = _index_t(step)
     numel = _numel(step.prologue.space)
     spec = step.spec
-    lines = [f"__global__ void __launch_bounds__({BLOCK}) {k}_kernel({_pointer_params(step, ctype)}) {{",
-             f"  typedef {index_t} INDEX;",
-             f"  for (INDEX i = (INDEX)blockIdx.x * {BLOCK} + threadIdx.x; i < (INDEX){numel}; "
-             f"i += (INDEX)gridDim.x * {BLOCK}) {{"]
-    lines += _value_lambda(step, space, "k", None)
-    lines.append("    float y = value(i);")
+    vectorised = space.strides["src"] == space.strides["out"]
+    element = ["      float y = value_at(i, acc);"]
     if spec is not None:  # affine_norm: (x - running_mean) / sqrt(running_var + eps) * weight + bias
         extra = [n for n in ("weight", "bias", "run_mean", "run_var") if n in space.strides]
-        lines += _decompose(space, "k", "i", "a_", extra, "    ")
+        element += _decompose(space, "k", "i", "a_", extra, "      ")
         eps = float_literal(spec.eps)  # type: ignore[attr-defined]
-        lines.append(f"    y = (y - kf_load(run_mean[a_run_mean])) * (1.0f / sqrtf(kf_load(run_var[a_run_var]) + {eps}));")
+        element.append(f"      y = (y - kf_load(run_mean[a_run_mean])) * (1.0f / sqrtf(kf_load(run_var[a_run_var]) + {eps}));")
         if "weight" in extra:
-            lines.append("    y = y * kf_load(weight[a_weight]);")
+            element.append("      y = y * kf_load(weight[a_weight]);")
         if "bias" in extra:
-            lines.append("    y = y + kf_load(bias[a_bias]);")
-    lines += _epilogue_lines(step, "i", "    ")
-    lines.append(f"    out[i] = kf_store<{ctype}>(e_result);")
+            element.append("      y = y + kf_load(bias[a_bias]);")
+    element += _epilogue_lines(step, "i", "      ")
+    element.append("      return e_result;")
+    lines = ["template <int VEC>",
+             f"__global__ void __launch_bounds__({BLOCK}) {k}_kernel({_pointer_params(step, ctype)}) {{",
+             f"  typedef {index_t} INDEX;",
+             f"  constexpr INDEX NUMEL = {numel};",
+             "  {"]
+    lines += _value_lambda(step, space, "k", None)
+    lines += ["    auto element = [&](INDEX i, float acc) -> float {", *element, "    };",
+              "    const INDEX first = (INDEX)blockIdx.x * blockDim.x + threadIdx.x;",
+              "    const INDEX stride = (INDEX)gridDim.x * blockDim.x;"]
+    if vectorised:
+        lines += ["    for (INDEX v = first; v < NUMEL / VEC; v += stride) {",
+                  f"      const kf_pack<{ctype}, VEC> p = reinterpret_cast<const kf_pack<{ctype}, VEC>*>(src)[v];",
+                  f"      kf_pack<{ctype}, VEC> q;",
+                  "#pragma unroll",
+                  f"      for (int j = 0; j < VEC; ++j) q.v[j] = kf_store<{ctype}>(element(v * VEC + j, kf_load(p.v[j])));",
+                  f"      reinterpret_cast<kf_pack<{ctype}, VEC>*>(out)[v] = q;",
+                  "    }",
+                  "    for (INDEX i = NUMEL / VEC * VEC + first; i < NUMEL; i += stride)",
+                  f"      out[i] = kf_store<{ctype}>(element(i, kf_load(src[i])));"]
+    else:
+        lines += ["    for (INDEX i = first; i < NUMEL; i += stride) {",
+                  "      const float acc = value(i);",
+                  f"      out[i] = kf_store<{ctype}>(element(i, acc) );",
+                  "    }"]
     lines += ["  }", "}", ""]
-    grid = f"kf_blocks({numel}LL, {BLOCK})"
-    return "\n".join(lines) + _launcher(step, ctype, grid)
+    vec = 16 // {"float": 4}.get(ctype, 2) if vectorised else 1
+    return "\n".join(lines) + _flat_launcher(step, ctype, numel, vec)
+
+
+def _flat_launcher(step: GenStep, ctype: str, numel: int, vec: int) -> str:
+    k = step.kernel
+    params, args = _launch_params(step, ctype)
+    aligned = "((uintptr_t)src % 16 == 0) && ((uintptr_t)out % 16 == 0)"
+    launch = (f"{k}_kernel<{{VEC}}><<<kf_blocks({numel}LL / {{VEC}}, {BLOCK}), {BLOCK}, 0, stream>>>({args}, "
+              f"({ctype}*)out);")
+    body = f"  if ({aligned})\n    {launch.format(VEC=vec)}\n  else\n    {launch.format(VEC=1)}" if vec > 1 \
+        else f"  {launch.format(VEC=1)}"
+    return f"""
+cudaError_t {k}_launch({params}, void* out, cudaStream_t stream) {{
+{body}
+  return cudaGetLastError();
+}}
+"""
 
 
 def _pool_kernel(step: GenStep, ctype: str) -> str:
@@ -344,9 +381,82 @@ def _avg_divisor(win, sizes: tuple[int, ...]) -> list[str]:
     return [f"    acc = acc / (float)({count});"]
 
 
+SPLIT_MAX_ROWS = 264  # two rows per SM of an H100: fewer rows than this leave multiprocessors idle
+SPLIT_MIN_ROW = 65536
+SPLIT_TARGET_BLOCKS = 1024
+SPLIT_MIN_CHUNK = 4096
+
+
+def split_chunks(step: GenStep) -> int:
+    """Chunks per row for a split reduction (1: none). A few long rows (a loss over the whole tensor, a sum over a
+    large outer dim) are cut into chunks reduced by separate blocks, then combined in a fixed order."""
+    spec = step.spec
+    if spec is None or spec.kind not in REDUCE_OPS or spec.window is not None:  # type: ignore[attr-defined]
+        return 1
+    space = _space_of(step)
+    rows, red = space.count("k"), space.count("r")
+    if rows > SPLIT_MAX_ROWS or red < SPLIT_MIN_ROW:
+        return 1
+    return max(1, min(-(-SPLIT_TARGET_BLOCKS // rows), red // SPLIT_MIN_CHUNK))
+
+
+def _split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
+    """Split reduction: block (chunk, row) reduces its chunk into `work`; one warp per row combines the chunks in
+    order, then the epilogue. Deterministic: the same partials combine the same way on every call."""
+    spec = step.spec
+    k = step.kernel
+    space = _space_of(step)
+    rows, red = space.count("k"), space.count("r")
+    chunk = -(-red // chunks)
+    op, identity = REDUCE_OPS[spec.kind]  # type: ignore[attr-defined]
+    tensors = ["src", *(f"in{i}" for i in range(len(step.prologue.operands)))]
+    lines = [f"// strategy: split, {rows} rows of {red} in {chunks} chunks of {chunk}, then a combine kernel",
+             f"__global__ void __launch_bounds__({BLOCK}) {k}_partial({_pointer_params(step, ctype)}, "
+             "float* __restrict__ work) {",
+             f"  typedef {_index_t(step)} INDEX;",
+             f"  constexpr int TPR = {BLOCK};",
+             "  const int lane = threadIdx.x;",
+             "  const INDEX row = blockIdx.y;"]
+    lines += _decompose(space, "k", "row", "row_", tensors, "  ")
+    lines += _value_lambda(step, space, "r", "row_")
+    lines += [f"  const INDEX begin = (INDEX)blockIdx.x * {chunk};",
+              f"  const INDEX end = begin + {chunk} < (INDEX){red} ? begin + {chunk} : (INDEX){red};",
+              f"  float s = {identity};",
+              f"  for (INDEX r = begin + lane; r < end; r += TPR) s = {op}()(s, value(r));",
+              f"  s = kf_row_reduce<TPR>(s, {op}());",
+              f"  if (lane == 0) work[row * {chunks} + blockIdx.x] = s;",
+              "}", "",
+              f"__global__ void __launch_bounds__({BLOCK}) {k}_combine({_pointer_params(step, ctype)}, "
+              "const float* __restrict__ work) {",
+              f"  typedef {_index_t(step)} INDEX;",
+              "  constexpr int TPR = 32;",
+              "  const int lane = threadIdx.x % TPR;",
+              f"  const INDEX row = (INDEX)blockIdx.x * {BLOCK // 32} + threadIdx.x / TPR;",
+              f"  if (row >= {rows}) return;",
+              f"  float s = {identity};",
+              f"  for (int c = lane; c < {chunks}; c += TPR) s = {op}()(s, work[row * {chunks} + c]);",
+              f"  s = kf_row_reduce<TPR>(s, {op}());"]
+    if spec.kind == "mean":  # type: ignore[attr-defined]
+        lines.append(f"  s = s * {float_literal(1.0 / red)};  // ATen's mean: sum times 1/N")
+    lines += [ln[2:] for ln in _reduced_store(step, "s", ctype)]
+    lines += ["}", ""]
+    params, args = _launch_params(step, ctype)
+    lines.append(f"""
+cudaError_t {k}_launch({params}, void* out, void* work, cudaStream_t stream) {{
+  {k}_partial<<<dim3({chunks}, {rows}), {BLOCK}, 0, stream>>>({args}, ({ctype}*)out, (float*)work);
+  {k}_combine<<<kf_blocks({rows}LL * 32, {BLOCK}), {BLOCK}, 0, stream>>>({args}, ({ctype}*)out, (const float*)work);
+  return cudaGetLastError();
+}}
+""")
+    return "\n".join(lines)
+
+
 def _row_kernel(step: GenStep, ctype: str) -> str:
     spec = step.spec
     k = step.kernel
+    chunks = split_chunks(step)
+    if chunks > 1:
+        return _split_kernel(step, ctype, chunks)
     space = _space_of(step)
     index_t = _index_t(step)
     rows, red = space.count("k"), space.count("r")
@@ -443,14 +553,19 @@ def _broadcast_store(step: GenStep, expr: str, ctype: str, extra: list[str], spa
     return _loop(body)
 
 
+def _launch_params(step: GenStep, ctype: str) -> tuple[str, str]:
+    """The launcher's pointer parameters and the casts that pass them to the kernel."""
+    const = {name: "" if name in ("run_mean", "run_var") else "const " for name, _ in tensor_args(step)}
+    params = ", ".join(f"{const[name]}void* {name}" for name in const)
+    args = ", ".join(f"({const[name]}{ctype}*){name}" for name in const)
+    return params, args
+
+
 def _launcher(step: GenStep, ctype: str, grid: str) -> str:
     k = step.kernel
-    params = "".join(f", {'const ' if name not in ('run_mean', 'run_var') else ''}void* {name}"
-                     for name, _ in tensor_args(step))
-    args = ", ".join(f"({'const ' if name not in ('run_mean', 'run_var') else ''}{ctype}*){name}"
-                     for name, _ in tensor_args(step))
+    params, args = _launch_params(step, ctype)
     return f"""
-cudaError_t {k}_launch({params[2:]}, void* out, cudaStream_t stream) {{
+cudaError_t {k}_launch({params}, void* out, cudaStream_t stream) {{
   {k}_kernel<<<{grid}, {BLOCK}, 0, stream>>>({args}, ({ctype}*)out);
   return cudaGetLastError();
 }}
@@ -463,7 +578,9 @@ def _wrapper(plan: Plan, step: GenStep) -> str:
     args = tensor_args(step)
     metas = {name: plan.graph[ref].meta for name, ref in args}  # type: ignore[index]
     decl_params = "".join(f", {'const ' if name not in ('run_mean', 'run_var') else ''}void*" for name, _ in args)
-    lines = [f"cudaError_t {k}_launch({decl_params[2:]}, void*, cudaStream_t);", "",
+    chunks = split_chunks(step)
+    work = ", void*" if chunks > 1 else ""
+    lines = [f"cudaError_t {k}_launch({decl_params[2:]}, void*{work}, cudaStream_t);", "",
              f"// {k}: {step.chain(plan.graph)}",
              f"torch::Tensor {k}({', '.join(f'const torch::Tensor& {name}' for name, _ in args)}) {{",
              "  const c10::cuda::CUDAGuard guard(src.device());"]
@@ -472,7 +589,11 @@ def _wrapper(plan: Plan, step: GenStep) -> str:
         lines.append(f'  kf_check_strided({name}, "{k} {name} (%{ref.name})", {{{ints(meta.shape)}}}, '  # type: ignore[attr-defined]
                      f"{{{ints(meta.stride)}}}, {at_type});")
     lines.append(f"  torch::Tensor out = at::empty({{{ints(step.out_meta.shape)}}}, src.options());")
-    ptrs = ", ".join(f"{name}.data_ptr()" for name, _ in args)
-    lines.append(f'  kf_check_launch({k}_launch({ptrs}, out.data_ptr(), c10::cuda::getCurrentCUDAStream()), "{k}");')
+    ptrs = ", ".join(f"{name}.data_ptr()" for name, _ in args) + ", out.data_ptr()"
+    if chunks > 1:  # the split reduction's partial results, one float per (row, chunk)
+        rows = _space_of(step).count("k")
+        lines.append(f"  torch::Tensor work = at::empty({{{rows * chunks}}}, src.options().dtype(at::kFloat));")
+        ptrs += ", work.data_ptr()"
+    lines.append(f'  kf_check_launch({k}_launch({ptrs}, c10::cuda::getCurrentCUDAStream()), "{k}");')
     lines += ["  return out;", "}", ""]
     return "\n".join(lines)
