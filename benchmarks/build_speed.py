@@ -1,7 +1,11 @@
 """Where an emitted file's extension build spends its seconds: cold and cached `_extension()` per file, with the
 C++ binding compile, the nvcc compile and the link from ninja's log, and the CPU seconds of the whole build.
 
-    python benchmarks/build_speed.py OUT.log FILE.py...   (emitted ModelNew files, e.g. from `kernelfuse optimize`)
+    python benchmarks/build_speed.py OUT.log [--old-build] FILE.py...   (emitted files, from `kernelfuse optimize`)
+
+--old-build first turns each file back into the previous build configuration (the binding includes
+<torch/extension.h> and compiles at -O3; TORCH_CUDA_ARCH_LIST left as the environment has it), for a before/after
+comparison on the same machine.
 
 Each file builds in a fresh process against an empty TORCH_EXTENSIONS_DIR (cold), then again in a fresh process
 against the same folder (cached). On a shared machine wall seconds depend on the load; CPU seconds do not (much).
@@ -11,6 +15,7 @@ Without a GPU set TORCH_CUDA_ARCH_LIST (e.g. 9.0) or torch compiles for every ar
 from __future__ import annotations
 
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -19,6 +24,17 @@ import time
 from pathlib import Path
 
 CODE = "import runpy, sys; g = runpy.run_path(sys.argv[1]); g['_extension']()"
+NEW_HEADERS = re.compile(r"// Only the headers these wrappers use.*?namespace torch \{ using at::Tensor; \}\n", re.S)
+ARCH_OVERRIDE = "if torch.cuda.is_available():\n            os.environ[\"TORCH_CUDA_ARCH_LIST\"]"
+
+
+def old_build(text: str) -> str:
+    """The emitted file as the previous loader and binding header built it (see the module docstring)."""
+    old, n = NEW_HEADERS.subn("#include <torch/extension.h>\n", text)
+    if n != 1 or ARCH_OVERRIDE not in old or 'extra_cflags=["-O1"]' not in old:
+        raise SystemExit("--old-build: this file does not have the current loader and header; emit it again")
+    old = old.replace(ARCH_OVERRIDE, "if False:\n            os.environ[\"TORCH_CUDA_ARCH_LIST\"]")
+    return old.replace('extra_cflags=["-O1"]', 'extra_cflags=["-O3"]')
 
 
 def build_once(path: Path, ext_dir: Path) -> tuple[float, float]:
@@ -54,8 +70,16 @@ def ninja_steps(ext_dir: Path) -> dict[str, float]:
 
 
 def main(argv: list[str]) -> int:
-    out, files = Path(argv[0]), [Path(a) for a in argv[1:]]
-    lines = [f"torch build timing · TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '(unset)')} · "
+    out, rest = Path(argv[0]), argv[1:]
+    files = [Path(a) for a in rest if a != "--old-build"]
+    workdir = Path(tempfile.mkdtemp(prefix="kf_build_files_"))
+    if "--old-build" in rest:
+        olds = [workdir / f.name for f in files]
+        for f, o in zip(files, olds, strict=True):
+            o.write_text(old_build(f.read_text()))
+        files = olds
+    label = " (old build)" if "--old-build" in rest else ""
+    lines = [f"torch build timing{label} · TORCH_CUDA_ARCH_LIST={os.environ.get('TORCH_CUDA_ARCH_LIST', '(unset)')} · "
              f"{os.cpu_count()} cores",
              f"{'file':<40} {'cold s':>7} {'cold cpu s':>10} {'c++ s':>6} {'nvcc s':>6} {'link s':>6} "
              f"{'cached s':>8} {'import s':>8}"]
