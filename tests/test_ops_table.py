@@ -411,13 +411,13 @@ def gpu_module(tmp_path_factory):
 torch::Tensor run(int64_t which, torch::Tensor x, torch::Tensor y, torch::Tensor z, torch::Tensor m) {
   auto out = torch::empty_like(x);
   const int n = (int)x.numel();
-  kf_run<<<(n + 127) / 128, 128, 0, at::cuda::getCurrentCUDAStream()>>>((int)which, x.data_ptr<float>(),
+  kf_run<<<(n + 127) / 128, 128, 0, c10::cuda::getCurrentCUDAStream()>>>((int)which, x.data_ptr<float>(),
       y.data_ptr<float>(), z.data_ptr<float>(), m.data_ptr<float>(), out.data_ptr<float>(), n);
   TORCH_CHECK(cudaGetLastError() == cudaSuccess, "kf_run launch failed");
   return out;
 }
 """
-    includes = "#include <torch/extension.h>\n#include <ATen/cuda/CUDAContext.h>\n"
+    includes = "#include <torch/extension.h>\n#include <c10/cuda/CUDAStream.h>\n"
     cuda = includes + case_functions() + RUN_KERNEL + launcher
     return load_inline("kf_ops_table_rows", cpp_sources="torch::Tensor run(int64_t which, torch::Tensor x, "
                        "torch::Tensor y, torch::Tensor z, torch::Tensor m);", cuda_sources=cuda, functions=["run"],
