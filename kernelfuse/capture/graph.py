@@ -9,6 +9,7 @@ earlier nodes; everything else in `args` is a Python constant. Graph inputs are 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -59,7 +60,7 @@ class Node:
     meta: TensorMeta | None = None
     target: str | int | None = None  # param/buffer attribute path, or the forward argument's position
 
-    @property
+    @cached_property
     def refs(self) -> tuple[Ref, ...]:
         return tuple(_iter_refs(self.args))
 
@@ -79,6 +80,7 @@ class Graph:
     outputs: tuple[Ref, ...]
     training: bool = True
     _index: dict[str, Node] = field(default_factory=dict, compare=False, repr=False)
+    _users: dict[str, list[Node]] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self._index.update({n.name: n for n in self.nodes})
@@ -87,8 +89,14 @@ class Graph:
         return self._index[name.name if isinstance(name, Ref) else name]
 
     def users(self, name: str) -> list[Node]:
-        """Nodes that read `name` (graph outputs are not nodes: see `is_output`)."""
-        return [n for n in self.nodes if any(r.name == name for r in n.refs)]
+        """Nodes that read `name` (graph outputs are not nodes: see `is_output`). Indexed on first use: the
+        planner asks for every node, and an unrolled RNN has thousands."""
+        if not self._users and self.nodes:
+            for n in self.nodes:
+                for reader in dict.fromkeys(r.name for r in n.refs):
+                    self._users.setdefault(reader, []).append(n)
+            self._users.setdefault("", [])  # marks the index as built even when no node reads another
+        return list(self._users.get(name, []))
 
     def is_output(self, name: str) -> bool:
         return any(r.name == name for r in self.outputs)
