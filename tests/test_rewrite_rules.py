@@ -416,3 +416,15 @@ def test_avg_pool_linear_output(fn, bias):
 ])
 def test_avg_pool_linear_output_negative(fn):
     prove(fn, signed(5, 8), rule="avg_pool_linear_output", fires=False)
+
+
+def test_rules_see_the_rewritten_graph_after_its_readers_were_indexed():
+    """A graph whose reader index was built before rewriting (the planner builds it) is rewritten as a fresh one:
+    every rule works on the new nodes, not a stale index of the old ones."""
+    torch.manual_seed(0)
+    model = Fn(_gemm_sum).double()
+    x = [signed(5, 8).double()]
+    graph = capture_module(model, x)
+    for node in graph.nodes:
+        graph.users(node.name)
+    assert {"size1_reductions", "reduce_before_affine", "reduce_linear_output"} <= set(apply_rules(graph).rules_fired)
