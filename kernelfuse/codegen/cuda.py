@@ -14,7 +14,7 @@ import torch
 from kernelfuse.capture import TensorMeta
 from kernelfuse.codegen.common import AT_TYPES, C_TYPES, INT32_LIMIT, ints, offset_expr
 from kernelfuse.codegen.generated import REDUCE_PRELUDE, render_generated
-from kernelfuse.ops import CUDA_PRELUDE, POINTWISE_BY_ATEN, float_literal, render_cuda
+from kernelfuse.ops import POINTWISE_BY_ATEN, float_literal, prelude_for, render_cuda
 from kernelfuse.plan.ir import Epilogue, FusedStep, Plan
 
 THREADS = 256
@@ -141,7 +141,7 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
     gens = plan.generated
     if not steps and not gens:
         return None
-    cuda = [HEADER, CUDA_PRELUDE]
+    cuda = [HEADER, prelude_for(_rows_used(plan))]
     cpp = [CPP_HEADER]
     if gens:
         cuda.append(REDUCE_PRELUDE)
@@ -166,6 +166,12 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
         cpp.append(wrapper)
         functions.append(gen.kernel)
     return CudaSources("\n".join(cuda), "\n".join(cpp), tuple(functions))
+
+
+def _rows_used(plan: Plan) -> list:
+    """The op-table rows the plan's kernels evaluate: the file carries only their device helpers."""
+    programs = [s.epilogue for s in plan.fused] + [p for g in plan.generated for p in (g.prologue, g.epilogue)]
+    return [POINTWISE_BY_ATEN[st.aten] for prog in programs for st in prog.statements if st.op != "reshape"]
 
 
 def _step_sources(plan: Plan, step: FusedStep, tile: int) -> tuple[str, str]:
