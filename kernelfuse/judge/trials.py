@@ -25,6 +25,7 @@ from kernelfuse.bench.floor import count_flops, min_bytes, tensor_bytes
 from kernelfuse.judge.devicestate import DeviceState
 from kernelfuse.judge.guard import new_threads, python_threads
 from kernelfuse.judge.outputs import borrowed_output, impure_output
+from kernelfuse.judge.rewritten import rewritten_flops
 from kernelfuse.load import Problem
 from kernelfuse.verify import (
     Comparison,
@@ -170,6 +171,8 @@ def probe_reference(problem: Problem, model: torch.nn.Module, settings: TrialSet
     exact, _ = call_reference(model, pristine, settings, rng, flags=no_tf32_flags(settings.default_flags))
     uses_tf32 = not _same_leaves(out, exact)
     flops = count_flops(lambda: call_reference(model, pristine, settings, rng))
+    if flops:  # exact algebra may remove arithmetic (kernelfuse's rewrites): the floor is the smaller count
+        flops = min(flops, rewritten_flops(problem, model, pristine) or flops)
     return Probe(tensor_bytes(out), flops, min_bytes(model, pristine, out), uses_tf32, _describe(out))
 
 
