@@ -21,7 +21,8 @@ NAMES = ["raise_at_import", "exit_at_import", "hard_exit_in_init", "segfault_at_
 @pytest.fixture(scope="module")
 def verdicts():
     jobs = {name: (TINY, candidate(name), CPU) for name in NAMES}
-    jobs["hang_at_import"] = (TINY, candidate("hang_at_import"), replace(CPU, timeout_s=30))  # setup (importing torch) must fit, even on a loaded machine
+    # the limit leaves room for setup (importing torch) even on a loaded machine
+    jobs["hang_at_import"] = (TINY, candidate("hang_at_import"), replace(CPU, timeout_s=30))
     jobs["crash_then_good"] = [(TINY, candidate("segfault_at_import"), CPU), (TINY, candidate("good"), CPU)]
     return evaluate_many(jobs)
 
