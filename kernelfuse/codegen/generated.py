@@ -235,15 +235,16 @@ def _pointer_params(step: GenStep, ctype: str) -> str:
 
 def _value_lambda(step: GenStep, space: _Space, cls: str, row_prefix: str | None) -> list[str]:
     """`value_at(r, acc)`: the prologue at element r (of the row, or flat) given the source value `acc`;
-    `value(r)`: the same with the source loaded through its strides."""
+    `source(r)`: the source element loaded through its strides; `value(r)`: the two together."""
     operands = [f"in{i}" for i in range(len(step.prologue.operands))]
     base = (lambda n: f"{row_prefix}{n} + o_{n}") if row_prefix else (lambda n: f"o_{n}")
     lines = ["    auto value_at = [&](INDEX r, float acc) -> float {"]
     lines += _decompose(space, cls, "r", "o_", operands, "      ") if operands else []
     lines += _program_lines(step.prologue, "acc", {n: base(n) for n in operands}, "p_", "      ")
-    lines += ["      return p_result;", "    };", "    auto value = [&](INDEX r) -> float {"]
+    lines += ["      return p_result;", "    };", "    auto source = [&](INDEX r) -> float {"]
     lines += _decompose(space, cls, "r", "o_", ["src"], "      ")
-    lines += [f"      return value_at(r, kf_load(src[{base('src')}]));", "    };"]
+    lines += [f"      return kf_load(src[{base('src')}]);", "    };",
+              "    auto value = [&](INDEX r) -> float { return value_at(r, source(r)); };"]
     return lines
 
 
@@ -288,10 +289,8 @@ def _flat_kernel(step: GenStep, ctype: str) -> str:
                   "    for (INDEX i = NUMEL / VEC * VEC + first; i < NUMEL; i += stride)",
                   f"      out[i] = kf_store<{ctype}>(element(i, kf_load(src[i])));"]
     else:
-        lines += ["    for (INDEX i = first; i < NUMEL; i += stride) {",
-                  "      const float acc = value(i);",
-                  f"      out[i] = kf_store<{ctype}>(element(i, acc) );",
-                  "    }"]
+        lines += ["    for (INDEX i = first; i < NUMEL; i += stride)",
+                  f"      out[i] = kf_store<{ctype}>(element(i, source(i)));"]
     lines += ["  }", "}", ""]
     vec = 16 // {"float": 4}.get(ctype, 2) if vectorised else 1
     return "\n".join(lines) + _flat_launcher(step, ctype, numel, vec)
