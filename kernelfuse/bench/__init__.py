@@ -10,6 +10,7 @@ from kernelfuse.bench.floor import (
     Ceilings,
     Floor,
     below_floor,
+    capped_by,
     count_flops,
     floor_estimate,
     measure_ceilings,
@@ -20,7 +21,8 @@ from kernelfuse.bench.stats import TimingStats, percentile, speedup, summarize
 from kernelfuse.bench.timer import Clock, Sample, Timer
 
 __all__ = [
-    "Ceilings", "Clock", "Floor", "Sample", "Timer", "TimingStats", "below_floor", "count_flops", "escaped_work",
+    "Ceilings", "Clock", "Floor", "Sample", "Timer", "TimingStats", "below_floor", "capped_by", "count_flops",
+    "escaped_work",
     "floor_estimate", "measure_ceilings", "min_bytes", "percentile", "rotated", "speedup", "summarize",
     "tensor_bytes", "time_alternating",
 ]

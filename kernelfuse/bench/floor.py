@@ -118,6 +118,18 @@ def floor_estimate(flops: int, nbytes: int, ceilings: Ceilings) -> Floor:
     return Floor(flops, nbytes, compute_ms, memory_ms, ceilings)
 
 
+def capped_by(floor: Floor, achieved_ms: float) -> Floor:
+    """The floor no higher than a time a baseline (eager, torch.compile) achieved: a baseline that ran faster than
+    the floor proves the ceilings were measured low (clocks, a cold measurement), so they are raised to the rate it
+    reached. Without this an honest candidate as fast as eager could read as 'faster than physics'."""
+    if achieved_ms <= 0 or floor.ms <= achieved_ms:
+        return floor
+    scale = floor.ms / achieved_ms
+    c = floor.ceilings
+    return floor_estimate(floor.flops, floor.bytes, Ceilings(c.flops_per_s * scale, c.bytes_per_s * scale,
+                                                             c.flop_kind))
+
+
 def below_floor(runtime_ms: float, floor: Floor, fraction: float = SUSPICIOUS_FRACTION,
                 label: str = "suspiciously fast") -> str | None:
     """A sentence when `runtime_ms` is below `fraction` x the floor; None otherwise (and for fraction <= 0).

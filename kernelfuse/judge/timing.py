@@ -19,6 +19,7 @@ from kernelfuse.bench import (
     Floor,
     Timer,
     below_floor,
+    capped_by,
     escaped_work,
     floor_estimate,
     measure_ceilings,
@@ -118,6 +119,9 @@ def run_timing(problem: Problem, models: Models, settings: TrialSettings, probe:
             settings.policy.name, "fp32")
         try:
             floor = floor_estimate(probe.flops, probe.min_bytes, measure_ceilings(timer, kind))
+            for name in ("eager", "compile"):
+                if name in stats:
+                    floor = capped_by(floor, stats[name]["median"])
         except Exception as err:  # noqa: BLE001 - no floor is a missing number, not a failure
             warnings.append(f"floor estimate failed: {type(err).__name__}: {err}")
     implausible = None

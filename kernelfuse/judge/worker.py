@@ -240,8 +240,9 @@ def run(request: WorkerRequest, out: Outcome) -> None:
 
         passed = True
         for mode in MODE_RUNS[request.mode]:
-            reference.train(mode == "train")
-            candidate.train(mode == "train")
+            for model in (reference, candidate, reference64):  # the float64 reference judges in the same mode
+                if model is not None:
+                    model.train(mode == "train")
             try:
                 trials = run_trials(problem, models, settings, request.trials, after_trial)
             except CandidateCallError as err:
@@ -252,8 +253,9 @@ def run(request: WorkerRequest, out: Outcome) -> None:
                 break
         if passed and request.robust:
             out.set(robust=_robust_trials(problem, models, settings, request))
-        reference.train(MODE_RUNS[request.mode][0] == "train")
-        candidate.train(MODE_RUNS[request.mode][0] == "train")
+        for model in (reference, candidate, reference64):
+            if model is not None:
+                model.train(MODE_RUNS[request.mode][0] == "train")
         if not passed and not request.time_incorrect:
             return
 
