@@ -122,6 +122,8 @@ def _choose_on_gpu(problem: Problem, plans: list[Plan], options: OptimizeOptions
     prebuild(list(files.values()), options.timeout_s)
     result.cold_build_s = time.perf_counter() - started
     log(f"      cold build of {len(files)} extension(s) in parallel: {result.cold_build_s:.1f} s")
+    if len(plans) == 1:  # nothing to choose between: the final judgement (with every baseline) decides
+        return _ship_if_faster(problem, plans[0], files[plans[0].variant], options, result, log)
     quick = judge_options(options, ("eager",))
     best = None
     for plan in plans:
@@ -147,6 +149,24 @@ def _choose_on_gpu(problem: Problem, plans: list[Plan], options: OptimizeOptions
         result.notes.append(f"the final check of {plan.variant} failed ({result.final.reason}): "
                             "shipping the unfused model (the original ops)")
         return _ship_unfused(problem, result, log, options)
+    log(f"wrote {result.output} ({plan.variant})")
+    return result
+
+
+def _ship_if_faster(problem: Problem, plan: Plan, built: Path, options: OptimizeOptions, result: OptimizeResult,
+                    log: Callable[[str], None]) -> OptimizeResult:
+    """One judgement of the only variant against every baseline: shipped when verified and faster than eager."""
+    verdict = evaluate(problem.path, built, judge_options(options, options.final_baselines))
+    result.variants.append(VariantResult(plan.variant, verdict))
+    log(f"      {plan.variant}: " + describe_verdict(verdict))
+    if not verdict.correct or verdict.speedup_eager is None or verdict.speedup_eager < 1.0:
+        why = "not verified" if not verdict.correct else f"{verdict.speedup_eager or 0:.3f}x eager"
+        result.notes.append(f"{plan.variant} does not ship ({why}): shipping the unfused model (the original ops)")
+        return _ship_unfused(problem, result, log, options)
+    report = f"verified on {torch.cuda.get_device_name()}: variant {plan.variant}, {options.precision} precision"
+    result.output.write_text(emit_file(problem, plan, report))  # same kernels (same source hash), final header
+    result.shipped = plan.variant
+    result.final = verdict
     log(f"wrote {result.output} ({plan.variant})")
     return result
 

@@ -61,7 +61,7 @@ def test_no_verified_variant_ships_unfused(monkeypatch: pytest.MonkeyPatch, tmp_
     script = {"fused": _verdict(False), "unfused": _verdict(True, 2.8, eager=2.8)}
     result, text, _ = _run(monkeypatch, tmp_path, "gemm_add_relu", script)
     assert result.shipped == "unfused"
-    assert any("no fused variant verified" in n for n in result.notes)
+    assert any("fused does not ship (not verified)" in n for n in result.notes)
     assert "def forward(self, x):" in text and "_extension" not in text
 
 
@@ -69,8 +69,15 @@ def test_fusion_that_does_not_pay_ships_unfused(monkeypatch: pytest.MonkeyPatch,
     script = {"fused": _verdict(True, 2.9, eager=2.8), "unfused": _verdict(True, 2.8, eager=2.8)}
     result, text, _ = _run(monkeypatch, tmp_path, "gemm_add_relu", script)
     assert result.shipped == "unfused"
-    assert any("fusion does not pay" in n and "0.966x" in n for n in result.notes)
+    assert any("does not ship" in n and "0.966x" in n for n in result.notes)
     assert "CUDA_SRC" not in text
+
+
+def test_single_variant_is_judged_once_with_every_baseline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    script = {"fused": _verdict(True, 2.7, eager=2.8), "unfused": _verdict(True, 2.8, eager=2.8)}
+    result, text, judged = _run(monkeypatch, tmp_path, "gemm_add_relu", script)
+    assert result.shipped == "fused" and judged == ["fused"] and result.final is script["fused"]
+    assert "CUDA_SRC" in text and "verified on scripted GPU" in text
 
 
 def test_final_check_failure_never_ships_the_fused_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -83,10 +90,11 @@ def test_final_check_failure_never_ships_the_fused_file(monkeypatch: pytest.Monk
 
     class Script(dict):
         def __getitem__(self, key: str) -> Verdict:
-            return fused_then_fails() if key == "fused" else super().__getitem__(key)
+            return fused_then_fails() if key == "fused-nhwc" else super().__getitem__(key)
 
-    script = Script({"fused": good, "unfused": _verdict(True, 2.8, eager=2.8)})
-    result, text, _ = _run(monkeypatch, tmp_path, "gemm_add_relu", script)
+    script = Script({"fused-nhwc": good, "fused-nchw": _verdict(True, 2.75, eager=2.8),
+                     "unfused": _verdict(True, 2.8, eager=2.8)})
+    result, text, _ = _run(monkeypatch, tmp_path, "conv2d_relu_biasadd", script)
     assert result.shipped == "unfused"
     assert any("final check" in n for n in result.notes)
     assert "CUDA_SRC" not in text
