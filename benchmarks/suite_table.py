@@ -1,0 +1,39 @@
+"""Per-problem table (markdown) and summary of a `kernelfuse bench` JSONL: problem, shipped plan, ours / eager /
+torch.compile ms, speedups, max error vs eager, floor. Usage: python benchmarks/suite_table.py RESULTS.jsonl"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+NUMBERS = ("runtime_ms", "eager_ms", "compile_ms", "floor_ms", "speedup_eager", "speedup_compile")
+
+
+def main(path: str) -> None:
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    rows.sort(key=lambda r: int(r.get("problem_id") or 0))
+    print("| problem | shipped | ours ms | eager ms | compile ms | vs eager | vs compile | max abs err | floor ms |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ms = {k: f"{r[k]:.3f}" if r.get(k) is not None else "-" for k in NUMBERS}
+        err = f"{r['max_abs_err']:.2g}" if r.get("max_abs_err") is not None else "-"
+        print(f"| {r['problem_name']} | {r.get('shipped') or r.get('status')} | {ms['runtime_ms']} | {ms['eager_ms']} "
+              f"| {ms['compile_ms']} | {ms['speedup_eager']}x | {ms['speedup_compile']}x | {err} | {ms['floor_ms']} |")
+    ok = [r for r in rows if r.get("correct")]
+    eager = [r["speedup_eager"] for r in ok if r.get("speedup_eager")]
+    comp = [r["speedup_compile"] for r in ok if r.get("speedup_compile")]
+
+    def geo(values: list[float]) -> float:
+        return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
+
+    fused = sum(1 for r in ok if r.get("shipped") not in (None, "unfused"))
+    print(f"\n{len(rows)} problems, {len(ok)} correct, {fused} ship fused kernels; geometric mean "
+          f"{geo(eager):.3f}x eager, {geo(comp):.3f}x torch.compile; slowest vs eager {min(eager):.3f}x")
+    for p in (0.0, 1.0, 1.5, 2.0):
+        print(f"fast_{p:g}: {sum(1 for s in eager if s > p) / len(rows):.2f}", end="  ")
+    print()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
