@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     opt.add_argument("--no-rewrite", action="append", default=[], metavar="NAME",
                      help="switch off one rewrite rule (repeatable; the log names the rules that fired)")
     opt.add_argument("--no-rewrites", action="store_true", help="switch off every rewrite rule")
+    opt.add_argument("--max-fusions", type=int, metavar="N", default=None,
+                     help="fuse at most N kernels, anchors first, then generated kernels in graph order "
+                          "(bisect a numerical failure to one fusion)")
     ev = sub.add_parser("eval", help="judge a ModelNew candidate (file or model reply) against its problem")
     try:
         from kernelfuse.judge.cli import add_eval_arguments
@@ -116,11 +119,14 @@ def _optimize(args: argparse.Namespace) -> int:
 
     if args.trials < 1:
         raise UsageError("--trials must be at least 1")
+    if args.max_fusions is not None and args.max_fusions < 0:
+        raise UsageError("--max-fusions must be 0 or more")
     options = OptimizeOptions(
         precision=args.precision,
         trials=args.trials,
         use_gpu=False if args.cpu_only else None,
         no_rewrites=args.no_rewrites,
+        max_fusions=args.max_fusions,
         disabled_rewrites=tuple(args.no_rewrite),
         final_baselines=("eager",) if args.no_compile_baseline else ("eager", "compile"),
     )

@@ -40,6 +40,7 @@ class OptimizeOptions:
     timing_reps: int = 50
     no_rewrites: bool = False  # --no-rewrites: plan the graph as captured
     disabled_rewrites: tuple[str, ...] = ()  # --no-rewrite NAME: rewrite rules switched off
+    max_fusions: int | None = None  # --max-fusions N: fuse at most N kernels (bisecting a numerical failure)
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def optimize_file(problem_path: str | Path, out_path: str | Path, options: Optim
     graph = rewritten.graph
     mode = "training" if graph.training else "eval"
     log(f"[2/5] captured {len(graph.nodes)} ATen nodes on fake tensors ({mode} mode); {rewritten.summary()}")
-    plans = plan_variants(graph, options.precision)
+    plans = plan_variants(graph, options.precision, options.max_fusions)
     for plan in plans:
         log("[3/5] " + plan.summary().replace("\n", "\n      "))
     result = OptimizeResult(out_path, plans[0].variant, plans, [], rewrites=rewritten.fired)

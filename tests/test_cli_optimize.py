@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 
 import pytest
-from optimizer_helpers import run_kernelfuse, shrunk_example, write_problem
+from optimizer_helpers import EXAMPLES, run_kernelfuse, shrunk_example, write_problem
 
 from kernelfuse.cli import build_parser, main
 
@@ -70,3 +70,13 @@ def test_parser_defaults():
     assert (args.precision, args.trials, args.cpu_only, args.no_compile_baseline) == ("strict", 5, False, False)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["optimize", "p.py"])  # -o is required
+
+
+def test_max_fusions_caps_the_plan(tmp_path):
+    out = tmp_path / "capped.py"
+    result = run_kernelfuse("optimize", str(EXAMPLES / "gemm_sigmoid_scaling_residualadd.py"), "-o", str(out),
+                            "--cpu-only", "--max-fusions", "0")
+    assert result.returncode == 0, result.stderr
+    assert "fused k0" not in result.stdout and "generated k" not in result.stdout
+    bad = run_kernelfuse("optimize", str(EXAMPLES / "gemm_add_relu.py"), "-o", str(out), "--max-fusions", "-1")
+    assert bad.returncode == 2 and "--max-fusions must be 0 or more" in bad.stderr

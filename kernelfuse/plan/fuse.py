@@ -35,7 +35,8 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """Planner knobs. `max_fusions` caps how many anchors take an epilogue (bisect a numerical bug to one)."""
+    """Planner knobs. `max_fusions` caps how many kernels the plan fuses, anchor epilogues first, then generated
+    kernels in graph order (`--max-fusions N`: bisect a numerical failure to the one fusion that causes it)."""
 
     conv_layout: str = "nhwc"  # "nhwc" | "nchw"
     cudnn_fused_relu: bool = True
@@ -44,7 +45,7 @@ class PlanOptions:
     generated: bool = True  # generated kernels (pointwise chains, reductions, norms) besides anchor epilogues
 
 
-def plan_variants(graph: Graph, precision: str = "strict") -> list[Plan]:
+def plan_variants(graph: Graph, precision: str = "strict", max_fusions: int | None = None) -> list[Plan]:
     """The fused plans worth measuring: one per convolution layout when the graph has a convolution.
 
     Under the tf32 policy matrix products may run on TF32 tensor cores (cuDNN convolutions already do by default).
@@ -52,7 +53,8 @@ def plan_variants(graph: Graph, precision: str = "strict") -> list[Plan]:
     has_conv = any(is_conv2d(graph, n) for n in graph.nodes)
     layouts = ("nhwc", "nchw") if has_conv else ("nchw",)
     tf32 = precision == "tf32"
-    return [make_plan(graph, PlanOptions(conv_layout=layout, matmul_tf32=tf32)) for layout in layouts]
+    return [make_plan(graph, PlanOptions(conv_layout=layout, matmul_tf32=tf32, max_fusions=max_fusions))
+            for layout in layouts]
 
 
 def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
