@@ -97,8 +97,8 @@ def test_gemm_kernel_is_flat_and_in_place(example_sources):
     assert "k0_kernel(const float* acc, float* out, const float* __restrict__ in0)" in src.cuda
     assert "kf_pack<float, VEC>" in src.cuda and "constexpr int k0_VEC = 4;" in src.cuda
     assert "constexpr int kNumel = 8388608;" in src.cuda
-    assert "kf_load(in0[(i % 8192)])" in src.cuda
-    assert "const float v_add = (acc + in0_v);" in src.cuda and "kf_relu(v_add)" in src.cuda
+    assert "const float in0 = kf_load(in0_p[(i % 8192)]);" in src.cuda
+    assert "const float v_add = (acc + in0);" in src.cuda and "kf_relu(v_add)" in src.cuda
     assert "to_channels_last" not in src.cpp and "__shared__" not in src.cuda
     assert "(in place on the library output)" in src.cpp
     assert "torch::Tensor out = acc;" in src.cpp
@@ -121,7 +121,7 @@ def test_conv_nhwc_has_transpose_kernel_and_to_channels_last(example_sources):
     assert "torch::Tensor to_channels_last(const torch::Tensor& x)" in src.cpp
     assert "constexpr int C = 128, HW = 15876;" in src.cuda
     assert "__shared__ float tile[" in src.cuda
-    assert "kf_load(in0[((i / 15876) % 128)])" in src.cuda
+    assert "kf_load(in0_p[((i / 15876) % 128)])" in src.cuda
     # not in place: reads channels-last acc, writes a new NCHW tensor
     assert "at::empty(acc.sizes(), acc.options())" in src.cpp
     assert "acc_in.contiguous(at::MemoryFormat::ChannelsLast)" in src.cpp
@@ -210,7 +210,7 @@ def test_low_precision_types(tmp_path, dtype, ctype, at_type, vec):
     assert f"const {ctype}* __restrict__ in0" in src.cuda
     assert f"kf_pack<{ctype}, VEC>" in src.cuda and f"constexpr int k0_VEC = {vec};" in src.cuda
     assert f"kf_store<{ctype}>(k0_apply(kf_load(p.v[j])" in src.cuda
-    assert "const float in0_v = kf_load(in0[(i % 32)]);" in src.cuda  # math in float opmath
+    assert "const float in0 = kf_load(in0_p[(i % 32)]);" in src.cuda  # math in float opmath
     assert f'kf_check(acc, "k0 input", {{4, 32}}, {at_type}, false);' in src.cpp
 
 

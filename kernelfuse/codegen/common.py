@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from kernelfuse.capture import contiguous_strides
+from kernelfuse.ops import POINTWISE_BY_ATEN, float_literal, render_cuda
+from kernelfuse.plan.ir import Epilogue, Program
 
 C_TYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 AT_TYPES = {torch.float32: "at::kFloat", torch.float16: "at::kHalf", torch.bfloat16: "at::kBFloat16"}
@@ -46,3 +48,25 @@ def offset_expr(strides: tuple[int, ...], shape: tuple[int, ...], var: str = "i"
             term = f"{term} * {stride}"
         terms.append(term)
     return " + ".join(terms) if terms else "0"
+
+
+def program_lines(program: Program | Epilogue, acc: str, offsets: dict[str, str], names_prefix: str,
+                  ind: str) -> list[str]:
+    """Statements of a pointwise program as float locals named `{names_prefix}...`; operand i is loaded from the
+    pointer `{names_prefix}in{i}_p` at `offsets["in{i}"]`; the value ends in `{names_prefix}result`."""
+    lines = []
+    names = {"acc": acc}
+    for i in range(len(program.operands)):
+        lines.append(f"{ind}const float {names_prefix}in{i} = kf_load({names_prefix}in{i}_p[{offsets[f'in{i}']}]);")
+        names[f"in{i}"] = f"{names_prefix}in{i}"
+    for st in program.statements:
+        if st.op == "reshape":  # same flat index: the value is the one it reshapes
+            names[st.name] = names[st.args[0]]  # type: ignore[index]
+            continue
+        row = POINTWISE_BY_ATEN[st.aten]
+        args = [names[a] if isinstance(a, str) else float_literal(a) for a in st.args]
+        var = f"{names_prefix}v_{st.name}"
+        lines.append(f"{ind}const float {var} = {render_cuda(row, args, list(st.params))};  // {st.aten.split('.')[0]}")
+        names[st.name] = var
+    lines.append(f"{ind}const float {names_prefix}result = {names[program.result]};")
+    return lines

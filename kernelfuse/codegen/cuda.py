@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from kernelfuse.capture import TensorMeta
-from kernelfuse.codegen.common import AT_TYPES, C_TYPES, INT32_LIMIT, ints, offset_expr
+from kernelfuse.codegen.common import AT_TYPES, C_TYPES, INT32_LIMIT, ints, offset_expr, program_lines
 from kernelfuse.codegen.generated import REDUCE_PRELUDE, render_generated
-from kernelfuse.ops import POINTWISE_BY_ATEN, float_literal, prelude_for, render_cuda
+from kernelfuse.ops import POINTWISE_BY_ATEN, prelude_for
 from kernelfuse.plan.ir import Epilogue, FusedStep, Plan
 
 THREADS = 256
@@ -198,19 +198,11 @@ def _step_sources(plan: Plan, step: FusedStep, tile: int) -> tuple[str, str]:
 
 def _apply_function(k: str, epi: Epilogue, ctype: str, index_t: str) -> str:
     """`float k0_apply(float acc, index_t i, operands...)`: the epilogue at logical output index i."""
-    params = "".join(f", const {ctype}* __restrict__ in{i}" for i in range(len(epi.operands)))
+    params = "".join(f", const {ctype}* __restrict__ in{i}_p" for i in range(len(epi.operands)))
+    offsets = {f"in{i}": offset_expr(o.strides, epi.out.shape) for i, o in enumerate(epi.operands)}
     lines = [f"__device__ __forceinline__ float {k}_apply(float acc, {index_t} i{params}) {{"]
-    for i, operand in enumerate(epi.operands):
-        lines.append(f"  const float in{i}_v = kf_load(in{i}[{offset_expr(operand.strides, epi.out.shape)}]);")
-    names = {"acc": "acc", **{f"in{i}": f"in{i}_v" for i in range(len(epi.operands))}}
-    for st in epi.statements:
-        row = POINTWISE_BY_ATEN[st.aten]
-        args = [names[a] if isinstance(a, str) else float_literal(a) for a in st.args]
-        var = f"v_{st.name}"
-        lines.append(f"  const float {var} = {render_cuda(row, args, list(st.params))};  // {st.aten.split('.')[0]}")
-        names[st.name] = var
-    lines.append(f"  return {names[epi.result]};")
-    lines.append("}")
+    lines += program_lines(epi, "acc", offsets, "", "  ")
+    lines += ["  return result;", "}"]
     return "\n".join(lines) + "\n"
 
 

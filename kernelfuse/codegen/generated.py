@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kernelfuse.capture import contiguous_strides
-from kernelfuse.codegen.common import AT_TYPES, C_TYPES, INT32_LIMIT, ints, offset_expr
-from kernelfuse.ops import POINTWISE_BY_ATEN, float_literal, render_cuda
-from kernelfuse.plan.ir import GenStep, Plan, Program
+from kernelfuse.codegen.common import AT_TYPES, C_TYPES, INT32_LIMIT, ints, offset_expr, program_lines
+from kernelfuse.ops import float_literal
+from kernelfuse.plan.ir import GenStep, Plan
 
 BLOCK = 256
 MAX_GRID = 1 << 20
@@ -190,31 +190,11 @@ def _decompose(space: _Space, cls: str, var: str, prefix: str, names: list[str],
     return lines
 
 
-def _program_lines(program: Program, acc: str, offsets: dict[str, str], names_prefix: str, ind: str) -> list[str]:
-    """Statements of a pointwise program as float locals; operands loaded at the given offsets."""
-    lines = []
-    names = {"acc": acc}
-    for i in range(len(program.operands)):
-        lines.append(f"{ind}const float {names_prefix}in{i} = kf_load({names_prefix}in{i}_p[{offsets[f'in{i}']}]);")
-        names[f"in{i}"] = f"{names_prefix}in{i}"
-    for st in program.statements:
-        if st.op == "reshape":  # same flat index: the value is the one it reshapes
-            names[st.name] = names[st.args[0]]  # type: ignore[index]
-            continue
-        row = POINTWISE_BY_ATEN[st.aten]
-        args = [names[a] if isinstance(a, str) else float_literal(a) for a in st.args]
-        var = f"{names_prefix}v_{st.name}"
-        lines.append(f"{ind}const float {var} = {render_cuda(row, args, list(st.params))};  // {st.aten.split('.')[0]}")
-        names[st.name] = var
-    lines.append(f"{ind}const float {names_prefix}result = {names[program.result]};")
-    return lines
-
-
 def _epilogue_lines(step: GenStep, index: str, ind: str) -> list[str]:
     """The epilogue at output flat index `index` (operands indexed through the output's shape)."""
     shape = step.epilogue.space  # the reduction's value; a reshape after it keeps the flat index
     offsets = {f"in{i}": offset_expr(o.strides, shape, f"({index})") for i, o in enumerate(step.epilogue.operands)}
-    return _program_lines(step.epilogue, "y", offsets, "e_", ind)
+    return program_lines(step.epilogue, "y", offsets, "e_", ind)
 
 
 def _pointer_params(step: GenStep, ctype: str) -> str:
@@ -240,7 +220,7 @@ def _value_lambda(step: GenStep, space: _Space, cls: str, row_prefix: str | None
     base = (lambda n: f"{row_prefix}{n} + o_{n}") if row_prefix else (lambda n: f"o_{n}")
     lines = ["    auto value_at = [&](INDEX r, float acc) -> float {"]
     lines += _decompose(space, cls, "r", "o_", operands, "      ") if operands else []
-    lines += _program_lines(step.prologue, "acc", {n: base(n) for n in operands}, "p_", "      ")
+    lines += program_lines(step.prologue, "acc", {n: base(n) for n in operands}, "p_", "      ")
     lines += ["      return p_result;", "    };", "    auto source = [&](INDEX r) -> float {"]
     lines += _decompose(space, cls, "r", "o_", ["src"], "      ")
     lines += [f"      return kf_load(src[{base('src')}]);", "    };",
