@@ -8,10 +8,11 @@ of the same character, at least as long, with nothing after it; an unclosed bloc
 
 from __future__ import annotations
 
-import ast
 import re
 from dataclasses import dataclass
 from pathlib import Path
+
+from kernelfuse.load.parsing import parse_source
 
 PYTHON_TAGS = ("python", "py", "python3", "py3")
 _FENCE = re.compile(r"^ {0,3}(?P<fence>`{3,}|~{3,})\s*(?P<info>[^\n]*?)\s*$")
@@ -110,7 +111,7 @@ def _defines_model_new(code: str) -> bool:
 
 def _parses(text: str) -> bool:
     try:
-        ast.parse(text)
+        parse_source(text)
     except (SyntaxError, ValueError):
         return False
     return True

@@ -13,6 +13,7 @@ import sys
 from dataclasses import dataclass
 
 from kernelfuse.load import Problem
+from kernelfuse.load.parsing import parse_source
 
 ALLOWED_TOP_LEVEL = {"torch", "__future__"}
 OLD_STANDARD = re.compile(r"-std=(?:c|gnu)\+\+(?:98|03|0x|11|1y|14)\b")
@@ -34,7 +35,7 @@ class StaticReport:
 def static_check(source: str, problem: Problem, line_offset: int = 0) -> StaticReport:
     """Parse `source` and check it against `problem` (line numbers are shifted by `line_offset` in messages)."""
     try:
-        tree = ast.parse(source)
+        tree = parse_source(source)
     except SyntaxError as err:
         line = (err.lineno or 0) + line_offset
         text = (err.text or "").strip()

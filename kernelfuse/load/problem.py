@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from kernelfuse.errors import ProblemError
+from kernelfuse.load.parsing import compile_source, parse_source
 from kernelfuse.load.paths import read_source
 
 REQUIRED_NAMES = ("Model", "get_inputs", "get_init_inputs")
@@ -66,7 +67,7 @@ def load_problem(path: str | Path) -> Problem:
     path = Path(path)
     source = read_source(path)
     try:
-        code = compile(source, str(path), "exec")
+        code = compile_source(source, str(path))
     except SyntaxError as err:
         raise ProblemError(f"{path}:{err.lineno}: syntax error: {err.msg}") from None
     module = types.ModuleType(f"kernelfuse_problem_{path.stem}")
@@ -106,7 +107,7 @@ def _describe(err: BaseException, path: Path) -> str:
 
 def class_source(problem: Problem, class_name: str = "Model") -> ast.ClassDef:
     """The class definition node of `class_name` in the problem's source."""
-    tree = ast.parse(problem.source)
+    tree = parse_source(problem.source, str(problem.path))
     for node in tree.body:
         if isinstance(node, ast.ClassDef) and node.name == class_name:
             return node
