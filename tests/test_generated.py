@@ -13,7 +13,7 @@ from test_nvcc_compile import _nvcc
 
 from kernelfuse.capture import build_model, capture
 from kernelfuse.codegen import generate
-from kernelfuse.codegen.generated import merge_space
+from kernelfuse.codegen.iteration import merge_space
 from kernelfuse.load import load_problem
 from kernelfuse.plan import GenStep, TorchStep, plan_variants
 

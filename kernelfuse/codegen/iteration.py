@@ -1,0 +1,191 @@
+"""The iteration space every generated kernel shares: merged dims, index decomposition, the prologue and epilogue
+as device lambdas, and the launcher and wrapper plumbing (kernelfuse.codegen.generated, .reduce and .pool use it).
+
+Every kernel iterates a compile-time `space`. Adjacent dims of the same class (kept or reduced) are merged first
+wherever every tensor's strides chain, so index arithmetic is a few divisions by constants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kernelfuse.capture import contiguous_strides
+from kernelfuse.codegen.common import INT32_LIMIT, offset_expr, program_lines
+from kernelfuse.plan.ir import GenStep
+
+BLOCK = 256
+MAX_GRID = 1 << 20
+
+# Device support shared by every generated reduction: combine functors and warp/block reductions.
+
+
+@dataclass(frozen=True)
+class Space:
+    """The merged iteration space: sizes, a class per dim ("k" kept, "r" reduced) and every tensor's strides."""
+
+    sizes: tuple[int, ...]
+    classes: tuple[str, ...]
+    strides: dict[str, tuple[int, ...]]
+
+    def dims(self, cls: str) -> list[int]:
+        return [d for d, c in enumerate(self.classes) if c == cls]
+
+    def count(self, cls: str) -> int:
+        n = 1
+        for d in self.dims(cls):
+            n *= self.sizes[d]
+        return n
+
+
+def merge_space(sizes: tuple[int, ...], classes: tuple[str, ...], strides: dict[str, tuple[int, ...]]) -> Space:
+    """Drop size-1 dims, then merge neighbours of one class wherever every stride vector chains across them."""
+    keep = [d for d, s in enumerate(sizes) if s != 1]
+    out_sizes = [sizes[d] for d in keep]
+    out_classes = [classes[d] for d in keep]
+    out_strides = {k: [v[d] for d in keep] for k, v in strides.items()}
+    d = len(out_sizes) - 2
+    while d >= 0:
+        inner = d + 1
+        chains = all(v[d] == v[inner] * out_sizes[inner] for v in out_strides.values())
+        if out_classes[d] == out_classes[inner] and chains:
+            out_sizes[d] *= out_sizes[inner]
+            for v in out_strides.values():
+                v[d] = v[inner]
+            del out_sizes[inner], out_classes[inner]
+            for v in out_strides.values():
+                del v[inner]
+        d -= 1
+    return Space(tuple(out_sizes), tuple(out_classes), {k: tuple(v) for k, v in out_strides.items()})
+
+
+def tensor_args(step: GenStep) -> list[tuple[str, object]]:
+    """(C name, graph Ref) of every tensor the kernel reads, in the wrapper's argument order."""
+    args: list[tuple[str, object]] = [("src", step.source.ref)]
+    args += [(f"in{i}", o.ref) for i, o in enumerate(step.prologue.operands)]
+    spec = step.spec
+    if spec is not None:
+        if spec.weight is not None:  # type: ignore[attr-defined]
+            args.append(("weight", spec.weight[0]))  # type: ignore[attr-defined]
+        if spec.bias is not None:  # type: ignore[attr-defined]
+            args.append(("bias", spec.bias[0]))  # type: ignore[attr-defined]
+        if spec.running is not None:  # type: ignore[attr-defined]
+            args += [("run_mean", spec.running[0]), ("run_var", spec.running[1])]  # type: ignore[attr-defined]
+    args += [(f"ep{i}", o.ref) for i, o in enumerate(step.epilogue.operands)]
+    return args
+
+
+def index_type(step: GenStep) -> str:
+    biggest = max([step.out_meta.numel, shape_numel(step.prologue.space)] +
+                  [extent(o.meta.shape, o.meta.stride) for o in (step.source, *step.prologue.operands)])
+    return "long long" if biggest + MAX_GRID * BLOCK > INT32_LIMIT else "int"
+
+
+def shape_numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def extent(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    return 1 + sum((d - 1) * s for d, s in zip(shape, stride, strict=True) if d > 0)
+
+
+def space_of(step: GenStep) -> Space:
+    spec = step.spec
+    space = step.prologue.space
+    reduced = set(spec.reduced) if spec is not None else set()  # type: ignore[attr-defined]
+    classes = tuple("r" if d in reduced else "k" for d in range(len(space)))
+    strides = {"src": step.source.strides, "out": contiguous_strides(space)}
+    strides.update({f"in{i}": o.strides for i, o in enumerate(step.prologue.operands)})
+    if spec is not None:
+        for name in ("weight", "bias"):
+            if getattr(spec, name) is not None:
+                strides[name] = getattr(spec, name)[1]
+        if spec.running is not None and spec.kind == "affine_norm":  # type: ignore[attr-defined]
+            strides["run_mean"] = strides["run_var"] = spec.weight[1] if spec.weight else _channel_strides(space)  # type: ignore[attr-defined]
+    return merge_space(space, classes, strides)
+
+
+def _channel_strides(space: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(1 if d == 1 else 0 for d in range(len(space)))  # batch norm's [N, C, HW]: per channel
+
+
+def decompose(space: Space, cls: str, var: str, prefix: str, names: list[str], ind: str) -> list[str]:
+    """Lines that split `var` into the indices of the `cls` dims and sum each tensor's offset `{prefix}{name}`."""
+    dims = space.dims(cls)
+    lines = []
+    if len(dims) > 1:
+        lines.append(f"{ind}INDEX t_{prefix} = {var};")
+    idx = {}
+    for pos, d in enumerate(reversed(dims)):
+        outermost = pos == len(dims) - 1
+        if len(dims) == 1:
+            idx[d] = var
+        elif outermost:
+            idx[d] = f"t_{prefix}"
+        else:
+            lines.append(f"{ind}const INDEX {prefix}{d} = t_{prefix} % {space.sizes[d]}; t_{prefix} /= {space.sizes[d]};")
+            idx[d] = f"{prefix}{d}"
+    for name in names:
+        terms = [f"{idx[d]} * {space.strides[name][d]}" if space.strides[name][d] != 1 else idx[d]
+                 for d in dims if space.strides[name][d] != 0]
+        lines.append(f"{ind}const INDEX {prefix}{name} = {' + '.join(terms) if terms else '0'};")
+    return lines
+
+
+def epilogue_lines(step: GenStep, index: str, ind: str) -> list[str]:
+    """The epilogue at output flat index `index` (operands indexed through the output's shape)."""
+    shape = step.epilogue.space  # the reduction's value; a reshape after it keeps the flat index
+    offsets = {f"in{i}": offset_expr(o.strides, shape, f"({index})") for i, o in enumerate(step.epilogue.operands)}
+    return program_lines(step.epilogue, "y", offsets, "e_", ind)
+
+
+def pointer_params(step: GenStep, ctype: str) -> str:
+    params = [f"const {ctype}* __restrict__ src"]
+    params += [f"const {ctype}* __restrict__ p_in{i}_p" for i in range(len(step.prologue.operands))]
+    spec = step.spec
+    if spec is not None:
+        if spec.weight is not None:  # type: ignore[attr-defined]
+            params.append(f"const {ctype}* __restrict__ weight")
+        if spec.bias is not None:  # type: ignore[attr-defined]
+            params.append(f"const {ctype}* __restrict__ bias")
+        if spec.running is not None:  # type: ignore[attr-defined]
+            params += [f"{ctype}* __restrict__ run_mean", f"{ctype}* __restrict__ run_var"]
+    params += [f"const {ctype}* __restrict__ e_in{i}_p" for i in range(len(step.epilogue.operands))]
+    params.append(f"{ctype}* __restrict__ out")
+    return ", ".join(params)
+
+
+def value_lambda(step: GenStep, space: Space, cls: str, row_prefix: str | None) -> list[str]:
+    """`value_at(r, acc)`: the prologue at element r (of the row, or flat) given the source value `acc`;
+    `source(r)`: the source element loaded through its strides; `value(r)`: the two together."""
+    operands = [f"in{i}" for i in range(len(step.prologue.operands))]
+    base = (lambda n: f"{row_prefix}{n} + o_{n}") if row_prefix else (lambda n: f"o_{n}")
+    lines = ["    auto value_at = [&](INDEX r, float acc) -> float {"]
+    lines += decompose(space, cls, "r", "o_", operands, "      ") if operands else []
+    lines += program_lines(step.prologue, "acc", {n: base(n) for n in operands}, "p_", "      ")
+    lines += ["      return p_result;", "    };", "    auto source = [&](INDEX r) -> float {"]
+    lines += decompose(space, cls, "r", "o_", ["src"], "      ")
+    lines += [f"      return kf_load(src[{base('src')}]);", "    };",
+              "    auto value = [&](INDEX r) -> float { return value_at(r, source(r)); };"]
+    return lines
+
+
+def launch_params(step: GenStep, ctype: str) -> tuple[str, str]:
+    """The launcher's pointer parameters and the casts that pass them to the kernel."""
+    const = {name: "" if name in ("run_mean", "run_var") else "const " for name, _ in tensor_args(step)}
+    params = ", ".join(f"{const[name]}void* {name}" for name in const)
+    args = ", ".join(f"({const[name]}{ctype}*){name}" for name in const)
+    return params, args
+
+
+def launcher(step: GenStep, ctype: str, grid: str) -> str:
+    k = step.kernel
+    params, args = launch_params(step, ctype)
+    return f"""
+cudaError_t {k}_launch({params}, void* out, cudaStream_t stream) {{
+  {k}_kernel<<<{grid}, {BLOCK}, 0, stream>>>({args}, ({ctype}*)out);
+  return cudaGetLastError();
+}}
+"""
