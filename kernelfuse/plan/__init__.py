@@ -1,8 +1,9 @@
 """Stage 4 — plan: library anchors with fused epilogues, torch calls for the rest; a CPU interpreter checks it."""
 
-from kernelfuse.plan.fuse import PlanOptions, broadcast_strides, make_plan, plan_variants
+from kernelfuse.plan.fuse import PlanOptions, make_plan, plan_variants
 from kernelfuse.plan.interpret import interpret
 from kernelfuse.plan.ir import Anchor, Epilogue, FusedStep, GenStep, Operand, Plan, Program, Statement, TorchStep
+from kernelfuse.plan.schedule import broadcast_strides
 
 __all__ = [
     "Anchor",

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import torch
-
 from kernelfuse.capture import Graph, Node, Ref, TensorMeta, contiguous_strides
 from kernelfuse.ops import ANCHOR_OPS, POINTWISE_BY_ATEN, VIEW_OPS
 from kernelfuse.ops.anchors import family_of
 from kernelfuse.plan.ir import (
     Anchor,
-    EArg,
     Epilogue,
     FusedStep,
     GenStep,
@@ -28,9 +25,7 @@ from kernelfuse.plan.ir import (
     Step,
     TorchStep,
 )
-from kernelfuse.plan.schedule import constant_arg, schedule, space_strides
-
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+from kernelfuse.plan.schedule import FLOAT_DTYPES, build_program, schedule, space_strides
 
 
 @dataclass(frozen=True)
@@ -219,41 +214,10 @@ def _dense(meta: TensorMeta) -> bool:
     return meta.numel == 0 or all(d == 1 or s == e for d, s, e in zip(meta.shape, meta.stride, expected, strict=True))
 
 
-def broadcast_strides(meta: TensorMeta, out: TensorMeta) -> tuple[int, ...]:
-    """The operand's element stride along each output dimension; 0 where it broadcasts."""
-    offset = len(out.shape) - len(meta.shape)
-    strides = []
-    for d in range(len(out.shape)):
-        k = d - offset
-        if k < 0 or (meta.shape[k] == 1 and out.shape[d] != 1):
-            strides.append(0)
-        else:
-            strides.append(meta.stride[k])
-    return tuple(strides)
-
-
 def _epilogue(graph: Graph, members: list[Node], acc_name: str, out: TensorMeta) -> Epilogue:
-    names: dict[str, str] = {acc_name: "acc"}
-    operands: list[Operand] = []
-    statements: list[Statement] = []
-
-    def value(arg: object) -> EArg:
-        if isinstance(arg, Ref):
-            if arg.name in names:
-                return names[arg.name]
-            names[arg.name] = f"in{len(operands)}"
-            node = graph[arg]
-            operands.append(Operand(arg, node.meta, broadcast_strides(node.meta, out)))
-            return names[arg.name]
-        return float(arg)  # a Python scalar operand (ATen computes it in the float opmath type)
-
-    for node in members:
-        row = POINTWISE_BY_ATEN[node.op]
-        args = tuple(value(node.args[i]) if i < len(node.args) else 0.0 for i in row.operands)
-        params = tuple(constant_arg(node, pos, default) for pos, default in row.params)
-        statements.append(Statement(node.name, row.ir, row.aten, args, params))
-        names[node.name] = node.name
-    return Epilogue(tuple(statements), tuple(operands), out)
+    """The anchor's epilogue: the scheduler's pointwise program over the anchor's output."""
+    _, program = build_program(graph, members, out, out.shape, acc=acc_name)
+    return Epilogue(program.statements, program.operands, out)
 
 
 def _unfused_reason(graph: Graph, node: Node) -> str:

@@ -128,7 +128,7 @@ def _reduction_kernel(graph: Graph, node: Node, prologue: _Chain | None, used: s
     src_meta = graph[spec.source].meta
     replaces = [*(m.name for m in prologue.members)] if prologue else []
     if prologue is not None:
-        source, program = _program(graph, prologue.members, src_meta, spec.space)
+        source, program = build_program(graph, prologue.members, src_meta, spec.space)
         if source is None:
             reasons[node.name] = "prologue operands cannot follow the reduction's iteration space"
             return _reduction_kernel(graph, node, None, used, kernel, reasons)
@@ -140,7 +140,7 @@ def _reduction_kernel(graph: Graph, node: Node, prologue: _Chain | None, used: s
     epi_members = epi_chain.members[1:] if epi_chain else []
     if epi_members and (graph.is_output(value) or len(graph.users(value)) > 1):
         epi_members = []  # the reduction's value is needed as it is elsewhere
-    _, epilogue = _program(graph, epi_members, out_meta, out_meta.shape, acc=value)
+    _, epilogue = build_program(graph, epi_members, out_meta, out_meta.shape, acc=value)
     out = epi_members[-1].name if epi_members else value
     replaces += [m.name for m in epi_members]
     return GenStep(kernel, source, program, node, spec, epilogue, graph[out].meta, tuple(replaces), out)
@@ -168,7 +168,7 @@ def _result_value(graph: Graph, node: Node, spec: ReduceSpec) -> tuple[str | Non
 def _pointwise_kernel(graph: Graph, chain: _Chain, kernel: str) -> GenStep:
     members = _trim_reshapes(chain.members)
     out_meta = members[-1].meta
-    source, program = _program(graph, members, out_meta, out_meta.shape)
+    source, program = build_program(graph, members, out_meta, out_meta.shape)
     assert source is not None  # the chain's own space: every operand broadcasts to it
     return GenStep(kernel, source, program, None, None, Program((), (), out_meta.shape), out_meta,
                    tuple(m.name for m in members), members[-1].name)
@@ -181,7 +181,7 @@ def _trim_reshapes(members: list[Node]) -> list[Node]:
     return members
 
 
-def _program(graph: Graph, members: list[Node], meta: TensorMeta, space: tuple[int, ...],
+def build_program(graph: Graph, members: list[Node], meta: TensorMeta, space: tuple[int, ...],
              acc: str | None = None) -> tuple[Operand | None, Program]:
     """Statements for `members` over `space`; the first tensor the first member reads from outside is the source
     (`acc`) unless `acc` names the value entering the program. Operand strides are mapped onto `space`."""
@@ -234,18 +234,27 @@ def _program(graph: Graph, members: list[Node], meta: TensorMeta, space: tuple[i
 def space_strides(meta: TensorMeta, shape: tuple[int, ...], space: tuple[int, ...]) -> tuple[int, ...] | None:
     """The element strides of a tensor broadcast to `shape`, viewed as `space` (a regrouping of `shape`), or None
     when that view does not exist (its layout cannot follow the regrouping)."""
-    offset = len(shape) - len(meta.shape)
-    strides = []
-    for d in range(len(shape)):
-        k = d - offset
-        strides.append(0 if k < 0 or (meta.shape[k] == 1 and shape[d] != 1) else meta.stride[k])
+    strides = broadcast_strides(meta, TensorMeta(tuple(shape), meta.dtype, tuple(shape)))
     if tuple(shape) == tuple(space):
-        return tuple(strides)
+        return strides
     probe = torch.empty_strided(shape, strides, device="meta")
     try:
         return tuple(probe.view(space).stride())
     except RuntimeError:
         return None
+
+
+def broadcast_strides(meta: TensorMeta, out: TensorMeta) -> tuple[int, ...]:
+    """The operand's element stride along each output dimension; 0 where it broadcasts."""
+    offset = len(out.shape) - len(meta.shape)
+    strides = []
+    for d in range(len(out.shape)):
+        k = d - offset
+        if k < 0 or (meta.shape[k] == 1 and out.shape[d] != 1):
+            strides.append(0)
+        else:
+            strides.append(meta.stride[k])
+    return tuple(strides)
 
 
 def _broadcasts(shape: tuple[int, ...], out: tuple[int, ...]) -> bool:
