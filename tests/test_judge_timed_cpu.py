@@ -28,6 +28,7 @@ CASES = [
     ("timed_clock", "timed_output_mismatch", "differs from the reference's for the same inputs"),
     ("output_subclass", "output_type", "a tensor subclass"),
     ("output_torch_function", "output_type", "not a tensor overriding __torch_function__"),
+    ("output_dispatch_wrapper", "output_type", "a tensor subclass overriding __torch_function__ and __torch_disp"),
     ("output_lazy_proxy", "output_type", "not a tensor"),
     ("output_alias_input", "output_alias", "shares storage with an input"),
     ("output_alias_buffer", "output_alias", "shares storage with a parameter"),
@@ -36,6 +37,8 @@ CASES = [
     ("nondet_noise", "nondeterministic", "two runs of the candidate on the same inputs differ"),
     ("nondet_clock", "nondeterministic", "two runs of the candidate on the same inputs differ"),
     ("state_tf32_in_forward", "device_state", "matmul TF32: False -> True"),
+    ("state_matmul_precision", "device_state", "matmul TF32: False -> True"),
+    ("state_late_tf32", "device_state", "a timed call left the device state changed: matmul TF32: False -> True"),
 ]
 OPTIONS = {"timed_clock": replace(CPU, timing_reps=80)}  # the timing loop must outlast its honest seconds
 # Clock-keyed behaviour depends on the machine's load: if the trials already outlast the honest seconds, the switch
@@ -82,6 +85,7 @@ def verdicts(tmp_path_factory):
     jobs = {name: (TINY, candidate(name), OPTIONS.get(name, CPU)) for name, *_ in CASES}
     jobs["good"] = (TINY, candidate("good"), CPU)
     jobs["good_prepacked"] = (TINY, candidate("good_prepacked"), CPU)
+    jobs["timed_call_count unchecked"] = (TINY, candidate("timed_call_count"), replace(CPU, call_checks=False))
     robust = replace(CPU, robust=True)
     jobs["drops_relu"] = (folder / "relu_first.py", folder / "drops_relu.py", robust)
     jobs["keeps_relu"] = (folder / "relu_first.py", folder / "keeps_relu.py", robust)
@@ -107,6 +111,16 @@ def test_honest_candidates_stay_correct_with_every_timed_call_checked(verdicts, 
     assert v.input_sets == 4 and v.checked_timed_calls == CPU.timing_reps
     assert "4 input set(s) rotated" in v.format_table()
     assert v.to_json()["input_sets"] == 4 and v.robust is None
+
+
+def test_call_checks_off_only_measures_and_says_so(verdicts):
+    """call_checks=False (benchmarking the judge's overhead) really turns the per-call checks off: the call-count
+    gamer then passes, on one unrotated input set with no timed call checked, and the verdict says it is no verdict."""
+    v = verdicts["timed_call_count unchecked"]
+    assert v.correct and v.input_sets == 1 and v.checked_timed_calls == 0
+    assert any(w.startswith("per-call checks off") and "not a verdict" in w for w in v.warnings), v.warnings
+    assert {"trials", "timing"} <= set(v.details["stage_s"]) and v.details["stage_s"]["timing"] > 0
+    assert verdicts["timed_call_count"].defence == "timed_output_mismatch"  # the same fixture, checks on
 
 
 def test_robust_trials_show_a_candidate_correct_only_on_the_problems_inputs(verdicts):

@@ -56,6 +56,10 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--implausible-margin", type=float, default=0.5, metavar="F",
                         help="verdict 'implausible' when the median runtime is below F x the floor estimate "
                              "(default 0.5; 0 turns it off; below 0.8 x is always a warning)")
+    parser.add_argument("--no-call-checks", dest="call_checks", action="store_false",
+                        help="switch off the per-call checks against timing games (timed-call comparison, input "
+                             "rotation, determinism, output type, device state): for measuring the judge's "
+                             "overhead only, never for verdicts")
     parser.add_argument("--keep-workdir", action="store_true", help="keep the child's work folder (log, outcome)")
 
 
@@ -65,7 +69,8 @@ def options_from_args(args: argparse.Namespace) -> EvalOptions:
     return EvalOptions(trials=args.trials, precision=args.precision, timeout_s=args.timeout, baselines=baselines,
                        seed=args.seed, timing_reps=args.reps, warmup=args.warmup, device=args.device,
                        float64=args.float64, keep_workdir=args.keep_workdir, mode=args.mode, robust=args.robust,
-                       input_sets=args.input_sets, implausible_margin=args.implausible_margin)
+                       input_sets=args.input_sets, implausible_margin=args.implausible_margin,
+                       call_checks=args.call_checks)
 
 
 def run_eval(args: argparse.Namespace) -> int:

@@ -25,6 +25,9 @@ from kernelfuse.load import load_problem
 NOT_BUILT_KINDS = ("import_error", "build_error", "construct_error")
 REJECT_KINDS = ("tamper", "precision_flags", "threads", "timing_escape", "device_state")
 INCORRECT_KINDS = ("timed_output_mismatch", "output_type")
+CALL_CHECKS_OFF = ("per-call checks off (call_checks=False): timed-call comparison, input rotation, determinism, "
+                   "output type and aliasing and device-state checks did not run; for measuring the judge's "
+                   "overhead only, not a verdict on the candidate")
 STAGE_WORDS = {
     "setup": "setup (importing torch, loading the problem)", "reference": "building the reference model",
     "import": "import of the candidate (building its extensions)", "construct": "ModelNew(...) construction",
@@ -69,10 +72,16 @@ def _run(workdir: Path, problem_path: Path, cand: Candidate, opts: EvalOptions) 
         precision=opts.precision, seed=opts.seed, timing_reps=opts.timing_reps, warmup=opts.warmup,
         baselines=tuple(opts.baselines), device=opts.device, float64=opts.float64,
         time_incorrect=opts.time_incorrect, input_sets=opts.input_sets, implausible_margin=opts.implausible_margin,
-        mode=opts.mode, robust=opts.robust,
+        mode=opts.mode, robust=opts.robust, call_checks=opts.call_checks,
     )
     request.save(workdir / REQUEST_FILE)
     return run_worker(workdir / REQUEST_FILE, workdir / OUTCOME_FILE, workdir / LOG_FILE, opts.timeout_s)
+
+
+def _stage_seconds(outcome: dict[str, Any]) -> dict[str, float]:
+    """Seconds the child spent in each stage it finished (from the stage timestamps): where a judgement's time goes."""
+    stamps = outcome.get("stages") or []
+    return {name: round(end - start, 3) for (name, start), (_, end) in zip(stamps, stamps[1:], strict=False)}
 
 
 def _stage_words(outcome: dict[str, Any]) -> str:
@@ -106,6 +115,7 @@ def _verdict(run: ChildRun, cand: Candidate, opts: EvalOptions, base: dict[str, 
                                                  "flags_changed", "patched", "float64_reference", "failure")
                          if out.get(k) is not None}
     fields["details"]["trials"] = trials
+    fields["details"]["stage_s"] = _stage_seconds(out)
     if out.get("timing"):
         fields["details"]["floor"] = out["timing"].get("floor")
         fields["details"]["timing_escape"] = out["timing"].get("escape")
@@ -116,6 +126,8 @@ def _verdict(run: ChildRun, cand: Candidate, opts: EvalOptions, base: dict[str, 
         fields["robust"] = out["robust"]["ok"]
         fields["robust_failures"] = tuple(out["robust"]["failures"])
     warnings = warnings + [w for w in out.get("warnings", []) if w not in warnings]
+    if not opts.call_checks:
+        warnings.append(CALL_CHECKS_OFF)
     if out.get("timing") and opts.timing_reps < MIN_REPS_ADVISED:
         warnings.append(f"{opts.timing_reps} timed runs per version: fewer than the {MIN_REPS_ADVISED} the method asks")
     status, reason, defence = _status(run, out, failure, cand, opts, fields, built, trials)

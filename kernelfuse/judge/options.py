@@ -29,7 +29,10 @@ class EvalOptions:
     (0 turns the verdict off; below 0.8 x the floor is always a warning). mode: "train" (as constructed, the
     benchmark's way), "eval" (.eval() on both models) or "both" (correctness judged in each; timed in train mode).
     robust: extra trials on inputs of other distributions (standard normal, x100, all negative), reported in the
-    verdict's `robust` field without changing `correct`.
+    verdict's `robust` field without changing `correct`. call_checks: False switches off the per-call checks added
+    against timing games (timed-call comparison, input rotation, determinism, output type and aliasing, device state
+    after each call) to measure what they cost: for benchmarking the judge only, never for verdicts (the verdict
+    then carries a warning saying so).
     """
 
     trials: int = 5
@@ -48,6 +51,7 @@ class EvalOptions:
     implausible_margin: float = 0.5
     mode: str = "train"
     robust: bool = False
+    call_checks: bool = True
 
     def __post_init__(self) -> None:
         if self.precision not in POLICIES:

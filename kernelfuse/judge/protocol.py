@@ -39,6 +39,7 @@ class WorkerRequest:
     implausible_margin: float = 0.5
     mode: str = "train"
     robust: bool = False
+    call_checks: bool = True
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=1))

@@ -11,7 +11,8 @@ contents and be free while timed. So, around every timed call (outside the timed
 - a random sample of the timed calls, drawn from the OS's entropy after the candidate is loaded and always including
   the last call, is compared with the reference run on the same inputs (every call on the CPU path).
 A candidate cannot tell a checked call from an unchecked one without reading the judge's own frames (out of scope:
-README, Limits). Instances hold the loop's counters, so this class is mutable by design.
+README, Limits). Instances hold the loop's counters, so this class is mutable by design. With
+`settings.call_checks` off (measuring the judge's overhead only) the loop times one input set as it was, unchecked.
 """
 
 from __future__ import annotations
@@ -60,13 +61,14 @@ class TimedInputs:
         self.models, self.settings = models, settings
         device = settings.device
         first = inputs_to(problem.make_inputs(settings.seed), device)
-        n = pool_size(sets, sum(x.numel() * x.element_size() for x in first if isinstance(x, torch.Tensor)),
-                      len(names), device)
+        n = pool_size(sets if settings.call_checks else 1,
+                      sum(x.numel() * x.element_size() for x in first if isinstance(x, torch.Tensor)), len(names),
+                      device)
         self.pool = [first] + [inputs_to(problem.make_inputs(settings.seed + k), device) for k in range(1, n)]
         self.own = {name: [inputs_to(p, device) for p in self.pool] for name in names}
         self.calls = dict.fromkeys(names, 0)
         self.timed = 0
-        self.checked = checked_calls(reps, device)
+        self.checked = checked_calls(reps, device) if settings.call_checks else set()
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
         self.current: list[Any] = []
@@ -85,7 +87,7 @@ class TimedInputs:
         k = self.calls[name] % len(self.pool)
         self.calls[name] += 1
         own = self.own[name][k]
-        if name == "candidate":
+        if name == "candidate" and self.settings.call_checks:
             self.current = [self._rolled(x) for x in self.pool[k]]
             for dst, src in zip(own, self.current, strict=True):
                 if isinstance(dst, torch.Tensor):
@@ -102,7 +104,7 @@ class TimedInputs:
         """Seed torch as the checked reference call will be, and capture the device state (flags already set)."""
         self.call_seed = self.settings.seed + CALL_SEED_OFFSET + self.calls["candidate"]
         torch.manual_seed(self.call_seed)
-        self.state = DeviceState.capture(self.settings.device)
+        self.state = DeviceState.capture(self.settings.device) if self.settings.call_checks else None
 
     def after_candidate(self) -> None:
         """Device state must be as before the call."""
@@ -117,7 +119,7 @@ class TimedInputs:
         """A timed candidate call's output: plain, and (for the sampled calls) equal to the reference's."""
         index = self.timed
         self.timed += 1
-        if self.failure:
+        if self.failure or not self.settings.call_checks:
             return
         impure = impure_output(out, self.template)
         if impure:

@@ -70,7 +70,8 @@ class Models:
 
 @dataclass(frozen=True)
 class TrialSettings:
-    """How trials run: device, policy, seed, the flags for each side, and whether the reference uses TF32."""
+    """How trials run: device, policy, seed, the flags for each side, whether the reference uses TF32, and whether
+    the per-call checks run (off only to measure their cost: EvalOptions.call_checks)."""
 
     device: torch.device
     policy: Policy
@@ -79,6 +80,7 @@ class TrialSettings:
     candidate_flags: NumericsFlags
     uses_tf32: bool
     poison_reserve: int
+    call_checks: bool = True
 
 
 @dataclass(frozen=True)
@@ -144,9 +146,10 @@ def call_candidate(model: torch.nn.Module, pristine: list[Any], settings: TrialS
     before = python_threads()
     try:
         with flags_applied(settings.candidate_flags):
-            state = DeviceState.capture(settings.device)
+            state = DeviceState.capture(settings.device) if settings.call_checks else None
             out = model(*inputs)
-            changed = DeviceState.capture(settings.device).changes_from(state, settings.policy.name == "strict")
+            changed = state and DeviceState.capture(settings.device).changes_from(state,
+                                                                                  settings.policy.name == "strict")
         leftover = new_threads(before)
         synchronize(settings.device)
     except Exception as err:  # noqa: BLE001 - any failure of the candidate's code is its verdict
@@ -216,7 +219,7 @@ def run_trial(problem: Problem, models: Models, settings: TrialSettings, index: 
                                           f"trial {index}, run after the reference")
     if issue_b:
         return _fail(index, *issue_b)
-    for out, cand_in in ((out_a, in_a), (out_b, in_b)):
+    for out, cand_in in ((out_a, in_a), (out_b, in_b)) if settings.call_checks else ():
         impure = impure_output(out, ref_out)
         if impure:
             return _fail(index, "output_type", f"trial {index}: {impure}")
@@ -274,8 +277,8 @@ def run_trial(problem: Problem, models: Models, settings: TrialSettings, index: 
     stale_of = next((i for i, fp in enumerate(earlier) if fp == print_b), None)
     earlier.append(print_b)
 
-    twice = compare_outputs(out_a, out_b, policy.atol, policy.rtol)
-    if not twice.ok and all(c.ok for _, c in comps):
+    twice = compare_outputs(out_a, out_b, policy.atol, policy.rtol) if settings.call_checks else None
+    if twice is not None and not twice.ok and all(c.ok for _, c in comps):
         comps.append(("twice", twice))
     for label, comp in comps:
         if comp.ok:
@@ -286,7 +289,7 @@ def run_trial(problem: Problem, models: Models, settings: TrialSettings, index: 
                          f"output not fully written ({where}): {comp.n_unwritten} of {comp.numel} elements are NaN "
                          "where the reference is finite; free memory was filled with NaN before the call, so these "
                          "elements were never written (or were read from memory the reference freed)", **errors)
-        if not twice.ok:
+        if twice is not None and not twice.ok:
             return _fail(index, "nondeterministic",
                          f"two runs of the candidate on the same inputs differ beyond the tolerance (trial {index}): "
                          f"{twice.reason}; uninitialised memory, a race or randomness the seed does not control",

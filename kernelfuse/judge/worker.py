@@ -219,7 +219,7 @@ def run(request: WorkerRequest, out: Outcome) -> None:
         settings = TrialSettings(device, policy, request.seed, default_flags, candidate_flags, False, 0)
         probe = probe_reference(problem, reference, settings, request.trials)
         settings = TrialSettings(device, policy, request.seed, default_flags, candidate_flags, probe.uses_tf32,
-                                 poison_reserve_for(probe))
+                                 poison_reserve_for(probe), request.call_checks)
         if request.float64 == "auto" and reference64 is None and probe.uses_tf32:
             reference64 = float64_model(reference)
         out.set(probe={"flops": probe.flops, "min_bytes": probe.min_bytes, "output_bytes": probe.output_bytes,
