@@ -23,7 +23,7 @@ from kernelfuse.capture import Graph, capture
 from kernelfuse.capture.trace import module_state
 from kernelfuse.errors import KernelfuseError
 from kernelfuse.load import Problem
-from kernelfuse.plan import Plan, interpret, plan_variants
+from kernelfuse.plan import Plan, interpret, make_plan
 from kernelfuse.rewrite import rewrite
 
 CHECK_BATCH = 2
@@ -98,10 +98,10 @@ def _small_twins(problem: Problem, model: torch.nn.Module, graph: Graph, plans: 
             continue
         if [n.op for n in small_graph.nodes] != [n.op for n in graph.nodes]:
             continue
-        twins = {p.variant: p for p in plan_variants(small_graph, precision)}
-        if all(p.variant in twins and twins[p.variant].summary() == p.summary() for p in plans):
+        twins = [make_plan(small_graph, p.options) if p.options is not None else None for p in plans]
+        if all(t is not None and t.summary() == p.summary() for t, p in zip(twins, plans, strict=True)):
             inputs = random_inputs(small_graph)
-            return [(twins[p.variant], inputs) for p in plans]
+            return [(t, inputs) for t in twins]
     return None
 
 

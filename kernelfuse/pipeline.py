@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from kernelfuse.capture import build_model, capture
+from kernelfuse.bench.layout import measure_conv_layouts
+from kernelfuse.capture import Graph, build_model, capture
 from kernelfuse.codegen import generate
 from kernelfuse.cpucheck import CpuCheck, check_plans
 from kernelfuse.emit import emit_modelnew, emit_reference
@@ -73,7 +74,9 @@ def optimize_file(problem_path: str | Path, out_path: str | Path, options: Optim
     graph = rewritten.graph
     mode = "training" if graph.training else "eval"
     log(f"[2/5] captured {len(graph.nodes)} ATen nodes on fake tensors ({mode} mode); {rewritten.summary()}")
-    plans = plan_variants(graph, options.precision, options.max_fusions)
+    use_gpu = torch.cuda.is_available() if options.use_gpu is None else options.use_gpu
+    layouts = _measure_conv_layouts(graph, log) if use_gpu else None
+    plans = plan_variants(graph, options.precision, options.max_fusions, layouts)
     for plan in plans:
         log("[3/5] " + plan.summary().replace("\n", "\n      "))
     result = OptimizeResult(out_path, plans[0].variant, plans, [], rewrites=rewritten.fired)
@@ -86,7 +89,6 @@ def optimize_file(problem_path: str | Path, out_path: str | Path, options: Optim
     del model  # the weights are not needed past the check: the judge builds its own copies
     for c in checks:
         log(f"[4/5] CPU interpreter check ({c.variant}): {c.status} — {c.note}")
-    use_gpu = torch.cuda.is_available() if options.use_gpu is None else options.use_gpu
     # a plan that passed comes first; a skipped check is no pass, but the GPU judge still verifies such a plan
     good = [p for p, c in sorted(zip(plans, checks, strict=True), key=lambda pc: not pc[1].ok)
             if c.ok or c.skipped]
@@ -103,6 +105,15 @@ def optimize_file(problem_path: str | Path, out_path: str | Path, options: Optim
         log(f"[5/5] wrote {out_path} ({plan.variant})")
         return result
     return _choose_on_gpu(problem, good, options, result, log)
+
+
+def _measure_conv_layouts(graph: Graph, log: Callable[[str], None]) -> dict[str, str] | None:
+    """Each convolution's layout, timed both ways on this GPU (None: no convolution, or one that could not be
+    measured: then both layouts' plans are judged whole)."""
+    timings = measure_conv_layouts(graph)
+    for t in timings or []:
+        log("[3/5] convolution layout " + t.describe())
+    return {t.node: t.choice for t in timings} if timings else None
 
 
 def emit_file(problem: Problem, plan: Plan, report: str) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import kernelfuse.pipeline as pipeline
+from kernelfuse.bench.layout import LayoutTiming
 from kernelfuse.judge import Verdict
 from kernelfuse.pipeline import OptimizeOptions, optimize_file
 
@@ -24,7 +25,9 @@ def _verdict(correct: bool, ms: float | None = None, eager: float = 4.0) -> Verd
                    eager_ms=eager, speedup_eager=(eager / ms) if correct and ms else None)
 
 
-def _run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, problem: str, script: dict[str, Verdict]) -> tuple:
+def _run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, problem: str, script: dict[str, Verdict],
+         layouts: dict[str, tuple[float, float]] | None = None) -> tuple:
+    """`layouts`: each convolution's scripted (NCHW ms, channels-last ms); None: not measurable (both judged)."""
     judged: list[str] = []
 
     def fake_evaluate(problem_path: Path, candidate: Path, options: object) -> Verdict:
@@ -36,6 +39,8 @@ def _run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, problem: str, script: 
 
     monkeypatch.setattr(pipeline, "evaluate", fake_evaluate)
     monkeypatch.setattr(pipeline, "prebuild", lambda files, timeout_s=0: None)
+    timings = None if layouts is None else [LayoutTiming(n, a, b) for n, (a, b) in layouts.items()]
+    monkeypatch.setattr(pipeline, "measure_conv_layouts", lambda graph: timings)
     monkeypatch.setattr(pipeline.torch.cuda, "get_device_name", lambda *a: "scripted GPU")
     out = tmp_path / "out.py"
     result = optimize_file(EXAMPLES / f"{problem}.py", out, OptimizeOptions(use_gpu=True), log=lambda s: None)
@@ -48,6 +53,16 @@ def test_fastest_verified_variant_ships(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert result.shipped == "fused-nhwc"
     assert "ext.to_channels_last" in text
     assert judged == ["fused-nhwc", "fused-nchw", "fused-nhwc"]  # two variants, then the final check
+
+
+@pytest.mark.parametrize(("nchw_ms", "nhwc_ms", "variant"), [(3.0, 2.0, "fused-nhwc"), (3.0, 2.9, "fused-nchw")])
+def test_measured_layout_makes_the_only_variant(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, nchw_ms: float,
+                                                nhwc_ms: float, variant: str) -> None:
+    script = {variant: _verdict(True, 1.7), "unfused": _verdict(True, 4.0)}
+    result, text, judged = _run(monkeypatch, tmp_path, "conv2d_relu_biasadd", script,
+                                layouts={"convolution": (nchw_ms, nhwc_ms)})
+    assert result.shipped == variant and judged == [variant]  # one plan, judged once with every baseline
+    assert ("ext.to_channels_last" in text) == (variant == "fused-nhwc")
 
 
 def test_failing_variant_is_dropped(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

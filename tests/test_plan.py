@@ -348,7 +348,7 @@ def test_lone_convolution(tmp_path):
         assert_interpreter_matches(problem, plan)
 
 
-def test_transposed_convolution_takes_an_nchw_epilogue(tmp_path):
+def test_transposed_convolution_runs_in_either_layout_with_its_epilogue(tmp_path):
     path = write_problem(tmp_path, "convt", """
         def __init__(self):
             super().__init__()
@@ -358,11 +358,13 @@ def test_transposed_convolution_takes_an_nchw_epilogue(tmp_path):
             return torch.relu(self.conv(x))
         """, "[torch.randn(2, 3, 5, 5)]")
     problem, g, plans = pipeline(path)
-    (plan,) = plans  # no channels-last variant: that one is for 2-d, non-transposed convolutions
-    (step,) = plan.fused
-    assert step.replaces == ("convolution", "relu") and step.anchor.layout == "nchw"
-    assert not step.anchor.fused_relu and step.inplace
-    assert_interpreter_matches(problem, plan)
+    assert [p.variant for p in plans] == ["fused-nhwc", "fused-nchw"]
+    for plan, layout in zip(plans, ("nhwc", "nchw"), strict=True):
+        (step,) = plan.fused
+        assert step.replaces == ("convolution", "relu") and step.anchor.layout == layout
+        assert not step.anchor.fused_relu  # cuDNN's fused bias+ReLU is for 2-d non-transposed convolutions
+        assert step.inplace == (layout == "nchw")  # channels-last: the epilogue writes a new NCHW tensor
+        assert_interpreter_matches(problem, plan)
 
 
 @pytest.mark.parametrize("name", EXAMPLE_NAMES)

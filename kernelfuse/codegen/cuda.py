@@ -57,12 +57,17 @@ namespace torch { using at::Tensor; }
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
 
+// torch's channels-last memory format for a 4-d (NHWC) or 5-d (NDHWC) tensor
+static at::MemoryFormat kf_channels_last(const torch::Tensor& t) {
+  return t.dim() == 5 ? at::MemoryFormat::ChannelsLast3d : at::MemoryFormat::ChannelsLast;
+}
+
 static void kf_check(const torch::Tensor& t, const char* what, at::IntArrayRef sizes, at::ScalarType dtype,
                      bool channels_last) {
   TORCH_CHECK(t.is_cuda(), "kernelfuse: ", what, " must be a CUDA tensor");
   TORCH_CHECK(t.scalar_type() == dtype, "kernelfuse: ", what, " has dtype ", t.scalar_type(), ", expected ", dtype);
   TORCH_CHECK(t.sizes() == sizes, "kernelfuse: ", what, " has shape ", t.sizes(), ", the kernel was built for ", sizes);
-  TORCH_CHECK(channels_last ? t.is_contiguous(at::MemoryFormat::ChannelsLast) : t.is_contiguous(),
+  TORCH_CHECK(channels_last ? t.is_contiguous(kf_channels_last(t)) : t.is_contiguous(),
               "kernelfuse: ", what, channels_last ? " must be channels-last contiguous" : " must be contiguous");
 }
 
@@ -147,8 +152,9 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
         cuda.append(REDUCE_PRELUDE)
         cpp.append(CPP_STRIDED_CHECK)
     functions: list[str] = []
-    if any(s.anchor.layout == "nhwc" for s in steps):
-        dtypes = sorted({s.anchor.node.meta.dtype for s in steps if s.anchor.layout == "nhwc"}, key=str)
+    channels_last = [s for s in plan.fused if s.anchor.layout == "nhwc"]  # with or without an epilogue kernel
+    if channels_last:
+        dtypes = sorted({s.anchor.node.meta.dtype for s in channels_last}, key=str)
         cuda.append(NCHW_TO_NHWC)
         for dtype in dtypes:
             cuda.append(f"cudaError_t kf_nchw_to_nhwc_{_tag(dtype)}(const void* x, void* y, long long N, int C, int HW, "
@@ -296,7 +302,7 @@ def _wrapper(plan: Plan, step: FusedStep, launch_params: str) -> str:
         "  const c10::cuda::CUDAGuard guard(acc_in.device());",
     ]
     if nhwc:  # cuDNN normally returns channels-last here; if it did not, make it so (correct, one extra copy)
-        lines.append("  const torch::Tensor acc = acc_in.contiguous(at::MemoryFormat::ChannelsLast);")
+        lines.append("  const torch::Tensor acc = acc_in.contiguous(kf_channels_last(acc_in));")
     else:
         lines.append("  const torch::Tensor& acc = acc_in;")
     lines.append(f'  kf_check(acc, "{k} input", {{{ints(epi.out.shape)}}}, {at_type}, {str(nhwc).lower()});')
@@ -317,15 +323,16 @@ def _to_channels_last_wrapper(dtypes: list[torch.dtype]) -> str:
                       for d in dtypes)
     cases = "\n".join(
         f"  if (x.scalar_type() == {AT_TYPES[d]}) err = kf_nchw_to_nhwc_{_tag(d)}(x.data_ptr(), y.data_ptr(), "
-        f"x.size(0), (int)x.size(1), (int)(x.size(2) * x.size(3)), stream);" for d in dtypes)
+        f"x.size(0), (int)x.size(1), (int)(x.numel() / (x.size(0) * x.size(1))), stream);" for d in dtypes)
     return f"""{decls}
 
-// NCHW -> channels-last copy for the convolution input (one tiled pass; .contiguous(channels_last) is slower)
+// NC(D)HW -> channels-last copy for the convolution input (one tiled pass; .contiguous(channels_last) is slower)
 torch::Tensor to_channels_last(const torch::Tensor& x) {{
-  TORCH_CHECK(x.is_cuda() && x.dim() == 4 && x.is_contiguous(), "kernelfuse: to_channels_last needs a contiguous 4-d CUDA tensor");
+  TORCH_CHECK(x.is_cuda() && (x.dim() == 4 || x.dim() == 5) && x.is_contiguous(),
+              "kernelfuse: to_channels_last needs a contiguous 4-d or 5-d CUDA tensor");
   TORCH_CHECK(x.size(0) <= 65535, "kernelfuse: to_channels_last: batch over 65535");
   const c10::cuda::CUDAGuard guard(x.device());
-  torch::Tensor y = at::empty(x.sizes(), x.options().memory_format(at::MemoryFormat::ChannelsLast));
+  torch::Tensor y = at::empty(x.sizes(), x.options().memory_format(kf_channels_last(x)));
   if (x.numel() == 0) return y;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   cudaError_t err = cudaErrorInvalidValue;

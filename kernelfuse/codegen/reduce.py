@@ -1,9 +1,9 @@
 """Row reductions and reduce-then-broadcast kernels (reductions, softmax, norms) for generated kernels.
 
 Two row strategies, chosen from the merged space:
-- `inner` (the innermost dim is reduced): a warp (short rows) or a whole block (long rows) per row; threads stride
+- `inner` (the source's innermost dim is reduced): a warp (short rows) or a whole block (long rows) per row; threads stride
   along the row, so loads are coalesced; partial results combine through warp shuffles and shared memory;
-- `strided` (the innermost dim is kept, or rows are very short): one thread per row; neighbouring threads own
+- `strided` (the source's innermost dim is kept, or rows are very short): one thread per row; neighbouring threads own
   neighbouring rows, so loads are coalesced across the warp;
 and `split` for a few long rows (partials per chunk, then an ordered combine).
 
@@ -134,6 +134,16 @@ cudaError_t {k}_launch({params}, void* out, void* work, cudaStream_t stream) {{
     return "\n".join(lines)
 
 
+def reads_rows_contiguously(space: Space) -> bool:
+    """Is the source's unit-stride dim a reduced one? Then a row's elements lie next to each other and the `inner`
+    strategy coalesces (a channels-last source reduced over channels: its innermost logical dim is kept)."""
+    if not space.dims("r"):
+        return False
+    src = space.strides["src"]
+    unit = [d for d in range(len(space.sizes)) if src[d] == 1]
+    return space.classes[unit[-1] if unit else -1] == "r"
+
+
 def row_kernel(step: GenStep, ctype: str) -> str:
     spec = step.spec
     k = step.kernel
@@ -143,7 +153,7 @@ def row_kernel(step: GenStep, ctype: str) -> str:
     space = space_of(step)
     index_t = index_type(step)
     rows, red = space.count("k"), space.count("r")
-    inner = bool(space.dims("r")) and space.classes[-1] == "r"
+    inner = reads_rows_contiguously(space)
     tpr = 1 if not inner or red < 32 else 32 if red <= 1024 else BLOCK
     rows_per_block = BLOCK // tpr
     kind = spec.kind  # type: ignore[attr-defined]

@@ -17,9 +17,10 @@ import torch
 from kernelfuse.capture import Node, Ref
 from kernelfuse.codegen import CudaSources
 from kernelfuse.codegen.generated import tensor_args
+from kernelfuse.emit.hoist import cached_tuple, plan_hoist, step_out, weight_methods
 from kernelfuse.errors import ProblemError
 from kernelfuse.load import Problem, class_source
-from kernelfuse.plan.ir import FusedStep, GenStep, Plan, TorchStep
+from kernelfuse.plan.ir import FusedStep, GenStep, Plan, Step, TorchStep
 
 # Readable spellings for common ATen calls; anything else is written `torch.ops.aten.<op>(...)`.
 PY_SPELLING = {
@@ -196,14 +197,14 @@ def _model_new_class(problem: Problem, cls: ast.ClassDef, forward: ast.FunctionD
 
 
 def forward_source(plan: Plan, arg_names: list[str], has_kernels: bool, guarded: bool, state: str = "self") -> str:
-    """The text of the fused `forward` method; module state is read as `{state}.<attribute path>`."""
+    """The text of the fused `forward` method, and of the weight cache methods it calls (kernelfuse.emit.hoist)
+    where the plan computes values from the weights alone; module state is read as `{state}.<attribute path>`."""
     graph = plan.graph
-    names: dict[str, str] = {}
-    for node in graph.nodes:
-        if node.op == "input":
-            names[node.name] = arg_names[int(node.target)]  # type: ignore[arg-type]
-        elif node.op in ("param", "buffer"):
-            names[node.name] = _state_expr(state, str(node.target), node.op)
+    hoist = plan_hoist(plan)
+    state_names = {n.name: _state_expr(state, str(n.target), n.op) for n in graph.state}
+    names = dict(state_names)
+    for node in graph.inputs:
+        names[node.name] = arg_names[int(node.target)]  # type: ignore[arg-type]
     args = ", ".join(arg_names)
     out = [f"def forward(self, {args}):" if args else "def forward(self):"]
     out.append('    """Fused kernels on the captured shapes; the original ops otherwise (see _use_kernels)."""')
@@ -215,18 +216,28 @@ def forward_source(plan: Plan, arg_names: list[str], has_kernels: bool, guarded:
     if any(isinstance(a, torch.device) for n in graph.nodes for a in _flat(n.args)):
         first = arg_names[0] if arg_names else "next(self.parameters())"
         out.append(f"    _device = {first}.device")
+    if hoist.cached:
+        out.append(f"    {cached_tuple(hoist)} = self._weights()  # computed once per weight version")
+        names.update({n: f"v_{n}" for n in hoist.cached})
     for step in plan.steps:
-        if isinstance(step, TorchStep):
-            var = f"v_{step.node.name}"
-            out.append(f"    {var} = {_call(step.node, names)}")
-            names[step.node.name] = var
-        elif isinstance(step, GenStep):
-            out += _generated_lines(graph, step, names)
-        else:
-            out += _fused_lines(graph, step, names)
+        if step_out(step) not in hoist.skipped:
+            out += _step_lines(graph, step, names)
     results = ", ".join(names[r.name] for r in graph.outputs)
     out.append(f"    return {results}")
-    return "\n".join(out) + "\n"
+    text = "\n".join(out) + "\n"
+    if hoist.cached:
+        text += "\n" + weight_methods(hoist, state_names, lambda s, n: _step_lines(graph, s, n), has_kernels)
+    return text
+
+
+def _step_lines(graph, step: Step, names: dict[str, str]) -> list[str]:
+    """One plan step as lines of a method body; `names` gains the variable holding its value."""
+    if isinstance(step, TorchStep):
+        names[step.node.name] = f"v_{step.node.name}"
+        return [f"    v_{step.node.name} = {_call(step.node, names)}"]
+    if isinstance(step, GenStep):
+        return _generated_lines(graph, step, names)
+    return _fused_lines(graph, step, names)
 
 
 def _fused_lines(graph, step: FusedStep, names: dict[str, str]) -> list[str]:
@@ -240,8 +251,11 @@ def _fused_lines(graph, step: FusedStep, names: dict[str, str]) -> list[str]:
         if anchor.layout == "nhwc":
             x_meta = graph[node.args[0]].meta
             x = f"ext.to_channels_last({x}{'' if x_meta.is_contiguous else '.contiguous()'})"
-            w = f"{w}.contiguous(memory_format=torch.channels_last)"
-            lines.append("    # channels-last convolution (cuDNN's fastest layout here); the epilogue writes NCHW back")
+            fmt = _channels_last_format(node.meta)
+            w = f"{w}.contiguous(memory_format={fmt})"
+            then = ("the reduction kernel reads its channels-last output" if step.keeps_layout
+                    else "the epilogue writes NCHW back")
+            lines.append(f"    # channels-last convolution (measured faster than NCHW here); {then}")
         if anchor.fused_relu:
             call = f"torch.cudnn_convolution_relu({x}, {w}, {b}, {list(stride)}, {list(padding)}, {list(dilation)}, {groups})"
             lines.append("    # cuDNN fused convolution + bias + ReLU")
@@ -253,6 +267,8 @@ def _fused_lines(graph, step: FusedStep, names: dict[str, str]) -> list[str]:
         call = f"_with_tf32(lambda: {_call(node, names)})"
     else:
         call = _call(node, names)
+    if step.keeps_layout:  # cuDNN returns channels-last for channels-last operands; the reader's kernel needs it
+        call = f"{call}.contiguous(memory_format={_channels_last_format(node.meta)})"
     lines.append(f"    {acc} = {call}")
     if step.needs_kernel:
         operands = "".join(f", {_py(o.ref, names)}" for o in step.epilogue.operands)
@@ -264,6 +280,10 @@ def _fused_lines(graph, step: FusedStep, names: dict[str, str]) -> list[str]:
         lines.append(f"    v_{step.out} = {acc}")
     names[step.out] = f"v_{step.out}"
     return lines
+
+
+def _channels_last_format(meta) -> str:
+    return "torch.channels_last_3d" if len(meta.shape) == 5 else "torch.channels_last"
 
 
 def _generated_lines(graph, step: GenStep, names: dict[str, str]) -> list[str]:

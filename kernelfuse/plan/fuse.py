@@ -33,21 +33,28 @@ class PlanOptions:
     """Planner knobs. `max_fusions` caps how many kernels the plan fuses, anchor epilogues first, then generated
     kernels in graph order (`--max-fusions N`: bisect a numerical failure to the one fusion that causes it)."""
 
-    conv_layout: str = "nhwc"  # "nhwc" | "nchw"
+    conv_layout: str = "nhwc"  # "nhwc" | "nchw": the layout of every 2-d/3-d convolution not in conv_layouts
+    conv_layouts: tuple[tuple[str, str], ...] = ()  # (convolution node, layout) pairs chosen by measurement
     cudnn_fused_relu: bool = True
     matmul_tf32: bool = False  # the tf32 policy: matrix products on TF32 tensor cores
     max_fusions: int | None = None
     generated: bool = True  # generated kernels (pointwise chains, reductions, norms) besides anchor epilogues
 
 
-def plan_variants(graph: Graph, precision: str = "strict", max_fusions: int | None = None) -> list[Plan]:
-    """The fused plans worth measuring: one per convolution layout when the graph has a convolution.
+def plan_variants(graph: Graph, precision: str = "strict", max_fusions: int | None = None,
+                  conv_layouts: dict[str, str] | None = None) -> list[Plan]:
+    """The fused plans worth measuring: with `conv_layouts` (each convolution's layout, measured on the GPU by
+    kernelfuse.bench.layout) the one plan they give; otherwise one plan per layout when the graph has a 2-d or 3-d
+    convolution (channels-last first: cuDNN's faster layout for most fp32 convolutions on Hopper).
 
     Under the tf32 policy matrix products may run on TF32 tensor cores (cuDNN convolutions already do by default).
     """
-    has_conv = any(is_conv2d(graph, n) for n in graph.nodes)
-    layouts = ("nhwc", "nchw") if has_conv else ("nchw",)
     tf32 = precision == "tf32"
+    if conv_layouts is not None:
+        pairs = tuple(sorted(conv_layouts.items()))
+        return [make_plan(graph, PlanOptions(conv_layouts=pairs, matmul_tf32=tf32, max_fusions=max_fusions))]
+    has_conv = any(channels_last_ok(graph, n) for n in graph.nodes)
+    layouts = ("nhwc", "nchw") if has_conv else ("nchw",)
     return [make_plan(graph, PlanOptions(conv_layout=layout, matmul_tf32=tf32, max_fusions=max_fusions))
             for layout in layouts]
 
@@ -76,6 +83,10 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
     for gen in gens:
         by_out[gen.out] = gen
     _merge_into_reductions(graph, by_out)
+    for name, step in list(by_out.items()):
+        if isinstance(step, FusedStep) and step.anchor.layout == "nhwc" and not step.epilogue.statements \
+                and not step.keeps_layout and not step.anchor.fused_relu:
+            del by_out[name]  # a lone channels-last convolution no reduction reads: the plain torch call is as good
     done = {name for step in by_out.values() for name in step.replaces}
     steps: list[Step] = []
     for node in graph.nodes:
@@ -83,24 +94,29 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
             steps.append(by_out[node.name])
         elif node.name not in done and node.op not in ("input", "param", "buffer"):
             steps.append(TorchStep(node, reasons.get(node.name) or _unfused_reason(graph, node)))
-    has_conv = any(isinstance(s, FusedStep) and is_conv2d(graph, s.anchor.node) for s in steps)
-    variant = f"fused-{options.conv_layout}" if has_conv else "fused"
+    layouts = sorted({s.anchor.layout for s in steps if isinstance(s, FusedStep) and s.anchor.family == "conv"
+                      and channels_last_ok(graph, s.anchor.node)})
+    variant = f"fused-{'+'.join(layouts)}" if layouts else "fused"
     if options.matmul_tf32 and any(isinstance(s, FusedStep) and s.anchor.tf32 for s in steps):
         variant += "-tf32"
-    return Plan(graph, tuple(steps), variant)
+    return Plan(graph, tuple(steps), variant, options)
 
 
 def _merge_into_reductions(graph: Graph, by_out: dict[str, Step]) -> None:
-    """An in-place anchor epilogue whose value only a reduction kernel reads joins that kernel's prologue."""
+    """An anchor epilogue whose value only a reduction kernel reads joins that kernel's prologue: in place (NCHW),
+    or straight from a channels-last convolution's output, which the reduction then reads through its strides."""
     gens = {s.source.ref.name: s for s in by_out.values() if isinstance(s, GenStep) and s.spec is not None}
     for name, step in list(by_out.items()):
-        if not isinstance(step, FusedStep) or not step.inplace or not step.epilogue.statements:
+        if not isinstance(step, FusedStep) or not (step.inplace and step.epilogue.statements or
+                                                   step.anchor.layout == "nhwc"):
             continue
         gen = gens.get(name)
         if gen is None or len(graph.users(name)) != 1 or graph.is_output(name):
             continue
         acc_name = step.replaces[1] if step.anchor.fused_relu else step.replaces[0]
         acc_meta = graph[acc_name].meta
+        if step.anchor.layout == "nhwc":
+            acc_meta = replace(acc_meta, stride=channels_last_strides(acc_meta.shape))
         source_strides = space_strides(acc_meta, acc_meta.shape, gen.prologue.space)
         operands = [space_strides(o.meta, step.epilogue.out.shape, gen.prologue.space) for o in step.epilogue.operands]
         if source_strides is None or any(s is None for s in operands):
@@ -114,12 +130,26 @@ def _merge_into_reductions(graph: Graph, by_out: dict[str, Step]) -> None:
                       for st in gen.prologue.statements)
         prologue = Program(step.epilogue.statements + later, tuple(first) + gen.prologue.operands, gen.prologue.space)
         anchor_only = replace(step, epilogue=Epilogue((), (), acc_meta), replaces=step.replaces[:len(step.replaces) -
-                              len(step.epilogue.statements)], out=acc_name)
+                              len(step.epilogue.statements)], out=acc_name, keeps_layout=step.anchor.layout == "nhwc")
         merged = replace(gen, source=Operand(Ref(acc_name), acc_meta, source_strides), prologue=prologue,
                          replaces=tuple(s.name for s in step.epilogue.statements) + gen.replaces)
         del by_out[name]
         by_out[acc_name] = anchor_only
         by_out[gen.out] = merged
+
+
+def channels_last_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of a 4-d/5-d tensor in channels-last order (N, spatial..., C), as torch lays it out."""
+    n, c, *spatial = shape
+    strides = [0] * len(shape)
+    step = 1
+    strides[1] = step
+    step *= max(c, 1)
+    for d in range(len(shape) - 1, 1, -1):
+        strides[d] = step
+        step *= max(shape[d], 1)
+    strides[0] = step
+    return tuple(strides)
 
 
 def anchor_supported(graph: Graph, node: Node) -> tuple[bool, str]:
@@ -133,13 +163,18 @@ def anchor_supported(graph: Graph, node: Node) -> tuple[bool, str]:
     return True, ""
 
 
-def is_conv2d(graph: Graph, node: Node) -> bool:
-    """A 2-d, non-transposed convolution: the one cuDNN runs channels-last and with fused bias+ReLU here.
-    Other convolutions (1-d, 3-d, transposed) take an in-place epilogue in their NCHW output."""
+def channels_last_ok(graph: Graph, node: Node) -> bool:
+    """A 2-d or 3-d convolution, transposed or not: cuDNN runs it channels-last (NHWC / NDHWC), often faster in
+    fp32 on Hopper. 1-d convolutions have no channels-last layout in torch: they stay NCHW."""
     if ANCHOR_OPS.get(node.op) != "conv":
         return False
     weight = graph[node.args[1]].meta
-    return weight is not None and len(weight.shape) == 4 and not node.args[6]
+    return weight is not None and len(weight.shape) in (4, 5)
+
+
+def is_conv2d(graph: Graph, node: Node) -> bool:
+    """A 2-d, non-transposed convolution: the one cuDNN fuses with bias+ReLU (cudnn_convolution_relu)."""
+    return channels_last_ok(graph, node) and len(graph[node.args[1]].meta.shape) == 4 and not node.args[6]
 
 
 def _fuse_behind(graph: Graph, anchor_node: Node, options: PlanOptions, kernel: str) -> FusedStep | None:
@@ -156,9 +191,8 @@ def _fuse_behind(graph: Graph, anchor_node: Node, options: PlanOptions, kernel: 
         inside.add(users[0].name)
         acc_name = users[0].name
     members = _grow(graph, anchor_node, inside)
-    layout = options.conv_layout if conv2d else "nchw"
-    if family == "conv" and layout == "nhwc" and not members and not fused_relu:
-        return None  # a lone convolution: nothing to fuse, the torch call is as good
+    layout = dict(options.conv_layouts).get(anchor_node.name, options.conv_layout) \
+        if channels_last_ok(graph, anchor_node) else "nchw"
     if family == "matmul" and not members:
         return None
     out_node = graph[members[-1].name] if members else graph[acc_name]

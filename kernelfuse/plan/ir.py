@@ -57,7 +57,7 @@ class Anchor:
     node: Node
     family: str  # "matmul" | "conv"
     fused_relu: bool = False  # conv: at::cudnn_convolution_relu replaces convolution -> relu
-    layout: str = "nchw"  # conv: "nchw", or "nhwc" (channels-last conv, epilogue transposes back)
+    layout: str = "nchw"  # conv: "nchw", or "nhwc" (channels-last 2-d/3-d conv; the epilogue transposes back)
     tf32: bool = False  # matmul under the tf32 policy: cuBLAS may use TF32 tensor cores for this call
 
 
@@ -68,6 +68,9 @@ class FusedStep:
     epilogue: Epilogue
     replaces: tuple[str, ...]  # graph nodes this step computes, anchor first
     out: str  # the graph node whose value it produces
+    # channels-last anchor whose output stays channels-last (`epilogue.out` has its strides): the one reader, a
+    # reduction kernel, reads it through those strides, so no kernel transposes it back
+    keeps_layout: bool = False
 
     @property
     def inplace(self) -> bool:
@@ -76,7 +79,7 @@ class FusedStep:
 
     @property
     def needs_kernel(self) -> bool:
-        return bool(self.epilogue.statements) or self.anchor.layout == "nhwc"
+        return bool(self.epilogue.statements) or (self.anchor.layout == "nhwc" and not self.keeps_layout)
 
     def chain(self, graph: Graph) -> str:
         """The op chain it replaces, for comments and reports: `addmm -> sigmoid -> mul -> add`."""
@@ -137,6 +140,7 @@ class Plan:
     graph: Graph
     steps: tuple[Step, ...]
     variant: str
+    options: object = None  # the kernelfuse.plan.fuse.PlanOptions that made it: the same plan for another capture
 
     @property
     def fused(self) -> list[FusedStep]:
@@ -156,7 +160,7 @@ class Plan:
             lib = {"matmul": "cuBLAS", "conv": "cuDNN"}[s.anchor.family] + (" TF32" if s.anchor.tf32 else "")
             extra = " conv+bias+relu" if s.anchor.fused_relu else ""
             layout = f" [{s.anchor.layout}]" if s.anchor.family == "conv" else ""
-            kernel = " + epilogue kernel" if s.needs_kernel else ""
+            kernel = " + epilogue kernel" if s.needs_kernel else " (read channels-last)" if s.keeps_layout else ""
             lines.append(f"  fused {s.kernel}: {s.chain(self.graph)}  ({lib}{extra}{layout}{kernel})")
         for g in self.generated:
             lines.append(f"  generated {g.kernel}: {g.chain(self.graph)}  ({g.family} kernel)")

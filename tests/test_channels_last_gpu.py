@@ -1,0 +1,55 @@
+"""Channels-last convolutions on the GPU: both layouts' emitted files and the measured choice against eager."""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernelfuse.bench.layout import measure_conv_layouts
+from kernelfuse.capture import build_model, capture
+from kernelfuse.codegen import generate
+from kernelfuse.emit import emit_modelnew
+from kernelfuse.load import load_problem
+from kernelfuse.plan import plan_variants
+from kernelfuse.rewrite import rewrite
+
+FIXTURE = Path(__file__).parent / "fixtures" / "problems" / "conv_layouts.py"
+
+
+@pytest.fixture()
+def strict_cudnn():
+    """cuDNN without TF32 on both sides: the layouts' different algorithms then agree to fp32 rounding."""
+    before = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32 = before
+
+
+def _outputs(path: Path, cls: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = runpy.run_path(str(path))[cls]().cuda()
+    with torch.no_grad():
+        return list(model(*inputs))
+
+
+@pytest.mark.gpu
+def test_every_layout_matches_eager(tmp_path: Path, strict_cudnn: None) -> None:
+    problem = load_problem(FIXTURE)
+    graph = rewrite(capture(problem, build_model(problem)))
+    timings = measure_conv_layouts(graph)
+    assert timings is not None and len(timings) == 6 and all(t.nchw_ms > 0 and t.nhwc_ms > 0 for t in timings)
+    plans = plan_variants(graph) + plan_variants(graph, conv_layouts={t.node: t.choice for t in timings})
+    torch.manual_seed(1)
+    inputs = [t.cuda() for t in runpy.run_path(str(FIXTURE))["get_inputs"]()]
+    expected = _outputs(FIXTURE, "Model", inputs)
+    for plan in plans:
+        path = tmp_path / f"layouts_{plan.variant.replace('+', '_')}.py"
+        path.write_text(emit_modelnew(problem, plan, generate(plan), "GPU test"))
+        got = _outputs(path, "ModelNew", inputs)
+        for i, (e, g) in enumerate(zip(expected, got, strict=True)):
+            assert g.shape == e.shape, (plan.variant, i)
+            torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5, msg=lambda m, v=plan.variant, i=i: f"{v} {i}: {m}")
+            assert g.is_contiguous(), (plan.variant, i)  # NCHW out, whatever layout ran inside
