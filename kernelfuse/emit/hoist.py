@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernelfuse.capture import Graph, Node
+from kernelfuse.capture import Graph, Node, Ref
 from kernelfuse.ops import VIEW_OPS
 from kernelfuse.plan.ir import Plan, Step, TorchStep
 from kernelfuse.rewrite.engine import pure
@@ -76,12 +76,12 @@ def weight_only(graph: Graph) -> frozenset[str]:
     """Nodes whose values depend only on parameters, buffers and constants, the same in every call.
 
     Excluded: forward inputs and everything computed from them; impure ops (random draws, uninitialised memory,
-    in-place ops, batch norm, whose running statistics change in training mode) and every tensor they read or
-    write, with the values sharing its storage (a buffer the forward updates differs before and after the
-    update); ops with a device argument (a constant made on the inputs' device, which the cache key does not see).
+    in-place ops, batch norm, whose running statistics change in training mode); every tensor an op writes, with
+    the values sharing its storage (a buffer the forward updates differs before and after the update); ops with
+    a device argument (a constant made on the inputs' device, which the cache key does not see).
     """
-    written = alias_closure(graph, (r.name for n in graph.nodes
-                                    if n.op not in (*STATE_OPS, "input") and not pure(n) for r in n.refs))
+    written = alias_closure(graph, (r.name for n in graph.nodes if n.op not in (*STATE_OPS, "input")
+                                    and not pure(n) for r in _written(n)))
     constant: set[str] = set()
     for node in graph.nodes:
         if node.name in written or node.op == "input":
@@ -105,14 +105,35 @@ def alias_closure(graph: Graph, names: Iterable[str]) -> set[str]:
     return out
 
 
+def _written(node: Node) -> list[Ref]:
+    """The tensors an impure op may write: the arguments its schema marks `(a!)`; every argument of batch norm
+    (its schema hides the running-statistics update) and of an op without a schema."""
+    fn = _aten(node.op)
+    if fn is None or "batch_norm" in node.op:
+        return list(node.refs)
+    schema = {a.name: a for a in fn._schema.arguments}
+    positional = list(fn._schema.arguments)
+    out: list[Ref] = []
+    for i, a in enumerate(node.args):
+        kw = isinstance(a, tuple) and len(a) == 3 and a[0] == "kw"
+        arg = schema.get(a[1]) if kw else (positional[i] if i < len(positional) else None)
+        if arg is None or (arg.alias_info is not None and arg.alias_info.is_write):
+            out += Node("", "", (a[2] if kw else a,)).refs
+    return out
+
+
 def may_alias(node: Node) -> bool:
     """The op may return its input's storage: a view, or an op whose schema says so (`to` to the same dtype,
     `contiguous` of a contiguous tensor, `expand`...). Unknown ops are assumed to."""
     if node.op in VIEW_OPS:
         return True
-    packet, _, overload = node.op.partition(".")
-    fn = getattr(getattr(torch.ops.aten, packet, None), overload, None)
+    fn = _aten(node.op)
     return fn is None or any(r.alias_info is not None for r in fn._schema.returns)
+
+
+def _aten(op: str) -> torch._ops.OpOverload | None:
+    packet, _, overload = op.partition(".")
+    return getattr(getattr(torch.ops.aten, packet, None), overload, None)
 
 
 def step_out(step: Step) -> str:
