@@ -154,7 +154,8 @@ def reduce_before_affine(graph: Graph, node: Node) -> Replacement | None:
 def reduce_linear_output(graph: Graph, node: Node) -> Replacement | None:
     """sum/mean over the output features of a matrix product is a matrix-vector product with the weight reduced
     first: sum_j (x @ B)[i, j] = x @ B.sum(1), and for addmm(bias, x, B) plus bias.sum(-1) (mean likewise with
-    means). The reduced weight is recomputed from the parameter on every call (never cached: weights change).
+    means). The reduced weight depends on the parameters only: the emitted file computes it once per weight
+    version and caches it on the module (kernelfuse.emit.hoist; recomputed when a weight changes).
 
     Conditions: 2-d mm/addmm without beta/alpha, reduction over dim 1 only, the product has no other reader
     (else the GEMM still runs and nothing is saved), the bias's last dim is the feature dim (a bias broadcast
@@ -212,9 +213,10 @@ def avg_pool_linear_output(graph: Graph, node: Node) -> Replacement | None:
     Matches avg_pool2d over a Linear's output viewed as [N, 1, ..., 1, F] (only size-1 dims added), with a
     kernel and stride of [1, k], no padding, floor mode and no divisor override (every window full, so
     count_include_pad does not matter); trailing features that fill no window are dropped, as the pool drops
-    them. The product and the views have no other reader. The averaged weight is recomputed from the parameter
-    on every call, in float64 (see `_narrow_product`). Float32/float64. Exact in real arithmetic; the sum is
-    reassociated (weights averaged first), like `reduce_linear_output`, and the same finite-inputs caveat applies.
+    them. The product and the views have no other reader. The averaged weight is computed in float64 (see
+    `_narrow_product`), once per weight version in the emitted file (kernelfuse.emit.hoist). Float32/float64.
+    Exact in real arithmetic; the sum is reassociated (weights averaged first), like `reduce_linear_output`, and
+    the same finite-inputs caveat applies.
     """
     if node.op != "avg_pool2d.default" or len(node.args) < 2 or node.meta is None:
         return None
