@@ -8,14 +8,13 @@ When $OUT is set, every verdict's table and JSON are written there (verdicts.txt
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from judge_support import EXAMPLES, SEED_PROBLEMS, candidate, seed_path
+from judge_support import EXAMPLES, SEED_PROBLEMS, candidate, persisting_l2_settable, seed_path
 
 from kernelfuse.judge import EXIT_INCORRECT, EXIT_NOT_BUILT, EXIT_OK, EvalOptions, Verdict, evaluate
 
@@ -132,27 +131,9 @@ def test_seed_003_fails_to_build_with_the_cause_named(batch):
     assert v.to_json()["compiled"] is False
 
 
-def _persisting_l2_settable() -> bool:
-    """Can this process set a persisting-L2 limit at all? (Seen not to take effect on a gVisor H100 host: there the
-    fixture's call changes nothing, so it gains nothing and there is nothing to catch.)"""
-    from kernelfuse.judge.devicestate import _cudart, _l2_limit
-
-    lib = _cudart()
-    if lib is None:
-        return False
-    import torch
-
-    torch.cuda.init()
-    before = _l2_limit()
-    err = lib.cudaDeviceSetLimit(ctypes.c_int(0x06), ctypes.c_size_t(4 << 20))
-    after = _l2_limit()
-    lib.cudaDeviceSetLimit(ctypes.c_int(0x06), ctypes.c_size_t(int(before) if before.isdigit() else 0))
-    return err == 0 and after != before
-
-
 @pytest.mark.parametrize("name, status, defence, words", CAUGHT_EARLY)
 def test_exploit_fixture_is_caught(batch, name, status, defence, words):
-    if name == "state_l2_persist" and not _persisting_l2_settable():
+    if name == "state_l2_persist" and not persisting_l2_settable():
         pytest.skip("this device does not take a persisting-L2 limit: the fixture changes nothing here")
     v = batch[name]
     assert (v.status, v.defence, v.correct) == (status, defence, False), v.reason
