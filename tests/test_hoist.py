@@ -286,3 +286,19 @@ def test_fixture_emits_the_cache(tmp_path):
     text = emit_modelnew(problem, plan, generate(plan), "test")
     forward = text[text.index("    def forward("):text.index("    def _weights(")]
     assert "self._weights()" in forward and "self.linear.weight" not in forward
+
+
+def test_judge_cpu_path_calls_the_cached_file_correct(tmp_path):
+    """The cache memoises on weights, not inputs: the judge's checks (every timed call compared with the
+    reference, rotated inputs, both modes) find nothing. Without kernels the emitted forward runs on the CPU, so
+    the judge exercises the cache itself."""
+    from kernelfuse.judge import EvalOptions, evaluate
+
+    problem, plan = _plan(tmp_path, SMALL_GEMM_SUM, generated=False, name="judged")
+    candidate = tmp_path / "judged_new.py"
+    candidate.write_text(emit_modelnew(problem, plan, None, "test"))
+    assert "self._weights()" in candidate.read_text()
+    options = EvalOptions(device="cpu", baselines=("eager",), timing_reps=10, warmup=1, trials=3, timeout_s=180,
+                          mode="both")
+    verdict = evaluate(problem.path, candidate, options)
+    assert verdict.correct and verdict.defence is None, verdict.reason
