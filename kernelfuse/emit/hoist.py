@@ -34,7 +34,7 @@ class Hoist:
     steps: tuple[Step, ...]  # plan order: what `_weight_values` runs (cached values and what they are built from)
     cached: tuple[str, ...]  # graph nodes whose values the forward reads from the cache
     weights: tuple[str, ...]  # the parameters and buffers those values read: the cache key
-    skipped: frozenset[str]  # step outputs the forward no longer computes
+    skipped: frozenset[str]  # step outputs the forward no longer computes (cached, or read only by the cache)
 
 
 def plan_hoist(plan: Plan) -> Hoist:
@@ -44,11 +44,11 @@ def plan_hoist(plan: Plan) -> Hoist:
     graph = plan.graph
     constant = weight_only(graph)
     by_out = {step_out(s): s for s in plan.steps}
-    still = {name for name, s in by_out.items() if all(n in constant for n in _computes(s))}
+    constant_steps = {name for name, s in by_out.items() if all(n in constant for n in _computes(s))}
     returned = alias_closure(graph, (r.name for r in graph.outputs))
     work: dict[str, bool] = {}
     for name, s in by_out.items():  # plan order: a step's producers come first
-        if name in still:
+        if name in constant_steps:
             free = isinstance(s, TorchStep) and may_alias(s.node)
             work[name] = not free or any(work.get(r, False) for r in _reads(graph, s))
     needed = {r.name for r in graph.outputs}  # values the forward itself reads
@@ -56,7 +56,7 @@ def plan_hoist(plan: Plan) -> Hoist:
     skipped: set[str] = set()
     for s in reversed(plan.steps):
         name = step_out(s)
-        if name in still and (name not in needed or (work[name] and name not in returned)):
+        if name in constant_steps and (name not in needed or (work[name] and name not in returned)):
             skipped.add(name)
             if name in needed:
                 cached.append(name)
@@ -69,7 +69,7 @@ def plan_hoist(plan: Plan) -> Hoist:
             steps.append(s)
             inside |= _reads(graph, s)
     weights = tuple(n.name for n in graph.nodes if n.op in STATE_OPS and n.name in inside)
-    return Hoist(tuple(reversed(steps)), tuple(reversed(cached)), weights, frozenset(skipped & inside))
+    return Hoist(tuple(reversed(steps)), tuple(reversed(cached)), weights, frozenset(skipped))
 
 
 def weight_only(graph: Graph) -> frozenset[str]:
