@@ -172,7 +172,7 @@ def _ship_if_faster(problem: Problem, plan: Plan, built: Path, options: Optimize
     result.variants.append(VariantResult(plan.variant, verdict))
     log(f"      {plan.variant}: " + describe_verdict(verdict))
     if not verdict.correct or verdict.speedup_eager is None or verdict.speedup_eager < 1.0:
-        why = "not verified" if not verdict.correct else f"{verdict.speedup_eager or 0:.3f}x eager"
+        why = f"not verified: {verdict.reason}" if not verdict.correct else f"{verdict.speedup_eager or 0:.3f}x eager"
         result.notes.append(f"{plan.variant} does not ship ({why}): shipping the unfused model (the original ops)")
         return _ship_unfused(problem, result, log, options)
     report = f"verified on {torch.cuda.get_device_name()}: variant {plan.variant}, {options.precision} precision"

@@ -194,3 +194,81 @@ def test_constructor_converting_dtype_can_be_captured(tmp_path):
         """, "[torch.rand(4, 16).half()]")
     g = capture(load_problem(path))
     assert g[g.outputs[0]].meta.dtype == torch.float16
+
+
+
+RECURRENT = {  # module, forward arguments (the LSTM's initial state is h and c)
+    "gru": ("nn.GRU(6, 5, num_layers=2)", "[torch.rand(7, 3, 6), torch.rand(2, 3, 5)]", "gru.input"),
+    "gru_bidir_batch_first": ("nn.GRU(6, 5, num_layers=2, batch_first=True, bidirectional=True)",
+                              "[torch.rand(3, 7, 6), torch.rand(4, 3, 5)]", "gru.input"),
+    "lstm_proj": ("nn.LSTM(6, 5, batch_first=True, proj_size=2)",
+                  "[torch.rand(3, 7, 6), torch.rand(1, 3, 2), torch.rand(1, 3, 5)]", "lstm.input"),
+    "rnn_relu": ("nn.RNN(6, 5, nonlinearity='relu', bidirectional=True)",
+                 "[torch.rand(7, 3, 6), torch.rand(2, 3, 5)]", "rnn_relu.input"),
+}
+
+
+@pytest.mark.parametrize("name", list(RECURRENT))
+def test_recurrent_modules_are_one_node_with_the_real_layout(tmp_path, name):
+    """An RNN/LSTM/GRU is one ATen node (its CPU decomposition unrolls every step: 64 000 nodes for a 6-layer
+    GRU over 512 steps), and each of its outputs has the shape and strides the real CPU kernel produces."""
+    module, inputs, op = RECURRENT[name]
+    path = write_problem(tmp_path, name, f"""
+        def __init__(self):
+            super().__init__()
+            self.rnn = {module}
+
+        def forward(self, x, *state):
+            out, final = self.rnn(x, state if len(state) > 1 else state[0])
+            return (out, *final) if isinstance(final, tuple) else (out, final)
+        """, inputs)
+    problem = load_problem(path)
+    g = capture(problem)
+    assert [n.op for n in g.nodes].count(op) == 1
+    assert len(g.nodes) < 30  # weights, inputs, the op and its getitems: no unrolled steps
+    torch.manual_seed(0)
+    real = problem.make_model()(*problem.make_inputs(seed=0))
+    assert len(real) == len(g.outputs)
+    for ref, value in zip(g.outputs, real, strict=True):
+        assert g[ref].meta == TensorMeta(tuple(value.shape), value.dtype, tuple(value.stride()))
+
+
+def test_recurrent_capture_leaves_torch_as_it_was(tmp_path):
+    """Keeping RNN ops whole is scoped to one capture: afterwards a plain make_fx of a GRU records its unrolled
+    steps again, and no fake rule of ours is left registered."""
+    from torch._subclasses.fake_impls import op_implementations_dict
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    capture(load_problem(write_problem(tmp_path, "gru", """
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.GRU(6, 5)
+
+        def forward(self, x):
+            return self.rnn(x)[0]
+        """, "[torch.rand(7, 3, 6)]")))
+    assert torch.ops.aten.gru.input not in op_implementations_dict
+    gru = torch.nn.GRU(6, 5)
+    gm = make_fx(lambda x: gru(x)[0])(torch.rand(7, 3, 6))
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert "aten.gru.input" not in targets and targets.count("aten.sigmoid_.default") == 14
+
+
+def test_recurrent_op_kept_whole_is_checked_and_emitted(tmp_path):
+    """A GRU with a fused epilogue behind it: the plan keeps `gru.input` a torch call, the CPU interpreter runs it
+    on the real weights and the check passes, and the emitted forward calls it with the module's weights."""
+    path = write_problem(tmp_path, "grufc", """
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.GRU(16, 32, num_layers=2, batch_first=True, bidirectional=True)
+            self.fc = nn.Linear(64, 8)
+
+        def forward(self, x, h0):
+            out, hn = self.rnn(x, h0)
+            return torch.relu(self.fc(out[:, -1, :])) * 2.0, hn
+        """, "[torch.rand(4, 10, 16), torch.rand(4, 4, 32)]")
+    out = tmp_path / "grufc_new.py"
+    proc = run_kernelfuse("optimize", str(path), "-o", str(out), "--cpu-only")
+    assert proc.returncode == 0, proc.stderr
+    assert "fused k0: addmm -> relu -> mul" in proc.stdout and "CPU interpreter check (fused): ok" in proc.stdout
+    assert "torch.ops.aten.gru.input(" in out.read_text()

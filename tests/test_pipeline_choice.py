@@ -76,7 +76,7 @@ def test_no_verified_variant_ships_unfused(monkeypatch: pytest.MonkeyPatch, tmp_
     script = {"fused": _verdict(False), "unfused": _verdict(True, 2.8, eager=2.8)}
     result, text, _ = _run(monkeypatch, tmp_path, "gemm_add_relu", script)
     assert result.shipped == "unfused"
-    assert any("fused does not ship (not verified)" in n for n in result.notes)
+    assert any("fused does not ship (not verified: 5 of 5 trials failed)" in n for n in result.notes)
     assert "def forward(self, x):" in text and "_extension" not in text
 
 

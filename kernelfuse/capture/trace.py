@@ -27,6 +27,9 @@ PARAM_LIMIT_BYTES = 2 * 1024**3  # larger models are built on the meta device: n
 
 # Calls that mean "the forward branches on a tensor's value": make_fx cannot record one graph for them.
 DATA_DEPENDENT = ("_local_scalar_dense", "data-dependent", "Data dependent", "DataDependentOutputException")
+# Recurrent ops recorded as one node each: their CPU decomposition unrolls every time step and layer (a 6-layer
+# GRU over 512 steps is 64 000 nodes and minutes of tracing), while on the GPU each is a single cuDNN call.
+WHOLE_OPS = ("gru", "lstm", "rnn_tanh", "rnn_relu")
 
 
 def build_model(problem: Problem) -> torch.nn.Module:
@@ -98,13 +101,58 @@ def capture_module(model: torch.nn.Module, example_inputs: list[torch.Tensor], m
 
     what = what or type(model).__name__
     try:
-        with mode, torch.no_grad(), _quiet():
+        with mode, torch.no_grad(), _quiet(), _recurrent_ops_whole(model):
             gm = make_fx(forward, tracing_mode="real")(*flat)
     except ProblemError:
         raise
     except Exception as err:  # noqa: BLE001 - tracing failures of arbitrary models become one clear error
         raise _capture_error(err, what) from None
     return _to_graph(gm, names, kinds, model.training)
+
+
+@contextmanager
+def _recurrent_ops_whole(model: torch.nn.Module) -> Iterator[None]:
+    """For a model with an RNN/LSTM/GRU module, trace `aten.gru.input` and its kin as single nodes (torch.export's
+    mechanism for preserving a composite op), their outputs' shapes and strides computed by `_recurrent_fake`
+    rather than by running the unrolled steps on fake tensors; other models are traced exactly as before. A
+    torch without that mechanism traces the unrolled steps: slower, the same values."""
+    if not any(isinstance(m, torch.nn.RNNBase) for m in model.modules()):
+        yield
+        return
+    try:
+        from torch._dispatch.python import enable_python_dispatcher
+        from torch._export.utils import _special_op_to_preserve_cia
+        from torch._subclasses.fake_impls import _deregister_op_impl, register_op_impl
+        from torch.export.exported_program import _override_composite_implicit_decomp
+    except ImportError:
+        yield
+        return
+    ops = [getattr(torch.ops.aten, name).input for name in WHOLE_OPS]
+    for op in ops:
+        _deregister_op_impl(op)
+        register_op_impl(op)(_recurrent_fake)
+    try:  # the override keeps a fake rule registered before it, and removes it on exit
+        with _override_composite_implicit_decomp(dict.fromkeys(ops, _special_op_to_preserve_cia)), \
+                enable_python_dispatcher():
+            yield
+    finally:
+        for op in ops:
+            _deregister_op_impl(op)
+
+
+def _recurrent_fake(mode: FakeTensorMode, func: object, data: torch.Tensor, hx: object, *args: object,
+                    **kwargs: object) -> tuple[torch.Tensor, ...]:
+    """Outputs of `aten.{gru,lstm,rnn_tanh,rnn_relu}.input` as ATen's CPU kernel lays them out: the sequence
+    output is built time-major and contiguous (transposed back when batch_first), each final state is
+    contiguous in its initial state's shape; the output's features are directions x the hidden state's size."""
+    bidirectional, batch_first = args[-2], args[-1]
+    states = list(hx) if isinstance(hx, (list, tuple)) else [hx]
+    steps, batch = (data.shape[1], data.shape[0]) if batch_first else (data.shape[0], data.shape[1])
+    features = (2 if bidirectional else 1) * states[0].shape[-1]
+    with mode:
+        out = torch.empty((steps, batch, features), dtype=data.dtype, device=data.device)
+        finals = [torch.empty(h.shape, dtype=h.dtype, device=h.device) for h in states]
+    return (out.transpose(0, 1) if batch_first else out, *finals)
 
 
 def _fake(mode: FakeTensorMode, t: object) -> object:

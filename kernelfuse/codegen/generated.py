@@ -111,6 +111,7 @@ def _wrapper(plan: Plan, step: GenStep) -> str:
     at_type = AT_TYPES[step.out_meta.dtype]
     args = tensor_args(step)
     metas = {name: plan.graph[ref].meta for name, ref in args}  # type: ignore[index]
+    metas["src"] = step.source.meta  # the layout the kernel reads (a channels-last convolution's, say)
     decl_params = "".join(f", {'const ' if name not in ('run_mean', 'run_var') else ''}void*" for name, _ in args)
     chunks = split_chunks(step)
     work = ", void*" if chunks > 1 else ""
