@@ -11,9 +11,9 @@ copies /work/shared/seeds; then ../shared/seeds). Fixture problem: examples/gemm
 the issue's exploits were tried on), tests/fixtures/problems/tiny_gemm_add_relu.py on the CPU.
 
 Order, so that the rows that matter most land first and the run ends inside --budget-s:
-1. at once (--jobs children): every fixture not timing-sensitive, and, beside them, the honest candidates' build
-   phase (their extensions built into torch's cache, torch.compile's cache warmed: kernelfuse.suite.job), after
-   the three examples are emitted with `kernelfuse optimize --cpu-only` (the variant the last GPU runs shipped);
+1. the three examples emitted as `kernelfuse optimize --cpu-only` does (the variant the last GPU runs shipped);
+   then at once (--jobs children): every fixture not timing-sensitive, and beside them the honest candidates'
+   build phase (extensions built into torch's cache, torch.compile's cache warmed: kernelfuse.suite.job);
 2. one at a time: the timing-sensitive fixtures (side stream, the memo that must not pay, honest fixtures);
 3. one at a time: each honest candidate judged with the per-call checks on (the verdict and its speedups), then
    each again with them off (EvalOptions.call_checks, for measuring only): the judge's overhead per candidate;
@@ -178,20 +178,24 @@ def honest_candidates(device: str, seeds: tuple[Path, ...], emitted: Path) -> li
     return found
 
 
-def emit_and_build(run: Run, honest: Honest, workdir: Path) -> None:
-    """Emit an example with the optimizer's CPU path (when it is one), then warm the caches the judge will read."""
+def emit_examples(run: Run, honest: list[Honest]) -> None:
+    """Emit the examples with the optimizer's CPU path (its default variant, which the last GPU runs shipped), one
+    after the other: capture is not meant to run in several threads of one process."""
+    for h in honest:
+        if not h.label.startswith("emitted") or h.candidate is None:
+            continue
+        with open(h.candidate.with_suffix(".optimize.log"), "w") as log:
+            try:
+                result = optimize_file(h.problem, h.candidate, OptimizeOptions(use_gpu=False),
+                                       log=lambda line, log=log: print(line, file=log, flush=True))
+                run.builds.append(f"{h.label}: emitted variant {result.shipped} ({'; '.join(result.notes)})")
+            except Exception as err:  # noqa: BLE001 - a failed emit shows up as that candidate's skipped row
+                run.builds.append(f"{h.label}: optimize failed: {type(err).__name__}: {err}")
+
+
+def build(run: Run, honest: Honest, workdir: Path) -> None:
+    """Warm the caches the judge will read: the candidate's extensions, torch.compile's (kernelfuse.suite.job)."""
     assert honest.candidate is not None
-    if honest.label.startswith("emitted"):
-        log = open(workdir / f"{honest.candidate.stem}.optimize.log", "w")  # noqa: SIM115 - closed below
-        try:
-            result = optimize_file(honest.problem, honest.candidate, OptimizeOptions(use_gpu=False),
-                                   log=lambda line: print(line, file=log, flush=True))
-            run.builds.append(f"{honest.label}: emitted variant {result.shipped} ({'; '.join(result.notes)})")
-        except Exception as err:  # noqa: BLE001 - a failed emit shows up as that candidate's row
-            run.builds.append(f"{honest.label}: optimize failed: {type(err).__name__}: {err}")
-            return
-        finally:
-            log.close()
     spec = JobSpec(str(honest.problem), str(honest.candidate), str(workdir / "unused.py"),
                    baselines=HONEST_OPTIONS["cuda"].baselines, timeout_s=BUILD_TIMEOUT_S)
     child = Children().run(spec, "build", workdir / honest.label.replace(" ", "_"), BUILD_TIMEOUT_S)
@@ -200,16 +204,18 @@ def emit_and_build(run: Run, honest: Honest, workdir: Path) -> None:
 
 
 def concurrent_phase(run: Run, cases: list[FixtureCase], honest: list[Honest], jobs: int) -> None:
-    """The batch: fixtures at once, the honest candidates' builds beside them."""
+    """The batch: fixtures at once, the honest candidates' builds beside them (each build its own child)."""
     problem = FIXTURE_PROBLEM[run.device]
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        builds = [pool.submit(emit_and_build, run, h, run.out / "work") for h in honest
-                  if run.device == "cuda" and h.candidate is not None]
+    ready = [h for h in honest if run.device == "cuda" and h.candidate is not None]
+    emit_examples(run, ready)
+    ready = [h for h in ready if h.candidate.exists()]
+    with ThreadPoolExecutor(max_workers=jobs) as pool, ThreadPoolExecutor(max_workers=max(1, len(ready))) as builder:
+        builds = [builder.submit(build, run, h, run.out / "work") for h in ready]
         futures = {pool.submit(judge, problem, c.path, fixture_options(c, run.device)): c for c in cases}
         for future, case in futures.items():
             run.add(fixture_row(case, *future.result()))
-        for build in builds:
-            build.result()
+        for done in builds:
+            done.result()
 
 
 def solitary_fixtures(run: Run, cases: list[FixtureCase]) -> None:

@@ -85,6 +85,7 @@ def verdicts(tmp_path_factory):
     jobs = {name: (TINY, candidate(name), OPTIONS.get(name, CPU)) for name, *_ in CASES}
     jobs["good"] = (TINY, candidate("good"), CPU)
     jobs["good_prepacked"] = (TINY, candidate("good_prepacked"), CPU)
+    jobs["exploit_memoize"] = (TINY, candidate("exploit_memoize"), CPU)  # fresh contents: the memo never hits
     jobs["timed_call_count unchecked"] = (TINY, candidate("timed_call_count"), replace(CPU, call_checks=False))
     robust = replace(CPU, robust=True)
     jobs["drops_relu"] = (folder / "relu_first.py", folder / "drops_relu.py", robust)
@@ -104,7 +105,7 @@ def test_gaming_candidate_is_caught_by_its_defence(verdicts, name, defence, word
     assert kb["correctness"] is False and kb["runtime"] == -1.0 and v.speedup_eager is None
 
 
-@pytest.mark.parametrize("name", ["good", "good_prepacked"])
+@pytest.mark.parametrize("name", ["good", "good_prepacked", "exploit_memoize"])
 def test_honest_candidates_stay_correct_with_every_timed_call_checked(verdicts, name):
     v = verdicts[name]
     assert v.correct, v.reason
