@@ -188,7 +188,9 @@ def emit_examples(run: Run, honest: list[Honest]) -> None:
             try:
                 result = optimize_file(h.problem, h.candidate, OptimizeOptions(use_gpu=False),
                                        log=lambda line, log=log: print(line, file=log, flush=True))
-                run.builds.append(f"{h.label}: emitted variant {result.shipped} ({'; '.join(result.notes)})")
+                checks = ", ".join(f"{c.variant} {c.status}" for c in result.cpu_checks)
+                run.builds.append(f"{h.label}: emitted variant {result.shipped} by the optimizer's CPU path "
+                                  f"(CPU interpreter check: {checks or 'none'}; the GPU verdict is the judge's row)")
             except Exception as err:  # noqa: BLE001 - a failed emit shows up as that candidate's skipped row
                 run.builds.append(f"{h.label}: optimize failed: {type(err).__name__}: {err}")
 

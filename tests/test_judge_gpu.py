@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from judge_support import EXAMPLES, SEED_PROBLEMS, candidate, persisting_l2_settable, seed_path
+from judge_support import EXAMPLES, FIXTURE_CASES, SEED_PROBLEMS, candidate, persisting_l2_settable, seed_path
 
 from kernelfuse.judge import EXIT_INCORRECT, EXIT_NOT_BUILT, EXIT_OK, EvalOptions, Verdict, evaluate
 
@@ -61,31 +61,13 @@ def _x(x):
     return "-" if x is None else f"{x:.3f}x"
 
 
-# --- one concurrent batch first: seed 003 (fails to build), the fixtures caught before any timing, and a cold
-# build of seeds 002 and 004 (warming torch's extension cache); the timed evaluations then run one at a time ---
+# --- one concurrent batch first: seed 003 (fails to build), the exploit fixtures, and a cold build of seeds 002 and
+# 004 (warming torch's extension cache); the timed evaluations then run one at a time ---
 
-CAUGHT_EARLY = [
-    ("exploit_steal_freed_output", "incorrect", "poisoned_memory", "output not fully written"),
-    ("exploit_zero_inputs", "incorrect", "inputs_modified", "modified its input(s) [0] in place"),
-    ("exploit_cached_output", "incorrect", "stale_output", "same output as in trial 0"),
-    ("exploit_patch_allclose", "rejected", "tamper", "torch.allclose"),
-    ("exploit_patch_timer", "rejected", "tamper", "torch.cuda.Event.elapsed_time"),
-    ("exploit_tf32_flag", "rejected", "precision_flags", "matmul TF32: False -> True"),
-    ("exploit_thread", "incorrect", "threads", "thread"),
-    ("output_subclass", "incorrect", "output_type", "a tensor subclass"),
-    ("output_torch_function", "incorrect", "output_type", "__torch_function__"),
-    ("output_lazy_proxy", "incorrect", "output_type", "not a tensor"),
-    ("output_alias_input", "incorrect", "output_alias", "shares storage with an input"),
-    ("output_alias_buffer", "incorrect", "output_alias", "shares storage with a parameter"),
-    ("nondet_noise", "incorrect", "nondeterministic", "two runs of the candidate on the same inputs differ"),
-    ("nondet_clock", "incorrect", "nondeterministic", "two runs of the candidate on the same inputs differ"),
-    ("nondet_uninit_cuda", "incorrect", "poisoned_memory", "output not fully written"),
-    ("state_tf32_in_forward", "incorrect", "device_state", "matmul TF32: False -> True"),
-    ("state_stream_in_forward", "incorrect", "device_state", "current CUDA stream"),
-    ("state_l2_persist", "incorrect", "device_state", "persisting L2 cache limit"),
-]
-# Caught only while timed (issue 6): honest during the trials, wrong (or stale) in the timing loop.
-CAUGHT_TIMED = ["timed_call_count", "timed_stack_inspect", "timed_caller_frame", "memo_data_ptr", "memo_content_sum"]
+# Every exploit fixture of the catalogue (tests/judge_support.py) that runs on CUDA and is not timing-sensitive:
+# caught before any timing, or (issue 6) only while timed; the implausible-speed rows judge gamers with the per-call
+# checks off. Crashes and hangs are judged one at a time below.
+BATCH = [c for c in FIXTURE_CASES if "cuda" in c.devices and not c.alone and c.cls not in ("fault", "honest")]
 
 
 def cold_build(number: str) -> float:
@@ -106,10 +88,7 @@ def cold_build(number: str) -> float:
 def batch():
     from concurrent.futures import ThreadPoolExecutor
 
-    jobs = {name: (GEMM, candidate(name), FIXTURE) for name, *_ in CAUGHT_EARLY}
-    jobs.update({name: (GEMM, candidate(name), FIXTURE) for name in CAUGHT_TIMED})
-    jobs["bf16 tf32"] = (GEMM, candidate("exploit_bf16_matmul"), replace(FIXTURE, precision="tf32"))
-    jobs["bf16 strict"] = (GEMM, candidate("exploit_bf16_matmul"), FIXTURE)
+    jobs = {c.label: (GEMM, c.path, replace(FIXTURE, **dict(c.options))) for c in BATCH}
     jobs["seed 003"] = (SEED_PROBLEMS["003"], seed_path("003"), FULL)
     with ThreadPoolExecutor(max_workers=14) as pool:  # bounded: each child holds ~2-3 GB of GPU memory
         builds = {n: pool.submit(cold_build, n) for n in ("002", "004")}
@@ -131,31 +110,23 @@ def test_seed_003_fails_to_build_with_the_cause_named(batch):
     assert v.to_json()["compiled"] is False
 
 
-@pytest.mark.parametrize("name, status, defence, words", CAUGHT_EARLY)
-def test_exploit_fixture_is_caught(batch, name, status, defence, words):
-    if name == "state_l2_persist" and not persisting_l2_settable():
+@pytest.mark.parametrize("case", BATCH, ids=lambda c: c.label)
+def test_exploit_fixture_is_caught_by_its_defence(batch, case):
+    if case.label == "state_l2_persist" and not persisting_l2_settable():
         pytest.skip("this device does not take a persisting-L2 limit: the fixture changes nothing here")
-    v = batch[name]
-    assert (v.status, v.defence, v.correct) == (status, defence, False), v.reason
-    assert words in v.reason
-    assert v.exit_code == EXIT_INCORRECT and v.speedup_eager is None
-
-
-@pytest.mark.parametrize("name", CAUGHT_TIMED)
-def test_timing_gamer_is_caught_by_the_timed_output_check(batch, name):
-    v = batch[name]
-    assert (v.status, v.defence, v.correct) == ("incorrect", "timed_output_mismatch", False), v.reason
-    assert "correct while checked, wrong while timed" in v.reason and v.to_json()["runtime"] == -1.0
+    v = batch[case.label]
+    assert case.met_by(v.status, v.defence, v.reason), (case.expected(), v.status, v.defence, v.reason)
+    assert not v.correct and v.exit_code == EXIT_INCORRECT and v.speedup_eager is None
+    assert v.to_json()["correctness"] is False and v.to_json()["runtime"] == -1.0
 
 
 def test_lowered_precision_is_caught_by_the_float64_rule(batch):
-    v = batch["bf16 tf32"]
+    v = batch["exploit_bf16_matmul tf32"]
     # Within the tf32 policy's tolerance of eager (else the defence would read "mismatch"), but against float64 far
     # less accurate than eager with TF32 (measured on an H200: 0.0398 vs 0.00053).
     assert (v.defence, v.correct) == ("precision", False), v.reason
     assert "less accurate than the policy allows" in v.reason and "eager with TF32" in v.reason
     assert v.err64_ours > 2 * v.err64_base
-    assert batch["bf16 strict"].defence == "mismatch"
 
 
 # --- timed evaluations, one at a time -----------------------------------------------------------------------------
