@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kernelfuse.bench.layout import measure_conv_layouts
+from kernelfuse.bench.layout import LayoutTiming, measure_conv_layouts
 from kernelfuse.capture import Graph, build_model, capture
 from kernelfuse.codegen import generate
 from kernelfuse.cpucheck import CpuCheck, check_plans
@@ -75,8 +75,10 @@ def optimize_file(problem_path: str | Path, out_path: str | Path, options: Optim
     mode = "training" if graph.training else "eval"
     log(f"[2/5] captured {len(graph.nodes)} ATen nodes on fake tensors ({mode} mode); {rewritten.summary()}")
     use_gpu = torch.cuda.is_available() if options.use_gpu is None else options.use_gpu
-    layouts = _measure_conv_layouts(graph, log) if use_gpu else None
-    plans = plan_variants(graph, options.precision, options.max_fusions, layouts)
+    timings = _measure_conv_layouts(graph, options.precision, log) if use_gpu else None
+    plans = plan_variants(graph, options.precision, options.max_fusions,
+                          None if timings is None else {t.node: t.choice for t in timings},
+                          frozenset(t.node for t in timings or [] if t.fp32))
     for plan in plans:
         log("[3/5] " + plan.summary().replace("\n", "\n      "))
     result = OptimizeResult(out_path, plans[0].variant, plans, [], rewrites=rewritten.fired)
@@ -104,16 +106,16 @@ def optimize_file(problem_path: str | Path, out_path: str | Path, options: Optim
             "the plan was checked with the CPU interpreter only" if check.ok else f"the CPU check was {check.note}"))
         log(f"[5/5] wrote {out_path} ({plan.variant})")
         return result
-    return _choose_on_gpu(problem, good, options, result, log)
+    return _choose_on_gpu(problem, good, options, result, log, in_order=timings is not None)
 
 
-def _measure_conv_layouts(graph: Graph, log: Callable[[str], None]) -> dict[str, str] | None:
+def _measure_conv_layouts(graph: Graph, precision: str, log: Callable[[str], None]) -> list[LayoutTiming] | None:
     """Each convolution's layout, timed both ways on this GPU (None: no convolution, or one that could not be
     measured: then both layouts' plans are judged whole)."""
-    timings = measure_conv_layouts(graph)
+    timings = measure_conv_layouts(graph, strict=precision == "strict")
     for t in timings or []:
         log("[3/5] convolution layout " + t.describe())
-    return {t.node: t.choice for t in timings} if timings else None
+    return timings or None
 
 
 def emit_file(problem: Problem, plan: Plan, report: str) -> str:
@@ -121,7 +123,9 @@ def emit_file(problem: Problem, plan: Plan, report: str) -> str:
 
 
 def _choose_on_gpu(problem: Problem, plans: list[Plan], options: OptimizeOptions, result: OptimizeResult,
-                   log: Callable[[str], None]) -> OptimizeResult:
+                   log: Callable[[str], None], in_order: bool = False) -> OptimizeResult:
+    """Build every plan, then ship a verified one faster than eager: the first that is (`in_order`: the plans
+    are best first, the layouts already measured), or the fastest of all; else the original ops."""
     workdir = Path(tempfile.mkdtemp(prefix=f"kernelfuse_{problem.name}_"))
     files = {}
     for plan in plans:
@@ -134,8 +138,8 @@ def _choose_on_gpu(problem: Problem, plans: list[Plan], options: OptimizeOptions
     prebuild(list(files.values()), options.timeout_s)
     result.cold_build_s = time.perf_counter() - started
     log(f"      cold build of {len(files)} extension(s) in parallel: {result.cold_build_s:.1f} s")
-    if len(plans) == 1:  # nothing to choose between: the final judgement (with every baseline) decides
-        return _ship_if_faster(problem, plans[0], files[plans[0].variant], options, result, log)
+    if len(plans) == 1 or in_order:  # each plan's judgement (with every baseline) decides, in order
+        return _ship_first_faster(problem, plans, files, options, result, log)
     quick = judge_options(options, ("eager",))
     best = None
     for plan in plans:
@@ -153,9 +157,7 @@ def _choose_on_gpu(problem: Problem, plans: list[Plan], options: OptimizeOptions
         result.notes.append(f"fusion does not pay ({plan.variant}: {verdict.speedup_eager or 0:.3f}x eager): "
                             "shipping the unfused model (the original ops)")
         return _ship_unfused(problem, result, log, options)
-    report = f"verified on {torch.cuda.get_device_name()}: variant {plan.variant}, {options.precision} precision"
-    result.output.write_text(emit_file(problem, plan, report))
-    result.shipped = plan.variant
+    _write_verified(problem, plan, options, result)
     result.final = evaluate(problem.path, result.output, judge_options(options, options.final_baselines))
     if not result.final.correct:  # the shipped text failed where its variant passed: never ship it
         result.notes.append(f"the final check of {plan.variant} failed ({result.final.reason}): "
@@ -165,22 +167,29 @@ def _choose_on_gpu(problem: Problem, plans: list[Plan], options: OptimizeOptions
     return result
 
 
-def _ship_if_faster(problem: Problem, plan: Plan, built: Path, options: OptimizeOptions, result: OptimizeResult,
-                    log: Callable[[str], None]) -> OptimizeResult:
-    """One judgement of the only variant against every baseline: shipped when verified and faster than eager."""
-    verdict = evaluate(problem.path, built, judge_options(options, options.final_baselines))
-    result.variants.append(VariantResult(plan.variant, verdict))
-    log(f"      {plan.variant}: " + describe_verdict(verdict))
-    if not verdict.correct or verdict.speedup_eager is None or verdict.speedup_eager < 1.0:
+def _ship_first_faster(problem: Problem, plans: list[Plan], files: dict[str, Path], options: OptimizeOptions,
+                       result: OptimizeResult, log: Callable[[str], None]) -> OptimizeResult:
+    """One judgement per plan against every baseline, in order: the first verified and faster than eager ships."""
+    for plan in plans:
+        verdict = evaluate(problem.path, files[plan.variant], judge_options(options, options.final_baselines))
+        result.variants.append(VariantResult(plan.variant, verdict))
+        log(f"      {plan.variant}: " + describe_verdict(verdict))
+        if verdict.correct and verdict.speedup_eager is not None and verdict.speedup_eager >= 1.0:
+            _write_verified(problem, plan, options, result)
+            result.final = verdict
+            log(f"wrote {result.output} ({plan.variant})")
+            return result
         why = f"not verified: {verdict.reason}" if not verdict.correct else f"{verdict.speedup_eager or 0:.3f}x eager"
-        result.notes.append(f"{plan.variant} does not ship ({why}): shipping the unfused model (the original ops)")
-        return _ship_unfused(problem, result, log, options)
+        result.notes.append(f"{plan.variant} does not ship ({why})")
+    result.notes[-1] += ": shipping the unfused model (the original ops)"
+    return _ship_unfused(problem, result, log, options)
+
+
+def _write_verified(problem: Problem, plan: Plan, options: OptimizeOptions, result: OptimizeResult) -> None:
+    """The shipped file: the judged plan's text (same kernels, same source hash) with the verification header."""
     report = f"verified on {torch.cuda.get_device_name()}: variant {plan.variant}, {options.precision} precision"
-    result.output.write_text(emit_file(problem, plan, report))  # same kernels (same source hash), final header
+    result.output.write_text(emit_file(problem, plan, report))
     result.shipped = plan.variant
-    result.final = verdict
-    log(f"wrote {result.output} ({plan.variant})")
-    return result
 
 
 def judge_options(options: OptimizeOptions, baselines: tuple[str, ...]) -> EvalOptions:

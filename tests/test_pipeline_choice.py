@@ -26,8 +26,8 @@ def _verdict(correct: bool, ms: float | None = None, eager: float = 4.0) -> Verd
 
 
 def _run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, problem: str, script: dict[str, Verdict],
-         layouts: dict[str, tuple[float, float]] | None = None) -> tuple:
-    """`layouts`: each convolution's scripted (NCHW ms, channels-last ms); None: not measurable (both judged)."""
+         layouts: dict[str, tuple] | None = None) -> tuple:
+    """`layouts`: each convolution's scripted (NCHW ms, channels-last ms[, fp32]); None: not measurable."""
     judged: list[str] = []
 
     def fake_evaluate(problem_path: Path, candidate: Path, options: object) -> Verdict:
@@ -39,8 +39,8 @@ def _run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, problem: str, script: 
 
     monkeypatch.setattr(pipeline, "evaluate", fake_evaluate)
     monkeypatch.setattr(pipeline, "prebuild", lambda files, timeout_s=0: None)
-    timings = None if layouts is None else [LayoutTiming(n, a, b) for n, (a, b) in layouts.items()]
-    monkeypatch.setattr(pipeline, "measure_conv_layouts", lambda graph: timings)
+    timings = None if layouts is None else [LayoutTiming(n, *t) for n, t in layouts.items()]
+    monkeypatch.setattr(pipeline, "measure_conv_layouts", lambda graph, strict: timings)
     monkeypatch.setattr(pipeline.torch.cuda, "get_device_name", lambda *a: "scripted GPU")
     out = tmp_path / "out.py"
     result = optimize_file(EXAMPLES / f"{problem}.py", out, OptimizeOptions(use_gpu=True), log=lambda s: None)
@@ -63,6 +63,24 @@ def test_measured_layout_makes_the_only_variant(monkeypatch: pytest.MonkeyPatch,
                                 layouts={"convolution": (nchw_ms, nhwc_ms)})
     assert result.shipped == variant and judged == [variant]  # one plan, judged once with every baseline
     assert ("ext.to_channels_last" in text) == (variant == "fused-nhwc")
+
+
+def test_measured_plan_that_fails_falls_back_to_nchw(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    script = {"fused-nhwc": _verdict(False), "fused-nchw": _verdict(True, 2.5), "unfused": _verdict(True, 4.0)}
+    result, text, judged = _run(monkeypatch, tmp_path, "conv2d_relu_biasadd", script,
+                                layouts={"convolution": (3.0, 2.0, True)})
+    assert judged == ["fused-nhwc", "fused-nchw"] and result.shipped == "fused-nchw"
+    assert result.notes == ["fused-nhwc does not ship (not verified: 5 of 5 trials failed)"]
+    assert "to_channels_last" not in text
+
+
+def test_fp32_convolution_runs_without_tf32(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    script = {"fused-nhwc": _verdict(True, 1.7), "unfused": _verdict(True, 4.0)}
+    result, text, _ = _run(monkeypatch, tmp_path, "conv2d_relu_biasadd", script,
+                           layouts={"convolution": (3.0, 2.0, True)})
+    assert result.shipped == "fused-nhwc"
+    assert "_without_tf32(lambda: torch.cudnn_convolution_relu(ext.to_channels_last(" in text
+    assert "torch.backends.cudnn.allow_tf32 = previous" in text  # the flag is restored after the call
 
 
 def test_failing_variant_is_dropped(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

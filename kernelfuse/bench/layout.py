@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -26,18 +27,25 @@ class LayoutTiming:
     node: str
     nchw_ms: float
     nhwc_ms: float
+    fp32: bool = False  # eager's NCHW call computes in full fp32 here: the channels-last one must too (no TF32)
 
     @property
     def choice(self) -> str:
         return "nhwc" if self.nhwc_ms < (1.0 - MARGIN) * self.nchw_ms else "nchw"
 
     def describe(self) -> str:
-        return f"{self.node}: NCHW {self.nchw_ms:.3f} ms, channels-last {self.nhwc_ms:.3f} ms -> {self.choice}"
+        fp32 = " (cuDNN TF32 off, as eager's call)" if self.fp32 else ""
+        return f"{self.node}: NCHW {self.nchw_ms:.3f} ms, channels-last{fp32} {self.nhwc_ms:.3f} ms -> {self.choice}"
 
 
-def measure_conv_layouts(graph: Graph, reps: int = 10) -> list[LayoutTiming] | None:
+def measure_conv_layouts(graph: Graph, strict: bool = True, reps: int = 10) -> list[LayoutTiming] | None:
     """Both layouts' times of every 2-d/3-d convolution in `graph` on the current CUDA device, or None when one
-    cannot be measured (too large, an argument that is not a tensor): the caller then judges both plans."""
+    cannot be measured (too large, an argument that is not a tensor): the caller then judges both plans.
+
+    cuDNN may use TF32 for one layout's algorithm and not for the other's. Under a `strict` policy the channels-
+    last call may be no less accurate than eager's: where eager's NCHW result equals the TF32-free one to fp32
+    rounding, the channels-last call is timed (and will run) with cuDNN's TF32 switched off.
+    """
     from kernelfuse.bench.timer import median_event_ms
 
     timings = []
@@ -48,10 +56,30 @@ def measure_conv_layouts(graph: Graph, reps: int = 10) -> list[LayoutTiming] | N
         if calls is None:
             return None
         nchw, nhwc = calls
-        timings.append(LayoutTiming(node.name, median_event_ms(nchw, reps), median_event_ms(nhwc, reps)))
-        del calls, nchw, nhwc
+        fp32 = strict and _computes_in_fp32(nchw)
+        nhwc_timed = partial(_without_tf32, nhwc) if fp32 else nhwc
+        timings.append(LayoutTiming(node.name, median_event_ms(nchw, reps), median_event_ms(nhwc_timed, reps), fp32))
+        del calls, nchw, nhwc, nhwc_timed  # the operands live in the calls' closures: free them for the next one
         torch.cuda.empty_cache()
     return timings
+
+
+def _without_tf32(call: Callable[[], object]) -> object:
+    previous = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        return call()
+    finally:
+        torch.backends.cudnn.allow_tf32 = previous
+
+
+def _computes_in_fp32(call: Callable[[], torch.Tensor]) -> bool:
+    """Does the call, with the process's own flags, agree with its TF32-free self to fp32 rounding? TF32 keeps
+    10 mantissa bits (errors near 1e-3 of the magnitude); fp32 sums in another order differ near 1e-6."""
+    got = call()
+    exact = _without_tf32(call)
+    scale = float(exact.abs().max()) or 1.0
+    return float((got - exact).abs().max()) <= 1e-5 * scale
 
 
 def _conv_calls(graph: Graph, node: Node) -> tuple[Callable[[], object], Callable[[], object]] | None:

@@ -99,12 +99,27 @@ def _with_tf32(call):
 '''
 
 
+# Only in files with a channels-last convolution that must compute in full fp32 (as eager's NCHW call does).
+FP32_CONV_HELPER = '''
+def _without_tf32(call):
+    """Run one cuDNN convolution with TF32 off, as accurate as eager's call on this GPU; the setting is restored."""
+    previous = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        return call()
+    finally:
+        torch.backends.cudnn.allow_tf32 = previous
+'''
+
+
 def runtime_text(plan: Plan, sources: CudaSources | None) -> str:
     """The module-level support code a fused forward calls: loader, guard, TF32 helper (as needed)."""
     parts = [LOADER] if sources is not None else []
     parts.append(GUARD)
     if any(s.anchor.tf32 for s in plan.fused):
         parts.append(TF32_HELPER)
+    if any(s.anchor.fp32 for s in plan.fused):
+        parts.append(FP32_CONV_HELPER)
     return "\n\n".join(p.strip("\n") + "\n" for p in parts)
 
 
@@ -267,6 +282,9 @@ def _fused_lines(graph, step: FusedStep, names: dict[str, str]) -> list[str]:
         call = f"_with_tf32(lambda: {_call(node, names)})"
     else:
         call = _call(node, names)
+    if anchor.fp32:
+        lines.append("    # cuDNN's TF32 off for this call: eager's NCHW convolution computes in full fp32 on this GPU")
+        call = f"_without_tf32(lambda: {call})"
     if step.keeps_layout:  # cuDNN returns channels-last for channels-last operands; the reader's kernel needs it
         call = f"{call}.contiguous(memory_format={_channels_last_format(node.meta)})"
     lines.append(f"    {acc} = {call}")

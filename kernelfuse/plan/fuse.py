@@ -35,6 +35,7 @@ class PlanOptions:
 
     conv_layout: str = "nhwc"  # "nhwc" | "nchw": the layout of every 2-d/3-d convolution not in conv_layouts
     conv_layouts: tuple[tuple[str, str], ...] = ()  # (convolution node, layout) pairs chosen by measurement
+    fp32_convs: tuple[str, ...] = ()  # channels-last convolutions to run with cuDNN's TF32 off (eager's does)
     cudnn_fused_relu: bool = True
     matmul_tf32: bool = False  # the tf32 policy: matrix products on TF32 tensor cores
     max_fusions: int | None = None
@@ -42,17 +43,21 @@ class PlanOptions:
 
 
 def plan_variants(graph: Graph, precision: str = "strict", max_fusions: int | None = None,
-                  conv_layouts: dict[str, str] | None = None) -> list[Plan]:
-    """The fused plans worth measuring: with `conv_layouts` (each convolution's layout, measured on the GPU by
-    kernelfuse.bench.layout) the one plan they give; otherwise one plan per layout when the graph has a 2-d or 3-d
-    convolution (channels-last first: cuDNN's faster layout for most fp32 convolutions on Hopper).
+                  conv_layouts: dict[str, str] | None = None, fp32_convs: frozenset[str] = frozenset()) -> list[Plan]:
+    """The fused plans worth judging, best first. With `conv_layouts` (each convolution's layout, measured on the
+    GPU by kernelfuse.bench.layout): the plan they give, then the all-NCHW plan as its fallback. Otherwise one
+    plan per layout when the graph has a 2-d or 3-d convolution (channels-last first: cuDNN's faster layout for
+    most fp32 convolutions on Hopper).
 
     Under the tf32 policy matrix products may run on TF32 tensor cores (cuDNN convolutions already do by default).
     """
     tf32 = precision == "tf32"
     if conv_layouts is not None:
-        pairs = tuple(sorted(conv_layouts.items()))
-        return [make_plan(graph, PlanOptions(conv_layouts=pairs, matmul_tf32=tf32, max_fusions=max_fusions))]
+        options = PlanOptions(conv_layouts=tuple(sorted(conv_layouts.items())), fp32_convs=tuple(sorted(fp32_convs)),
+                              matmul_tf32=tf32, max_fusions=max_fusions)
+        measured = make_plan(graph, options)
+        fallback = make_plan(graph, PlanOptions(conv_layout="nchw", matmul_tf32=tf32, max_fusions=max_fusions))
+        return [measured] if fallback.summary() == measured.summary() else [measured, fallback]
     has_conv = any(channels_last_ok(graph, n) for n in graph.nodes)
     layouts = ("nhwc", "nchw") if has_conv else ("nchw",)
     return [make_plan(graph, PlanOptions(conv_layout=layout, matmul_tf32=tf32, max_fusions=max_fusions))
@@ -197,8 +202,8 @@ def _fuse_behind(graph: Graph, anchor_node: Node, options: PlanOptions, kernel: 
         return None
     out_node = graph[members[-1].name] if members else graph[acc_name]
     epilogue = _epilogue(graph, members, acc_name, out_node.meta)
-    anchor = Anchor(anchor_node, family, fused_relu, layout,
-                    tf32=options.matmul_tf32 and family == "matmul")
+    anchor = Anchor(anchor_node, family, fused_relu, layout, tf32=options.matmul_tf32 and family == "matmul",
+                    fp32=layout == "nhwc" and anchor_node.name in options.fp32_convs)
     replaces = (anchor_node.name,) + ((acc_name,) if fused_relu else ()) + tuple(m.name for m in members)
     return FusedStep(kernel, anchor, epilogue, replaces, out_node.name)
 

@@ -59,6 +59,7 @@ class Anchor:
     fused_relu: bool = False  # conv: at::cudnn_convolution_relu replaces convolution -> relu
     layout: str = "nchw"  # conv: "nchw", or "nhwc" (channels-last 2-d/3-d conv; the epilogue transposes back)
     tf32: bool = False  # matmul under the tf32 policy: cuBLAS may use TF32 tensor cores for this call
+    fp32: bool = False  # conv: cuDNN's TF32 off for this call (eager's NCHW call computes in full fp32 here)
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ class Plan:
         lines = [f"plan variant: {self.variant}"]
         for s in self.fused:
             lib = {"matmul": "cuBLAS", "conv": "cuDNN"}[s.anchor.family] + (" TF32" if s.anchor.tf32 else "")
-            extra = " conv+bias+relu" if s.anchor.fused_relu else ""
+            extra = (" conv+bias+relu" if s.anchor.fused_relu else "") + (" fp32" if s.anchor.fp32 else "")
             layout = f" [{s.anchor.layout}]" if s.anchor.family == "conv" else ""
             kernel = " + epilogue kernel" if s.needs_kernel else " (read channels-last)" if s.keeps_layout else ""
             lines.append(f"  fused {s.kernel}: {s.chain(self.graph)}  ({lib}{extra}{layout}{kernel})")
