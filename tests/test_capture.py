@@ -236,8 +236,11 @@ def test_recurrent_modules_are_one_node_with_the_real_layout(tmp_path, name):
 def test_recurrent_capture_leaves_torch_as_it_was(tmp_path):
     """Keeping RNN ops whole is scoped to one capture: afterwards a plain make_fx of a GRU records its unrolled
     steps again, and no fake rule of ours is left registered."""
+    from torch._decomp import decomposition_table
     from torch._subclasses.fake_impls import op_implementations_dict
     from torch.fx.experimental.proxy_tensor import make_fx
+
+    decomposed = {op for op in (torch.ops.aten.gru.input, torch.ops.aten.lstm.input) if op in decomposition_table}
 
     capture(load_problem(write_problem(tmp_path, "gru", """
         def __init__(self):
@@ -248,6 +251,8 @@ def test_recurrent_capture_leaves_torch_as_it_was(tmp_path):
             return self.rnn(x)[0]
         """, "[torch.rand(7, 3, 6)]")))
     assert torch.ops.aten.gru.input not in op_implementations_dict
+    assert {op for op in (torch.ops.aten.gru.input, torch.ops.aten.lstm.input) if op in decomposition_table} \
+        == decomposed
     gru = torch.nn.GRU(6, 5)
     gm = make_fx(lambda x: gru(x)[0])(torch.rand(7, 3, 6))
     targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]

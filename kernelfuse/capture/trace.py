@@ -120,6 +120,7 @@ def _recurrent_ops_whole(model: torch.nn.Module) -> Iterator[None]:
         yield
         return
     try:
+        from torch._decomp import decomposition_table
         from torch._dispatch.python import enable_python_dispatcher
         from torch._export.utils import _special_op_to_preserve_cia
         from torch._subclasses.fake_impls import _deregister_op_impl, register_op_impl
@@ -128,6 +129,9 @@ def _recurrent_ops_whole(model: torch.nn.Module) -> Iterator[None]:
         yield
         return
     ops = [getattr(torch.ops.aten, name).input for name in WHOLE_OPS]
+    # Fake tensors prefer torch's Python decomposition (every step again, on fake tensors) to a fake rule: set
+    # those aside while tracing, and restore them after.
+    decompositions = {op: decomposition_table.pop(op) for op in ops if op in decomposition_table}
     for op in ops:
         _deregister_op_impl(op)
         register_op_impl(op)(_recurrent_fake)
@@ -138,6 +142,7 @@ def _recurrent_ops_whole(model: torch.nn.Module) -> Iterator[None]:
     finally:
         for op in ops:
             _deregister_op_impl(op)
+        decomposition_table.update(decompositions)
 
 
 def _recurrent_fake(mode: FakeTensorMode, func: object, data: torch.Tensor, hx: object, *args: object,
