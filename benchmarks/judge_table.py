@@ -29,6 +29,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -144,8 +145,9 @@ def record(section: str, case: str, verdict: Verdict | None, wall_s: float, erro
     return row
 
 
-def speed_warnings(verdict: Verdict) -> list[str]:
-    return [w for w in verdict.warnings if any(word in w for word in SPEED_WORDS)]
+def speed_warnings(warnings: Iterable[str]) -> list[str]:
+    """The floor's warnings: an honest candidate must not be suspiciously fast."""
+    return [w for w in warnings if any(word in w for word in SPEED_WORDS)]
 
 
 def fixture_row(case: FixtureCase, verdict: Verdict | None, wall_s: float, error: str) -> dict:
@@ -154,8 +156,8 @@ def fixture_row(case: FixtureCase, verdict: Verdict | None, wall_s: float, error
     if verdict is None:
         return {**row, "passed": False}
     passed = case.met_by(verdict.status, verdict.defence, verdict.reason)
-    if passed and verdict.status == "ok" and speed_warnings(verdict):  # honest speed: no floor warning either
-        passed, row["note"] = False, speed_warnings(verdict)[0][:200]
+    if passed and verdict.status == "ok" and speed_warnings(verdict.warnings):  # honest speed: no floor warning either
+        passed, row["note"] = False, speed_warnings(verdict.warnings)[0][:200]
     if not passed and case.label == "state_l2_persist" and verdict.status == "ok" and not persisting_l2_settable():
         passed, row["note"] = None, "n/a: this device does not take a persisting-L2 limit (the fixture changes nothing)"
     return {**row, "passed": passed}
@@ -246,7 +248,7 @@ def honest_phase(run: Run, honest: list[Honest]) -> None:
             verdict, wall, error = judge(h.problem, h.candidate, replace(opts, call_checks=checks))
             longest = max(longest, wall)
             row = record("honest", h.label, verdict, wall, error, call_checks=checks, expected="ok")
-            ok = verdict is not None and verdict.correct and not speed_warnings(verdict)
+            ok = verdict is not None and verdict.correct and not speed_warnings(verdict.warnings)
             run.add({**row, "passed": ok if checks else None})
 
 
@@ -294,7 +296,7 @@ def render(run: Run) -> str:
                      f"{_f(v.get('compile_ms'))} | {_f(v.get('speedup_eager'), '.3f', 'x')} | "
                      f"{_f(v.get('speedup_compile'), '.3f', 'x')} | {_f(v.get('input_sets'), 'd')} | "
                      f"{_f(v.get('checked_timed_calls'), 'd')} | "
-                     f"{_cell(r.get('reason') or '; '.join(speed_warnings_json(v)))} |")
+                     f"{_cell(r.get('reason') or '; '.join(speed_warnings(v.get('warnings', []))))} |")
     lines += ["", "## The judge's wall time per candidate: per-call checks on vs off", "",
               "Off (`call_checks=False`, `--no-call-checks`) is the judge without the issue-6 per-call checks (timed-"
               "call comparison, input rotation, determinism, output type and aliasing, device state after each call), "
@@ -307,10 +309,6 @@ def render(run: Run) -> str:
     if run.skipped:
         lines += ["", "## Skipped", ""] + [f"- {s}" for s in run.skipped]
     return "\n".join(lines) + "\n"
-
-
-def speed_warnings_json(v: dict[str, Any]) -> list[str]:
-    return [w for w in v.get("warnings", []) if any(word in w for word in SPEED_WORDS)]
 
 
 def _overhead_lines(honest: list[dict[str, Any]]) -> list[str]:
