@@ -11,6 +11,7 @@ skipped check never counts as a pass. Every check is time-bounded.
 from __future__ import annotations
 
 import copy
+import math
 import signal
 import threading
 from collections.abc import Callable, Iterator
@@ -32,6 +33,7 @@ FULL_SHAPE_LIMIT_BYTES = 2 * 1024**3
 TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 2e-2}  # the rest (fp32, fp64, integers): 1e-5
 DEFAULT_TOLERANCE = 1e-5
 FLOAT64_COPY_LIMIT_BYTES = 512 * 1024**2
+COMPARE_CHUNK = 1 << 22  # elements compared at a time: float64 copies of a 400 MB output would need 3.5 GB
 RANDOM_OPS = ("bernoulli", "dropout", "rand", "normal", "uniform", "multinomial", "exponential")
 
 
@@ -65,6 +67,11 @@ def check_plans(problem: Problem, model: torch.nn.Module, graph: Graph, plans: l
             return _run_all(model, _checkable(problem, model, graph, plans, precision, prepare), plans)
     except _Skip as why:
         return [CpuCheck(p.variant, False, None, f"skipped: {why}", skipped=True) for p in plans]
+    except (MemoryError, RuntimeError) as err:
+        if not _out_of_memory(err):
+            raise
+        return [CpuCheck(p.variant, False, None, f"skipped: the check ran out of memory ({_first_line(err)[-80:]})",
+                         skipped=True) for p in plans]
     except _Timeout:
         return [CpuCheck(p.variant, False, None, f"skipped: the check ran past its {timeout_s:.0f} s limit",
                          skipped=True) for p in plans]
@@ -120,7 +127,7 @@ def _run_all(model: torch.nn.Module, checkable: list[tuple[Plan, list[torch.Tens
                 torch.manual_seed(0)
                 got = interpret(plan, {**state, **{k: v.clone() for k, v in before.items()}}, inputs)
         except Exception as err:  # noqa: BLE001 - the check reports, the pipeline decides
-            if isinstance(err, MemoryError) or "can't allocate memory" in str(err):
+            if _out_of_memory(err):
                 checks.append(CpuCheck(ship.variant, False, None, "skipped: the interpreter ran out of memory "
                                        f"({_first_line(err)[-80:]})", skipped=True))
             else:
@@ -158,11 +165,10 @@ def _float64_rule(variant: str, model: torch.nn.Module, inputs: list[torch.Tenso
     expected = list(expected) if isinstance(expected, (tuple, list)) else [expected]
     worst = 0.0
     for r, e, g in zip(ref, expected, got, strict=True):
-        ours = (g.double() - r).abs().max().item()
-        eager = (e.double() - r).abs().max().item()
-        if not ours <= 2 * eager + 1e-6 * r.abs().max().item():
+        ours, eager = max_abs_diff(g, r), max_abs_diff(e, r)
+        if not ours <= 2 * eager + 1e-6 * max_abs_diff(r, None):
             return None
-        worst = max(worst, (g.double() - e.double()).abs().max().item())
+        worst = max(worst, max_abs_diff(g, e))
     return CpuCheck(variant, True, worst, f"max abs error {worst:.3g} vs eager, within the float64 rule "
                     "(no less accurate than eager against a float64 run)")
 
@@ -192,12 +198,37 @@ def compare(variant: str, expected: object, got: list[torch.Tensor], inputs: lis
             what = f"output {tuple(g.shape)} {g.dtype} vs {getattr(e, 'shape', e)} {getattr(e, 'dtype', '')}"
             return CpuCheck(variant, False, None, what)
         tol = TOLERANCE.get(e.dtype, DEFAULT_TOLERANCE)
-        err = (g.double() - e.double()).abs().nan_to_num(0.0).max().item() if g.numel() else 0.0
-        if not torch.allclose(g, e, atol=tol, rtol=tol, equal_nan=True):
+        err = max_abs_diff(g, e, ignore_nan=True)
+        if not all(torch.allclose(gc, ec, atol=tol, rtol=tol, equal_nan=True) for gc, ec in _chunks(g, e)):
             return CpuCheck(variant, False, err, f"mismatch, max abs error {err:.3g} (tolerance {tol:g})")
         worst = max(worst, err)
     shapes = ", ".join(str(tuple(t.shape)) for t in inputs)
     return CpuCheck(variant, True, worst, f"max abs error {worst:.3g} on inputs {shapes}")
+
+
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor | None, ignore_nan: bool = False) -> float:
+    """max |a - b| in float64 (max |a| when `b` is None), a chunk at a time so that a large output needs no float64
+    copy; NaN if a difference is NaN, unless `ignore_nan` (then it counts 0, and an infinite one the largest
+    float64). 0 for no elements."""
+    worst = 0.0
+    for ac, bc in _chunks(a, a if b is None else b):
+        diff = ac.double().abs() if b is None else (ac.double() - bc.double()).abs()
+        value = (diff.nan_to_num(0.0) if ignore_nan else diff).max().item()
+        if math.isnan(value):
+            return value
+        worst = max(worst, value)
+    return worst
+
+
+def _chunks(a: torch.Tensor, b: torch.Tensor) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Matching slices of `COMPARE_CHUNK` elements of two tensors of one shape, in row-major order."""
+    a, b = a.reshape(-1), b.reshape(-1)
+    for i in range(0, a.numel(), COMPARE_CHUNK):
+        yield a[i:i + COMPARE_CHUNK], b[i:i + COMPARE_CHUNK]
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    return isinstance(err, MemoryError) or "can't allocate memory" in str(err)
 
 
 def random_inputs(graph: Graph) -> list[torch.Tensor]:
