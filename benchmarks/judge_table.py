@@ -370,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     honest_phase(run, honest)
     solitary_fixtures(run, [c for c in cases if c.label == "hang_kernel"])
     run.write()
+    print("\n" + render(run), flush=True)
     fixtures = [r for r in run.rows if r["section"] == "fixture"]
     failed = [r["case"] for r in run.rows if r["passed"] is False]
     print(f"\n{sum(r['passed'] is True for r in fixtures)} of {len(fixtures)} fixtures as expected; "
