@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter, defaultdict
 from concurrent.futures import ThreadPoolExecutor
@@ -35,23 +36,29 @@ def limit_memory(limit_bytes: int) -> None:
 
 
 def run_one(problem: Path, outdir: Path, timeout_s: float, mem_bytes: int) -> dict:
+    """Optimize one problem in a child process; its peak RSS comes from wait4 (the child and the children it
+    reaped), so the memory target is measured, not only enforced."""
     out = outdir / f"{problem.parent.name}_{problem.stem}_new.py"
     cmd = [sys.executable, "-m", "kernelfuse", "optimize", str(problem), "-o", str(out), "--cpu-only"]
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
     started = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: limit_memory(mem_bytes))  # noqa: PLW1509 - only resource calls
-    timed_out = False
-    try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        timed_out = True
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
+    with tempfile.TemporaryFile("w+") as out_f, tempfile.TemporaryFile("w+") as err_f:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out_f, stderr=err_f, text=True,
+                                preexec_fn=lambda: limit_memory(mem_bytes))  # noqa: PLW1509 - only resource calls
+        fired = threading.Event()
+        timer = threading.Timer(timeout_s, lambda: (fired.set(), os.killpg(proc.pid, signal.SIGKILL)))
+        timer.start()
+        _, status, usage = os.wait4(proc.pid, 0)
+        timer.cancel()
+        proc.returncode = os.waitstatus_to_exitcode(status)
+        out_f.seek(0)
+        err_f.seek(0)
+        stdout, stderr = out_f.read(), err_f.read()
     checks = CHECK_LINE.findall(stdout)
     return {
-        "level": problem.parent.name, "problem": problem.name, "rc": proc.returncode, "timed_out": timed_out,
-        "seconds": round(time.monotonic() - started, 1),
+        "level": problem.parent.name, "problem": problem.name, "rc": proc.returncode, "timed_out": fired.is_set(),
+        "seconds": round(time.monotonic() - started, 1), "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 1),
+        "max_rss_mb": round(usage.ru_maxrss / 1024),
         "check": checks[0][0] if checks else None, "check_note": checks[0][1] if checks else None,
         "nothing_to_fuse": "nothing to fuse" in stdout,
         "traceback": "Traceback (most recent call last)" in stderr,
@@ -78,15 +85,43 @@ def outcome(r: dict) -> str:
     return f"exit {r['rc']}"
 
 
+def table(results: list[dict]) -> str:
+    """Markdown: problems per outcome and level, then the slowest wall and CPU seconds and the largest peak RSS."""
+    counts: dict[str, Counter] = defaultdict(Counter)
+    for r in results:
+        counts[outcome(r)][r["level"]] += 1
+    levels = sorted({r["level"] for r in results})
+    lines = ["| outcome | " + " | ".join(levels) + " |", "|---|" + "---|" * len(levels)]
+    lines += [f"| {name} | " + " | ".join(str(c[lv]) for lv in levels) + " |" for name, c in sorted(counts.items())]
+    lines.append("| **problems** | " + " | ".join(str(sum(r["level"] == lv for r in results)) for lv in levels) + " |")
+    for key, label in (("seconds", "max wall s"), ("cpu_seconds", "max CPU s"), ("max_rss_mb", "max RSS MB")):
+        worst = [max((r for r in results if r["level"] == lv), key=lambda r: r.get(key, 0)) for lv in levels]
+        lines.append(f"| {label} | " + " | ".join(f"{w.get(key, '?')} ({w['problem'].split('_')[0]})"
+                                                    for w in worst) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("root", type=Path, help="folder holding level1/, level2/, level3/")
+    parser.add_argument("root", type=Path, nargs="?", help="folder holding level1/, level2/, level3/")
     parser.add_argument("--log", type=Path, default=REPO / "benchmarks" / "results" / "cpu_sweep.jsonl")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=60.0)
     parser.add_argument("--mem-gb", type=float, default=4.0)
     parser.add_argument("--only", default="", help="substring a problem's path must contain")
+    parser.add_argument("--table", type=Path, nargs="+", metavar="JSONL",
+                        help="print the table of earlier logs (a later line for the same problem wins); run nothing")
     args = parser.parse_args()
+    if args.table:
+        latest = {}
+        for path in args.table:
+            for line in path.read_text().splitlines():
+                r = json.loads(line)
+                latest[(r["level"], r["problem"])] = r
+        print(table(list(latest.values())))
+        return 0
+    if args.root is None:
+        parser.error("a problem folder, or --table JSONL...")
     problems = sorted(p for p in args.root.glob("level*/*.py") if args.only in str(p))
     args.log.parent.mkdir(parents=True, exist_ok=True)
     results = []
@@ -96,14 +131,9 @@ def main() -> int:
             results.append(r)
             log.write(json.dumps(r) + "\n")
             log.flush()
-            print(f"{r['level']}/{r['problem']}: {outcome(r)} ({r['seconds']} s) {r['error'][:150]}", flush=True)
-    table: dict[str, Counter] = defaultdict(Counter)
-    for r in results:
-        table[outcome(r)][r["level"]] += 1
-    levels = sorted({r["level"] for r in results})
-    print("\n| outcome | " + " | ".join(levels) + " |\n|---|" + "---|" * len(levels))
-    for name, counts in sorted(table.items()):
-        print(f"| {name} | " + " | ".join(str(counts[lv]) for lv in levels) + " |")
+            print(f"{r['level']}/{r['problem']}: {outcome(r)} ({r['seconds']} s, {r['cpu_seconds']} CPU s, "
+                  f"{r['max_rss_mb']} MB) {r['error'][:150]}", flush=True)
+    print("\n" + table(results))
     return 0
 
 
