@@ -130,3 +130,17 @@ def test_cli_exit_code_2(tmp_path, case):
     for needle in needles:
         assert needle in result.stderr
     assert not out.exists()
+
+
+def test_missing_third_party_module_is_one_line_exit_2_with_the_fix(tmp_path):
+    """A problem importing a package that is not installed (KernelBench's Mamba2 needs einops): exit 2, one
+    line naming the module, the problem's line and the install command, no traceback."""
+    path = write_problem(tmp_path, "needs_pkg", GOOD_BODY, "[torch.rand(2, 8)]",
+                         header="from kernelfuse_no_such_pkg.sub import thing\n")
+    with pytest.raises(ProblemError, match=r"needs a module that is not installed.*'kernelfuse_no_such_pkg'.*"
+                                           r"line 4: from kernelfuse_no_such_pkg.sub import thing.*"
+                                           r"pip install kernelfuse_no_such_pkg\)"):
+        load_problem(path)
+    proc = run_kernelfuse("optimize", str(path), "-o", str(tmp_path / "out.py"), "--cpu-only")
+    assert proc.returncode == 2
+    assert len(proc.stderr.strip().splitlines()) == 1 and "Traceback" not in proc.stderr

@@ -77,6 +77,10 @@ def load_problem(path: str | Path) -> Problem:
     sys.modules[module.__name__] = module
     try:
         exec(code, module.__dict__)
+    except ModuleNotFoundError as err:  # a third-party package the problem imports: say how to get it
+        fix = f": install it (pip install {err.name.split('.')[0]})" if err.name else ""
+        raise ProblemError(f"{path}: the problem needs a module that is not installed, {_describe(err, path)}{fix}") \
+            from None
     except Exception as err:  # noqa: BLE001 - any failure of user code becomes a clean error
         raise ProblemError(f"{path}: importing the problem raised {_describe(err, path)}") from None
     missing = [name for name in REQUIRED_NAMES if name not in module.__dict__]
