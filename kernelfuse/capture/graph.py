@@ -81,6 +81,7 @@ class Graph:
     training: bool = True
     _index: dict[str, Node] = field(default_factory=dict, compare=False, repr=False)
     _users: dict[str, list[Node]] = field(default_factory=dict, compare=False, repr=False)
+    _first: dict[tuple, Node] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self._index.update({n.name: n for n in self.nodes})
@@ -97,6 +98,21 @@ class Graph:
                     self._users.setdefault(reader, []).append(n)
             self._users.setdefault("", [])  # marks the index as built even when no node reads another
         return list(self._users.get(name, []))
+
+    def first_equal(self, node: Node) -> Node:
+        """The first node of the graph with `node`'s op, arguments and metadata (`node` itself when none precedes
+        it). Indexed on first use: common-subexpression elimination asks for every node, and a scan per node made
+        the rewrite stage quadratic (minutes on a 256-step hand-written RNN)."""
+        if not self._first and self.nodes:
+            for n in self.nodes:
+                try:
+                    self._first.setdefault((n.op, n.args, n.meta), n)
+                except TypeError:  # an unhashable argument: such a node is found by the scan below
+                    continue
+        try:
+            return self._first.get((node.op, node.args, node.meta), node)
+        except TypeError:
+            return next(n for n in self.nodes if n.op == node.op and n.args == node.args and n.meta == node.meta)
 
     def is_output(self, name: str) -> bool:
         return any(r.name == name for r in self.outputs)

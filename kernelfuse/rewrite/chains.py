@@ -14,12 +14,10 @@ def common_subexpressions(graph: Graph, node: Node) -> Replacement | None:
     and batch-norm nodes, and an output that would then share storage with another output."""
     if not pure(node):
         return None
-    for earlier in graph.nodes:
-        if earlier is node:
-            return None
-        if earlier.op == node.op and earlier.args == node.args and earlier.meta == node.meta:
-            return Builder(graph, node).done(Ref(earlier.name), f"same as %{earlier.name}")
-    return None
+    earlier = graph.first_equal(node)
+    if earlier is node:
+        return None
+    return Builder(graph, node).done(Ref(earlier.name), f"same as %{earlier.name}")
 
 
 NEUTRAL = {"mul.Tensor": 1.0, "div.Tensor": 1.0, "add.Tensor": 0.0, "sub.Tensor": 0.0}

@@ -10,6 +10,7 @@ input, a parameter or another output, splices it in before `node`, and removes t
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -157,7 +158,10 @@ def rebuild(graph: Graph, nodes: list[Node] | tuple[Node, ...], outputs: tuple[R
 
 
 def rewire(node: Node, rename: dict[str, Ref]) -> Node:
-    """`node` with its uses of renamed values pointed at their replacements."""
+    """`node` with its uses of renamed values pointed at their replacements (`node` itself when it uses none:
+    a splice then copies only the readers of the value it replaced)."""
+    if not any(r.name in rename for r in node.refs):
+        return node
 
     def sub(a: object) -> object:
         if isinstance(a, Ref):
@@ -171,11 +175,17 @@ def rewire(node: Node, rename: dict[str, Ref]) -> Node:
 
 def pure(node: Node) -> bool:
     """No side effect and a deterministic value: can be dropped when unused, merged when computed twice."""
-    if node.op == "getitem":
+    return _pure_op(node.op)
+
+
+@functools.cache
+def _pure_op(op: str) -> bool:
+    """`pure` by op name (it depends on nothing else; every splice asks it for every node)."""
+    if op == "getitem":
         return True
-    if node.op in ("input", "param", "buffer") or any(m in node.op for m in IMPURE_MARKERS):
+    if op in ("input", "param", "buffer") or any(m in op for m in IMPURE_MARKERS):
         return False
-    packet, overload = node.op.split(".")
+    packet, overload = op.split(".")
     fn = getattr(getattr(torch.ops.aten, packet, None), overload, None)
     return fn is not None and not fn._schema.is_mutable and torch.Tag.nondeterministic_seeded not in fn.tags
 
