@@ -75,6 +75,8 @@ def outcome(r: dict) -> str:
             return "exit 0, check ok"
         if r["check"] == "skipped":
             return "exit 0, check skipped: " + re.sub(r"\(.*", "", r["check_note"].removeprefix("skipped: "))[:60]
+        if r["check"] == "FAILED":  # the pipeline then ships the unfused model: still a failure of the plan
+            return "exit 0, check FAILED: " + r["check_note"][:60]
         if r["nothing_to_fuse"]:
             return "exit 0, nothing to fuse (original ops shipped, no check needed)"
         return f"exit 0, check {r['check']}"
