@@ -302,3 +302,26 @@ def test_judge_cpu_path_calls_the_cached_file_correct(tmp_path):
                           mode="both")
     verdict = evaluate(problem.path, candidate, options)
     assert verdict.correct and verdict.defence is None, verdict.reason
+
+
+def test_weights_inside_a_sequential_are_read_by_path(tmp_path):
+    """Parameter paths that are no identifiers (`0.weight`) are read with get_parameter in the cache too."""
+    problem, plan = _plan(tmp_path, """
+    def __init__(self):
+        super().__init__()
+        self.seq = nn.Sequential(nn.Linear(16, 24))
+
+    def forward(self, x):
+        return self.seq(x).mean(1)
+    """, generated=False, name="seq")
+    cls, computed = _load(problem, plan)
+    new = cls()
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        got = new(x)
+        torch.testing.assert_close(got, new._reference_forward(x), rtol=1e-5, atol=1e-5)
+        new.seq[0].weight.add_(1.0)
+        torch.testing.assert_close(new(x), new._reference_forward(x), rtol=1e-5, atol=1e-5)
+    assert computed[0] == 2
+    text = emit_modelnew(problem, plan, None, "test")
+    assert "weights = (self.get_parameter('seq.0.weight'), self.get_parameter('seq.0.bias'))" in text
