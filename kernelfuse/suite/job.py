@@ -1,11 +1,13 @@
 """One problem's work in its own child process: `python -m kernelfuse.suite.job SPEC.json RESULT.json PHASE`.
 
 Two phases, so builds can run ahead on the CPU while the GPU times another problem:
-- "build": warm the caches without timing anything: the optimizer's variant extensions (or the candidate's own
-  load_inline builds) are compiled into torch's extension cache, and torch.compile's baseline is compiled once
-  into Inductor's cache (one untimed forward on the GPU; skipped when no baseline asks for it).
+- "build": warm the extension cache without touching the GPU: the optimizer's variant extensions (or the
+  candidate's own load_inline builds) are compiled into torch's extension cache;
 - "judge": the optimizer end to end (`optimize_file`, whose builds now hit the cache) or the judge on the candidate;
   the verdict JSON is written to RESULT.json.
+torch.compile's baseline is not warmed in the build phase: that needs the model and its inputs on the GPU, and a
+warm-up beside a timing judge took GPU memory from it (an out-of-memory verdict on a 55 GB problem) and ran
+kernels during its timed loops. The judge compiles the baseline on its own timeline.
 A crash or hang here kills only this child: the pool turns it into this problem's record.
 """
 
@@ -53,7 +55,7 @@ def run_phase(spec: JobSpec, phase: str) -> dict[str, Any]:
 
 
 def build(spec: JobSpec) -> dict[str, Any]:
-    """Compile the extensions the judge will load and warm torch.compile's cache; nothing is timed."""
+    """Compile the extensions the judge will load; nothing runs on the GPU."""
     from kernelfuse.pipeline import emit_file, prebuild
 
     workdir = Path(tempfile.mkdtemp(prefix="kernelfuse_bench_build_"))
@@ -75,29 +77,7 @@ def build(spec: JobSpec) -> dict[str, Any]:
         files = [workdir / "candidate_modelnew.py"]
         files[0].write_text(candidate.source)
     prebuild(files, spec.timeout_s)
-    compiled = warm_compile(spec) if "compile" in spec.baselines and not spec.cpu_only else None
-    return {"prebuilt": len(files), "compile_warm_s": compiled}
-
-
-def warm_compile(spec: JobSpec) -> float | None:
-    """Compile the reference with torch.compile as the judge will (same model, seed and input shapes), so the
-    judge's compile reads Inductor's cache. Returns the seconds it took, or None without a GPU or on failure."""
-    import torch
-
-    from kernelfuse.load import DEFAULT_SEED, load_problem
-
-    if not torch.cuda.is_available():
-        return None
-    start = time.perf_counter()
-    try:
-        problem = load_problem(spec.problem)
-        model = problem.make_model(DEFAULT_SEED).cuda()
-        inputs = [x.cuda() if isinstance(x, torch.Tensor) else x for x in problem.make_inputs(DEFAULT_SEED)]
-        torch.compile(model)(*inputs)
-        torch.cuda.synchronize()
-    except Exception:  # noqa: BLE001 - a failed warm-up only means the judge compiles cold (and reports why)
-        return None
-    return round(time.perf_counter() - start, 3)
+    return {"prebuilt": len(files)}
 
 
 def judge(spec: JobSpec) -> dict[str, Any]:
