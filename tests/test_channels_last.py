@@ -64,7 +64,7 @@ def test_a_convolution_no_kernel_reads_stays_a_torch_call(layouts):
     assert len(torch_convs) == 1 and g.users(torch_convs[0].node.name)[0].op == "cumsum.default"
 
 
-def test_channel_reductions_take_the_inner_strategy(layouts):
+def test_strategies_follow_the_source_layout(layouts):
     _, _, (nhwc, nchw) = layouts
     strategies = {
         variant.variant: re.findall(r"// strategy: (\w+)", generate(variant).cuda) for variant in (nhwc, nchw)
@@ -72,6 +72,9 @@ def test_channel_reductions_take_the_inner_strategy(layouts):
     # amin and softmax over channels: contiguous rows when channels-last; strided rows in NCHW
     assert strategies["fused-nhwc"][:2] == ["inner", "inner"]
     assert strategies["fused-nchw"][:2] == ["strided", "strided"]
+    # the mean over space of 16 channels-last rows: too few rows for a thread each, so split into chunks
+    assert strategies["fused-nhwc"][2:] == ["split", "strided"]
+    assert "split strided, 16 rows of 2145 in 8 chunks" in generate(nhwc).cuda
 
 
 def test_measured_layouts_make_one_plan_per_convolution_choice(layouts):

@@ -68,24 +68,37 @@ SPLIT_MAX_ROWS = 264  # two rows per SM of an H100: fewer rows than this leave m
 SPLIT_MIN_ROW = 65536
 SPLIT_TARGET_BLOCKS = 1024
 SPLIT_MIN_CHUNK = 4096
+STRIDED_SPLIT_MAX_ROWS = 32768  # from here one thread per strided row keeps the GPU busy
+STRIDED_TILE = 32  # neighbouring rows a split-strided block reads side by side
+STRIDED_MIN_CHUNK = 256  # elements of a row per split-strided block: 32 per warp
 
 
 def split_chunks(step: GenStep) -> int:
     """Chunks per row for a split reduction (1: none). A few long rows (a loss over the whole tensor, a sum over a
-    large outer dim) are cut into chunks reduced by separate blocks, then combined in a fixed order."""
+    large outer dim) are cut into chunks reduced by separate blocks, then combined in a fixed order. Rows whose
+    elements are strided (a channels-last output pooled over space) are split too while there are too few rows
+    for a thread each to fill the GPU."""
     spec = step.spec
     if spec is None or spec.kind not in REDUCE_OPS or spec.window is not None:  # type: ignore[attr-defined]
         return 1
     space = space_of(step)
     rows, red = space.count("k"), space.count("r")
+    if not reads_rows_contiguously(space):
+        if rows >= STRIDED_SPLIT_MAX_ROWS or red < 2 * STRIDED_MIN_CHUNK:
+            return 1
+        tiles = -(-rows // STRIDED_TILE)
+        return max(1, min(-(-SPLIT_TARGET_BLOCKS // tiles), red // STRIDED_MIN_CHUNK))
     if rows > SPLIT_MAX_ROWS or red < SPLIT_MIN_ROW:
         return 1
     return max(1, min(-(-SPLIT_TARGET_BLOCKS // rows), red // SPLIT_MIN_CHUNK))
 
 
 def _split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
-    """Split reduction: block (chunk, row) reduces its chunk into `work`; one warp per row combines the chunks in
-    order, then the epilogue. Deterministic: the same partials combine the same way on every call."""
+    """Split reduction: each block reduces one chunk of its rows into `work`; one warp per row combines the chunks
+    in order, then the epilogue. Deterministic: the same partials combine the same way on every call.
+    Contiguous rows: a block per (chunk, row), its threads along the row. Strided rows: a block per (chunk, tile
+    of 32 neighbouring rows), a warp across the tile (coalesced: neighbouring rows are neighbours in memory) and
+    8 warps along the chunk, combined through shared memory."""
     spec = step.spec
     k = step.kernel
     space = space_of(step)
@@ -93,21 +106,43 @@ def _split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
     chunk = -(-red // chunks)
     op, identity = REDUCE_OPS[spec.kind]  # type: ignore[attr-defined]
     tensors = ["src", *(f"in{i}" for i in range(len(step.prologue.operands)))]
-    lines = [f"// strategy: split, {rows} rows of {red} in {chunks} chunks of {chunk}, then a combine kernel",
-             f"__global__ void __launch_bounds__({BLOCK}) {k}_partial({pointer_params(step, ctype)}, "
-             "float* __restrict__ work) {",
-             f"  typedef {index_type(step)} INDEX;",
-             f"  constexpr int TPR = {BLOCK};",
-             "  const int lane = threadIdx.x;",
-             "  const INDEX row = blockIdx.y;"]
-    lines += decompose(space, "k", "row", "row_", tensors, "  ")
+    strided = not reads_rows_contiguously(space)
+    head = [f"__global__ void __launch_bounds__({BLOCK}) {k}_partial({pointer_params(step, ctype)}, "
+            "float* __restrict__ work) {",
+            f"  typedef {index_type(step)} INDEX;"]
+    if strided:
+        lanes = BLOCK // STRIDED_TILE
+        lines = [f"// strategy: split strided, {rows} rows of {red} in {chunks} chunks of {chunk}, tiles of "
+                 f"{STRIDED_TILE} rows, then a combine kernel", *head,
+                 f"  const int tx = threadIdx.x % {STRIDED_TILE}, lane = threadIdx.x / {STRIDED_TILE};",
+                 f"  constexpr int TPR = {lanes};",
+                 f"  const INDEX row = (INDEX)blockIdx.y * {STRIDED_TILE} + tx;",
+                 f"  const bool active = row < (INDEX){rows};",
+                 "  const INDEX row_k = active ? row : 0;"]
+        lines += decompose(space, "k", "row_k", "row_", tensors, "  ")
+    else:
+        lines = [f"// strategy: split, {rows} rows of {red} in {chunks} chunks of {chunk}, then a combine kernel",
+                 *head,
+                 f"  constexpr int TPR = {BLOCK};",
+                 "  const int lane = threadIdx.x;",
+                 "  const INDEX row = blockIdx.y;"]
+        lines += decompose(space, "k", "row", "row_", tensors, "  ")
     lines += value_lambda(step, space, "r", "row_")
     lines += [f"  const INDEX begin = (INDEX)blockIdx.x * {chunk};",
               f"  const INDEX end = begin + {chunk} < (INDEX){red} ? begin + {chunk} : (INDEX){red};",
-              f"  float s = {identity};",
-              f"  for (INDEX r = begin + lane; r < end; r += TPR) s = {op}()(s, value(r));",
-              f"  s = kf_row_reduce<TPR>(s, {op}());",
-              f"  if (lane == 0) work[row * {chunks} + blockIdx.x] = s;",
+              f"  float s = {identity};"]
+    if strided:
+        lines += [f"  if (active) for (INDEX r = begin + lane; r < end; r += TPR) s = {op}()(s, value(r));",
+                  f"  __shared__ float part[TPR][{STRIDED_TILE + 1}];",
+                  "  part[lane][tx] = s;",
+                  "  __syncthreads();",
+                  "  if (lane != 0 || !active) return;",
+                  f"  for (int j = 1; j < TPR; ++j) s = {op}()(s, part[j][tx]);  // in a fixed order"]
+    else:
+        lines += [f"  for (INDEX r = begin + lane; r < end; r += TPR) s = {op}()(s, value(r));",
+                  f"  s = kf_row_reduce<TPR>(s, {op}());",
+                  "  if (lane != 0) return;"]
+    lines += [f"  work[row * {chunks} + blockIdx.x] = s;",
               "}", "",
               f"__global__ void __launch_bounds__({BLOCK}) {k}_combine({pointer_params(step, ctype)}, "
               "const float* __restrict__ work) {",
@@ -126,7 +161,7 @@ def _split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
     params, args = launch_params(step, ctype)
     lines.append(f"""
 cudaError_t {k}_launch({params}, void* out, void* work, cudaStream_t stream) {{
-  {k}_partial<<<dim3({chunks}, {rows}), {BLOCK}, 0, stream>>>({args}, ({ctype}*)out, (float*)work);
+  {k}_partial<<<dim3({chunks}, {-(-rows // STRIDED_TILE) if strided else rows}), {BLOCK}, 0, stream>>>({args}, ({ctype}*)out, (float*)work);
   {k}_combine<<<kf_blocks({rows}LL * 32, {BLOCK}), {BLOCK}, 0, stream>>>({args}, ({ctype}*)out, (const float*)work);
   return cudaGetLastError();
 }}
