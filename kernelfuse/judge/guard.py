@@ -108,5 +108,14 @@ def python_threads() -> frozenset[int]:
 
 
 def new_threads(before: frozenset[int]) -> list[str]:
-    """Names of live threads that were not running in `before`."""
-    return [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    """Names of live threads that were not running in `before` (torch's own, for the judge's baseline, aside)."""
+    return [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive() and not _torch_own(t)]
+
+
+def _torch_own(thread: threading.Thread) -> bool:
+    """Inductor's compile-worker idle timer: torch starts it (lazily, at any later compile event) for the judge's
+    torch.compile baseline, and it calls torch's own shutdown. Not the candidate's work."""
+    timer = getattr(getattr(thread, "_target", None), "__self__", None)
+    call = getattr(timer, "call", None)
+    return (type(timer).__module__ == "torch._inductor.compile_worker.timer"
+            and str(getattr(call, "__module__", "")).startswith("torch."))
