@@ -159,8 +159,9 @@ def test_reduce_before_affine_negative(fn):
 ])
 def test_reduce_linear_output(fn, bias):
     r = prove(fn, signed(5, 8), rule="reduce_linear_output", bias=bias, rtol=1e-10)
-    products = [n for n in r.graph.nodes if n.op in ("mm.default", "addmm.default")]
-    assert len(products) == 1 and products[0].meta.shape == (5, 1)  # a matrix-vector product
+    products = [n for n in r.graph.nodes if n.op in ("mm.default", "addmm.default", "mv.default", "addmv.default")]
+    assert len(products) == 1 and products[0].meta.shape == (5,)  # a matrix-vector product (cuBLAS gemv)
+    assert products[0].op == ("addmv.default" if bias else "mv.default")
     weight_sum = [n for n in r.graph.nodes if n.op in ("sum.dim_IntList", "mean.dim")
                   and r.graph[n.args[0]].op in ("t.default", "permute.default")]
     assert weight_sum  # the weight is reduced in the graph (from the parameter, on every call), not cached

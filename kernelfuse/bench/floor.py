@@ -58,12 +58,20 @@ class Floor:
                 f"{self.bytes / 1e9:.3f} GB at {self.ceilings.bytes_per_s / 1e12:.2f} TB/s = {self.memory_ms:.3f} ms)")
 
 
+def _matvec_flops(*shapes: Any, out_shape: Any = None, **_: Any) -> int:
+    """mv(A, x) and addmv(b, A, x): 2 * rows * cols (torch's counter has no formula for them)."""
+    matrix = next(s for s in shapes if s is not None and len(s) == 2)
+    return 2 * matrix[0] * matrix[1]
+
+
 def count_flops(fn: Callable[[], Any]) -> int:
-    """FLOPs of one call of `fn`, as torch's FlopCounterMode counts them (0 where it cannot)."""
+    """FLOPs of one call of `fn`, as torch's FlopCounterMode counts them, matrix-vector products included (0 where
+    it cannot)."""
     from torch.utils.flop_counter import FlopCounterMode
 
+    matvec = {torch.ops.aten.mv: _matvec_flops, torch.ops.aten.addmv: _matvec_flops}
     try:
-        with FlopCounterMode(display=False) as counter:
+        with FlopCounterMode(display=False, custom_mapping=matvec) as counter:
             fn()
         return int(counter.get_total_flops())
     except Exception:  # noqa: BLE001 - an op the counter cannot follow: the floor falls back to bytes

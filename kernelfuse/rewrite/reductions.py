@@ -181,25 +181,26 @@ def reduce_linear_output(graph: Graph, node: Node) -> Replacement | None:
         return None
     b = Builder(graph, node)
     wide = ("kw", "dtype", torch.float64)
-    w = b.add(node.op, weight, (1,), True, wide)
-    bias_reduced = b.add(node.op, bias[0], (-1,), True, wide) if bias else None
-    out = _narrow_product(b, bias_reduced, x, w, node.meta.dtype)
-    if not r.keepdim:
-        out = b.add("view.default", out, node.meta.shape)
+    w = b.add(node.op, weight, (1,), False, wide)  # a vector: the product is cuBLAS's gemv, not an N=1 gemm
+    bias_reduced = b.add(node.op, bias[0], (-1,), False, wide) if bias else None
+    out = b.add("view.default", _narrow_product(b, bias_reduced, x, w, node.meta.dtype), node.meta.shape)
     kind = node.op.split(".")[0]
     return b.done(out, f"{kind} over {features} output features of {mm.op.split('.')[0]} = x @ weight.{kind}(1)"
                        f"{f' + bias.{kind}()' if bias else ''} ({features}x fewer multiply-adds)")
 
 
 def _narrow_product(b: Builder, bias: Ref | None, x: Ref, weight: Ref, dtype: torch.dtype) -> Ref:
-    """x @ weight (+ bias) for a pre-reduced float64 weight, computed in float64 and rounded to `dtype` once.
+    """x @ weight (+ bias) for a pre-reduced float64 weight (a matrix, or a vector: then mv/addmv), computed in
+    float64 and rounded to `dtype` once.
 
     The small product is cheap in any precision, and the wider accumulation keeps the result at least as
     accurate as the eager GEMM-then-reduce it replaces (the judge's float64 rule): summed in the input dtype,
     the reassociated sums would lose a few bits against eager's.
     """
     wide = b.add("to.dtype", x, torch.float64)
-    out = b.add("addmm.default", bias, wide, weight) if bias is not None else b.add("mm.default", wide, weight)
+    vector = len(b.meta(weight).shape) == 1
+    plain, biased = ("mv.default", "addmv.default") if vector else ("mm.default", "addmm.default")
+    out = b.add(biased, bias, wide, weight) if bias is not None else b.add(plain, wide, weight)
     return b.add("to.dtype", out, dtype)
 
 
