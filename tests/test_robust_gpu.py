@@ -44,3 +44,34 @@ def test_optimized_model_equals_eager_in_train_and_eval_mode(tmp_path, name, tol
                 torch.manual_seed(trial)
                 expected = reference(*x)
             torch.testing.assert_close(got, expected, atol=tol, rtol=tol, msg=f"{mode} mode, trial {trial}")
+
+
+@pytest.mark.gpu
+def test_recurrent_op_kept_whole_runs_as_one_cudnn_call_and_equals_eager(tmp_path):
+    """A GRU (captured as one `aten.gru.input` node) with a fused Linear epilogue: the emitted file calls the op
+    on the GPU with the module's weights and equals eager."""
+    from optimizer_helpers import write_problem
+
+    path = write_problem(tmp_path, "grufc", """
+        def __init__(self):
+            super().__init__()
+            self.rnn = nn.GRU(64, 128, num_layers=2, batch_first=True, bidirectional=True)
+            self.fc = nn.Linear(256, 32)
+
+        def forward(self, x, h0):
+            out, hn = self.rnn(x, h0)
+            return torch.relu(self.fc(out[:, -1, :])) * 2.0, hn
+        """, "[torch.rand(16, 50, 64), torch.rand(4, 16, 128)]")
+    out = tmp_path / "grufc_new.py"
+    result = optimize_file(path, out, OptimizeOptions(use_gpu=True, trials=3, final_baselines=("eager",)), log=print)
+    assert result.final is None or result.final.correct, result.notes
+    assert "torch.ops.aten.gru.input(" in out.read_text() or result.shipped == "unfused"
+    emitted = runpy.run_path(str(out))
+    problem = load_problem(path)
+    torch.manual_seed(42)
+    ours = emitted["ModelNew"](*problem.init_inputs()).cuda()
+    reference = problem.make_model().cuda()
+    x = [t.cuda() for t in problem.make_inputs(seed=0)]
+    with torch.no_grad():
+        for got, expected in zip(ours(*x), reference(*x), strict=True):
+            torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
