@@ -188,3 +188,16 @@ def test_generated_step_records_what_it_replaces_once(zoo):
     for s in plan.steps:
         computed += list(s.replaces) if isinstance(s, GenStep) else [s.node.name]
     assert sorted(computed) == sorted(n.name for n in graph.nodes if n.op not in ("input", "param", "buffer"))
+
+
+def test_interpreter_writes_generated_outputs_contiguous_as_the_kernel_does(tmp_path):
+    """clone(contiguous) of a permuted tensor inside a kernel: the kernel's output is a fresh contiguous tensor, so
+    a view after it works; the interpreter must mirror that (the op-table clone alone keeps the permuted strides)."""
+    path = write_problem(tmp_path, "perm", """
+        def forward(self, x):
+            y = (x.permute(0, 2, 1) * 2.0).contiguous()
+            return y.view(4, -1)
+        """, "[torch.randn(4, 5, 6)]")
+    problem, _, (plan,) = pipeline(path)
+    assert [g.chain(plan.graph) for g in plan.generated] == ["mul -> clone"]
+    assert_interpreter_matches(problem, plan)

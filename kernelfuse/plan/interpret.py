@@ -26,8 +26,8 @@ def interpret(plan: Plan, state: dict[str, torch.Tensor], inputs: Sequence[torch
     for step in plan.steps:
         if isinstance(step, TorchStep):
             env[step.node.name] = call_aten(step.node, env)
-        elif isinstance(step, GenStep):
-            env[step.out] = _run_generated(step, env)
+        elif isinstance(step, GenStep):  # the kernel writes a new contiguous tensor (whatever its source's layout)
+            env[step.out] = _run_generated(step, env).contiguous()
         else:
             env[step.out] = _run_fused(plan.graph, step, env)
     return [env[r.name] for r in plan.graph.outputs]  # type: ignore[misc]
