@@ -296,6 +296,37 @@ def test_forward_signature_errors(tmp_path):
         emit_file(problem, plan, "test")
 
 
+def test_trailing_none_default_is_kept_and_served_by_the_original_ops_when_given(tmp_path):
+    """forward(self, x, mask=None) with get_inputs() leaving mask out (level3 NetVLAD): the fused path serves
+    mask=None calls; a call that passes mask runs the original ops."""
+    path = write_problem(tmp_path, "opt", """
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, mask=None):
+            y = torch.relu(self.lin(x))
+            return y if mask is None else y * mask
+        """, "[torch.rand(2, 4)]")
+    problem = load_problem(path)
+    (plan,) = plan_variants(rewrite(capture(problem)))
+    text = emit_file(problem, plan, "test")
+    assert "def forward(self, x, mask=None):" in text
+    assert "if mask is not None or not _use_kernels(self, (x,)):" in text
+    assert "return self._reference_forward(x, mask)" in text
+    out = tmp_path / "opt_new.py"
+    out.write_text(text)
+    ns = __import__("runpy").run_path(str(out))
+    torch.manual_seed(0)
+    model = problem.make_model()
+    torch.manual_seed(0)
+    new = ns["ModelNew"](*problem.init_inputs())
+    new.load_state_dict(model.state_dict())
+    x, mask = torch.rand(2, 4), torch.rand(2, 4)
+    with torch.no_grad():
+        assert torch.equal(new(x), model(x)) and torch.equal(new(x, mask), model(x, mask))
+
+
 def test_emit_reference_renames_super_calls(tmp_path):
     problem = load_problem(shrunk_example("gemm_add_relu", tmp_path))
     text = emit_reference(problem, "why: testing")

@@ -127,11 +127,11 @@ def emit_modelnew(problem: Problem, plan: Plan, sources: CudaSources | None, rep
     """The text of the ModelNew file for `plan` (`sources` None: the plan needs no custom kernel)."""
     cls = class_source(problem)
     forward = _find_method(cls, "forward", problem)
-    arg_names = _forward_args(forward, problem)
+    arg_names, optional = _forward_args(forward, problem, len(plan.graph.inputs))
     prelude = _problem_without_model(problem, cls)
     header = _docstring(problem, plan, report)
-    guarded = sources is not None or bool(plan.fused)
-    body = _model_new_class(problem, cls, forward, plan, arg_names, sources is not None, guarded)
+    guarded = sources is not None or bool(plan.fused) or bool(optional)
+    body = _model_new_class(problem, cls, forward, plan, arg_names, sources is not None, guarded, optional)
     parts = [header, "import hashlib\nimport inspect\n", prelude.rstrip() + "\n", body]
     specs = ", ".join(f"({tuple(n.meta.shape)}, {n.meta.dtype})" for n in plan.graph.inputs)
     if guarded:
@@ -184,16 +184,23 @@ def _find_method(cls: ast.ClassDef, name: str, problem: Problem) -> ast.Function
     raise ProblemError(f"{problem.path}: Model has no {name}() method")
 
 
-def _forward_args(forward: ast.FunctionDef, problem: Problem) -> list[str]:
+def _forward_args(forward: ast.FunctionDef, problem: Problem, captured: int) -> tuple[list[str], list[str]]:
+    """(the positional tensor arguments the graph was captured with, trailing `=None` arguments it was captured
+    without: the fused path serves calls that leave them None)."""
     a = forward.args
-    if a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or a.defaults:
+    names = [arg.arg for arg in a.args[1:]]
+    optional = names[len(names) - len(a.defaults):] if a.defaults else []
+    plain_defaults = all(isinstance(d, ast.Constant) and d.value is None for d in a.defaults)
+    if a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or not plain_defaults \
+            or len(names) - len(optional) != captured:
         raise ProblemError(f"{problem.path}:{forward.lineno}: forward() must take plain positional tensors "
-                           "(no *args, **kwargs, keyword-only or default arguments) to be compiled")
-    return [arg.arg for arg in a.args[1:]]
+                           "(no *args, **kwargs, keyword-only arguments, or defaults other than trailing "
+                           "=None ones get_inputs() leaves out) to be compiled")
+    return names[:len(names) - len(optional)], optional
 
 
 def _model_new_class(problem: Problem, cls: ast.ClassDef, forward: ast.FunctionDef, plan: Plan,
-                     arg_names: list[str], has_kernels: bool, guarded: bool) -> str:
+                     arg_names: list[str], has_kernels: bool, guarded: bool, optional: list[str]) -> str:
     lines = problem.source.splitlines()
     text_lines = lines[cls.lineno - 1: cls.end_lineno]
     # forward -> _reference_forward (kept verbatim: it is the path for autograd and unsupported inputs)
@@ -207,13 +214,15 @@ def _model_new_class(problem: Problem, cls: ast.ClassDef, forward: ast.FunctionD
     text = "\n".join(text_lines)
     text = _rename_class(text, cls.name)
     indent = " " * (forward.col_offset)
-    new_forward = forward_source(plan, arg_names, has_kernels, guarded)
+    new_forward = forward_source(plan, arg_names, has_kernels, guarded, optional=optional)
     return text + "\n\n" + textwrap.indent(new_forward, indent)
 
 
-def forward_source(plan: Plan, arg_names: list[str], has_kernels: bool, guarded: bool, state: str = "self") -> str:
+def forward_source(plan: Plan, arg_names: list[str], has_kernels: bool, guarded: bool, state: str = "self",
+                   optional: list[str] | tuple[str, ...] = ()) -> str:
     """The text of the fused `forward` method, and of the weight cache methods it calls (kernelfuse.emit.hoist)
-    where the plan computes values from the weights alone; module state is read as `{state}.<attribute path>`."""
+    where the plan computes values from the weights alone; module state is read as `{state}.<attribute path>`.
+    `optional`: trailing `=None` arguments the graph was captured without (given, the original ops run)."""
     graph = plan.graph
     hoist = plan_hoist(plan)
     state_names = {n.name: _state_expr(state, str(n.target), n.op) for n in graph.state}
@@ -221,11 +230,13 @@ def forward_source(plan: Plan, arg_names: list[str], has_kernels: bool, guarded:
     for node in graph.inputs:
         names[node.name] = arg_names[int(node.target)]  # type: ignore[arg-type]
     args = ", ".join(arg_names)
-    out = [f"def forward(self, {args}):" if args else "def forward(self):"]
+    params = ", ".join([*arg_names, *(f"{o}=None" for o in optional)])
+    out = [f"def forward(self, {params}):" if params else "def forward(self):"]
     out.append('    """Fused kernels on the captured shapes; the original ops otherwise (see _use_kernels)."""')
     if guarded:
-        out.append(f"    if not _use_kernels(self, ({args}{',' if len(arg_names) == 1 else ''})):")
-        out.append(f"        return self._reference_forward({args})")
+        given = "".join(f"{o} is not None or " for o in optional)
+        out.append(f"    if {given}not _use_kernels(self, ({args}{',' if len(arg_names) == 1 else ''})):")
+        out.append(f"        return self._reference_forward({', '.join([*arg_names, *optional])})")
     if has_kernels:
         out.append("    ext = _extension()")
     if any(isinstance(a, torch.device) for n in graph.nodes for a in _flat(n.args)):
