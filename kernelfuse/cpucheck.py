@@ -58,13 +58,13 @@ class _Timeout(BaseException):
     """Raised by the timer: a BaseException, so no `except Exception` on the way turns it into a failure."""
 
 
-def check_plans(problem: Problem, model: torch.nn.Module, graph: Graph, plans: list[Plan], precision: str,
+def check_plans(problem: Problem, model: torch.nn.Module, graph: Graph, plans: list[Plan],
                 prepare: Callable[[Graph], Graph] = rewrite, timeout_s: float = CHECK_TIMEOUT_S) -> list[CpuCheck]:
     """One CpuCheck per plan. `graph`: the graph the plans were made from, `prepare` applied to its capture (the
     same rewrite rules make the small-batch twin); `model`: the problem's module, with its real weights."""
     try:
         with _time_limit(timeout_s):
-            return _run_all(model, _checkable(problem, model, graph, plans, precision, prepare), plans)
+            return _run_all(model, _checkable(problem, model, graph, plans, prepare), plans)
     except _Skip as why:
         return [CpuCheck(p.variant, False, None, f"skipped: {why}", skipped=True) for p in plans]
     except (MemoryError, RuntimeError) as err:
@@ -77,12 +77,12 @@ def check_plans(problem: Problem, model: torch.nn.Module, graph: Graph, plans: l
                          skipped=True) for p in plans]
 
 
-def _checkable(problem: Problem, model: torch.nn.Module, graph: Graph, plans: list[Plan], precision: str,
+def _checkable(problem: Problem, model: torch.nn.Module, graph: Graph, plans: list[Plan],
                prepare: Callable[[Graph], Graph]) -> list[tuple[Plan, list[torch.Tensor]]]:
     """For each plan, the plan to interpret and its inputs: a re-planned small-batch twin, or itself at full shape."""
     if any(t.is_meta for _, t in module_state(model)):
         raise _Skip("the model's parameters exceed 2 GB: built on the meta device, no weights to check with")
-    small = _small_twins(problem, model, graph, plans, precision, prepare)
+    small = _small_twins(problem, model, graph, plans, prepare)
     if small is not None:
         return small
     full = sum(n.meta.numel * n.meta.dtype.itemsize for n in graph.nodes if n.meta is not None)
@@ -93,7 +93,7 @@ def _checkable(problem: Problem, model: torch.nn.Module, graph: Graph, plans: li
     return [(p, inputs) for p in plans]
 
 
-def _small_twins(problem: Problem, model: torch.nn.Module, graph: Graph, plans: list[Plan], precision: str,
+def _small_twins(problem: Problem, model: torch.nn.Module, graph: Graph, plans: list[Plan],
                  prepare: Callable[[Graph], Graph]) -> list[tuple[Plan, list[torch.Tensor]]] | None:
     """Plans re-made by the same planner on a small-batch capture, if their structure is the shipped plans'."""
     if all(not n.meta.shape or n.meta.shape[0] <= CHECK_BATCH for n in graph.inputs):

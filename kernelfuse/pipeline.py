@@ -86,7 +86,7 @@ def optimize_file(problem_path: str | Path, out_path: str | Path, options: Optim
         result.notes.append("nothing to fuse (no library call with pointwise ops behind it): "
                             "shipping the unfused model")
         return _ship_unfused(problem, result, log)
-    checks = check_plans(problem, model, graph, plans, options.precision, lambda g: apply_rules(g, disabled).graph)
+    checks = check_plans(problem, model, graph, plans, lambda g: apply_rules(g, disabled).graph)
     result.cpu_checks = checks
     del model  # the weights are not needed past the check: the judge builds its own copies
     for c in checks:

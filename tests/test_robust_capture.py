@@ -29,7 +29,7 @@ def checked(path: Path):
     model = build_model(problem)
     graph = rewrite(capture(problem, model))
     plans = plan_variants(graph)
-    return graph, plans, check_plans(problem, model, graph, plans, "strict")
+    return graph, plans, check_plans(problem, model, graph, plans)
 
 
 def test_constructor_converting_to_half_and_reading_item():
@@ -121,7 +121,7 @@ def test_model_too_large_for_the_host_is_built_on_meta_and_its_check_skipped(tmp
     assert model.lin.weight.is_meta
     graph = rewrite(capture(problem, model))
     assert graph[graph.outputs[0]].meta.shape == (2, 24576)
-    checks = check_plans(problem, model, graph, plan_variants(graph), "strict")
+    checks = check_plans(problem, model, graph, plan_variants(graph))
     assert all(c.skipped and not c.ok and "meta device" in c.note for c in checks)
 
 
@@ -130,7 +130,7 @@ def test_check_that_runs_too_long_is_skipped_not_failed():
     model = build_model(problem)
     graph = rewrite(capture(problem, model))
     plans = plan_variants(graph)
-    checks = check_plans(problem, model, graph, plans, "strict", timeout_s=1e-6)
+    checks = check_plans(problem, model, graph, plans, timeout_s=1e-6)
     assert all(c.skipped and not c.ok and "limit" in c.note for c in checks)
 
 

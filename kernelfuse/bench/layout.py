@@ -16,6 +16,7 @@ from functools import partial
 import torch
 
 from kernelfuse.capture import Graph, Node, Ref
+from kernelfuse.emit.flags import _without_tf32
 from kernelfuse.plan.fuse import channels_last_ok
 
 MARGIN = 0.05  # channels-last must be this much faster: a tie keeps NCHW (one less layout change)
@@ -62,15 +63,6 @@ def measure_conv_layouts(graph: Graph, strict: bool = True, reps: int = 10) -> l
         del calls, nchw, nhwc, nhwc_timed  # the operands live in the calls' closures: free them for the next one
         torch.cuda.empty_cache()
     return timings
-
-
-def _without_tf32(call: Callable[[], object]) -> object:
-    previous = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    try:
-        return call()
-    finally:
-        torch.backends.cudnn.allow_tf32 = previous
 
 
 def _computes_in_fp32(call: Callable[[], torch.Tensor]) -> bool:

@@ -17,6 +17,7 @@ import torch
 from kernelfuse.capture import Node, Ref
 from kernelfuse.codegen import CudaSources
 from kernelfuse.codegen.generated import tensor_args
+from kernelfuse.emit.flags import _with_tf32, _without_tf32, source_of
 from kernelfuse.emit.hoist import cached_tuple, plan_hoist, step_out, weight_methods
 from kernelfuse.errors import ProblemError
 from kernelfuse.load import Problem, class_source
@@ -86,40 +87,14 @@ def _use_kernels(module, inputs):
 '''
 
 
-# Only in files whose plan runs a matmul under the tf32 policy.
-TF32_HELPER = '''
-def _with_tf32(call):
-    """Run one matrix product with TF32 tensor cores allowed (tf32 policy); the global setting is restored."""
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision("high")
-    try:
-        return call()
-    finally:
-        torch.set_float32_matmul_precision(previous)
-'''
-
-
-# Only in files with a channels-last convolution that must compute in full fp32 (as eager's NCHW call does).
-FP32_CONV_HELPER = '''
-def _without_tf32(call):
-    """Run one cuDNN convolution with TF32 off, as accurate as eager's call on this GPU; the setting is restored."""
-    previous = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    try:
-        return call()
-    finally:
-        torch.backends.cudnn.allow_tf32 = previous
-'''
-
-
 def runtime_text(plan: Plan, sources: CudaSources | None) -> str:
     """The module-level support code a fused forward calls: loader, guard, TF32 helper (as needed)."""
     parts = [LOADER] if sources is not None else []
     parts.append(GUARD)
     if any(s.anchor.tf32 for s in plan.fused):
-        parts.append(TF32_HELPER)
+        parts.append(source_of(_with_tf32))  # a matmul under the tf32 policy
     if any(s.anchor.fp32 for s in plan.fused):
-        parts.append(FP32_CONV_HELPER)
+        parts.append(source_of(_without_tf32))  # a channels-last conv in full fp32
     return "\n\n".join(p.strip("\n") + "\n" for p in parts)
 
 

@@ -145,15 +145,11 @@ def _merge_into_reductions(graph: Graph, by_out: dict[str, Step]) -> None:
 
 def channels_last_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     """Element strides of a 4-d/5-d tensor in channels-last order (N, spatial..., C), as torch lays it out."""
-    n, c, *spatial = shape
     strides = [0] * len(shape)
     step = 1
-    strides[1] = step
-    step *= max(c, 1)
-    for d in range(len(shape) - 1, 1, -1):
+    for d in (1, *range(len(shape) - 1, 1, -1), 0):  # innermost first: C, then W, H (D), then N
         strides[d] = step
         step *= max(shape[d], 1)
-    strides[0] = step
     return tuple(strides)
 
 
