@@ -11,13 +11,16 @@ from __future__ import annotations
 import torch
 
 POISON_BYTE = 0xFF
+RESERVE_HEADROOM = 512 << 20  # left free by the reserve, so the judge's own next allocations still fit
 
 
 def poison_free_memory(device: torch.device, reserve_bytes: int = 0) -> int:
     """Fill every inactive caching-allocator block on `device` (and `reserve_bytes` more) with 0xFF; return bytes.
 
     The blocks are taken by exact-size allocations (the allocator's best fit returns a block of that size), filled,
-    and released, so they go back to the cache poisoned. No-op on the CPU.
+    and released, so they go back to the cache poisoned. The reserve is cut to the device's free memory less
+    RESERVE_HEADROOM: on a problem whose outputs fill the GPU, poisoning what fits beats an out-of-memory verdict
+    against the judge itself. No-op on the CPU.
     """
     if device.type != "cuda":
         return 0
@@ -35,8 +38,9 @@ def poison_free_memory(device: torch.device, reserve_bytes: int = 0) -> int:
         for size in sorted(sizes, reverse=True):
             held.append(torch.empty(size, dtype=torch.uint8, device=device).fill_(POISON_BYTE))
             total += size
-        if reserve_bytes > 0:
-            held.append(torch.empty(reserve_bytes, dtype=torch.uint8, device=device).fill_(POISON_BYTE))
-            total += reserve_bytes
+        reserve = min(reserve_bytes, torch.cuda.mem_get_info(index)[0] - RESERVE_HEADROOM)
+        if reserve > 0:
+            held.append(torch.empty(reserve, dtype=torch.uint8, device=device).fill_(POISON_BYTE))
+            total += reserve
     del held
     return total
