@@ -42,6 +42,9 @@ class OptimizeOptions:
     no_rewrites: bool = False  # --no-rewrites: plan the graph as captured
     disabled_rewrites: tuple[str, ...] = ()  # --no-rewrite NAME: rewrite rules switched off
     max_fusions: int | None = None  # --max-fusions N: fuse at most N kernels (bisecting a numerical failure)
+    # False: on a GPU the judge alone verifies the plans (kernelfuse bench: the CPU check, seconds to tens of
+    # seconds, would sit on the GPU worker's critical path; the judge verifies every plan before it ships)
+    cpu_check: bool = True
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,10 @@ def optimize_file(problem_path: str | Path, out_path: str | Path, options: Optim
         result.notes.append("nothing to fuse (no library call with pointwise ops behind it): "
                             "shipping the unfused model")
         return _ship_unfused(problem, result, log)
+    if use_gpu and not options.cpu_check:
+        del model
+        log("[4/5] CPU interpreter check skipped: the GPU judge verifies every plan")
+        return _choose_on_gpu(problem, plans, options, result, log, in_order=timings is not None)
     checks = check_plans(problem, model, graph, plans, lambda g: apply_rules(g, disabled).graph)
     result.cpu_checks = checks
     del model  # the weights are not needed past the check: the judge builds its own copies

@@ -54,7 +54,8 @@ def test_reductions_read_the_channels_last_output_through_its_strides(layouts):
         (check,) = [ln for ln in cpp.splitlines() if f'kf_check_strided(src, "{reader.kernel} src' in ln]
         assert check.endswith(f"{{{', '.join(map(str, strides))}}}, at::kFloat);"), check
     transposed = [s for s in nhwc.fused if s.epilogue.statements]
-    assert [s.chain(g) for s in transposed] == ["convolution -> add -> clamp"]
+    # the bias of every biased convolution (rewrite conv_bias_to_epilogue) is the epilogue's first add
+    assert [s.chain(nhwc.graph) for s in transposed] == ["convolution -> add -> add -> clamp"]
     assert transposed[0].needs_kernel and not transposed[0].inplace  # reads NHWC, writes a new NCHW tensor
 
 

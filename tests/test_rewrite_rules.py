@@ -429,3 +429,36 @@ def test_rules_see_the_rewritten_graph_after_its_readers_were_indexed():
     for node in graph.nodes:
         graph.users(node.name)
     assert {"size1_reductions", "reduce_before_affine", "reduce_linear_output"} <= set(apply_rules(graph).rules_fired)
+
+
+# ---- a convolution's bias moves into the kernel after it ---------------------------------------------------------
+
+def _conv(groups: int = 1, transposed: bool = False, dims: int = 2):
+    """fn(m, x, w, b) for a convolution given its weight and bias as inputs, followed by a sigmoid."""
+    name = f"conv{'_transpose' if transposed else ''}{dims}d"
+    op = getattr(nn.functional, name)
+    return lambda m, x, w, b: torch.sigmoid(op(x, w, b, stride=2 if transposed else 1, padding=1, groups=groups))
+
+
+@pytest.mark.parametrize("dims", [1, 2, 3])
+@pytest.mark.parametrize("transposed, groups", [(False, 1), (False, 2), (True, 1), (True, 2)])
+def test_conv_bias_to_epilogue_exact_with_nan_inf(dims, transposed, groups):
+    x = specials(2, 4, *(5,) * dims)
+    w = signed(*((4, 6 // (groups if transposed else 1)) if transposed else (6, 4 // groups)), *(3,) * dims)
+    r = prove(_conv(groups, transposed, dims), x, w, signed(6), rule="conv_bias_to_epilogue")
+    (conv,) = [n for n in r.graph.nodes if n.op == "convolution.default"]
+    assert conv.args[2] is None and any(n.op == "add.Tensor" for n in r.graph.nodes)
+
+
+@pytest.mark.parametrize("fn, w, b", [
+    (_conv(groups=4), signed(4, 1, 3, 3), signed(4)),  # depthwise: ATen's native kernel starts its sum at the bias
+    (lambda m, x, w: torch.relu(nn.functional.conv2d(x, w)), signed(6, 4, 3, 3), None),  # no bias
+])
+def test_conv_bias_to_epilogue_negative(fn, w, b):
+    prove(fn, signed(2, 4, 5, 5), w, *([b] if b is not None else []), rule="conv_bias_to_epilogue", fires=False)
+
+
+def test_conv_bias_stays_with_cudnn_fused_relu():
+    """conv2d -> relu keeps its bias: cuDNN's fused convolution + bias + ReLU adds it in the product's epilogue."""
+    fn = lambda m, x, w, b: torch.relu(nn.functional.conv2d(x, w, b)) * 2.0  # noqa: E731
+    prove(fn, signed(2, 4, 5, 5), signed(6, 4, 3, 3), signed(6), rule="conv_bias_to_epilogue", fires=False)

@@ -16,6 +16,7 @@ import torch
 
 from kernelfuse.capture import Graph, Node, Ref
 from kernelfuse.errors import KernelfuseError
+from kernelfuse.rewrite.anchors import conv_bias_to_epilogue
 from kernelfuse.rewrite.chains import collapse_clamps, common_subexpressions, double_views, neutral_scalars
 from kernelfuse.rewrite.engine import Match, RuleFiring, rebuild, rewire, run_local
 from kernelfuse.rewrite.monotonic import reduce_before_monotonic
@@ -142,6 +143,7 @@ RULES: tuple[Rule, ...] = (
     _local(reduce_before_affine),
     _local(reduce_linear_output),
     _local(avg_pool_linear_output),
+    _local(conv_bias_to_epilogue),
 )
 RULE_NAMES: tuple[str, ...] = tuple(r.name for r in RULES)
 

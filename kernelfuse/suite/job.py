@@ -86,7 +86,8 @@ def judge(spec: JobSpec) -> dict[str, Any]:
         from kernelfuse.pipeline import OptimizeOptions, optimize_file
 
         options = OptimizeOptions(precision=spec.precision, timeout_s=spec.timeout_s,
-                                  use_gpu=False if spec.cpu_only else None, final_baselines=spec.baselines)
+                                  use_gpu=False if spec.cpu_only else None, final_baselines=spec.baselines,
+                                  cpu_check=spec.cpu_only)  # on a GPU the judge verifies; keep its worker busy
         result = optimize_file(spec.problem, spec.output, options, log=lambda s: print(s, flush=True))
         return {"verdict": result.final.to_json() if result.final is not None else None, "shipped": result.shipped,
                 "notes": result.notes, "cold_build_s": result.cold_build_s, "output": str(result.output)}
