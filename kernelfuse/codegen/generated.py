@@ -21,7 +21,7 @@ from kernelfuse.codegen.iteration import (
     value_lambda,
 )
 from kernelfuse.codegen.pool import pool_kernel
-from kernelfuse.codegen.reduce import REDUCE_PRELUDE, row_kernel, split_chunks
+from kernelfuse.codegen.reduce import REDUCE_PRELUDE, row_kernel, split_workspace
 from kernelfuse.ops import float_literal
 from kernelfuse.plan.ir import GenStep, Plan
 
@@ -113,8 +113,8 @@ def _wrapper(plan: Plan, step: GenStep) -> str:
     metas = {name: plan.graph[ref].meta for name, ref in args}  # type: ignore[index]
     metas["src"] = step.source.meta  # the layout the kernel reads (a channels-last convolution's, say)
     decl_params = "".join(f", {'const ' if name not in ('run_mean', 'run_var') else ''}void*" for name, _ in args)
-    chunks = split_chunks(step)
-    work = ", void*" if chunks > 1 else ""
+    workspace = split_workspace(step)
+    work = ", void*" if workspace else ""
     lines = [f"cudaError_t {k}_launch({decl_params[2:]}, void*{work}, cudaStream_t);", "",
              f"// {k}: {step.chain(plan.graph)}",
              f"torch::Tensor {k}({', '.join(f'const torch::Tensor& {name}' for name, _ in args)}) {{",
@@ -125,9 +125,8 @@ def _wrapper(plan: Plan, step: GenStep) -> str:
                      f"{{{ints(meta.stride)}}}, {at_type});")
     lines.append(f"  torch::Tensor out = at::empty({{{ints(step.out_meta.shape)}}}, src.options());")
     ptrs = ", ".join(f"{name}.data_ptr()" for name, _ in args) + ", out.data_ptr()"
-    if chunks > 1:  # the split reduction's partial results, one float per (row, chunk)
-        rows = space_of(step).count("k")
-        lines.append(f"  torch::Tensor work = at::empty({{{rows * chunks}}}, src.options().dtype(at::kFloat));")
+    if workspace:  # a split kernel's partial results (one float per row and chunk), a split norm's statistics
+        lines.append(f"  torch::Tensor work = at::empty({{{workspace}}}, src.options().dtype(at::kFloat));")
         ptrs += ", work.data_ptr()"
     lines.append(f'  kf_check_launch({k}_launch({ptrs}, c10::cuda::getCurrentCUDAStream()), "{k}");')
     lines += ["  return out;", "}", ""]

@@ -16,6 +16,9 @@ storing it. Numerics follow ATen: float accumulation, NaN-propagating max/min, l
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from kernelfuse.codegen.common import C_TYPES
 from kernelfuse.codegen.iteration import (
     BLOCK,
     Space,
@@ -25,6 +28,7 @@ from kernelfuse.codegen.iteration import (
     launch_params,
     launcher,
     pointer_params,
+    shape_numel,
     space_of,
     value_lambda,
 )
@@ -64,6 +68,7 @@ REDUCE_OPS = {"sum": ("kf_sum_op", "0.0f"), "mean": ("kf_sum_op", "0.0f"), "prod
               "amax": ("kf_max_op", "(-INFINITY)"), "amin": ("kf_min_op", "INFINITY")}
 
 
+SPLIT_KINDS = frozenset({*REDUCE_OPS, "norm"})  # norm: the statistics split, then one pass over every element
 SPLIT_MAX_ROWS = 264  # two rows per SM of an H100: fewer rows than this leave multiprocessors idle
 SPLIT_MIN_ROW = 65536
 SPLIT_TARGET_BLOCKS = 1024
@@ -74,12 +79,12 @@ STRIDED_MIN_CHUNK = 256  # elements of a row per split-strided block: 32 per war
 
 
 def split_chunks(step: GenStep) -> int:
-    """Chunks per row for a split reduction (1: none). A few long rows (a loss over the whole tensor, a sum over a
-    large outer dim) are cut into chunks reduced by separate blocks, then combined in a fixed order. Rows whose
-    elements are strided (a channels-last output pooled over space) are split too while there are too few rows
-    for a thread each to fill the GPU."""
+    """Chunks per row for a split reduction or normalisation (1: none). A few long rows (a loss over the whole
+    tensor, a sum over a large outer dim, batch norm's channels) are cut into chunks reduced by separate blocks,
+    then combined in a fixed order. Rows whose elements are strided (a channels-last output pooled over space) are
+    split too while there are too few rows for a thread each to fill the GPU."""
     spec = step.spec
-    if spec is None or spec.kind not in REDUCE_OPS or spec.window is not None:  # type: ignore[attr-defined]
+    if spec is None or spec.kind not in SPLIT_KINDS or spec.window is not None:  # type: ignore[attr-defined]
         return 1
     space = space_of(step)
     rows, red = space.count("k"), space.count("r")
@@ -93,80 +98,153 @@ def split_chunks(step: GenStep) -> int:
     return max(1, min(-(-SPLIT_TARGET_BLOCKS // rows), red // SPLIT_MIN_CHUNK))
 
 
+def split_workspace(step: GenStep) -> int:
+    """Floats of device workspace a split kernel needs (0: none): a partial result per (row, chunk); a split norm
+    adds each row's mean and 1/std after them."""
+    chunks = split_chunks(step)
+    if chunks == 1:
+        return 0
+    rows = space_of(step).count("k")
+    return rows * chunks + (2 * rows if step.spec.kind == "norm" else 0)  # type: ignore[attr-defined]
+
+
 def _split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
     """Split reduction: each block reduces one chunk of its rows into `work`; one warp per row combines the chunks
     in order, then the epilogue. Deterministic: the same partials combine the same way on every call.
     Contiguous rows: a block per (chunk, row), its threads along the row. Strided rows: a block per (chunk, tile
     of 32 neighbouring rows), a warp across the tile (coalesced: neighbouring rows are neighbours in memory) and
-    8 warps along the chunk, combined through shared memory."""
+    8 warps along the chunk, combined through shared memory.
+    A norm runs this twice (the sums give each row's mean, then the squared deviations around it give the
+    variance), then normalises every element in a flat pass."""
     spec = step.spec
+    space = space_of(step)
+    rows, red = space.count("k"), space.count("r")
+    strided = not reads_rows_contiguously(space)
+    norm = spec.kind == "norm"  # type: ignore[attr-defined]
+    op, identity = ("kf_sum_op", "0.0f") if norm else REDUCE_OPS[spec.kind]  # type: ignore[attr-defined]
+    tiles = f", tiles of {STRIDED_TILE} rows" if strided else ""
+    then = "a combine kernel per statistic, then a flat normalise kernel" if norm else "a combine kernel"
+    lines = [f"// strategy: split{' norm' if norm else ''}{' strided' if strided else ''}, {rows} rows of {red} in "
+             f"{chunks} chunks of {-(-red // chunks)}{tiles}, then {then}"]
+    scale = float_literal(1.0 / red)
     k = step.kernel
+    combine_grid = f"kf_blocks({rows}LL * 32, {BLOCK})"
+    partial_grid = f"dim3({chunks}, {-(-rows // STRIDED_TILE) if strided else rows})"
+    if norm:
+        stats = rows * chunks  # work: the partials, then each row's mean, then its 1/std
+        row = "row_k" if strided else "row"
+        deviation = [f"  const float mean = work[{stats} + {row}];",
+                     "  auto term = [&](INDEX r) -> float { const float d = value(r) - mean; return d * d; };"]
+        variance = [f"  const float mean = work[{stats} + row], var = s * {scale}, rstd = {_rstd(step)};",
+                    f"  if (lane == 0) work[{stats + rows} + row] = rstd;", *_running_lines(step, red, ctype, "  ")]
+        lines += _split_partial(step, ctype, chunks, "sums", "value(r)", [], op, identity)
+        lines += _split_combine(step, chunks, "mean", op, identity, [f"  if (lane == 0) work[{stats} + row] = s * {scale};"])
+        lines += _split_partial(step, ctype, chunks, "deviations", "term(r)", deviation, op, identity)
+        lines += _split_combine(step, chunks, "variance", op, identity, variance)
+        lines += _split_normalise(step, ctype, space, stats)
+        numel = shape_numel(step.prologue.space)
+        passes = [("sums", partial_grid, "float*"), ("mean", combine_grid, "float*"),
+                  ("deviations", partial_grid, "float*"), ("variance", combine_grid, "float*"),
+                  ("normalise", f"kf_blocks({numel}LL, {BLOCK})", "const float*")]
+    else:
+        finish = [f"  s = s * {scale};  // ATen's mean: sum times 1/N"] if spec.kind == "mean" else []  # type: ignore[attr-defined]
+        finish += [ln[2:] for ln in _reduced_store(step, "s", ctype)]
+        lines += _split_partial(step, ctype, chunks, "partial", "value(r)", [], op, identity)
+        lines += _split_combine(step, chunks, "combine", op, identity, finish, const=True)
+        passes = [("partial", partial_grid, "float*"), ("combine", combine_grid, "const float*")]
+    params, args = launch_params(step, ctype)
+    launches = "\n".join(f"  {k}_{name}<<<{grid}, {BLOCK}, 0, stream>>>({args}, ({ctype}*)out, ({work})work);"
+                         for name, grid, work in passes)
+    lines.append(f"""
+cudaError_t {k}_launch({params}, void* out, void* work, cudaStream_t stream) {{
+{launches}
+  return cudaGetLastError();
+}}
+""")
+    return "\n".join(lines)
+
+
+def _split_partial(step: GenStep, ctype: str, chunks: int, name: str, term: str, before: list[str], op: str,
+                   identity: str) -> list[str]:
+    """Kernel `{k}_{name}`: each block combines `term` (of value(r)) over one chunk of its row(s) into
+    work[row * chunks + chunk]; `before` runs first (its row is `row_k` for strided rows, else `row`)."""
     space = space_of(step)
     rows, red = space.count("k"), space.count("r")
     chunk = -(-red // chunks)
-    op, identity = REDUCE_OPS[spec.kind]  # type: ignore[attr-defined]
     tensors = ["src", *(f"in{i}" for i in range(len(step.prologue.operands)))]
     strided = not reads_rows_contiguously(space)
-    head = [f"__global__ void __launch_bounds__({BLOCK}) {k}_partial({pointer_params(step, ctype)}, "
-            "float* __restrict__ work) {",
-            f"  typedef {index_type(step)} INDEX;"]
+    lines = [f"__global__ void __launch_bounds__({BLOCK}) {step.kernel}_{name}({pointer_params(step, ctype)}, "
+             "float* __restrict__ work) {",
+             f"  typedef {index_type(step)} INDEX;"]
     if strided:
-        lanes = BLOCK // STRIDED_TILE
-        lines = [f"// strategy: split strided, {rows} rows of {red} in {chunks} chunks of {chunk}, tiles of "
-                 f"{STRIDED_TILE} rows, then a combine kernel", *head,
-                 f"  const int tx = threadIdx.x % {STRIDED_TILE}, lane = threadIdx.x / {STRIDED_TILE};",
-                 f"  constexpr int TPR = {lanes};",
-                 f"  const INDEX row = (INDEX)blockIdx.y * {STRIDED_TILE} + tx;",
-                 f"  const bool active = row < (INDEX){rows};",
-                 "  const INDEX row_k = active ? row : 0;"]
+        lines += [f"  const int tx = threadIdx.x % {STRIDED_TILE}, lane = threadIdx.x / {STRIDED_TILE};",
+                  f"  constexpr int TPR = {BLOCK // STRIDED_TILE};",
+                  f"  const INDEX row = (INDEX)blockIdx.y * {STRIDED_TILE} + tx;",
+                  f"  const bool active = row < (INDEX){rows};",
+                  "  const INDEX row_k = active ? row : 0;"]
         lines += decompose(space, "k", "row_k", "row_", tensors, "  ")
     else:
-        lines = [f"// strategy: split, {rows} rows of {red} in {chunks} chunks of {chunk}, then a combine kernel",
-                 *head,
-                 f"  constexpr int TPR = {BLOCK};",
-                 "  const int lane = threadIdx.x;",
-                 "  const INDEX row = blockIdx.y;"]
+        lines += [f"  constexpr int TPR = {BLOCK};",
+                  "  const int lane = threadIdx.x;",
+                  "  const INDEX row = blockIdx.y;"]
         lines += decompose(space, "k", "row", "row_", tensors, "  ")
-    lines += value_lambda(step, space, "r", "row_")
+    lines += value_lambda(step, space, "r", "row_") + before
     lines += [f"  const INDEX begin = (INDEX)blockIdx.x * {chunk};",
               f"  const INDEX end = begin + {chunk} < (INDEX){red} ? begin + {chunk} : (INDEX){red};",
               f"  float s = {identity};"]
     if strided:
-        lines += [f"  if (active) for (INDEX r = begin + lane; r < end; r += TPR) s = {op}()(s, value(r));",
+        lines += [f"  if (active) for (INDEX r = begin + lane; r < end; r += TPR) s = {op}()(s, {term});",
                   f"  __shared__ float part[TPR][{STRIDED_TILE + 1}];",
                   "  part[lane][tx] = s;",
                   "  __syncthreads();",
                   "  if (lane != 0 || !active) return;",
                   f"  for (int j = 1; j < TPR; ++j) s = {op}()(s, part[j][tx]);  // in a fixed order"]
     else:
-        lines += [f"  for (INDEX r = begin + lane; r < end; r += TPR) s = {op}()(s, value(r));",
+        lines += [f"  for (INDEX r = begin + lane; r < end; r += TPR) s = {op}()(s, {term});",
                   f"  s = kf_row_reduce<TPR>(s, {op}());",
                   "  if (lane != 0) return;"]
-    lines += [f"  work[row * {chunks} + blockIdx.x] = s;",
-              "}", "",
-              f"__global__ void __launch_bounds__({BLOCK}) {k}_combine({pointer_params(step, ctype)}, "
-              "const float* __restrict__ work) {",
-              f"  typedef {index_type(step)} INDEX;",
-              "  constexpr int TPR = 32;",
-              "  const int lane = threadIdx.x % TPR;",
-              f"  const INDEX row = (INDEX)blockIdx.x * {BLOCK // 32} + threadIdx.x / TPR;",
-              f"  if (row >= {rows}) return;",
-              f"  float s = {identity};",
-              f"  for (int c = lane; c < {chunks}; c += TPR) s = {op}()(s, work[row * {chunks} + c]);",
-              f"  s = kf_row_reduce<TPR>(s, {op}());"]
-    if spec.kind == "mean":  # type: ignore[attr-defined]
-        lines.append(f"  s = s * {float_literal(1.0 / red)};  // ATen's mean: sum times 1/N")
-    lines += [ln[2:] for ln in _reduced_store(step, "s", ctype)]
-    lines += ["}", ""]
-    params, args = launch_params(step, ctype)
-    lines.append(f"""
-cudaError_t {k}_launch({params}, void* out, void* work, cudaStream_t stream) {{
-  {k}_partial<<<dim3({chunks}, {-(-rows // STRIDED_TILE) if strided else rows}), {BLOCK}, 0, stream>>>({args}, ({ctype}*)out, (float*)work);
-  {k}_combine<<<kf_blocks({rows}LL * 32, {BLOCK}), {BLOCK}, 0, stream>>>({args}, ({ctype}*)out, (const float*)work);
-  return cudaGetLastError();
-}}
-""")
-    return "\n".join(lines)
+    return lines + [f"  work[row * {chunks} + blockIdx.x] = s;", "}", ""]
+
+
+def _split_combine(step: GenStep, chunks: int, name: str, op: str, identity: str, finish: list[str],
+                   const: bool = False) -> list[str]:
+    """Kernel `{k}_{name}`: a warp per row combines the row's partials in a fixed order into `s`, then `finish`."""
+    ctype = C_TYPES[step.out_meta.dtype]
+    rows = space_of(step).count("k")
+    return [f"__global__ void __launch_bounds__({BLOCK}) {step.kernel}_{name}({pointer_params(step, ctype)}, "
+            f"{'const ' if const else ''}float* __restrict__ work) {{",
+            f"  typedef {index_type(step)} INDEX;",
+            "  constexpr int TPR = 32;",
+            "  const int lane = threadIdx.x % TPR;",
+            f"  const INDEX row = (INDEX)blockIdx.x * {BLOCK // 32} + threadIdx.x / TPR;",
+            f"  if (row >= {rows}) return;",
+            f"  float s = {identity};",
+            f"  for (int c = lane; c < {chunks}; c += TPR) s = {op}()(s, work[row * {chunks} + c]);",
+            f"  s = kf_row_reduce<TPR>(s, {op}());",
+            *finish, "}", ""]
+
+
+def _split_normalise(step: GenStep, ctype: str, space: Space, stats: int) -> list[str]:
+    """Kernel `{k}_normalise`: every element of the space, flat in the output's order, normalised with its row's
+    mean and 1/std from `work`, then the epilogue. The pseudo-tensor `row` maps an element to its row."""
+    rows = space.count("k")
+    row_strides, acc = [0] * len(space.sizes), 1
+    for d in reversed(space.dims("k")):
+        row_strides[d], acc = acc, acc * space.sizes[d]
+    flat = Space(space.sizes, ("t",) * len(space.sizes), {**space.strides, "row": tuple(row_strides)})
+    affine = [n for n in ("weight", "bias") if n in space.strides]
+    lines = [f"__global__ void __launch_bounds__({BLOCK}) {step.kernel}_normalise({pointer_params(step, ctype)}, "
+             "const float* __restrict__ work) {",
+             f"  typedef {index_type(step)} INDEX;",
+             "  {"]
+    lines += value_lambda(step, flat, "t", None)
+    lines += [f"    for (INDEX r = (INDEX)blockIdx.x * blockDim.x + threadIdx.x; r < (INDEX){shape_numel(space.sizes)}; "
+              "r += (INDEX)gridDim.x * blockDim.x) {"]
+    lines += decompose(flat, "t", "r", "a_", ["row", *affine], "      ")
+    lines += [f"      const float mean = work[{stats} + a_row], rstd = work[{stats + rows} + a_row];",
+              f"      const float y = {_normalised(step, lambda n: f'a_{n}')};"]
+    lines += epilogue_lines(step, "r", "      ")
+    return lines + [f"      out[r] = kf_store<{ctype}>(e_result);", "    }", "  }", "}", ""]
 
 
 def reads_rows_contiguously(space: Space) -> bool:
@@ -215,7 +293,6 @@ def _loop(body: list[str], ind: str = "    ") -> list[str]:
 
 
 def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space) -> list[str]:
-    spec = step.spec
     lines = [f"    constexpr INDEX RED = {red};"]
     if kind in REDUCE_OPS:
         op, identity = REDUCE_OPS[kind]
@@ -247,22 +324,40 @@ def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space) ->
     lines.append("    float q = 0.0f;")
     lines += _loop(["const float d = value(r) - mean;", "q += d * d;"])
     lines.append(f"    const float var = kf_row_reduce<TPR>(q, kf_sum_op()) * {float_literal(1.0 / red)};")
-    lines.append(f"    const float rstd = 1.0f / sqrtf(var + {float_literal(spec.eps)});")  # type: ignore[attr-defined]
-    if spec.running is not None:  # type: ignore[attr-defined]
-        m = float_literal(spec.momentum)  # type: ignore[attr-defined]
-        keep = float_literal(1.0 - spec.momentum)  # type: ignore[attr-defined]
-        unbias = float_literal(red / max(red - 1, 1))
-        lines += ["    if (lane == 0) {  // running statistics, as ATen updates them (unbiased variance)",
-                  f"      run_mean[row] = kf_store<{ctype}>({m} * mean + {keep} * kf_load(run_mean[row]));",
-                  f"      run_var[row] = kf_store<{ctype}>({m} * (var * {unbias}) + {keep} * kf_load(run_var[row]));",
-                  "    }"]
+    lines.append(f"    const float rstd = {_rstd(step)};")
+    lines += _running_lines(step, red, ctype, "    ")
+    affine = [n for n in ("weight", "bias") if n in space.strides]
+    return lines + _broadcast_store(step, _normalised(step, lambda n: f"row_{n} + o_{n}"), ctype, affine, space)
+
+
+def _rstd(step: GenStep) -> str:
+    return f"1.0f / sqrtf(var + {float_literal(step.spec.eps)})"  # type: ignore[attr-defined]
+
+
+def _running_lines(step: GenStep, red: int, ctype: str, ind: str) -> list[str]:
+    """Batch norm's running statistics from the row's `mean` and biased `var`, as ATen updates them (momentum,
+    unbiased variance); nothing for a norm without them."""
+    spec = step.spec
+    if spec.running is None:  # type: ignore[attr-defined]
+        return []
+    m = float_literal(spec.momentum)  # type: ignore[attr-defined]
+    keep = float_literal(1.0 - spec.momentum)  # type: ignore[attr-defined]
+    unbias = float_literal(red / max(red - 1, 1))
+    return [f"{ind}if (lane == 0) {{  // running statistics, as ATen updates them (unbiased variance)",
+            f"{ind}  run_mean[row] = kf_store<{ctype}>({m} * mean + {keep} * kf_load(run_mean[row]));",
+            f"{ind}  run_var[row] = kf_store<{ctype}>({m} * (var * {unbias}) + {keep} * kf_load(run_var[row]));",
+            f"{ind}}}"]
+
+
+def _normalised(step: GenStep, offset: Callable[[str], str]) -> str:
+    """The normalised element `value(r)` given its row's `mean` and `rstd`; `offset(name)`: the affine operand's."""
+    spec = step.spec
     expr = "(value(r) - mean) * rstd"
     if spec.weight is not None:  # type: ignore[attr-defined]
-        expr = f"({expr}) * kf_load(weight[row_weight + o_weight])"
+        expr = f"({expr}) * kf_load(weight[{offset('weight')}])"
     if spec.bias is not None:  # type: ignore[attr-defined]
-        expr = f"{expr} + kf_load(bias[row_bias + o_bias])"
-    affine = [n for n in ("weight", "bias") if n in space.strides]
-    return lines + _broadcast_store(step, expr, ctype, affine, space)
+        expr = f"{expr} + kf_load(bias[{offset('bias')}])"
+    return expr
 
 
 def _reduced_store(step: GenStep, value: str, ctype: str) -> list[str]:

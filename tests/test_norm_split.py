@@ -1,0 +1,123 @@
+"""Split-norm strategy on the CPU: which norms take it (a few long rows, in both layouts) and which do not, the
+CUDA it renders (five ordered kernels, no float atomics, a workspace the wrapper allocates; nvcc compiles it), and
+the plan interpreter against eager over several training calls, running statistics included."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from optimizer_helpers import pipeline, write_problem
+from test_nvcc_compile import _nvcc
+
+from kernelfuse.codegen import generate
+from kernelfuse.codegen.iteration import space_of
+from kernelfuse.codegen.reduce import split_chunks, split_workspace
+from kernelfuse.plan import Plan, interpret
+
+FIXTURE = Path(__file__).parent / "fixtures" / "problems" / "norm_split.py"
+PASSES = ("sums", "mean", "deviations", "variance", "normalise")
+
+
+@pytest.fixture(scope="module")
+def planned():
+    problem, graph, plans = pipeline(FIXTURE)
+    return problem, {p.variant: p for p in plans}
+
+
+def strategies(plan: Plan) -> dict[str, str]:
+    """Kernel name -> its `// strategy:` line."""
+    cuda = generate(plan).cuda
+    out = {}
+    for g in plan.generated:
+        block = cuda.split(f"// {g.kernel}: ", 1)[1]
+        out[g.kernel] = next(ln for ln in block.splitlines() if ln.startswith("// strategy:"))
+    return out
+
+
+def test_few_long_rows_take_the_split_norm_in_both_layouts(planned):
+    _, plans = planned
+    assert sorted(plans) == ["fused-nchw", "fused-nhwc"]
+    nchw, nhwc = strategies(plans["fused-nchw"]), strategies(plans["fused-nhwc"])
+    # batch norm behind the convolution: a channel is 4 runs of 128*128 (NCHW) or strided by 8 (channels-last)
+    assert nchw["k1"] == ("// strategy: split norm, 8 rows of 65536 in 16 chunks of 4096, then a combine kernel per "
+                          "statistic, then a flat normalise kernel")
+    assert nhwc["k1"].startswith("// strategy: split norm strided, 8 rows of 65536 in 256 chunks of 256, tiles of 32")
+    for strategy in (nchw, nhwc):  # batch norm 3-d, layer norm over a sample, group norm over a group
+        assert strategy["k2"].startswith("// strategy: split norm, 4 rows of 65536 in 16 chunks")
+        assert strategy["k3"].startswith("// strategy: split norm, 2 rows of 65536 in 16 chunks")
+        assert strategy["k4"].startswith("// strategy: split norm, 4 rows of 65536 in 16 chunks")
+    for plan in plans.values():
+        for g in plan.generated:  # partials per (row, chunk), then each row's mean and 1/std
+            rows = space_of(g).count("k")
+            assert split_workspace(g) == rows * split_chunks(g) + 2 * rows
+
+
+def test_many_short_rows_keep_their_row_strategy(tmp_path):
+    problem, graph, plans = pipeline(write_problem(tmp_path, "short", """
+    def __init__(self):
+        super().__init__()
+        self.bn = nn.BatchNorm2d(512)
+        self.ln = nn.LayerNorm(256)
+        self.conv = nn.Conv2d(3, 16, 3)
+        self.bn_cl = nn.BatchNorm2d(16)
+
+    def forward(self, x, y, z, s):
+        return self.bn(x), self.ln(y), self.bn_cl(self.conv(z)), torch.softmax(s, dim=1)
+    """, "[torch.randn(4, 512, 16, 16), torch.randn(4096, 256), torch.randn(2, 3, 10, 10), torch.randn(4, 100000)]"))
+    for plan in plans:
+        lines = strategies(plan)
+        assert len(lines) == 4, plan.summary()
+        assert not any("split" in line for line in lines.values()), lines
+        assert all(split_workspace(g) == 0 for g in plan.generated)
+        # 512 channels: a block per channel fills the GPU; 4096 rows of 256: a warp each; a softmax is not a norm
+        assert "512 rows of 1024" in lines["k1"] and "4096 rows of 256" in lines["k2"]
+        assert "4 rows of 100000" in lines["k4"]
+    assert "strided, 1 thread(s) per row, 16 rows of 128" in strategies(plans[0])["k3"]  # channels-last, short
+
+
+def test_split_norm_renders_five_ordered_kernels_without_atomics(planned):
+    _, plans = planned
+    for plan in plans.values():
+        sources = generate(plan)
+        assert "atomic" not in sources.cuda  # partials combine in a fixed order: the same bits on every call
+        for g in plan.generated:
+            launch = sources.cuda.split(f"cudaError_t {g.kernel}_launch(", 1)[1].split("return cudaGetLastError", 1)[0]
+            assert re.findall(rf"{g.kernel}_(\w+)<<<", launch) == list(PASSES)
+            assert f"torch::Tensor work = at::empty({{{split_workspace(g)}}}" in sources.cpp
+        # variance around the mean from the first pass (two-pass rule), the unbiased running variance
+        k1 = sources.cuda.split("// k1: ", 1)[1].split("// k2: ", 1)[0]
+        assert "const float d = value(r) - mean; return d * d;" in k1
+        assert "0.30000001192092896f * (var * 1.0000152587890625f)" in k1  # momentum 0.3, 65536 / 65535
+
+
+def test_split_norm_kernels_compile_with_nvcc(planned, tmp_path):
+    nvcc = _nvcc()
+    _, plans = planned
+    for variant, plan in plans.items():
+        cu = tmp_path / f"{variant}.cu"
+        cu.write_text(generate(plan).cuda)
+        cmd = [nvcc, "-c", "-O1", "-std=c++17", "-arch=sm_90", str(cu), "-o", str(cu.with_suffix(".o"))]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_interpreter_matches_eager_over_training_calls(planned):
+    """The plan's statistics and running statistics equal eager's over three calls (the running ones accumulate)."""
+    problem, plans = planned
+    for plan in plans.values():
+        eager, ours = problem.make_model(), problem.make_model()
+        state = {**dict(ours.named_parameters()), **dict(ours.named_buffers())}
+        for seed in range(3):
+            inputs = problem.make_inputs(seed)
+            with torch.no_grad():
+                expected = eager(*inputs)
+                got = interpret(plan, state, inputs)
+            for e, g in zip(expected, got, strict=True):
+                torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5)
+        for name, buffer in eager.named_buffers():
+            torch.testing.assert_close(state[name], buffer, atol=1e-6, rtol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        assert int(state["bn.num_batches_tracked"]) == 3
