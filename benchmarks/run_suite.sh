@@ -7,12 +7,15 @@
 # The run is interrupted (SIGINT: the suite kills its children and exits) after SECONDS (default 540, under the
 # device tool's 10-minute limit); run the script again to continue with --resume. FRESH=1 starts over.
 #   bash benchmarks/run_suite.sh [SECONDS] [extra bench arguments, e.g. --gpus all or --ray]
+# LIST=FILE runs the problem files listed in FILE (one path per line) instead of the whole level-2 folder.
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 LIMIT=${1:-540}
 shift || true
 kb=../shared/kernelbench/level2
 [ -d "$kb" ] || kb=.device_carry/kernelbench/level2
+targets=("$kb")
+[ -n "${LIST:-}" ] && mapfile -t targets < "$LIST"
 STATE=${STATE:-/tmp/kernelfuse_suite}
 DEST=${OUT:-out}/suite
 [ "${FRESH:-0}" = 1 ] && rm -rf "$STATE"
@@ -22,7 +25,7 @@ resume=()
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$STATE/bench.log"
 echo "cores: $(nproc) · limit ${LIMIT} s · ${resume[*]:-fresh run}" | tee -a "$STATE/bench.log"
 start=$(date +%s)
-timeout -s INT -k 30 "$LIMIT" python3 -m kernelfuse bench "$kb" --jsonl "$STATE/level2.jsonl" \
+timeout -s INT -k 30 "$LIMIT" python3 -m kernelfuse bench "${targets[@]}" --jsonl "$STATE/level2.jsonl" \
   --out-dir "$STATE/modelnew" --report "$STATE/level2.html" "${resume[@]}" "$@" 2>&1 | tee -a "$STATE/bench.log"
 rc=${PIPESTATUS[0]}
 echo "bench exit code $rc after $(( $(date +%s) - start )) s" | tee -a "$STATE/bench.log"
