@@ -44,8 +44,10 @@ def test_few_long_rows_take_the_split_norm_in_both_layouts(planned):
     nchw, nhwc = strategies(plans["fused-nchw"]), strategies(plans["fused-nhwc"])
     # batch norm behind the convolution: a channel is 4 runs of 128*128 (NCHW) or strided by 8 (channels-last)
     assert nchw["k1"] == ("// strategy: split norm, 8 rows of 65536 in 16 chunks of 4096, then a combine kernel per "
-                          "statistic, then a flat normalise kernel")
-    assert nhwc["k1"].startswith("// strategy: split norm strided, 8 rows of 65536 in 256 chunks of 256, tiles of 32")
+                          "statistic, then a normalise kernel in the output's order")
+    assert nhwc["k1"] == ("// strategy: split norm strided, 8 rows of 65536 in 256 chunks of 256, tiles of 32 rows, "
+                          "then a combine kernel per statistic, then a normalise kernel in 32 x 32 tiles transposed "
+                          "through shared memory")
     for strategy in (nchw, nhwc):  # batch norm 3-d, layer norm over a sample, group norm over a group
         assert strategy["k2"].startswith("// strategy: split norm, 4 rows of 65536 in 16 chunks")
         assert strategy["k3"].startswith("// strategy: split norm, 2 rows of 65536 in 16 chunks")

@@ -123,7 +123,10 @@ def _split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
     norm = spec.kind == "norm"  # type: ignore[attr-defined]
     op, identity = ("kf_sum_op", "0.0f") if norm else REDUCE_OPS[spec.kind]  # type: ignore[attr-defined]
     tiles = f", tiles of {STRIDED_TILE} rows" if strided else ""
-    then = "a combine kernel per statistic, then a flat normalise kernel" if norm else "a combine kernel"
+    then = "a combine kernel"
+    if norm:
+        then += " per statistic, then a normalise kernel " + ("in the output's order" if _transposed_dim(space) is None
+                                                             else "in 32 x 32 tiles transposed through shared memory")
     lines = [f"// strategy: split{' norm' if norm else ''}{' strided' if strided else ''}, {rows} rows of {red} in "
              f"{chunks} chunks of {-(-red // chunks)}{tiles}, then {then}"]
     scale = float_literal(1.0 / red)
@@ -135,17 +138,20 @@ def _split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
         row = "row_k" if strided else "row"
         deviation = [f"  const float mean = work[{stats} + {row}];",
                      "  auto term = [&](INDEX r) -> float { const float d = value(r) - mean; return d * d; };"]
-        variance = [f"  const float mean = work[{stats} + row], var = s * {scale}, rstd = {_rstd(step)};",
-                    f"  if (lane == 0) work[{stats + rows} + row] = rstd;", *_running_lines(step, red, ctype, "  ")]
+        variance = [f"  const float var = s * {scale}, rstd = {_rstd(step)};",
+                    f"  if (lane == 0) work[{stats + rows} + row] = rstd;"]
+        if spec.running is not None:  # type: ignore[attr-defined]
+            variance += [f"  const float mean = work[{stats} + row];", *_running_lines(step, red, ctype, "  ")]
         lines += _split_partial(step, ctype, chunks, "sums", "value(r)", [], op, identity)
         lines += _split_combine(step, chunks, "mean", op, identity, [f"  if (lane == 0) work[{stats} + row] = s * {scale};"])
         lines += _split_partial(step, ctype, chunks, "deviations", "term(r)", deviation, op, identity)
         lines += _split_combine(step, chunks, "variance", op, identity, variance)
         lines += _split_normalise(step, ctype, space, stats)
-        numel = shape_numel(step.prologue.space)
+        ds = _transposed_dim(space)
+        elements = shape_numel(space.sizes) if ds is None else _tiles(space, ds) * BLOCK  # a tile per block
         passes = [("sums", partial_grid, "float*"), ("mean", combine_grid, "float*"),
                   ("deviations", partial_grid, "float*"), ("variance", combine_grid, "float*"),
-                  ("normalise", f"kf_blocks({numel}LL, {BLOCK})", "const float*")]
+                  ("normalise", f"kf_blocks({elements}LL, {BLOCK})", "const float*")]
     else:
         finish = [f"  s = s * {scale};  // ATen's mean: sum times 1/N"] if spec.kind == "mean" else []  # type: ignore[attr-defined]
         finish += [ln[2:] for ln in _reduced_store(step, "s", ctype)]
@@ -225,26 +231,84 @@ def _split_combine(step: GenStep, chunks: int, name: str, op: str, identity: str
 
 
 def _split_normalise(step: GenStep, ctype: str, space: Space, stats: int) -> list[str]:
-    """Kernel `{k}_normalise`: every element of the space, flat in the output's order, normalised with its row's
-    mean and 1/std from `work`, then the epilogue. The pseudo-tensor `row` maps an element to its row."""
-    rows = space.count("k")
+    """Kernel `{k}_normalise`: every element normalised with its row's mean and 1/std from `work`, then the
+    epilogue. Where the source's unit-stride dim is the output's (NCHW) a flat loop in that order; else (a
+    channels-last source) 32 x 32 tiles through shared memory, read along the source's unit-stride dim and written
+    along the output's, so both sides coalesce. The pseudo-tensor `row` maps an element to its row."""
     row_strides, acc = [0] * len(space.sizes), 1
     for d in reversed(space.dims("k")):
         row_strides[d], acc = acc, acc * space.sizes[d]
-    flat = Space(space.sizes, ("t",) * len(space.sizes), {**space.strides, "row": tuple(row_strides)})
+    strides = {**space.strides, "row": tuple(row_strides)}
+    ds = _transposed_dim(space)
+    head = [f"__global__ void __launch_bounds__({BLOCK}) {step.kernel}_normalise({pointer_params(step, ctype)}, "
+            "const float* __restrict__ work) {",
+            f"  typedef {index_type(step)} INDEX;"]
+    if ds is None:
+        flat = Space(space.sizes, ("t",) * len(space.sizes), strides)
+        lines = [*head, "  {", *value_lambda(step, flat, "t", None),
+                 f"    for (INDEX r = (INDEX)blockIdx.x * blockDim.x + threadIdx.x; r < (INDEX){shape_numel(space.sizes)}; "
+                 "r += (INDEX)gridDim.x * blockDim.x) {"]
+        lines += _normalise_element(step, flat, stats, space.count("k"), lambda n: f"a_{n}")
+        lines += epilogue_lines(step, "r", "      ")
+        return lines + [f"      out[r] = kf_store<{ctype}>(e_result);", "    }", "  }", "}", ""]
+    return head + _transposed_normalise(step, ctype, space, strides, ds, stats)
+
+
+def _transposed_dim(space: Space) -> int | None:
+    """The source's unit-stride dim where it is not the output's (the last): the normalise pass then transposes
+    through shared memory; None where one flat order coalesces both."""
+    unit = [d for d in range(len(space.sizes)) if space.strides["src"][d] == 1]
+    return unit[-1] if unit and unit[-1] != len(space.sizes) - 1 else None
+
+
+def _tiles(space: Space, ds: int) -> int:
+    """32 x 32 tiles of the transposing normalise pass: over dims `ds` and the last, times every other index."""
+    n_ds, n_do = space.sizes[ds], space.sizes[-1]
+    return shape_numel(space.sizes) // (n_ds * n_do) * -(-n_ds // 32) * -(-n_do // 32)
+
+
+def _transposed_normalise(step: GenStep, ctype: str, space: Space, strides: dict[str, tuple[int, ...]], ds: int,
+                          stats: int) -> list[str]:
+    """The tiled body of `{k}_normalise`: dims `ds` (the source's unit stride) and the last (the output's) are the
+    tile's; a block loops over (other dims, tile rows, tile columns)."""
+    do = len(space.sizes) - 1
+    n_ds, n_do = space.sizes[ds], space.sizes[do]
+    tiles_ds, tiles_do = -(-n_ds // 32), -(-n_do // 32)
+    tiled = Space(space.sizes, tuple("t" if d in (ds, do) else "k" for d in range(len(space.sizes))), strides)
+    tiles = _tiles(space, ds)
+    flat_r = ("i_ds * {n} + i_do" if ds < do else "i_do * {n} + i_ds").format(n=n_do if ds < do else n_ds)
+    operands = [f"in{i}" for i in range(len(step.prologue.operands))]
     affine = [n for n in ("weight", "bias") if n in space.strides]
-    lines = [f"__global__ void __launch_bounds__({BLOCK}) {step.kernel}_normalise({pointer_params(step, ctype)}, "
-             "const float* __restrict__ work) {",
-             f"  typedef {index_type(step)} INDEX;",
-             "  {"]
-    lines += value_lambda(step, flat, "t", None)
-    lines += [f"    for (INDEX r = (INDEX)blockIdx.x * blockDim.x + threadIdx.x; r < (INDEX){shape_numel(space.sizes)}; "
-              "r += (INDEX)gridDim.x * blockDim.x) {"]
-    lines += decompose(flat, "t", "r", "a_", ["row", *affine], "      ")
-    lines += [f"      const float mean = work[{stats} + a_row], rstd = work[{stats + rows} + a_row];",
-              f"      const float y = {_normalised(step, lambda n: f'a_{n}')};"]
-    lines += epilogue_lines(step, "r", "      ")
-    return lines + [f"      out[r] = kf_store<{ctype}>(e_result);", "    }", "  }", "}", ""]
+    lines = ["  __shared__ float tile[32][33];",
+             f"  for (INDEX t = blockIdx.x; t < (INDEX){tiles}; t += gridDim.x) {{",
+             f"    const INDEX t_do = t % {tiles_do}, t_ds = t / {tiles_do} % {tiles_ds}, b = t / {tiles_do * tiles_ds};"]
+    lines += decompose(tiled, "k", "b", "b_", ["src", *operands, "out", "row", *affine], "    ")
+    lines += value_lambda(step, tiled, "t", "b_")
+    lines += ["    const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;",
+              f"    for (int j = ty; j < 32; j += {BLOCK // 32}) {{  // read along the source's unit-stride dim",
+              "      const INDEX i_ds = t_ds * 32 + tx, i_do = t_do * 32 + j;",
+              f"      if (i_ds >= {n_ds} || i_do >= {n_do}) continue;",
+              f"      const INDEX r = {flat_r};"]
+    lines += _normalise_element(step, tiled, stats, space.count("k"), lambda n: f"b_{n} + a_{n}")
+    lines += ["      tile[j][tx] = y;", "    }", "    __syncthreads();",
+              f"    for (int j = ty; j < 32; j += {BLOCK // 32}) {{  // write along the output's",
+              "      const INDEX i_ds = t_ds * 32 + j, i_do = t_do * 32 + tx;",
+              f"      if (i_ds >= {n_ds} || i_do >= {n_do}) continue;",
+              f"      const INDEX r = {flat_r};"]
+    lines += decompose(tiled, "t", "r", "w_", ["out"], "      ")
+    lines += ["      const INDEX i = b_out + w_out;", "      const float y = tile[tx][j];"]
+    lines += epilogue_lines(step, "i", "      ")
+    return lines + [f"      out[i] = kf_store<{ctype}>(e_result);", "    }", "    __syncthreads();", "  }", "}", ""]
+
+
+def _normalise_element(step: GenStep, space: Space, stats: int, rows: int, offset: Callable[[str], str]) -> list[str]:
+    """`y`: element r normalised by its row's statistics (mean at work[stats + row], 1/std `rows` further), its
+    row and affine offsets over the `t` dims as `a_*` (`offset(name)` adds the rest)."""
+    affine = [n for n in ("weight", "bias") if n in space.strides]
+    row = offset("row")
+    return decompose(space, "t", "r", "a_", ["row", *affine], "      ") + [
+        f"      const float mean = work[{stats} + {row}], rstd = work[{stats + rows} + {row}];",
+        f"      const float y = {_normalised(step, offset)};"]
 
 
 def reads_rows_contiguously(space: Space) -> bool:
