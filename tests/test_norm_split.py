@@ -45,7 +45,7 @@ def test_few_long_rows_take_the_split_norm_in_both_layouts(planned):
     # batch norm behind the convolution: a channel is 4 runs of 128*128 (NCHW) or strided by 8 (channels-last)
     assert nchw["k1"] == ("// strategy: split norm, 8 rows of 65536 in 16 chunks of 4096, then a combine kernel per "
                           "statistic, then a normalise kernel in the output's order")
-    assert nhwc["k1"] == ("// strategy: split norm strided, 8 rows of 65536 in 256 chunks of 256, tiles of 32 rows, "
+    assert nhwc["k1"] == ("// strategy: split norm strided, 8 rows of 65536 in 256 chunks of 256, tiles of 8 rows, "
                           "then a combine kernel per statistic, then a normalise kernel in 32 x 32 tiles transposed "
                           "through shared memory")
     for strategy in (nchw, nhwc):  # batch norm 3-d, layer norm over a sample, group norm over a group

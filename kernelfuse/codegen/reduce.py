@@ -5,7 +5,9 @@ Two row strategies, chosen from the merged space:
   along the row, so loads are coalesced; partial results combine through warp shuffles and shared memory;
 - `strided` (the source's innermost dim is kept, or rows are very short): one thread per row; neighbouring threads own
   neighbouring rows, so loads are coalesced across the warp;
-and `split` for a few long rows (partials per chunk, then an ordered combine).
+and `split` for a few long rows (partials per chunk, then an ordered combine; strided rows in tiles of neighbours).
+A norm over a few long rows (batch norm's channels, a layer or group norm's samples) splits both statistics that
+way (the mean, then the squared deviations around it), then normalises every element in a pass of its own.
 
 Kinds (kernelfuse.ops.reductions): one pass for sum/mean/prod/amax/amin; logsumexp and softmax take the row max
 first (ATen's order: max, then sum of exp(x - max)); norms take the mean, then the biased variance around it
@@ -74,7 +76,7 @@ SPLIT_MIN_ROW = 65536
 SPLIT_TARGET_BLOCKS = 1024
 SPLIT_MIN_CHUNK = 4096
 STRIDED_SPLIT_MAX_ROWS = 32768  # from here one thread per strided row keeps the GPU busy
-STRIDED_TILE = 32  # neighbouring rows a split-strided block reads side by side
+STRIDED_TILE = 32  # neighbouring rows a split-strided block reads side by side (fewer rows: a power of two above)
 STRIDED_MIN_CHUNK = 256  # elements of a row per split-strided block: 32 per warp
 
 
@@ -91,11 +93,17 @@ def split_chunks(step: GenStep) -> int:
     if not reads_rows_contiguously(space):
         if rows >= STRIDED_SPLIT_MAX_ROWS or red < 2 * STRIDED_MIN_CHUNK:
             return 1
-        tiles = -(-rows // STRIDED_TILE)
+        tiles = -(-rows // strided_tile(rows))
         return max(1, min(-(-SPLIT_TARGET_BLOCKS // tiles), red // STRIDED_MIN_CHUNK))
     if rows > SPLIT_MAX_ROWS or red < SPLIT_MIN_ROW:
         return 1
     return max(1, min(-(-SPLIT_TARGET_BLOCKS // rows), red // SPLIT_MIN_CHUNK))
+
+
+def strided_tile(rows: int) -> int:
+    """Strided rows a split block reads side by side: 32, or the power of two that covers fewer rows (16 channels:
+    a warp reads two neighbouring positions of all 16, 128 contiguous bytes, with no thread idle)."""
+    return min(STRIDED_TILE, 1 << max(rows - 1, 0).bit_length())
 
 
 def split_workspace(step: GenStep) -> int:
@@ -122,7 +130,8 @@ def _split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
     strided = not reads_rows_contiguously(space)
     norm = spec.kind == "norm"  # type: ignore[attr-defined]
     op, identity = ("kf_sum_op", "0.0f") if norm else REDUCE_OPS[spec.kind]  # type: ignore[attr-defined]
-    tiles = f", tiles of {STRIDED_TILE} rows" if strided else ""
+    tile = strided_tile(rows)
+    tiles = f", tiles of {tile} rows" if strided else ""
     then = "a combine kernel"
     if norm:
         then += " per statistic, then a normalise kernel " + ("in the output's order" if _transposed_dim(space) is None
@@ -132,7 +141,7 @@ def _split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
     scale = float_literal(1.0 / red)
     k = step.kernel
     combine_grid = f"kf_blocks({rows}LL * 32, {BLOCK})"
-    partial_grid = f"dim3({chunks}, {-(-rows // STRIDED_TILE) if strided else rows})"
+    partial_grid = f"dim3({chunks}, {-(-rows // tile) if strided else rows})"
     if norm:
         stats = rows * chunks  # work: the partials, then each row's mean, then its 1/std
         row = "row_k" if strided else "row"
@@ -183,9 +192,10 @@ def _split_partial(step: GenStep, ctype: str, chunks: int, name: str, term: str,
              "float* __restrict__ work) {",
              f"  typedef {index_type(step)} INDEX;"]
     if strided:
-        lines += [f"  const int tx = threadIdx.x % {STRIDED_TILE}, lane = threadIdx.x / {STRIDED_TILE};",
-                  f"  constexpr int TPR = {BLOCK // STRIDED_TILE};",
-                  f"  const INDEX row = (INDEX)blockIdx.y * {STRIDED_TILE} + tx;",
+        tile = strided_tile(rows)
+        lines += [f"  const int tx = threadIdx.x % {tile}, lane = threadIdx.x / {tile};",
+                  f"  constexpr int TPR = {BLOCK // tile};",
+                  f"  const INDEX row = (INDEX)blockIdx.y * {tile} + tx;",
                   f"  const bool active = row < (INDEX){rows};",
                   "  const INDEX row_k = active ? row : 0;"]
         lines += decompose(space, "k", "row_k", "row_", tensors, "  ")
@@ -200,7 +210,7 @@ def _split_partial(step: GenStep, ctype: str, chunks: int, name: str, term: str,
               f"  float s = {identity};"]
     if strided:
         lines += [f"  if (active) for (INDEX r = begin + lane; r < end; r += TPR) s = {op}()(s, {term});",
-                  f"  __shared__ float part[TPR][{STRIDED_TILE + 1}];",
+                  f"  __shared__ float part[TPR][{tile + 1}];",
                   "  part[lane][tx] = s;",
                   "  __syncthreads();",
                   "  if (lane != 0 || !active) return;",
