@@ -1,10 +1,13 @@
 """Split-norm strategy on the CPU: which norms take it (a few long rows, in both layouts) and which do not, the
-CUDA it renders (five ordered kernels, no float atomics, a workspace the wrapper allocates; nvcc compiles it), and
-the plan interpreter against eager over several training calls, running statistics included."""
+CUDA it renders (five ordered kernels, no float atomics, a workspace the wrapper allocates; nvcc compiles it; run
+in a CPU emulation of CUDA it computes the norm), and the plan interpreter against eager over several training
+calls, running statistics included."""
 
 from __future__ import annotations
 
+import ctypes
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -14,11 +17,13 @@ from optimizer_helpers import pipeline, write_problem
 from test_nvcc_compile import _nvcc
 
 from kernelfuse.codegen import generate
-from kernelfuse.codegen.iteration import space_of
+from kernelfuse.codegen.iteration import space_of, tensor_args
 from kernelfuse.codegen.reduce import split_chunks, split_workspace
 from kernelfuse.plan import Plan, interpret
+from kernelfuse.plan.interpret import _run_generated
 
 FIXTURE = Path(__file__).parent / "fixtures" / "problems" / "norm_split.py"
+EMULATION = Path(__file__).parent / "fixtures" / "cuda_emulation.h"
 PASSES = ("sums", "mean", "deviations", "variance", "normalise")
 
 
@@ -123,3 +128,60 @@ def test_interpreter_matches_eager_over_training_calls(planned):
         for name, buffer in eager.named_buffers():
             torch.testing.assert_close(state[name], buffer, atol=1e-6, rtol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
         assert int(state["bn.num_batches_tracked"]) == 3
+
+
+def _emulated(plan: Plan, tmp_path: Path) -> ctypes.CDLL:
+    """The plan's kernel file built for the CPU against tests/fixtures/cuda_emulation.h, with an
+    `extern "C" int call_kN(void** pointers)` per split kernel (its tensors, out, then the workspace)."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler (g++/c++) on PATH")
+    lines = [ln for ln in generate(plan).cuda.splitlines()
+             if not ln.startswith("#include") and "__half" not in ln and "__nv_bfloat16" not in ln]
+    text = re.sub(r"(\w+(?:<[^<>]*>)?)<<<(.*?), (\w+), 0, stream>>>\((.*)\);",
+                  r"kf_emu_launch(dim3(\2), \3, [&]{ \1(\4); });", "\n".join(lines))
+    for g in plan.generated:
+        if split_workspace(g):
+            pointers = ", ".join(f"p[{i}]" for i in range(len(tensor_args(g)) + 2))
+            text += f'\nextern "C" int call_{g.kernel}(void** p) {{ return {g.kernel}_launch({pointers}, nullptr); }}\n'
+    cpp, lib = tmp_path / f"{plan.variant}.cpp", tmp_path / f"{plan.variant}.so"
+    cpp.write_text(f'#include "{EMULATION}"\n{text}')
+    result = subprocess.run([cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-w", "-pthread", str(cpp), "-o", str(lib)],
+                            capture_output=True, text=True, timeout=600)
+    if result.returncode and "barrier" in result.stderr:
+        pytest.skip("the host compiler has no C++20 <barrier>")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return ctypes.CDLL(str(lib))
+
+
+def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.double() - b.double()).abs().max().item()
+
+
+def test_split_norm_kernels_compute_the_norm_in_a_cpu_emulation(planned, tmp_path):
+    """The generated CUDA itself, run on the CPU: every split norm's output and running statistics are no less
+    accurate than eager's fp32 against a float64 run of the same step (the judge's rule), in both layouts."""
+    problem, plans = planned
+    for plan in plans.values():
+        lib = _emulated(plan, tmp_path)
+        for g in plan.generated:
+            torch.manual_seed(0)
+            env: dict[str, torch.Tensor] = {}
+            ours: list[torch.Tensor] = []
+            for name, ref in tensor_args(g):
+                meta = g.source.meta if name == "src" else plan.graph[ref].meta
+                value = torch.rand(meta.shape) + 0.5 if name == "run_var" else torch.randn(meta.shape) * 2.0 + 0.5
+                env[ref.name] = torch.empty_strided(meta.shape, meta.stride).copy_(value)  # the captured layout
+                ours.append(env[ref.name].clone() if name in ("run_mean", "run_var") else env[ref.name])
+            exact_env = {k: v.double() for k, v in env.items()}
+            exact, eager = _run_generated(g, exact_env), _run_generated(g, env)
+            out, work = torch.empty(g.out_meta.shape), torch.full((split_workspace(g),), float("nan"))
+            pointers = [t.data_ptr() for t in ours] + [out.data_ptr(), work.data_ptr()]
+            assert lib[f"call_{g.kernel}"]((ctypes.c_void_p * len(pointers))(*pointers)) == 0
+            where = f"{plan.variant} {g.kernel}"
+            assert _max_err(out, exact) <= 2 * _max_err(eager, exact) + 1e-6 * exact.abs().max().item(), where
+            for (name, ref), tensor in zip(tensor_args(g), ours, strict=True):
+                if name in ("run_mean", "run_var"):
+                    assert _max_err(tensor, exact_env[ref.name]) <= 2 * _max_err(env[ref.name], exact_env[ref.name]) \
+                        + 1e-6, (where, name)
+                    assert _max_err(tensor, exact_env[ref.name]) < 1e-5, (where, name)
