@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kernelfuse.codegen.common import C_TYPES
 from kernelfuse.codegen.iteration import (
     BLOCK,
     Space,
@@ -120,10 +119,11 @@ def _split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
     """Split reduction: each block reduces one chunk of its rows into `work`; one warp per row combines the chunks
     in order, then the epilogue. Deterministic: the same partials combine the same way on every call.
     Contiguous rows: a block per (chunk, row), its threads along the row. Strided rows: a block per (chunk, tile
-    of 32 neighbouring rows), a warp across the tile (coalesced: neighbouring rows are neighbours in memory) and
-    8 warps along the chunk, combined through shared memory.
+    of up to 32 neighbouring rows), a warp across the tile (coalesced: neighbouring rows are neighbours in memory)
+    and the rest along the chunk, combined through shared memory.
     A norm runs this twice (the sums give each row's mean, then the squared deviations around it give the
-    variance), then normalises every element in a flat pass."""
+    variance; running statistics as the one-kernel norm updates them), then normalises every element in a kernel
+    of its own."""
     spec = step.spec
     space = space_of(step)
     rows, red = space.count("k"), space.count("r")
@@ -152,9 +152,9 @@ def _split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
         if spec.running is not None:  # type: ignore[attr-defined]
             variance += [f"  const float mean = work[{stats} + row];", *_running_lines(step, red, ctype, "  ")]
         lines += _split_partial(step, ctype, chunks, "sums", "value(r)", [], op, identity)
-        lines += _split_combine(step, chunks, "mean", op, identity, [f"  if (lane == 0) work[{stats} + row] = s * {scale};"])
+        lines += _split_combine(step, ctype, chunks, "mean", op, identity, [f"  if (lane == 0) work[{stats} + row] = s * {scale};"])
         lines += _split_partial(step, ctype, chunks, "deviations", "term(r)", deviation, op, identity)
-        lines += _split_combine(step, chunks, "variance", op, identity, variance)
+        lines += _split_combine(step, ctype, chunks, "variance", op, identity, variance)
         lines += _split_normalise(step, ctype, space, stats)
         ds = _transposed_dim(space)
         elements = shape_numel(space.sizes) if ds is None else _tiles(space, ds) * BLOCK  # a tile per block
@@ -165,7 +165,7 @@ def _split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
         finish = [f"  s = s * {scale};  // ATen's mean: sum times 1/N"] if spec.kind == "mean" else []  # type: ignore[attr-defined]
         finish += [ln[2:] for ln in _reduced_store(step, "s", ctype)]
         lines += _split_partial(step, ctype, chunks, "partial", "value(r)", [], op, identity)
-        lines += _split_combine(step, chunks, "combine", op, identity, finish, const=True)
+        lines += _split_combine(step, ctype, chunks, "combine", op, identity, finish, const=True)
         passes = [("partial", partial_grid, "float*"), ("combine", combine_grid, "const float*")]
     params, args = launch_params(step, ctype)
     launches = "\n".join(f"  {k}_{name}<<<{grid}, {BLOCK}, 0, stream>>>({args}, ({ctype}*)out, ({work})work);"
@@ -222,10 +222,9 @@ def _split_partial(step: GenStep, ctype: str, chunks: int, name: str, term: str,
     return lines + [f"  work[row * {chunks} + blockIdx.x] = s;", "}", ""]
 
 
-def _split_combine(step: GenStep, chunks: int, name: str, op: str, identity: str, finish: list[str],
+def _split_combine(step: GenStep, ctype: str, chunks: int, name: str, op: str, identity: str, finish: list[str],
                    const: bool = False) -> list[str]:
     """Kernel `{k}_{name}`: a warp per row combines the row's partials in a fixed order into `s`, then `finish`."""
-    ctype = C_TYPES[step.out_meta.dtype]
     rows = space_of(step).count("k")
     return [f"__global__ void __launch_bounds__({BLOCK}) {step.kernel}_{name}({pointer_params(step, ctype)}, "
             f"{'const ' if const else ''}float* __restrict__ work) {{",
