@@ -16,6 +16,7 @@ import sys
 import torch
 
 from kernelfuse.bench.timer import median_event_ms
+from kernelfuse.emit.flags import _without_tf32
 from kernelfuse.load import load_problem
 from kernelfuse.verify import to_float64
 
@@ -25,17 +26,6 @@ CONVS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
 
 def _err(out: torch.Tensor, ref64: torch.Tensor) -> float:
     return (out.double() - ref64).abs().max().item()
-
-
-def _with_tf32(on: bool, fn):  # noqa: ANN001, ANN202 - a timing thunk
-    def call():  # noqa: ANN202
-        old = torch.backends.cudnn.allow_tf32
-        torch.backends.cudnn.allow_tf32 = on
-        try:
-            return fn()
-        finally:
-            torch.backends.cudnn.allow_tf32 = old
-    return call
 
 
 def _kernels(fn, top: int = 6) -> list[str]:  # noqa: ANN001
@@ -96,7 +86,8 @@ def probe(path: str) -> None:
         convcl = convcl.to(memory_format=cl)
         for tf32 in (False, True):
             for label, mod, inp in (("NCHW", conv, x[0]), ("channels-last", convcl, xcl)):
-                call = _with_tf32(tf32, lambda mod=mod, inp=inp: mod(inp))
+                def call(mod: torch.nn.Module = mod, inp: torch.Tensor = inp, tf32: bool = tf32) -> torch.Tensor:
+                    return mod(inp) if tf32 else _without_tf32(lambda: mod(inp))  # TF32 on: PyTorch's default
                 rows.append((f"conv alone {label}, TF32 {'on' if tf32 else 'off'}", median_event_ms(call),
                              _err(call(), c64)))
     print(f"\n## {problem.name}\n\nTF32 defaults: cudnn.allow_tf32={torch.backends.cudnn.allow_tf32}, "

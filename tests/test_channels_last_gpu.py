@@ -19,15 +19,6 @@ from kernelfuse.rewrite import rewrite
 FIXTURE = Path(__file__).parent / "fixtures" / "problems" / "conv_layouts.py"
 
 
-@pytest.fixture()
-def strict_cudnn():
-    """cuDNN without TF32 on both sides: the layouts' different algorithms then agree to fp32 rounding."""
-    before = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32 = before
-
-
 def _outputs(path: Path, cls: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = runpy.run_path(str(path))[cls]().cuda()

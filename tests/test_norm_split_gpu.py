@@ -47,15 +47,6 @@ def forward(self, x):
 """, "[torch.rand(8, 3, 16, 16, 16)]")
 
 
-@pytest.fixture()
-def strict_cudnn():
-    """cuDNN without TF32 on every side: the convolution's layouts then agree to fp32 rounding."""
-    before = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32 = before
-
-
 def _problem(tmp_path: Path, name: str) -> Path:
     if name == "fixture":
         return FIXTURE
