@@ -26,7 +26,7 @@ def _verdict(correct: bool, ms: float | None = None, eager: float = 4.0) -> Verd
 
 
 def _run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, problem: str, script: dict[str, Verdict],
-         layouts: dict[str, tuple] | None = None) -> tuple:
+         layouts: dict[str, tuple] | None = None, options: OptimizeOptions = OptimizeOptions(use_gpu=True)) -> tuple:
     """`layouts`: each convolution's scripted (NCHW ms, channels-last ms[, fp32]); None: not measurable."""
     judged: list[str] = []
 
@@ -43,7 +43,7 @@ def _run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, problem: str, script: 
     monkeypatch.setattr(pipeline, "measure_conv_layouts", lambda graph, strict: timings)
     monkeypatch.setattr(pipeline.torch.cuda, "get_device_name", lambda *a: "scripted GPU")
     out = tmp_path / "out.py"
-    result = optimize_file(EXAMPLES / f"{problem}.py", out, OptimizeOptions(use_gpu=True), log=lambda s: None)
+    result = optimize_file(EXAMPLES / f"{problem}.py", out, options, log=lambda s: None)
     return result, out.read_text(), judged
 
 
@@ -147,3 +147,17 @@ def test_prebuild_kills_a_stuck_build(tmp_path: Path) -> None:
     pid = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):  # killed with its session, and reaped by prebuild
         os.kill(pid, 0)
+
+
+def test_cpu_check_off_leaves_verification_to_the_judge(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """kernelfuse bench's judge phase: no CPU interpreter check on the GPU worker's path; the judge still judges
+    every plan before one ships, and a failing one is still dropped."""
+    def no_check(*args: object) -> None:
+        raise AssertionError("the CPU check ran")
+
+    monkeypatch.setattr(pipeline, "check_plans", no_check)
+    script = {"fused-nhwc": _verdict(False), "fused-nchw": _verdict(True, 2.5), "unfused": _verdict(True, 4.0)}
+    result, _, judged = _run(monkeypatch, tmp_path, "conv2d_relu_biasadd", script,
+                             options=OptimizeOptions(use_gpu=True, cpu_check=False))
+    assert result.shipped == "fused-nchw" and result.cpu_checks == []
+    assert judged[:2] == ["fused-nhwc", "fused-nchw"]
