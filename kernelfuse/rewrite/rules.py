@@ -19,6 +19,7 @@ from kernelfuse.errors import KernelfuseError
 from kernelfuse.rewrite.anchors import conv_bias_to_epilogue
 from kernelfuse.rewrite.chains import collapse_clamps, common_subexpressions, double_views, neutral_scalars
 from kernelfuse.rewrite.engine import Match, RuleFiring, rebuild, rewire, run_local
+from kernelfuse.rewrite.inplace import inplace_to_functional
 from kernelfuse.rewrite.monotonic import reduce_before_monotonic
 from kernelfuse.rewrite.reductions import (
     avg_pool_linear_output,
@@ -132,6 +133,7 @@ def _first_line(fn: Callable) -> str:
 
 
 RULES: tuple[Rule, ...] = (
+    _local(inplace_to_functional),
     _whole(drop_identities),
     _whole(div_by_scalar_to_mul),
     _local(common_subexpressions),
