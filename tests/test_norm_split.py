@@ -5,14 +5,13 @@ calls, running statistics included."""
 
 from __future__ import annotations
 
-import ctypes
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+from emulation_helpers import call, emulated
 from optimizer_helpers import pipeline, write_problem
 from test_nvcc_compile import _nvcc
 
@@ -23,7 +22,6 @@ from kernelfuse.plan import Plan, interpret
 from kernelfuse.plan.interpret import _run_generated
 
 FIXTURE = Path(__file__).parent / "fixtures" / "problems" / "norm_split.py"
-EMULATION = Path(__file__).parent / "fixtures" / "cuda_emulation.h"
 PASSES = ("sums", "mean", "deviations", "variance", "normalise")
 
 
@@ -130,30 +128,6 @@ def test_interpreter_matches_eager_over_training_calls(planned):
         assert int(state["bn.num_batches_tracked"]) == 3
 
 
-def _emulated(plan: Plan, tmp_path: Path) -> ctypes.CDLL:
-    """The plan's kernel file built for the CPU against tests/fixtures/cuda_emulation.h, with an
-    `extern "C" int call_kN(void** pointers)` per split kernel (its tensors, out, then the workspace)."""
-    cxx = shutil.which("g++") or shutil.which("c++")
-    if cxx is None:
-        pytest.skip("no host C++ compiler (g++/c++) on PATH")
-    lines = [ln for ln in generate(plan).cuda.splitlines()
-             if not ln.startswith("#include") and "__half" not in ln and "__nv_bfloat16" not in ln]
-    text = re.sub(r"(\w+(?:<[^<>]*>)?)<<<(.*?), (\w+), 0, stream>>>\((.*)\);",
-                  r"kf_emu_launch(dim3(\2), \3, [&]{ \1(\4); });", "\n".join(lines))
-    for g in plan.generated:
-        if split_workspace(g):
-            pointers = ", ".join(f"p[{i}]" for i in range(len(tensor_args(g)) + 2))
-            text += f'\nextern "C" int call_{g.kernel}(void** p) {{ return {g.kernel}_launch({pointers}, nullptr); }}\n'
-    cpp, lib = tmp_path / f"{plan.variant}.cpp", tmp_path / f"{plan.variant}.so"
-    cpp.write_text(f'#include "{EMULATION}"\n{text}')
-    result = subprocess.run([cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-w", "-pthread", str(cpp), "-o", str(lib)],
-                            capture_output=True, text=True, timeout=600)
-    if result.returncode and "barrier" in result.stderr:
-        pytest.skip("the host compiler has no C++20 <barrier>")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return ctypes.CDLL(str(lib))
-
-
 def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a.double() - b.double()).abs().max().item()
 
@@ -163,7 +137,7 @@ def test_split_norm_kernels_compute_the_norm_in_a_cpu_emulation(planned, tmp_pat
     accurate than eager's fp32 against a float64 run of the same step (the judge's rule), in both layouts."""
     problem, plans = planned
     for plan in plans.values():
-        lib = _emulated(plan, tmp_path)
+        lib = emulated(plan, tmp_path)
         for g in plan.generated:
             torch.manual_seed(0)
             env: dict[str, torch.Tensor] = {}
@@ -176,8 +150,7 @@ def test_split_norm_kernels_compute_the_norm_in_a_cpu_emulation(planned, tmp_pat
             exact_env = {k: v.double() for k, v in env.items()}
             exact, eager = _run_generated(g, exact_env), _run_generated(g, env)
             out, work = torch.empty(g.out_meta.shape), torch.full((split_workspace(g),), float("nan"))
-            pointers = [t.data_ptr() for t in ours] + [out.data_ptr(), work.data_ptr()]
-            assert lib[f"call_{g.kernel}"]((ctypes.c_void_p * len(pointers))(*pointers)) == 0
+            call(lib, g, [*ours, out, work])
             where = f"{plan.variant} {g.kernel}"
             assert _max_err(out, exact) <= 2 * _max_err(eager, exact) + 1e-6 * exact.abs().max().item(), where
             for (name, ref), tensor in zip(tensor_args(g), ours, strict=True):

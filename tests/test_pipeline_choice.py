@@ -26,7 +26,7 @@ def _verdict(correct: bool, ms: float | None = None, eager: float = 4.0) -> Verd
 
 
 def _run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, problem: str, script: dict[str, Verdict],
-         layouts: dict[str, tuple] | None = None, options: OptimizeOptions = OptimizeOptions(use_gpu=True)) -> tuple:
+         layouts: dict[str, tuple] | None = None, options: OptimizeOptions | None = None) -> tuple:
     """`layouts`: each convolution's scripted (NCHW ms, channels-last ms[, fp32]); None: not measurable."""
     judged: list[str] = []
 
@@ -43,7 +43,8 @@ def _run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, problem: str, script: 
     monkeypatch.setattr(pipeline, "measure_conv_layouts", lambda graph, strict: timings)
     monkeypatch.setattr(pipeline.torch.cuda, "get_device_name", lambda *a: "scripted GPU")
     out = tmp_path / "out.py"
-    result = optimize_file(EXAMPLES / f"{problem}.py", out, options, log=lambda s: None)
+    result = optimize_file(EXAMPLES / f"{problem}.py", out, options or OptimizeOptions(use_gpu=True),
+                           log=lambda s: None)
     return result, out.read_text(), judged
 
 

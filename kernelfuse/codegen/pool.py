@@ -1,4 +1,10 @@
-"""Pooling kernels (max/avg, 1-3-d) for generated kernels: one thread per output element walks its window."""
+"""Pooling kernels (max/avg, 1-3-d) for generated kernels: one thread per output element walks its window.
+
+Threads take output elements in the order of the source's memory: NCHW order for an NCHW source; channel fastest
+for a channels-last source (a channels-last convolution's output), so that a warp reads neighbouring channels,
+which lie next to each other, instead of reading one float from each of 32 sectors C floats apart. The NCHW
+output is then written with a stride; an output is a window's size smaller than what is read.
+"""
 
 from __future__ import annotations
 
@@ -32,15 +38,25 @@ def pool_kernel(step: GenStep, ctype: str) -> str:
     numel = shape_numel(out_shape)
     isz, osz = shape_numel(in_shape[-nd:]), shape_numel(out_shape[-nd:])
     max_pool = spec.kind == "max_pool"  # type: ignore[attr-defined]
+    channels_last = reads_channels_last(step) and len(lead_in) == 2  # (N, C) before the pooled dims
+    order = "channel fastest (channels-last source)" if channels_last else "output order"
     lines = [f"// pooling: kernel {list(win.kernel)}, stride {list(win.stride)}, padding {list(win.padding)}, "
-             f"dilation {list(win.dilation)}",
+             f"dilation {list(win.dilation)}; threads in {order}",
              f"__global__ void __launch_bounds__({BLOCK}) {k}_kernel({pointer_params(step, ctype)}) {{",
              f"  typedef {index_t} INDEX;",
-             f"  for (INDEX i = (INDEX)blockIdx.x * {BLOCK} + threadIdx.x; i < (INDEX){numel}; "
-             f"i += (INDEX)gridDim.x * {BLOCK}) {{"]
+             f"  for (INDEX t = (INDEX)blockIdx.x * {BLOCK} + threadIdx.x; t < (INDEX){numel}; "
+             f"t += (INDEX)gridDim.x * {BLOCK}) {{"]
     lines += value_lambda(step, space, "k", None)
-    lines.append(f"    const INDEX lead = i / {osz};")
-    lines.append(f"    INDEX rest = i % {osz};")
+    if channels_last:  # t = ((n * positions) + q) * C + c; i is the NCHW output index of the same element
+        channels = in_shape[1]
+        lines.append(f"    const INDEX c = t % {channels}, nq = t / {channels};")
+        lines.append(f"    const INDEX lead = (nq / {osz}) * {channels} + c;")
+        lines.append(f"    INDEX rest = nq % {osz};")
+        lines.append(f"    const INDEX i = lead * {osz} + rest;")
+    else:
+        lines.append("    const INDEX i = t;")
+        lines.append(f"    const INDEX lead = i / {osz};")
+        lines.append(f"    INDEX rest = i % {osz};")
     for d in reversed(range(nd)):
         lines.append(f"    const int q{d} = (int)(rest % {out_shape[-nd + d]}); rest /= {out_shape[-nd + d]};")
     for d in range(nd):
@@ -68,6 +84,13 @@ def pool_kernel(step: GenStep, ctype: str) -> str:
     lines.append(f"    out[i] = kf_store<{ctype}>(e_result);")
     lines += ["  }", "}", ""]
     return "\n".join(lines) + launcher(step, ctype, f"kf_blocks({numel}LL, {BLOCK})")
+
+
+def reads_channels_last(step: GenStep) -> bool:
+    """Is the source laid out channels-last: (N, C, spatial...) with the channel dim at unit stride and at least
+    one spatial dim of more than one element (a 1x1 map is the same in either layout)?"""
+    shape, strides = step.prologue.space, step.source.strides
+    return len(shape) >= 3 and shape[1] > 1 and strides[1] == 1 and any(n > 1 for n in shape[2:])
 
 
 def _avg_divisor(win, sizes: tuple[int, ...]) -> list[str]:

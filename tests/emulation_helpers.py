@@ -1,0 +1,55 @@
+"""Run a plan's generated CUDA on the CPU: the kernel file built with the host compiler against
+tests/fixtures/cuda_emulation.h (block threads as std::threads, barriers and shuffles emulated), with an
+`extern "C" int call_kN(void** pointers)` per generated kernel (its tensors, out, then the workspace if any)."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kernelfuse.codegen import generate
+from kernelfuse.codegen.iteration import tensor_args
+from kernelfuse.codegen.reduce import split_workspace
+from kernelfuse.plan import Plan
+from kernelfuse.plan.ir import GenStep
+
+EMULATION = Path(__file__).parent / "fixtures" / "cuda_emulation.h"
+
+
+def emulated(plan: Plan, tmp_path: Path) -> ctypes.CDLL:
+    """The plan's kernels as a CPU library (skips the test where no C++20 host compiler is found)."""
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler (g++/c++) on PATH")
+    lines = [ln for ln in generate(plan).cuda.splitlines()
+             if not ln.startswith("#include") and "__half" not in ln and "__nv_bfloat16" not in ln]
+    text = re.sub(r"(\w+(?:<[^<>]*>)?)<<<(.*?), (\w+), 0, stream>>>\((.*)\);",
+                  r"kf_emu_launch(dim3(\2), \3, [&]{ \1(\4); });", "\n".join(lines))
+    for g in plan.generated:
+        pointers = ", ".join(f"p[{i}]" for i in range(pointer_count(g)))
+        text += f'\nextern "C" int call_{g.kernel}(void** p) {{ return {g.kernel}_launch({pointers}, nullptr); }}\n'
+    cpp, lib = tmp_path / f"{plan.variant}.cpp", tmp_path / f"{plan.variant}.so"
+    cpp.write_text(f'#include "{EMULATION}"\n{text}')
+    result = subprocess.run([cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-w", "-pthread", str(cpp), "-o", str(lib)],
+                            capture_output=True, text=True, timeout=600)
+    if result.returncode and "barrier" in result.stderr:
+        pytest.skip("the host compiler has no C++20 <barrier>")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return ctypes.CDLL(str(lib))
+
+
+def pointer_count(step: GenStep) -> int:
+    """Pointers its launcher takes before the stream: every tensor it reads, out, and a split's workspace."""
+    return len(tensor_args(step)) + 1 + (1 if split_workspace(step) else 0)
+
+
+def call(lib: ctypes.CDLL, step: GenStep, tensors: list) -> None:
+    """Launch `step`'s kernel(s) on CPU tensors (inputs in tensor_args order, out, workspace); assert success."""
+    pointers = [t.data_ptr() for t in tensors]
+    assert len(pointers) == pointer_count(step)
+    assert lib[f"call_{step.kernel}"]((ctypes.c_void_p * len(pointers))(*pointers)) == 0
