@@ -88,7 +88,12 @@ def judge(spec: JobSpec) -> dict[str, Any]:
         options = OptimizeOptions(precision=spec.precision, timeout_s=spec.timeout_s,
                                   use_gpu=False if spec.cpu_only else None, final_baselines=spec.baselines,
                                   cpu_check=spec.cpu_only)  # on a GPU the judge verifies; keep its worker busy
-        result = optimize_file(spec.problem, spec.output, options, log=lambda s: print(s, flush=True))
+        started = time.perf_counter()  # each line stamped: where a problem's seconds go on the GPU worker's path
+
+        def log(line: str) -> None:
+            print(f"[{time.perf_counter() - started:6.1f} s] {line}", flush=True)
+
+        result = optimize_file(spec.problem, spec.output, options, log=log)
         return {"verdict": result.final.to_json() if result.final is not None else None, "shipped": result.shipped,
                 "notes": result.notes, "cold_build_s": result.cold_build_s, "output": str(result.output)}
     from kernelfuse.judge import EvalOptions, evaluate
