@@ -53,3 +53,20 @@ def call(lib: ctypes.CDLL, step: GenStep, tensors: list) -> None:
     pointers = [t.data_ptr() for t in tensors]
     assert len(pointers) == pointer_count(step)
     assert lib[f"call_{step.kernel}"]((ctypes.c_void_p * len(pointers))(*pointers)) == 0
+
+
+def emulated_and_interpreted(lib: ctypes.CDLL, plan: Plan, step: GenStep, seed: int = 0) -> tuple:
+    """(the kernel's output, the plan interpreter's) for random tensors in the layouts the plan gives them."""
+    import torch
+
+    from kernelfuse.plan.interpret import _run_generated
+
+    torch.manual_seed(seed)
+    env, tensors = {}, []
+    for name, ref in tensor_args(step):
+        meta = step.source.meta if name == "src" else plan.graph[ref].meta
+        env[ref.name] = torch.empty_strided(meta.shape, meta.stride).copy_(torch.randn(meta.shape))
+        tensors.append(env[ref.name])
+    out = torch.full(step.out_meta.shape, float("nan"))
+    call(lib, step, [*tensors, out])
+    return out, _run_generated(step, env)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from emulation_helpers import emulated, emulated_and_interpreted
 from optimizer_helpers import (
     EXAMPLE_NAMES,
     EXAMPLES,
@@ -416,3 +417,22 @@ def test_fused_step_output_order_with_two_outputs(tmp_path):
     assert step.replaces == ("addmm", "sigmoid", "mul")
     assert g.outputs[1] == Ref(step.out)
     assert_interpreter_matches(problem, plan)
+
+
+def test_epilogue_joins_a_reduction_through_a_reshape(tmp_path):
+    """conv -> bias -> scale -> view(n, c, -1) -> softmax: an NCHW anchor's epilogue runs in the softmax's
+    prologue (a rename of the same flat index), not in a pass of its own; channels-last keeps its epilogue
+    (its rows' elements would lie C apart: one thread per long row)."""
+    problem, g, plans = _conv_plans(tmp_path, """
+    return torch.softmax((self.conv(x) * self.scale).view(2, 8, -1), dim=2)
+    """)
+    by_variant = {p.variant: p for p in plans}
+    nchw, nhwc = by_variant["fused-nchw"], by_variant["fused-nhwc"]
+    (gen,) = nchw.generated
+    assert gen.chain(nchw.graph) == "add -> mul -> view -> _softmax"
+    assert gen.source.ref.name == nchw.fused[0].anchor.node.name and not nchw.fused[0].needs_kernel
+    assert [s.chain(nhwc.graph) for s in nhwc.fused] == ["convolution -> add -> mul"]
+    for plan in plans:
+        assert_interpreter_matches(problem, plan, **CPU_BIAS)
+    out, expected = emulated_and_interpreted(emulated(nchw, tmp_path), nchw, gen)  # the CUDA, on the CPU
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)

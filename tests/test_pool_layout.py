@@ -8,14 +8,12 @@ import subprocess
 
 import pytest
 import torch
-from emulation_helpers import call, emulated
+from emulation_helpers import emulated, emulated_and_interpreted
 from optimizer_helpers import assert_interpreter_matches, pipeline, write_problem
 from test_nvcc_compile import _nvcc
 
 from kernelfuse.codegen import generate
-from kernelfuse.codegen.iteration import tensor_args
 from kernelfuse.codegen.pool import reads_channels_last
-from kernelfuse.plan.interpret import _run_generated
 
 POOLS = """
 def __init__(self):
@@ -68,15 +66,7 @@ def test_pool_kernels_run_in_a_cpu_emulation(plans, tmp_path):
     for plan in by_variant.values():
         lib = emulated(plan, tmp_path)
         for g in _pools(plan):
-            torch.manual_seed(0)
-            env, tensors = {}, []
-            for name, ref in tensor_args(g):
-                meta = g.source.meta if name == "src" else plan.graph[ref].meta
-                env[ref.name] = torch.empty_strided(meta.shape, meta.stride).copy_(torch.randn(meta.shape))
-                tensors.append(env[ref.name])
-            out = torch.full(g.out_meta.shape, float("nan"))
-            call(lib, g, [*tensors, out])
-            expected = _run_generated(g, env)
+            out, expected = emulated_and_interpreted(lib, plan, g)
             torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6, msg=lambda m, k=g.kernel: f"{k}: {m}")
 
 

@@ -25,7 +25,7 @@ from kernelfuse.plan.ir import (
     Step,
     TorchStep,
 )
-from kernelfuse.plan.schedule import FLOAT_DTYPES, build_program, schedule, space_strides
+from kernelfuse.plan.schedule import FLOAT_DTYPES, RESHAPES, build_program, schedule, space_strides
 
 
 @dataclass(frozen=True)
@@ -111,11 +111,14 @@ def _merge_into_reductions(graph: Graph, by_out: dict[str, Step]) -> None:
     """An anchor epilogue whose value only a reduction kernel reads joins that kernel's prologue: in place (NCHW),
     or straight from a channels-last convolution's output, which the reduction then reads through its strides."""
     gens = {s.source.ref.name: s for s in by_out.values() if isinstance(s, GenStep) and s.spec is not None}
+    through = _reshaped_sources(graph, gens)
     for name, step in list(by_out.items()):
         if not isinstance(step, FusedStep) or not (step.inplace and step.epilogue.statements or
                                                    step.anchor.layout == "nhwc"):
             continue
-        gen = gens.get(name)
+        gen, reshape = (gens[name], None) if name in gens else through.get(name, (None, None))
+        if reshape is not None and not step.inplace:
+            continue  # a channels-last source regrouped: its rows' elements lie C apart, one thread per long row
         if gen is None or len(graph.users(name)) != 1 or graph.is_output(name):
             continue
         acc_name = step.replaces[1] if step.anchor.fused_relu else step.replaces[0]
@@ -128,19 +131,35 @@ def _merge_into_reductions(graph: Graph, by_out: dict[str, Step]) -> None:
             continue
         first = [Operand(o.ref, o.meta, s) for o, s in zip(step.epilogue.operands, operands, strict=True)]
         shift = len(first)
-        renamed = {"acc": step.epilogue.result}
+        regroup = () if reshape is None else (  # same flat order: a rename inside the kernel
+            Statement(reshape.name, "reshape", reshape.op, (step.epilogue.result,), (gen.prologue.space,)),)
+        renamed = {"acc": reshape.name if reshape is not None else step.epilogue.result}
         renamed.update({f"in{i}": f"in{i + shift}" for i in range(len(gen.prologue.operands))})
         later = tuple(Statement(st.name, st.op, st.aten, tuple(renamed.get(a, a) if isinstance(a, str) else a
                                                                 for a in st.args), st.params)
                       for st in gen.prologue.statements)
-        prologue = Program(step.epilogue.statements + later, tuple(first) + gen.prologue.operands, gen.prologue.space)
+        prologue = Program(step.epilogue.statements + regroup + later, tuple(first) + gen.prologue.operands,
+                           gen.prologue.space)
         anchor_only = replace(step, epilogue=Epilogue((), (), acc_meta), replaces=step.replaces[:len(step.replaces) -
                               len(step.epilogue.statements)], out=acc_name, keeps_layout=step.anchor.layout == "nhwc")
         merged = replace(gen, source=Operand(Ref(acc_name), acc_meta, source_strides), prologue=prologue,
-                         replaces=tuple(s.name for s in step.epilogue.statements) + gen.replaces)
+                         replaces=tuple(s.name for s in step.epilogue.statements + regroup) + gen.replaces)
         del by_out[name]
         by_out[acc_name] = anchor_only
         by_out[gen.out] = merged
+
+
+def _reshaped_sources(graph: Graph, gens: dict[str, GenStep]) -> dict[str, tuple[GenStep, Node]]:
+    """Reduction kernels whose source is a reshape (same flat order) of a value only that reshape reads, keyed by
+    that value: an NCHW anchor's epilogue can join them through the reshape (a softmax over
+    `conv(x).view(n, c, -1)`: the epilogue runs in the softmax's prologue, not in a pass of its own)."""
+    found = {}
+    for source, gen in gens.items():
+        node = graph[source]
+        refs = node.refs
+        if node.op in RESHAPES and len(refs) == 1 and len(graph.users(source)) == 1 and not graph.is_output(source):
+            found[refs[0].name] = (gen, node)
+    return found
 
 
 def channels_last_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
