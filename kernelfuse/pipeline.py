@@ -45,6 +45,9 @@ class OptimizeOptions:
     # False: on a GPU the judge alone verifies the plans (kernelfuse bench: the CPU check, seconds to tens of
     # seconds, would sit on the GPU worker's critical path; the judge verifies every plan before it ships)
     cpu_check: bool = True
+    # False: the variants are not built in parallel first (kernelfuse bench: its build phase built them on other
+    # cores; the judge builds whatever it does not find in the cache)
+    prebuild: bool = True
 
 
 @dataclass(frozen=True)
@@ -141,10 +144,11 @@ def _choose_on_gpu(problem: Problem, plans: list[Plan], options: OptimizeOptions
         files[plan.variant] = path
     log(f"[5/5] building {len(files)} variant(s) in parallel, then judging each ({options.trials} trials, "
         f"{options.precision})")
-    started = time.perf_counter()
-    prebuild(list(files.values()), options.timeout_s)
-    result.cold_build_s = time.perf_counter() - started
-    log(f"      cold build of {len(files)} extension(s) in parallel: {result.cold_build_s:.1f} s")
+    if options.prebuild:
+        started = time.perf_counter()
+        prebuild(list(files.values()), options.timeout_s)
+        result.cold_build_s = time.perf_counter() - started
+        log(f"      cold build of {len(files)} extension(s) in parallel: {result.cold_build_s:.1f} s")
     if len(plans) == 1 or in_order:  # each plan's judgement (with every baseline) decides, in order
         return _ship_first_faster(problem, plans, files, options, result, log)
     quick = judge_options(options, ("eager",))

@@ -6,6 +6,7 @@ verifies or pays, the unfused file (the original ops) ships and the notes say wh
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,8 @@ def _verdict(correct: bool, ms: float | None = None, eager: float = 4.0) -> Verd
 
 
 def _run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, problem: str, script: dict[str, Verdict],
-         layouts: dict[str, tuple] | None = None, options: OptimizeOptions | None = None) -> tuple:
+         layouts: dict[str, tuple] | None = None, options: OptimizeOptions | None = None,
+         patch: Callable[[], None] = lambda: None) -> tuple:
     """`layouts`: each convolution's scripted (NCHW ms, channels-last ms[, fp32]); None: not measurable."""
     judged: list[str] = []
 
@@ -42,6 +44,7 @@ def _run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, problem: str, script: 
     timings = None if layouts is None else [LayoutTiming(n, *t) for n, t in layouts.items()]
     monkeypatch.setattr(pipeline, "measure_conv_layouts", lambda graph, strict: timings)
     monkeypatch.setattr(pipeline.torch.cuda, "get_device_name", lambda *a: "scripted GPU")
+    patch()  # a test's own stand-ins, over the defaults above
     out = tmp_path / "out.py"
     result = optimize_file(EXAMPLES / f"{problem}.py", out, options or OptimizeOptions(use_gpu=True),
                            log=lambda s: None)
@@ -151,14 +154,17 @@ def test_prebuild_kills_a_stuck_build(tmp_path: Path) -> None:
 
 
 def test_cpu_check_off_leaves_verification_to_the_judge(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """kernelfuse bench's judge phase: no CPU interpreter check on the GPU worker's path; the judge still judges
-    every plan before one ships, and a failing one is still dropped."""
-    def no_check(*args: object) -> None:
-        raise AssertionError("the CPU check ran")
+    """kernelfuse bench's judge phase: no CPU interpreter check and no second round of builds on the GPU
+    worker's path; the judge still judges every plan before one ships, and a failing one is still dropped."""
+    def refuse(what: str):  # noqa: ANN202 - a stand-in that fails the test when called
+        def called(*args: object, **kwargs: object) -> None:
+            raise AssertionError(f"{what} ran")
+        return called
 
-    monkeypatch.setattr(pipeline, "check_plans", no_check)
+    monkeypatch.setattr(pipeline, "check_plans", refuse("the CPU check"))
     script = {"fused-nhwc": _verdict(False), "fused-nchw": _verdict(True, 2.5), "unfused": _verdict(True, 4.0)}
     result, _, judged = _run(monkeypatch, tmp_path, "conv2d_relu_biasadd", script,
-                             options=OptimizeOptions(use_gpu=True, cpu_check=False))
-    assert result.shipped == "fused-nchw" and result.cpu_checks == []
+                             options=OptimizeOptions(use_gpu=True, cpu_check=False, prebuild=False),
+                             patch=lambda: monkeypatch.setattr(pipeline, "prebuild", refuse("prebuild")))
+    assert result.shipped == "fused-nchw" and result.cpu_checks == [] and result.cold_build_s is None
     assert judged[:2] == ["fused-nhwc", "fused-nchw"]

@@ -87,7 +87,8 @@ def judge(spec: JobSpec) -> dict[str, Any]:
 
         options = OptimizeOptions(precision=spec.precision, timeout_s=spec.timeout_s,
                                   use_gpu=False if spec.cpu_only else None, final_baselines=spec.baselines,
-                                  cpu_check=spec.cpu_only)  # on a GPU the judge verifies; keep its worker busy
+                                  cpu_check=spec.cpu_only, prebuild=False)  # the build phase built; the judge
+        # verifies: the GPU worker's path carries neither the CPU check nor a second round of build processes
         started = time.perf_counter()  # each line stamped: where a problem's seconds go on the GPU worker's path
 
         def log(line: str) -> None:
