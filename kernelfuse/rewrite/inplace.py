@@ -3,7 +3,9 @@
 Models written with `nn.ReLU(inplace=True)`, `out += identity` or `F.relu6(x, inplace=True)` trace to
 `relu_.default`, `add_.Tensor`, `hardtanh_.default`: ops the planner never fuses and that make `drop_identities`
 keep the graph as traced. When nothing else can observe the mutation, `op_(x, *args)` and `op(x, *args)` give the
-same value, and only the out-of-place form is a pure op the planner can put in a kernel.
+same value, and only the out-of-place form is a pure op the planner can put in a kernel. The rule runs first so
+`drop_identities` sees the functional graph; an update of a buffer (batch norm's `num_batches_tracked += 1` in
+training mode) stays in place, so that pass still keeps such a graph as traced.
 """
 
 from __future__ import annotations
