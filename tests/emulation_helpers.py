@@ -14,7 +14,7 @@ import pytest
 
 from kernelfuse.codegen import generate
 from kernelfuse.codegen.iteration import tensor_args
-from kernelfuse.codegen.reduce import split_workspace
+from kernelfuse.codegen.split import split_workspace
 from kernelfuse.plan import Plan
 from kernelfuse.plan.ir import GenStep
 

@@ -17,7 +17,7 @@ from test_nvcc_compile import _nvcc
 
 from kernelfuse.codegen import generate
 from kernelfuse.codegen.iteration import space_of, tensor_args
-from kernelfuse.codegen.reduce import split_chunks, split_workspace
+from kernelfuse.codegen.split import split_chunks, split_workspace
 from kernelfuse.plan import Plan, interpret
 from kernelfuse.plan.interpret import _run_generated
 

@@ -1,8 +1,8 @@
 """CUDA for generated kernels (plan GenSteps): the dispatch by family, pointwise kernels and the C++ wrappers.
 
 Pointwise kernels move 16 bytes per access where the source is contiguous over the space; reductions, softmax and
-norms are in kernelfuse.codegen.reduce, pooling in kernelfuse.codegen.pool; the shared iteration machinery in
-kernelfuse.codegen.iteration.
+norms are in kernelfuse.codegen.reduce (their split form over a few long rows in kernelfuse.codegen.split),
+pooling in kernelfuse.codegen.pool; the shared iteration machinery in kernelfuse.codegen.iteration.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from kernelfuse.codegen.iteration import (
     value_lambda,
 )
 from kernelfuse.codegen.pool import pool_kernel
-from kernelfuse.codegen.reduce import REDUCE_PRELUDE, row_kernel, split_workspace
+from kernelfuse.codegen.reduce import REDUCE_PRELUDE, row_kernel
+from kernelfuse.codegen.split import split_chunks, split_kernel, split_workspace
 from kernelfuse.ops import float_literal
 from kernelfuse.plan.ir import GenStep, Plan
 
@@ -37,6 +38,8 @@ def render_generated(plan: Plan, step: GenStep) -> tuple[str, str]:
         body = _flat_kernel(step, ctype)
     elif spec.window is not None:  # type: ignore[attr-defined]
         body = pool_kernel(step, ctype)
+    elif split_chunks(step) > 1:
+        body = split_kernel(step, ctype, split_chunks(step))
     else:
         body = row_kernel(step, ctype)
     return f"// {step.kernel}: {step.chain(plan.graph)}\n{body}", _wrapper(plan, step)

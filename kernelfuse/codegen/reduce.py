@@ -5,9 +5,7 @@ Two row strategies, chosen from the merged space:
   along the row, so loads are coalesced; partial results combine through warp shuffles and shared memory;
 - `strided` (the source's innermost dim is kept, or rows are very short): one thread per row; neighbouring threads own
   neighbouring rows, so loads are coalesced across the warp;
-and `split` for a few long rows (partials per chunk, then an ordered combine; strided rows in tiles of neighbours).
-A norm over a few long rows (batch norm's channels, a layer or group norm's samples) splits both statistics that
-way (the mean, then the squared deviations around it), then normalises every element in a pass of its own.
+and `split` for a few long rows (kernelfuse.codegen.split, which shares this module's numerics).
 
 Kinds (kernelfuse.ops.reductions): one pass for sum/mean/prod/amax/amin; logsumexp and softmax take the row max
 first (ATen's order: max, then sum of exp(x - max)); norms take the mean, then the biased variance around it
@@ -26,10 +24,8 @@ from kernelfuse.codegen.iteration import (
     decompose,
     epilogue_lines,
     index_type,
-    launch_params,
     launcher,
     pointer_params,
-    shape_numel,
     space_of,
     value_lambda,
 )
@@ -69,257 +65,6 @@ REDUCE_OPS = {"sum": ("kf_sum_op", "0.0f"), "mean": ("kf_sum_op", "0.0f"), "prod
               "amax": ("kf_max_op", "(-INFINITY)"), "amin": ("kf_min_op", "INFINITY")}
 
 
-SPLIT_KINDS = frozenset({*REDUCE_OPS, "norm"})  # norm: the statistics split, then one pass over every element
-SPLIT_MAX_ROWS = 264  # two rows per SM of an H100: fewer rows than this leave multiprocessors idle
-SPLIT_MIN_ROW = 65536
-SPLIT_TARGET_BLOCKS = 1024
-SPLIT_MIN_CHUNK = 4096
-STRIDED_SPLIT_MAX_ROWS = 32768  # from here one thread per strided row keeps the GPU busy
-STRIDED_TILE = 32  # neighbouring rows a split-strided block reads side by side (fewer rows: a power of two above)
-STRIDED_MIN_CHUNK = 256  # elements of a row per split-strided block: 32 per warp
-
-
-def split_chunks(step: GenStep) -> int:
-    """Chunks per row for a split reduction or normalisation (1: none). A few long rows (a loss over the whole
-    tensor, a sum over a large outer dim, batch norm's channels) are cut into chunks reduced by separate blocks,
-    then combined in a fixed order. Rows whose elements are strided (a channels-last output pooled over space) are
-    split too while there are too few rows for a thread each to fill the GPU."""
-    spec = step.spec
-    if spec is None or spec.kind not in SPLIT_KINDS or spec.window is not None:  # type: ignore[attr-defined]
-        return 1
-    space = space_of(step)
-    rows, red = space.count("k"), space.count("r")
-    if not reads_rows_contiguously(space):
-        if rows >= STRIDED_SPLIT_MAX_ROWS or red < 2 * STRIDED_MIN_CHUNK:
-            return 1
-        tiles = -(-rows // strided_tile(rows))
-        return max(1, min(-(-SPLIT_TARGET_BLOCKS // tiles), red // STRIDED_MIN_CHUNK))
-    if rows > SPLIT_MAX_ROWS or red < SPLIT_MIN_ROW:
-        return 1
-    return max(1, min(-(-SPLIT_TARGET_BLOCKS // rows), red // SPLIT_MIN_CHUNK))
-
-
-def strided_tile(rows: int) -> int:
-    """Strided rows a split block reads side by side: 32, or the power of two that covers fewer rows (16 channels:
-    a warp reads two neighbouring positions of all 16, 128 contiguous bytes, with no thread idle)."""
-    return min(STRIDED_TILE, 1 << max(rows - 1, 0).bit_length())
-
-
-def split_workspace(step: GenStep) -> int:
-    """Floats of device workspace a split kernel needs (0: none): a partial result per (row, chunk); a split norm
-    adds each row's mean and 1/std after them."""
-    chunks = split_chunks(step)
-    if chunks == 1:
-        return 0
-    rows = space_of(step).count("k")
-    return rows * chunks + (2 * rows if step.spec.kind == "norm" else 0)  # type: ignore[attr-defined]
-
-
-def _split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
-    """Split reduction: each block reduces one chunk of its rows into `work`; one warp per row combines the chunks
-    in order, then the epilogue. Deterministic: the same partials combine the same way on every call.
-    Contiguous rows: a block per (chunk, row), its threads along the row. Strided rows: a block per (chunk, tile
-    of up to 32 neighbouring rows), a warp across the tile (coalesced: neighbouring rows are neighbours in memory)
-    and the rest along the chunk, combined through shared memory.
-    A norm runs this twice (the sums give each row's mean, then the squared deviations around it give the
-    variance; running statistics as the one-kernel norm updates them), then normalises every element in a kernel
-    of its own."""
-    spec = step.spec
-    space = space_of(step)
-    rows, red = space.count("k"), space.count("r")
-    strided = not reads_rows_contiguously(space)
-    norm = spec.kind == "norm"  # type: ignore[attr-defined]
-    op, identity = ("kf_sum_op", "0.0f") if norm else REDUCE_OPS[spec.kind]  # type: ignore[attr-defined]
-    tile = strided_tile(rows)
-    tiles = f", tiles of {tile} rows" if strided else ""
-    then = "a combine kernel"
-    if norm:
-        then += " per statistic, then a normalise kernel " + ("in the output's order" if _transposed_dim(space) is None
-                                                             else "in 32 x 32 tiles transposed through shared memory")
-    lines = [f"// strategy: split{' norm' if norm else ''}{' strided' if strided else ''}, {rows} rows of {red} in "
-             f"{chunks} chunks of {-(-red // chunks)}{tiles}, then {then}"]
-    scale = float_literal(1.0 / red)
-    k = step.kernel
-    combine_grid = f"kf_blocks({rows}LL * 32, {BLOCK})"
-    partial_grid = f"dim3({chunks}, {-(-rows // tile) if strided else rows})"
-    if norm:
-        stats = rows * chunks  # work: the partials, then each row's mean, then its 1/std
-        row = "row_k" if strided else "row"
-        deviation = [f"  const float mean = work[{stats} + {row}];",
-                     "  auto term = [&](INDEX r) -> float { const float d = value(r) - mean; return d * d; };"]
-        variance = [f"  const float var = s * {scale}, rstd = {_rstd(step)};",
-                    f"  if (lane == 0) work[{stats + rows} + row] = rstd;"]
-        if spec.running is not None:  # type: ignore[attr-defined]
-            variance += [f"  const float mean = work[{stats} + row];", *_running_lines(step, red, ctype, "  ")]
-        lines += _split_partial(step, ctype, chunks, "sums", "value(r)", [], op, identity)
-        lines += _split_combine(step, ctype, chunks, "mean", op, identity, [f"  if (lane == 0) work[{stats} + row] = s * {scale};"])
-        lines += _split_partial(step, ctype, chunks, "deviations", "term(r)", deviation, op, identity)
-        lines += _split_combine(step, ctype, chunks, "variance", op, identity, variance)
-        lines += _split_normalise(step, ctype, space, stats)
-        ds = _transposed_dim(space)
-        elements = shape_numel(space.sizes) if ds is None else _tiles(space, ds) * BLOCK  # a tile per block
-        passes = [("sums", partial_grid, "float*"), ("mean", combine_grid, "float*"),
-                  ("deviations", partial_grid, "float*"), ("variance", combine_grid, "float*"),
-                  ("normalise", f"kf_blocks({elements}LL, {BLOCK})", "const float*")]
-    else:
-        finish = [f"  s = s * {scale};  // ATen's mean: sum times 1/N"] if spec.kind == "mean" else []  # type: ignore[attr-defined]
-        finish += [ln[2:] for ln in _reduced_store(step, "s", ctype)]
-        lines += _split_partial(step, ctype, chunks, "partial", "value(r)", [], op, identity)
-        lines += _split_combine(step, ctype, chunks, "combine", op, identity, finish, const=True)
-        passes = [("partial", partial_grid, "float*"), ("combine", combine_grid, "const float*")]
-    params, args = launch_params(step, ctype)
-    launches = "\n".join(f"  {k}_{name}<<<{grid}, {BLOCK}, 0, stream>>>({args}, ({ctype}*)out, ({work})work);"
-                         for name, grid, work in passes)
-    lines.append(f"""
-cudaError_t {k}_launch({params}, void* out, void* work, cudaStream_t stream) {{
-{launches}
-  return cudaGetLastError();
-}}
-""")
-    return "\n".join(lines)
-
-
-def _split_partial(step: GenStep, ctype: str, chunks: int, name: str, term: str, before: list[str], op: str,
-                   identity: str) -> list[str]:
-    """Kernel `{k}_{name}`: each block combines `term` (of value(r)) over one chunk of its row(s) into
-    work[row * chunks + chunk]; `before` runs first (its row is `row_k` for strided rows, else `row`)."""
-    space = space_of(step)
-    rows, red = space.count("k"), space.count("r")
-    chunk = -(-red // chunks)
-    tensors = ["src", *(f"in{i}" for i in range(len(step.prologue.operands)))]
-    strided = not reads_rows_contiguously(space)
-    lines = [f"__global__ void __launch_bounds__({BLOCK}) {step.kernel}_{name}({pointer_params(step, ctype)}, "
-             "float* __restrict__ work) {",
-             f"  typedef {index_type(step)} INDEX;"]
-    if strided:
-        tile = strided_tile(rows)
-        lines += [f"  const int tx = threadIdx.x % {tile}, lane = threadIdx.x / {tile};",
-                  f"  constexpr int TPR = {BLOCK // tile};",
-                  f"  const INDEX row = (INDEX)blockIdx.y * {tile} + tx;",
-                  f"  const bool active = row < (INDEX){rows};",
-                  "  const INDEX row_k = active ? row : 0;"]
-        lines += decompose(space, "k", "row_k", "row_", tensors, "  ")
-    else:
-        lines += [f"  constexpr int TPR = {BLOCK};",
-                  "  const int lane = threadIdx.x;",
-                  "  const INDEX row = blockIdx.y;"]
-        lines += decompose(space, "k", "row", "row_", tensors, "  ")
-    lines += value_lambda(step, space, "r", "row_") + before
-    lines += [f"  const INDEX begin = (INDEX)blockIdx.x * {chunk};",
-              f"  const INDEX end = begin + {chunk} < (INDEX){red} ? begin + {chunk} : (INDEX){red};",
-              f"  float s = {identity};"]
-    if strided:
-        lines += [f"  if (active) for (INDEX r = begin + lane; r < end; r += TPR) s = {op}()(s, {term});",
-                  f"  __shared__ float part[TPR][{tile + 1}];",
-                  "  part[lane][tx] = s;",
-                  "  __syncthreads();",
-                  "  if (lane != 0 || !active) return;",
-                  f"  for (int j = 1; j < TPR; ++j) s = {op}()(s, part[j][tx]);  // in a fixed order"]
-    else:
-        lines += [f"  for (INDEX r = begin + lane; r < end; r += TPR) s = {op}()(s, {term});",
-                  f"  s = kf_row_reduce<TPR>(s, {op}());",
-                  "  if (lane != 0) return;"]
-    return lines + [f"  work[row * {chunks} + blockIdx.x] = s;", "}", ""]
-
-
-def _split_combine(step: GenStep, ctype: str, chunks: int, name: str, op: str, identity: str, finish: list[str],
-                   const: bool = False) -> list[str]:
-    """Kernel `{k}_{name}`: a warp per row combines the row's partials in a fixed order into `s`, then `finish`."""
-    rows = space_of(step).count("k")
-    return [f"__global__ void __launch_bounds__({BLOCK}) {step.kernel}_{name}({pointer_params(step, ctype)}, "
-            f"{'const ' if const else ''}float* __restrict__ work) {{",
-            f"  typedef {index_type(step)} INDEX;",
-            "  constexpr int TPR = 32;",
-            "  const int lane = threadIdx.x % TPR;",
-            f"  const INDEX row = (INDEX)blockIdx.x * {BLOCK // 32} + threadIdx.x / TPR;",
-            f"  if (row >= {rows}) return;",
-            f"  float s = {identity};",
-            f"  for (int c = lane; c < {chunks}; c += TPR) s = {op}()(s, work[row * {chunks} + c]);",
-            f"  s = kf_row_reduce<TPR>(s, {op}());",
-            *finish, "}", ""]
-
-
-def _split_normalise(step: GenStep, ctype: str, space: Space, stats: int) -> list[str]:
-    """Kernel `{k}_normalise`: every element normalised with its row's mean and 1/std from `work`, then the
-    epilogue. Where the source's unit-stride dim is the output's (NCHW) a flat loop in that order; else (a
-    channels-last source) 32 x 32 tiles through shared memory, read along the source's unit-stride dim and written
-    along the output's, so both sides coalesce. The pseudo-tensor `row` maps an element to its row."""
-    row_strides, acc = [0] * len(space.sizes), 1
-    for d in reversed(space.dims("k")):
-        row_strides[d], acc = acc, acc * space.sizes[d]
-    strides = {**space.strides, "row": tuple(row_strides)}
-    ds = _transposed_dim(space)
-    head = [f"__global__ void __launch_bounds__({BLOCK}) {step.kernel}_normalise({pointer_params(step, ctype)}, "
-            "const float* __restrict__ work) {",
-            f"  typedef {index_type(step)} INDEX;"]
-    if ds is None:
-        flat = Space(space.sizes, ("t",) * len(space.sizes), strides)
-        lines = [*head, "  {", *value_lambda(step, flat, "t", None),
-                 f"    for (INDEX r = (INDEX)blockIdx.x * blockDim.x + threadIdx.x; r < (INDEX){shape_numel(space.sizes)}; "
-                 "r += (INDEX)gridDim.x * blockDim.x) {"]
-        lines += _normalise_element(step, flat, stats, space.count("k"), lambda n: f"a_{n}")
-        lines += epilogue_lines(step, "r", "      ")
-        return lines + [f"      out[r] = kf_store<{ctype}>(e_result);", "    }", "  }", "}", ""]
-    return head + _transposed_normalise(step, ctype, space, strides, ds, stats)
-
-
-def _transposed_dim(space: Space) -> int | None:
-    """The source's unit-stride dim where it is not the output's (the last): the normalise pass then transposes
-    through shared memory; None where one flat order coalesces both."""
-    unit = [d for d in range(len(space.sizes)) if space.strides["src"][d] == 1]
-    return unit[-1] if unit and unit[-1] != len(space.sizes) - 1 else None
-
-
-def _tiles(space: Space, ds: int) -> int:
-    """32 x 32 tiles of the transposing normalise pass: over dims `ds` and the last, times every other index."""
-    n_ds, n_do = space.sizes[ds], space.sizes[-1]
-    return shape_numel(space.sizes) // (n_ds * n_do) * -(-n_ds // 32) * -(-n_do // 32)
-
-
-def _transposed_normalise(step: GenStep, ctype: str, space: Space, strides: dict[str, tuple[int, ...]], ds: int,
-                          stats: int) -> list[str]:
-    """The tiled body of `{k}_normalise`: dims `ds` (the source's unit stride) and the last (the output's) are the
-    tile's; a block loops over (other dims, tile rows, tile columns)."""
-    do = len(space.sizes) - 1
-    n_ds, n_do = space.sizes[ds], space.sizes[do]
-    tiles_ds, tiles_do = -(-n_ds // 32), -(-n_do // 32)
-    tiled = Space(space.sizes, tuple("t" if d in (ds, do) else "k" for d in range(len(space.sizes))), strides)
-    tiles = _tiles(space, ds)
-    flat_r = ("i_ds * {n} + i_do" if ds < do else "i_do * {n} + i_ds").format(n=n_do if ds < do else n_ds)
-    operands = [f"in{i}" for i in range(len(step.prologue.operands))]
-    affine = [n for n in ("weight", "bias") if n in space.strides]
-    lines = ["  __shared__ float tile[32][33];",
-             f"  for (INDEX t = blockIdx.x; t < (INDEX){tiles}; t += gridDim.x) {{",
-             f"    const INDEX t_do = t % {tiles_do}, t_ds = t / {tiles_do} % {tiles_ds}, b = t / {tiles_do * tiles_ds};"]
-    lines += decompose(tiled, "k", "b", "b_", ["src", *operands, "out", "row", *affine], "    ")
-    lines += value_lambda(step, tiled, "t", "b_")
-    lines += ["    const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;",
-              f"    for (int j = ty; j < 32; j += {BLOCK // 32}) {{  // read along the source's unit-stride dim",
-              "      const INDEX i_ds = t_ds * 32 + tx, i_do = t_do * 32 + j;",
-              f"      if (i_ds >= {n_ds} || i_do >= {n_do}) continue;",
-              f"      const INDEX r = {flat_r};"]
-    lines += _normalise_element(step, tiled, stats, space.count("k"), lambda n: f"b_{n} + a_{n}")
-    lines += ["      tile[j][tx] = y;", "    }", "    __syncthreads();",
-              f"    for (int j = ty; j < 32; j += {BLOCK // 32}) {{  // write along the output's",
-              "      const INDEX i_ds = t_ds * 32 + j, i_do = t_do * 32 + tx;",
-              f"      if (i_ds >= {n_ds} || i_do >= {n_do}) continue;",
-              f"      const INDEX r = {flat_r};"]
-    lines += decompose(tiled, "t", "r", "w_", ["out"], "      ")
-    lines += ["      const INDEX i = b_out + w_out;", "      const float y = tile[tx][j];"]
-    lines += epilogue_lines(step, "i", "      ")
-    return lines + [f"      out[i] = kf_store<{ctype}>(e_result);", "    }", "    __syncthreads();", "  }", "}", ""]
-
-
-def _normalise_element(step: GenStep, space: Space, stats: int, rows: int, offset: Callable[[str], str]) -> list[str]:
-    """`y`: element r normalised by its row's statistics (mean at work[stats + row], 1/std `rows` further), its
-    row and affine offsets over the `t` dims as `a_*` (`offset(name)` adds the rest)."""
-    affine = [n for n in ("weight", "bias") if n in space.strides]
-    row = offset("row")
-    return decompose(space, "t", "r", "a_", ["row", *affine], "      ") + [
-        f"      const float mean = work[{stats} + {row}], rstd = work[{stats + rows} + {row}];",
-        f"      const float y = {_normalised(step, offset)};"]
-
-
 def reads_rows_contiguously(space: Space) -> bool:
     """Is the source's unit-stride dim a reduced one? Then a row's elements lie next to each other and the `inner`
     strategy coalesces (a channels-last source reduced over channels: its innermost logical dim is kept)."""
@@ -333,9 +78,6 @@ def reads_rows_contiguously(space: Space) -> bool:
 def row_kernel(step: GenStep, ctype: str) -> str:
     spec = step.spec
     k = step.kernel
-    chunks = split_chunks(step)
-    if chunks > 1:
-        return _split_kernel(step, ctype, chunks)
     space = space_of(step)
     index_t = index_type(step)
     rows, red = space.count("k"), space.count("r")
@@ -374,7 +116,7 @@ def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space) ->
         lines.append(f"    s = kf_row_reduce<TPR>(s, {op}());")
         if kind == "mean":
             lines.append(f"    s = s * {float_literal(1.0 / red)};  // ATen's mean: sum times 1/N")
-        return lines + _reduced_store(step, "s", ctype)
+        return lines + reduced_store(step, "s", ctype)
     if kind in ("logsumexp", "softmax", "log_softmax"):
         lines.append("    float m = -INFINITY;")
         lines += _loop(["m = kf_max_op()(m, value(r));"])
@@ -386,7 +128,7 @@ def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space) ->
         lines.append("    s = kf_row_reduce<TPR>(s, kf_sum_op());")
         if kind == "logsumexp":
             lines.append("    const float lse = logf(s) + m;")
-            return lines + _reduced_store(step, "lse", ctype)
+            return lines + reduced_store(step, "lse", ctype)
         lines.append("    const float logs = logf(s);" if kind == "log_softmax" else "")
         expr = "value(r) - m - logs" if kind == "log_softmax" else "expf(value(r) - m) / s"
         return lines + _broadcast_store(step, expr, ctype, [], space)
@@ -397,17 +139,17 @@ def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space) ->
     lines.append("    float q = 0.0f;")
     lines += _loop(["const float d = value(r) - mean;", "q += d * d;"])
     lines.append(f"    const float var = kf_row_reduce<TPR>(q, kf_sum_op()) * {float_literal(1.0 / red)};")
-    lines.append(f"    const float rstd = {_rstd(step)};")
-    lines += _running_lines(step, red, ctype, "    ")
+    lines.append(f"    const float rstd = {rstd(step)};")
+    lines += running_lines(step, red, ctype, "    ")
     affine = [n for n in ("weight", "bias") if n in space.strides]
-    return lines + _broadcast_store(step, _normalised(step, lambda n: f"row_{n} + o_{n}"), ctype, affine, space)
+    return lines + _broadcast_store(step, normalised(step, lambda n: f"row_{n} + o_{n}"), ctype, affine, space)
 
 
-def _rstd(step: GenStep) -> str:
+def rstd(step: GenStep) -> str:
     return f"1.0f / sqrtf(var + {float_literal(step.spec.eps)})"  # type: ignore[attr-defined]
 
 
-def _running_lines(step: GenStep, red: int, ctype: str, ind: str) -> list[str]:
+def running_lines(step: GenStep, red: int, ctype: str, ind: str) -> list[str]:
     """Batch norm's running statistics from the row's `mean` and biased `var`, as ATen updates them (momentum,
     unbiased variance); nothing for a norm without them."""
     spec = step.spec
@@ -422,7 +164,7 @@ def _running_lines(step: GenStep, red: int, ctype: str, ind: str) -> list[str]:
             f"{ind}}}"]
 
 
-def _normalised(step: GenStep, offset: Callable[[str], str]) -> str:
+def normalised(step: GenStep, offset: Callable[[str], str]) -> str:
     """The normalised element `value(r)` given its row's `mean` and `rstd`; `offset(name)`: the affine operand's."""
     spec = step.spec
     expr = "(value(r) - mean) * rstd"
@@ -433,7 +175,7 @@ def _normalised(step: GenStep, offset: Callable[[str], str]) -> str:
     return expr
 
 
-def _reduced_store(step: GenStep, value: str, ctype: str) -> list[str]:
+def reduced_store(step: GenStep, value: str, ctype: str) -> list[str]:
     lines = ["    if (lane == 0) {", f"      const float y = {value};"]
     lines += epilogue_lines(step, "row", "      ")
     lines += [f"      out[row] = kf_store<{ctype}>(e_result);", "    }"]
