@@ -32,8 +32,9 @@ def _ops(graph: Graph) -> list[str]:
 
 
 def test_rules_are_in_order():
-    # in-place ops become functional first: drop_identities keeps any graph that still mutates something
-    assert RULE_NAMES[:3] == ("inplace_to_functional", "drop_identities", "div_by_scalar_to_mul")
+    # in-place ops become functional and dropout's CPU decomposition goes first: drop_identities keeps any graph
+    # that still mutates something
+    assert RULE_NAMES[:4] == ("inplace_to_functional", "dropout_as_on_cuda", "drop_identities", "div_by_scalar_to_mul")
 
 
 def test_drop_identities_rewires_users_and_outputs(tmp_path):

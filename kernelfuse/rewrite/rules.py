@@ -18,6 +18,7 @@ from kernelfuse.capture import Graph, Node, Ref
 from kernelfuse.errors import KernelfuseError
 from kernelfuse.rewrite.anchors import conv_bias_to_epilogue
 from kernelfuse.rewrite.chains import collapse_clamps, common_subexpressions, double_views, neutral_scalars
+from kernelfuse.rewrite.dropout import dropout_as_on_cuda
 from kernelfuse.rewrite.engine import Match, RuleFiring, rebuild, rewire, run_local
 from kernelfuse.rewrite.inplace import inplace_to_functional
 from kernelfuse.rewrite.monotonic import reduce_before_monotonic
@@ -134,6 +135,7 @@ def _first_line(fn: Callable) -> str:
 
 RULES: tuple[Rule, ...] = (
     _local(inplace_to_functional),
+    _whole(dropout_as_on_cuda),
     _whole(drop_identities),
     _whole(div_by_scalar_to_mul),
     _local(common_subexpressions),
