@@ -23,10 +23,11 @@ def dropout_as_on_cuda(graph: Graph) -> Graph:
     """
     skipped: set[str] = set()
     while True:  # one dropout at a time: each replacement's new node names are unique in the graph it enters
-        node = next((n for n in graph.nodes if n.name not in skipped and _mask_chain(graph, n)), None)
-        if node is None:
+        match = next(((n, chain) for n in graph.nodes if n.name not in skipped
+                      and (chain := _mask_chain(graph, n)) is not None), None)
+        if match is None:
             return graph
-        empty, bern, div = _mask_chain(graph, node)  # type: ignore[misc]
+        node, (empty, bern, div) = match
         b = Builder(graph, node)
         try:
             pair = b.add("native_dropout.default", empty.args[0], 1.0 - div.args[1], True)  # div_ by keep
