@@ -33,6 +33,18 @@ def __init__(self):
 def forward(self, x):
     return nn.functional.max_pool2d(torch.tanh(self.conv(x)) * 2.0 + self.bias, 4)
 """
+BN_RELU = """
+def __init__(self):
+    super().__init__()
+    self.conv = nn.Conv2d(16, 32, 3, bias=False)
+    self.bn = nn.BatchNorm2d(32)
+    self.relu = nn.ReLU(inplace=True)
+
+def forward(self, x):
+    out = self.relu(self.bn(self.conv(x)))
+    out += x[:, :, 1:-1, 1:-1].repeat(1, 2, 1, 1)
+    return self.relu(out)
+"""
 CASES = {
     # name: (model body, inputs, the rule that must fire, must the rewritten plan ship)
     "gemm_divide_sum": (GEMM.format(body="    return (self.lin(x) / 2.0).sum(1, keepdim=True) * 1.5"),
@@ -43,6 +55,11 @@ CASES = {
     "gemm_avgpool_max": (GEMM.format(body="    y = nn.functional.avg_pool1d(self.lin(x).unsqueeze(1), 16).squeeze(1)\n"
                                           "    return (nn.functional.gelu(y) * 2.0).max(1)[0]"),
                          "[torch.randn(1024, 4096)]", "avg_pool_linear_output", True),
+    # training-mode dropout: the plan must draw eager's mask (same seed), else the judge rejects it
+    "gemm_dropout": (GEMM.format(body="    return torch.relu(nn.functional.dropout(self.lin(x), 0.25, True)) * 2.0"),
+                     "[torch.randn(1024, 4096)]", "dropout_as_on_cuda", False),
+    # ResNet's in-place relu and residual add: batch norm in training mode, relu and the add fused
+    "bn_relu_inplace": (BN_RELU, "[torch.randn(32, 16, 64, 64)]", "inplace_to_functional", False),
     "conv_tanh_maxpool": (CONV, "[torch.randn(64, 8, 128, 128)]", "reduce_before_monotonic", False),
 }
 
