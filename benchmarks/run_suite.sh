@@ -36,9 +36,8 @@ dups = [k for k, n in collections.Counter(keys).items() if n > 1]
 print(f"records: {len(keys)} · distinct: {len(set(keys))} · duplicates: {dups or 'none'}")
 PY
 cp "$STATE/level2.jsonl" "$STATE/bench.log" "$DEST"/
-mkdir -p "$DEST/logs"  # each problem's time-stamped build and judge logs: where its seconds went
-for log in /tmp/kernelfuse_bench_*/*/*.log; do
-  [ -f "$log" ] && cp "$log" "$DEST/logs/$(basename "$(dirname "$log")").$(basename "$log")"
-done
+# each problem's time-stamped build and judge logs (where its seconds went), one archive: the device tool brings
+# back a few files only
+tar -czf "$DEST/logs.tgz" -C /tmp $(cd /tmp && ls -d kernelfuse_bench_*/*/ 2>/dev/null) 2>/dev/null
 [ -f "$STATE/level2.html" ] && cp "$STATE/level2.html" "$DEST"/
 exit 0

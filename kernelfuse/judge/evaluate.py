@@ -126,6 +126,13 @@ def _verdict(run: ChildRun, cand: Candidate, opts: EvalOptions, base: dict[str, 
         fields["robust"] = out["robust"]["ok"]
         fields["robust_failures"] = tuple(out["robust"]["failures"])
     warnings = warnings + [w for w in out.get("warnings", []) if w not in warnings]
+    by_accuracy = [t for t in trials if t.get("passed") and t.get("by_accuracy")]
+    if by_accuracy:
+        warnings.append(f"{len(by_accuracy)} trial(s) passed on the float64 accuracy rule, not within the "
+                        f"tolerance of eager: eager runs TF32 here, and the candidate is up to "
+                        f"{max(t['max_abs'] for t in by_accuracy):.3g} from eager but no further from float64 "
+                        f"({max(t['err64_ours'] for t in by_accuracy):.3g}) than twice eager's "
+                        f"({max(t['err64_eager'] for t in by_accuracy):.3g})")
     if not opts.call_checks:
         warnings.append(CALL_CHECKS_OFF)
     if out.get("timing") and opts.timing_reps < MIN_REPS_ADVISED:
