@@ -110,6 +110,20 @@ def test_make_model_and_inputs_are_seeded(tmp_path):
     assert not torch.equal(problem.make_inputs(3)[0], problem.make_inputs(4)[0])
 
 
+def test_inputs_are_made_on_the_judged_device(tmp_path):
+    # "meta" stands in for a GPU on the CI machine: the factories run under the device, nothing is drawn on the CPU
+    problem = load_problem(write_problem(tmp_path, "good", GOOD_BODY, "[torch.rand(2, 8), 3]"))
+    x, n = problem.make_inputs(3, "meta")
+    assert x.device.type == "meta" and x.shape == (2, 8) and n == 3
+
+
+def test_inputs_that_need_the_cpu_are_made_there_and_moved(tmp_path):
+    # .tolist() cannot run on a meta (or lazily on any non-CPU) tensor: get_inputs runs on the CPU, then moves
+    problem = load_problem(write_problem(tmp_path, "cpu_only", GOOD_BODY, "[torch.tensor(torch.rand(2, 8).tolist())]"))
+    (x,) = problem.make_inputs(3, "meta")
+    assert x.device.type == "meta" and x.shape == (2, 8)
+
+
 def test_capture_error_is_exit_code_3():
     assert CaptureError("x").exit_code == 3
 

@@ -60,11 +60,11 @@ class TimedInputs:
                  reps: int) -> None:
         self.models, self.settings = models, settings
         device = settings.device
-        first = inputs_to(problem.make_inputs(settings.seed), device)
+        first = problem.make_inputs(settings.seed, device)
         n = pool_size(sets if settings.call_checks else 1,
                       sum(x.numel() * x.element_size() for x in first if isinstance(x, torch.Tensor)), len(names),
                       device)
-        self.pool = [first] + [inputs_to(problem.make_inputs(settings.seed + k), device) for k in range(1, n)]
+        self.pool = [first] + [problem.make_inputs(settings.seed + k, device) for k in range(1, n)]
         self.own = {name: [inputs_to(p, device) for p in self.pool] for name in names}
         self.calls = dict.fromkeys(names, 0)
         self.timed = 0

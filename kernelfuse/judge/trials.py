@@ -171,7 +171,7 @@ def probe_reference(problem: Problem, model: torch.nn.Module, settings: TrialSet
 
     TF32 use is found by running again with TF32 off everywhere and comparing bits.
     """
-    pristine = inputs_to(problem.make_inputs(settings.seed + trials), settings.device)
+    pristine = problem.make_inputs(settings.seed + trials, settings.device)
     rng = settings.seed + trials
     out, _ = call_reference(model, pristine, settings, rng)
     exact, _ = call_reference(model, pristine, settings, rng, flags=no_tf32_flags(settings.default_flags))
@@ -211,8 +211,8 @@ def run_trial(problem: Problem, models: Models, settings: TrialSettings, index: 
     input factory (the robustness trials' other distributions)."""
     policy, device = settings.policy, settings.device
     rng = settings.seed + index
-    pristine = inputs_to(make_inputs(settings.seed + index) if make_inputs else
-                         problem.make_inputs(settings.seed + index), device)
+    pristine = (inputs_to(make_inputs(settings.seed + index), device) if make_inputs else
+                problem.make_inputs(settings.seed + index, device))
     out_a, in_a, issue_a = call_candidate(models.candidate, pristine, settings, rng,
                                           f"trial {index}, run before the reference")
     if issue_a:

@@ -322,7 +322,7 @@ def synchronize(device: torch.device) -> None:
 
 def _check_streams(out: Outcome, models: Models, problem: Any, settings: TrialSettings) -> None:
     """Record the CUDA streams the candidate's kernels use beyond the reference's."""
-    pristine = inputs_to(problem.make_inputs(settings.seed), settings.device)
+    pristine = problem.make_inputs(settings.seed, settings.device)
     try:
         settings.default_flags.apply()
         ref_streams, _ = kernel_streams(lambda: models.reference(*inputs_to(pristine, settings.device)))
