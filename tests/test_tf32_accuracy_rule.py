@@ -10,7 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernelfuse.judge.timedcheck import TimedInputs
 from kernelfuse.judge.trials import Models, TrialSettings, run_trial
+from kernelfuse.load import load_problem
 from kernelfuse.verify import NumericsFlags, float64_model, get_policy
 
 
@@ -68,10 +70,14 @@ class NaNCandidate(Exact):
         return out
 
 
+def _settings(uses_tf32: bool = True, policy: str = "strict") -> TrialSettings:
+    return TrialSettings(torch.device("cpu"), get_policy(policy), 0, NumericsFlags.capture(), NumericsFlags.capture(),
+                         uses_tf32, 0)
+
+
 def _trial(candidate: torch.nn.Module, uses_tf32: bool = True, policy: str = "strict"):
     reference = TF32Eager()
-    settings = TrialSettings(torch.device("cpu"), get_policy(policy), 0, NumericsFlags.capture(),
-                             NumericsFlags.capture(), uses_tf32, 0)
+    settings = _settings(uses_tf32, policy)
     models = Models(reference, candidate, float64_model(reference))
     return run_trial(None, models, settings, 0, [],
                      make_inputs=lambda seed: [torch.randn(256, 512, generator=torch.Generator().manual_seed(seed))
@@ -101,3 +107,37 @@ def test_rule_is_strict_policy_only():
     # under the tf32 policy the tolerance is 1e-2 already; the rule adds nothing there and never fires
     result = _trial(Tf32Candidate(), policy="tf32")
     assert result.passed and not result.by_accuracy
+
+
+PROBLEM = """
+import torch
+
+class Model(torch.nn.Module):
+    def forward(self, x):
+        return x
+
+def get_inputs():
+    return [torch.randn(256, 512) * 8.0]
+
+def get_init_inputs():
+    return []
+"""
+
+
+@pytest.mark.parametrize(("candidate", "uses_tf32", "passes"), [
+    (Tf32Candidate(), True, True), (Tf32Candidate(), False, False), (Bf16Candidate(), True, False),
+    (OffsetCandidate(), True, False)], ids=["tf32-eager", "fp32-eager", "bf16", "offset"])
+def test_timed_calls_are_checked_by_the_same_rule(tmp_path, candidate: torch.nn.Module, uses_tf32: bool,
+                                                  passes: bool):
+    # the timing loop's sampled checks compare each timed call with eager on the same inputs: the rule applies
+    # there too (before it, fused ResNet and DenseNet plans passed every trial and failed here)
+    (tmp_path / "p.py").write_text(PROBLEM)
+    reference = TF32Eager()
+    models = Models(reference, candidate, float64_model(reference))
+    timed = TimedInputs(load_problem(tmp_path / "p.py"), models, _settings(uses_tf32), ["candidate"], 2, 3)
+    for _ in range(3):
+        inputs = timed.inputs("candidate")
+        timed.before_candidate()
+        timed.check_result(candidate(*inputs))
+    assert (timed.failure is None) == passes, timed.failure
+    assert timed.n_checked == (3 if passes else 1)  # checks stop at the first failure
