@@ -143,7 +143,10 @@ class TimedInputs:
         """A passing comparison when the output is within the tolerance of the exact answer, or (eager running
         TF32) no less accurate than eager against it, as in the trials; else None."""
         torch.manual_seed(self.call_seed)
-        ref64 = self.models.reference64(*to_float64(inputs_to(self.current, self.settings.device)))
+        try:
+            ref64 = self.models.reference64(*to_float64(inputs_to(self.current, self.settings.device)))
+        except torch.OutOfMemoryError:  # as in the trials: too big in float64, eager's comparison stands alone
+            return None
         like = ref64.to(ref.dtype) if isinstance(ref64, torch.Tensor) and isinstance(ref, torch.Tensor) else None
         if like is None:
             return None
