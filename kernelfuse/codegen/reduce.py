@@ -7,8 +7,9 @@ Two row strategies, chosen from the merged space:
   neighbouring rows, so loads are coalesced across the warp;
 and `split` for a few long rows (kernelfuse.codegen.split, which shares this module's numerics).
 
-Kinds (kernelfuse.ops.reductions): one pass for sum/mean/prod/amax/amin; logsumexp and softmax take the row max
-first (ATen's order: max, then sum of exp(x - max)); norms take the mean, then the biased variance around it
+Kinds (kernelfuse.ops.reductions): one pass for sum/mean/prod/amax/amin; logsumexp and softmax find the max and
+the sum of exp(x - max) in one pass (a larger max rescales the sum: one read of the row fewer than ATen's max pass
+then sum pass, ~1e-7 relative apart); norms take the mean, then the biased variance around it
 (two passes, more accurate than one-pass sums). Passes re-read the row and recompute the prologue instead of
 storing it. Numerics follow ATen: float accumulation, NaN-propagating max/min, logsumexp's infinite max replaced by
 0, softmax as exp(x - max) / sum, batch norm's running statistics with the unbiased variance.
@@ -58,6 +59,46 @@ __device__ __forceinline__ float kf_row_reduce(float v, Op op) {
   }
   __syncthreads();
   return kf_smem[0];
+}
+// A row's (max m, sum s of exp(x - m)) in one pass: a new max rescales the sum so far ("online" softmax). An
+// element equal to -inf adds 0 (exp(-inf - -inf) would be NaN); +inf or NaN make s NaN, as ATen's two passes do.
+__device__ __forceinline__ void kf_online_add(float& m, float& s, float x) {
+  const float mn = kf_max_op()(m, x);
+  if (mn != m) { s *= expf(m - mn); m = mn; }
+  s += (x == -INFINITY) ? 0.0f : expf(x - m);
+}
+__device__ __forceinline__ void kf_online_merge(float& m, float& s, float m2, float s2) {
+  const float mn = kf_max_op()(m, m2);
+  const float a = (m == mn) ? s : s * expf(m - mn);
+  const float b = (m2 == mn) ? s2 : s2 * expf(m2 - mn);
+  m = mn;
+  s = a + b;
+}
+// kf_row_reduce for the (m, s) pair, in the same fixed order.
+template <int TPR>
+__device__ __forceinline__ void kf_row_reduce_online(float& m, float& s) {
+  if (TPR == 1) return;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
+    kf_online_merge(m, s, m2, s2);
+  }
+  if (TPR <= 32) return;
+  __shared__ float kf_smem_m[32], kf_smem_s[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  __syncthreads();
+  if (lane == 0) { kf_smem_m[warp] = m; kf_smem_s[warp] = s; }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float wm = kf_smem_m[0], ws = kf_smem_s[0];
+#pragma unroll
+    for (int j = 1; j < TPR / 32; ++j) kf_online_merge(wm, ws, kf_smem_m[j], kf_smem_s[j]);
+    kf_smem_m[0] = wm;
+    kf_smem_s[0] = ws;
+  }
+  __syncthreads();
+  m = kf_smem_m[0];
+  s = kf_smem_s[0];
 }
 """
 
@@ -118,16 +159,11 @@ def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space) ->
             lines.append(f"    s = s * {float_literal(1.0 / red)};  // ATen's mean: sum times 1/N")
         return lines + reduced_store(step, "s", ctype)
     if kind in ("logsumexp", "softmax", "log_softmax"):
-        lines.append("    float m = -INFINITY;")
-        lines += _loop(["m = kf_max_op()(m, value(r));"])
-        lines.append("    m = kf_row_reduce<TPR>(m, kf_max_op());")
-        if kind == "logsumexp":
-            lines.append("    m = fabsf(m) == INFINITY ? 0.0f : m;  // ATen: an infinite max is replaced by 0")
-        lines.append("    float s = 0.0f;")
-        lines += _loop(["s += expf(value(r) - m);"])
-        lines.append("    s = kf_row_reduce<TPR>(s, kf_sum_op());")
-        if kind == "logsumexp":
-            lines.append("    const float lse = logf(s) + m;")
+        lines.append("    float m = -INFINITY, s = 0.0f;")
+        lines += _loop(["kf_online_add(m, s, value(r));"])
+        lines.append("    kf_row_reduce_online<TPR>(m, s);")
+        if kind == "logsumexp":  # ATen replaces an infinite max by 0: the sum is then inf (or 0), log gives m back
+            lines.append("    const float lse = fabsf(m) == INFINITY ? m : logf(s) + m;")
             return lines + reduced_store(step, "lse", ctype)
         lines.append("    const float logs = logf(s);" if kind == "log_softmax" else "")
         expr = "value(r) - m - logs" if kind == "log_softmax" else "expf(value(r) - m) / s"
