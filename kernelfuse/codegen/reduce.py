@@ -9,9 +9,9 @@ and `split` for a few long rows (kernelfuse.codegen.split, which shares this mod
 
 Kinds (kernelfuse.ops.reductions): one pass for sum/mean/prod/amax/amin; logsumexp and softmax find the max and
 the sum of exp(x - max) in one pass (a larger max rescales the sum: one read of the row fewer than ATen's max pass
-then sum pass, ~1e-7 relative apart); norms take the mean, then the biased variance around it
-(two passes, more accurate than one-pass sums). Passes re-read the row and recompute the prologue instead of
-storing it. Numerics follow ATen: float accumulation, NaN-propagating max/min, logsumexp's infinite max replaced by
+then sum pass, ~1e-7 relative apart); norms take the mean and the biased variance in one Welford pass (as ATen's
+CUDA norms do; as accurate as two passes, unlike one-pass sums of squares). Passes re-read the row and recompute
+the prologue instead of storing it. Numerics follow ATen: float accumulation, NaN-propagating max/min, logsumexp's infinite max replaced by
 0, softmax as exp(x - max) / sum, batch norm's running statistics with the unbiased variance.
 """
 
@@ -74,31 +74,66 @@ __device__ __forceinline__ void kf_online_merge(float& m, float& s, float m2, fl
   m = mn;
   s = a + b;
 }
-// kf_row_reduce for the (m, s) pair, in the same fixed order.
-template <int TPR>
-__device__ __forceinline__ void kf_row_reduce_online(float& m, float& s) {
+// Welford: a row's count n, mean and sum m2 of squared deviations in one pass (ATen's CUDA norms use it too);
+// two partial rows merge by Chan's formula.
+__device__ __forceinline__ void kf_welford_add(float& n, float& mean, float& m2, float x) {
+  n += 1.0f;
+  const float d = x - mean;
+  mean += d / n;
+  m2 += d * (x - mean);
+}
+__device__ __forceinline__ void kf_welford_merge(float& n, float& mean, float& m2, float nb, float meanb, float m2b) {
+  const float total = n + nb;
+  if (total == 0.0f) return;
+  const float d = meanb - mean, wb = nb / total;
+  mean += d * wb;
+  m2 += m2b + d * d * n * wb;
+  n = total;
+}
+// kf_row_reduce for a tuple of partial statistics: each lane's (a, b, c) merged with MERGE in a fixed order.
+template <int TPR, typename Merge>
+__device__ __forceinline__ void kf_row_reduce3(float& a, float& b, float& c, Merge merge) {
   if (TPR == 1) return;
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
-    const float m2 = __shfl_xor_sync(0xffffffffu, m, o), s2 = __shfl_xor_sync(0xffffffffu, s, o);
-    kf_online_merge(m, s, m2, s2);
+    const float a2 = __shfl_xor_sync(0xffffffffu, a, o), b2 = __shfl_xor_sync(0xffffffffu, b, o),
+                c2 = __shfl_xor_sync(0xffffffffu, c, o);
+    merge(a, b, c, a2, b2, c2);
   }
   if (TPR <= 32) return;
-  __shared__ float kf_smem_m[32], kf_smem_s[32];
+  __shared__ float kf_smem3[3][32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   __syncthreads();
-  if (lane == 0) { kf_smem_m[warp] = m; kf_smem_s[warp] = s; }
+  if (lane == 0) { kf_smem3[0][warp] = a; kf_smem3[1][warp] = b; kf_smem3[2][warp] = c; }
   __syncthreads();
   if (threadIdx.x == 0) {
-    float wm = kf_smem_m[0], ws = kf_smem_s[0];
+    float wa = kf_smem3[0][0], wb = kf_smem3[1][0], wc = kf_smem3[2][0];
 #pragma unroll
-    for (int j = 1; j < TPR / 32; ++j) kf_online_merge(wm, ws, kf_smem_m[j], kf_smem_s[j]);
-    kf_smem_m[0] = wm;
-    kf_smem_s[0] = ws;
+    for (int j = 1; j < TPR / 32; ++j) merge(wa, wb, wc, kf_smem3[0][j], kf_smem3[1][j], kf_smem3[2][j]);
+    kf_smem3[0][0] = wa; kf_smem3[1][0] = wb; kf_smem3[2][0] = wc;
   }
   __syncthreads();
-  m = kf_smem_m[0];
-  s = kf_smem_s[0];
+  a = kf_smem3[0][0]; b = kf_smem3[1][0]; c = kf_smem3[2][0];
+}
+struct kf_online_merge3 {
+  __device__ __forceinline__ void operator()(float& m, float& s, float&, float m2, float s2, float) const {
+    kf_online_merge(m, s, m2, s2);
+  }
+};
+struct kf_welford_merge3 {
+  __device__ __forceinline__ void operator()(float& n, float& mean, float& m2, float nb, float meanb,
+                                             float m2b) const {
+    kf_welford_merge(n, mean, m2, nb, meanb, m2b);
+  }
+};
+template <int TPR>
+__device__ __forceinline__ void kf_row_reduce_online(float& m, float& s) {
+  float unused = 0.0f;
+  kf_row_reduce3<TPR>(m, s, unused, kf_online_merge3());
+}
+template <int TPR>
+__device__ __forceinline__ void kf_row_reduce_welford(float& n, float& mean, float& m2) {
+  kf_row_reduce3<TPR>(n, mean, m2, kf_welford_merge3());
 }
 """
 
@@ -168,13 +203,11 @@ def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space) ->
         lines.append("    const float logs = logf(s);" if kind == "log_softmax" else "")
         expr = "value(r) - m - logs" if kind == "log_softmax" else "expf(value(r) - m) / s"
         return lines + _broadcast_store(step, expr, ctype, [], space)
-    # norm: mean, then the biased variance around it; affine; batch norm updates its running statistics
-    lines.append("    float s = 0.0f;")
-    lines += _loop(["s += value(r);"])
-    lines.append(f"    const float mean = kf_row_reduce<TPR>(s, kf_sum_op()) * {float_literal(1.0 / red)};")
-    lines.append("    float q = 0.0f;")
-    lines += _loop(["const float d = value(r) - mean;", "q += d * d;"])
-    lines.append(f"    const float var = kf_row_reduce<TPR>(q, kf_sum_op()) * {float_literal(1.0 / red)};")
+    # norm: mean and biased variance in one Welford pass; affine; batch norm updates its running statistics
+    lines.append("    float n = 0.0f, mean = 0.0f, m2 = 0.0f;")
+    lines += _loop(["kf_welford_add(n, mean, m2, value(r));"])
+    lines.append("    kf_row_reduce_welford<TPR>(n, mean, m2);")
+    lines.append(f"    const float var = m2 * {float_literal(1.0 / red)};")
     lines.append(f"    const float rstd = {rstd(step)};")
     lines += running_lines(step, red, ctype, "    ")
     affine = [n for n in ("weight", "bias") if n in space.strides]

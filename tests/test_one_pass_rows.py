@@ -1,0 +1,99 @@
+"""Row kernels that gather their statistics in one pass: softmax, log_softmax and logsumexp find a row's max and
+sum of exp(x - max) together (online: a larger max rescales the sum); norms find the mean and variance together
+(Welford, Chan's merge). Their generated CUDA, run in the CPU emulation of CUDA, against eager on rows with -inf
+(some, all), +inf, NaN and large offsets, in each row strategy (a thread, a warp or a block per row)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from emulation_helpers import call, emulated
+from optimizer_helpers import pipeline, write_problem
+
+from kernelfuse.codegen import generate
+from kernelfuse.codegen.iteration import tensor_args
+from kernelfuse.plan.interpret import _run_generated
+
+BODY = """
+def forward(self, x):
+    return {expr}
+"""
+CASES = {
+    # name: (expression, input shape, the strategy line's start)
+    "softmax_block": ("torch.softmax(x, -1)", (8, 3000), "// strategy: inner, 256 thread(s) per row"),
+    "log_softmax_warp": ("torch.log_softmax(x, 1)", (8, 100), "// strategy: inner, 32 thread(s) per row"),
+    "logsumexp_warp": ("torch.logsumexp(x, 1)", (8, 100), "// strategy: inner, 32 thread(s) per row"),
+    "logsumexp_block": ("torch.logsumexp(x, 1)", (8, 3000), "// strategy: inner, 256 thread(s) per row"),
+    "softmax_strided": ("torch.softmax(x, 1)", (2, 40, 4), "// strategy: strided, 1 thread(s) per row"),
+}
+
+
+def _special_rows(shape: tuple[int, ...]) -> torch.Tensor:
+    """Random values, then one special pattern per row along dim 1: all -inf, some -inf, one +inf, one NaN,
+    a large offset, a max at the row's end (the sum rescaled late), and two ordinary rows."""
+    torch.manual_seed(0)
+    x = torch.randn(shape) * 4.0
+    rows = x.movedim(1, -1).reshape(-1, shape[1])  # a view: writes land in x
+    n = shape[1]
+    rows[0].fill_(float("-inf"))
+    rows[1, : n // 2] = float("-inf")
+    rows[2, n // 3] = float("inf")
+    rows[3, n // 2] = float("nan")
+    rows[4] += 1e4
+    rows[5, -1] = 60.0
+    return x
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_online_row_kernel_matches_eager_on_special_values(name: str, tmp_path) -> None:
+    expr, shape, strategy = CASES[name]
+    problem, _, plans = pipeline(write_problem(tmp_path, name, BODY.format(expr=expr), f"[torch.randn{shape}]"))
+    plan = plans[-1]
+    (step,) = plan.generated
+    assert strategy in generate(plan).cuda, generate(plan).cuda[:2000]
+    assert "kf_row_reduce_online<TPR>(m, s)" in generate(plan).cuda  # one pass for the max and the sum
+    x = _special_rows(shape)
+    assert [n for n, _ in tensor_args(step)] == ["src"]
+    out = torch.full(step.out_meta.shape, float("nan"))
+    call(emulated(plan, tmp_path), step, [x.contiguous(), out])
+    with torch.no_grad():
+        expected = problem.make_model()(x)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5, equal_nan=True)
+
+
+NORMS = {
+    # name: (model body, input, the strategy line's start); rows offset by 100 (a variance far below the mean)
+    "layer_norm_block": ("def __init__(self):\n    super().__init__()\n    self.ln = nn.LayerNorm(3000)\n\n"
+                         "def forward(self, x):\n    return self.ln(x)", (8, 3000), "256 thread(s) per row"),
+    "layer_norm_warp": ("def __init__(self):\n    super().__init__()\n    self.ln = nn.LayerNorm(100)\n\n"
+                        "def forward(self, x):\n    return self.ln(x)", (8, 100), "32 thread(s) per row"),
+    "instance_norm": ("def forward(self, x):\n    return F.instance_norm(x)", (2, 4, 30, 40), "256 thread(s) per row"),
+    "batch_norm_strided": ("def __init__(self):\n    super().__init__()\n    self.bn = nn.BatchNorm1d(16)\n\n"
+                           "def forward(self, x):\n    return self.bn(x)", (64, 16), "strided, 1 thread(s) per row"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NORMS))
+def test_welford_norm_kernel_matches_the_interpreter(name: str, tmp_path) -> None:
+    body, shape, strategy = NORMS[name]
+    _, _, plans = pipeline(write_problem(tmp_path, name, body, f"[torch.randn{shape}]"))
+    plan = plans[-1]
+    step = next(g for g in plan.generated if g.spec.kind == "norm")
+    cuda = generate(plan).cuda
+    assert strategy in cuda and "kf_row_reduce_welford<TPR>(n, mean, m2)" in cuda
+    torch.manual_seed(1)
+    env, tensors = {}, []
+    for arg, ref in tensor_args(step):
+        meta = step.source.meta if arg == "src" else plan.graph[ref].meta
+        value = torch.randn(meta.shape) * 0.5 + (100.0 if arg == "src" else 0.0)
+        if arg == "run_var":
+            value = value.abs()
+        env[ref.name] = torch.empty_strided(meta.shape, meta.stride).copy_(value)
+        tensors.append(env[ref.name].clone())
+    out = torch.full(step.out_meta.shape, float("nan"))
+    call(emulated(plan, tmp_path), step, [*tensors, out])
+    expected = _run_generated(step, env)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    for (arg, ref), emulated_buffer in zip(tensor_args(step), tensors, strict=True):
+        if arg.startswith("run_"):  # batch norm's running statistics, updated in place by both
+            torch.testing.assert_close(emulated_buffer, env[ref.name], atol=1e-5, rtol=1e-5)
