@@ -1,5 +1,5 @@
 """Split-norm strategy on the CPU: which norms take it (a few long rows, in both layouts) and which do not, the
-CUDA it renders (five ordered kernels, no float atomics, a workspace the wrapper allocates; nvcc compiles it; run
+CUDA it renders (three ordered kernels, no float atomics, a workspace the wrapper allocates; nvcc compiles it; run
 in a CPU emulation of CUDA it computes the norm), and the plan interpreter against eager over several training
 calls, running statistics included."""
 
@@ -22,7 +22,7 @@ from kernelfuse.plan import Plan, interpret
 from kernelfuse.plan.interpret import _run_generated
 
 FIXTURE = Path(__file__).parent / "fixtures" / "problems" / "norm_split.py"
-PASSES = ("sums", "mean", "deviations", "variance", "normalise")
+PASSES = ("moments", "combine", "normalise")
 
 
 @pytest.fixture(scope="module")
@@ -46,19 +46,19 @@ def test_few_long_rows_take_the_split_norm_in_both_layouts(planned):
     assert sorted(plans) == ["fused-nchw", "fused-nhwc"]
     nchw, nhwc = strategies(plans["fused-nchw"]), strategies(plans["fused-nhwc"])
     # batch norm behind the convolution: a channel is 4 runs of 128*128 (NCHW) or strided by 8 (channels-last)
-    assert nchw["k1"] == ("// strategy: split norm, 8 rows of 65536 in 16 chunks of 4096, then a combine kernel per "
-                          "statistic, then a normalise kernel in the output's order")
+    assert nchw["k1"] == ("// strategy: split norm, 8 rows of 65536 in 16 chunks of 4096, then a Welford combine "
+                          "kernel, then a normalise kernel in the output's order")
     assert nhwc["k1"] == ("// strategy: split norm strided, 8 rows of 65536 in 256 chunks of 256, tiles of 8 rows, "
-                          "then a combine kernel per statistic, then a normalise kernel in 32 x 32 tiles transposed "
+                          "then a Welford combine kernel, then a normalise kernel in 32 x 32 tiles transposed "
                           "through shared memory")
     for strategy in (nchw, nhwc):  # batch norm 3-d, layer norm over a sample, group norm over a group
         assert strategy["k2"].startswith("// strategy: split norm, 4 rows of 65536 in 16 chunks")
         assert strategy["k3"].startswith("// strategy: split norm, 2 rows of 65536 in 16 chunks")
         assert strategy["k4"].startswith("// strategy: split norm, 4 rows of 65536 in 16 chunks")
     for plan in plans.values():
-        for g in plan.generated:  # partials per (row, chunk), then each row's mean and 1/std
+        for g in plan.generated:  # (mean, squared deviations) per (row, chunk), then each row's mean and 1/std
             rows = space_of(g).count("k")
-            assert split_workspace(g) == rows * split_chunks(g) + 2 * rows
+            assert split_workspace(g) == 2 * rows * split_chunks(g) + 2 * rows
 
 
 def test_many_short_rows_keep_their_row_strategy(tmp_path):
@@ -84,7 +84,7 @@ def test_many_short_rows_keep_their_row_strategy(tmp_path):
     assert "strided, 1 thread(s) per row, 16 rows of 128" in strategies(plans[0])["k3"]  # channels-last, short
 
 
-def test_split_norm_renders_five_ordered_kernels_without_atomics(planned):
+def test_split_norm_renders_three_ordered_kernels_without_atomics(planned):
     _, plans = planned
     for plan in plans.values():
         sources = generate(plan)
@@ -93,9 +93,9 @@ def test_split_norm_renders_five_ordered_kernels_without_atomics(planned):
             launch = sources.cuda.split(f"cudaError_t {g.kernel}_launch(", 1)[1].split("return cudaGetLastError", 1)[0]
             assert re.findall(rf"{g.kernel}_(\w+)<<<", launch) == list(PASSES)
             assert f"torch::Tensor work = at::empty({{{split_workspace(g)}}}" in sources.cpp
-        # variance around the mean from the first pass (two-pass rule), the unbiased running variance
+        # one Welford pass per chunk, merged by Chan's formula; the unbiased running variance
         k1 = sources.cuda.split("// k1: ", 1)[1].split("// k2: ", 1)[0]
-        assert "const float d = value(r) - mean; return d * d;" in k1
+        assert "kf_welford_add(n, mean, m2, value(r))" in k1 and "kf_welford_merge(n, mean, m2, count, " in k1
         assert "0.30000001192092896f * (var * 1.0000152587890625f)" in k1  # momentum 0.3, 65536 / 65535
 
 

@@ -1,8 +1,9 @@
 """Split reductions and split norms: a few long rows cut into chunks that separate blocks reduce, then combined in
 a fixed order (deterministic: no float atomics). Contiguous rows take a block per (chunk, row); strided rows (a
 channels-last source reduced over space) a block per (chunk, tile of neighbouring rows), a warp across the tile.
-A norm splits both statistics that way (the mean, then the squared deviations around it) and normalises every
-element in a pass of its own; its numerics are the row kernels' (kernelfuse.codegen.reduce).
+A norm splits its statistics that way in one Welford pass (each chunk's mean and squared deviations, merged by
+Chan's formula) and normalises every element in a pass of its own; its numerics are the row kernels'
+(kernelfuse.codegen.reduce).
 """
 
 from __future__ import annotations
@@ -70,12 +71,12 @@ def strided_tile(rows: int) -> int:
 
 def split_workspace(step: GenStep) -> int:
     """Floats of device workspace a split kernel needs (0: none): a partial result per (row, chunk); a split norm
-    adds each row's mean and 1/std after them."""
+    keeps two per (row, chunk) (mean, squared deviations) and adds each row's mean and 1/std after them."""
     chunks = split_chunks(step)
     if chunks == 1:
         return 0
     rows = space_of(step).count("k")
-    return rows * chunks + (2 * rows if step.spec.kind == "norm" else 0)  # type: ignore[attr-defined]
+    return 2 * rows * chunks + 2 * rows if step.spec.kind == "norm" else rows * chunks  # type: ignore[attr-defined]
 
 
 def split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
@@ -84,9 +85,9 @@ def split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
     Contiguous rows: a block per (chunk, row), its threads along the row. Strided rows: a block per (chunk, tile
     of up to 32 neighbouring rows), a warp across the tile (coalesced: neighbouring rows are neighbours in memory)
     and the rest along the chunk, combined through shared memory.
-    A norm runs this twice (the sums give each row's mean, then the squared deviations around it give the
-    variance; running statistics as the one-kernel norm updates them), then normalises every element in a kernel
-    of its own."""
+    A norm's blocks gather each chunk's (mean, squared deviations) in one Welford pass, a warp per row merges them
+    (Chan) into the row's mean and 1/std (running statistics as the one-kernel norm updates them), then a kernel
+    of its own normalises every element: two reads of the row, not three."""
     spec = step.spec
     space = space_of(step)
     rows, red = space.count("k"), space.count("r")
@@ -97,7 +98,7 @@ def split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
     tiles = f", tiles of {tile} rows" if strided else ""
     then = "a combine kernel"
     if norm:
-        then += " per statistic, then a normalise kernel " + ("in the output's order" if _transposed_dim(space) is None
+        then = "a Welford combine kernel, then a normalise kernel " + ("in the output's order" if _transposed_dim(space) is None
                                                              else "in 32 x 32 tiles transposed through shared memory")
     lines = [f"// strategy: split{' norm' if norm else ''}{' strided' if strided else ''}, {rows} rows of {red} in "
              f"{chunks} chunks of {-(-red // chunks)}{tiles}, then {then}"]
@@ -106,23 +107,16 @@ def split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
     combine_grid = f"kf_blocks({rows}LL * 32, {BLOCK})"
     partial_grid = f"dim3({chunks}, {-(-rows // tile) if strided else rows})"
     if norm:
-        stats = rows * chunks  # work: the partials, then each row's mean, then its 1/std
-        row = "row_k" if strided else "row"
-        deviation = [f"  const float mean = work[{stats} + {row}];",
-                     "  auto term = [&](INDEX r) -> float { const float d = value(r) - mean; return d * d; };"]
-        variance = [f"  const float var = s * {scale}, rstd = {rstd(step)};",
-                    f"  if (lane == 0) work[{stats + rows} + row] = rstd;"]
-        if spec.running is not None:  # type: ignore[attr-defined]
-            variance += [f"  const float mean = work[{stats} + row];", *running_lines(step, red, ctype, "  ")]
-        lines += _split_partial(step, ctype, chunks, "sums", "value(r)", [], op, identity)
-        lines += _split_combine(step, ctype, chunks, "mean", op, identity, [f"  if (lane == 0) work[{stats} + row] = s * {scale};"])
-        lines += _split_partial(step, ctype, chunks, "deviations", "term(r)", deviation, op, identity)
-        lines += _split_combine(step, ctype, chunks, "variance", op, identity, variance)
+        stats = 2 * rows * chunks  # work: the partial means, the partial squared deviations, each row's mean, 1/std
+        moments = [f"  const float var = m2 * {scale}, rstd = {rstd(step)};",
+                   f"  if (lane == 0) {{ work[{stats} + row] = mean; work[{stats + rows} + row] = rstd; }}",
+                   *running_lines(step, red, ctype, "  ")]
+        lines += _split_partial(step, ctype, chunks, "moments", "value(r)", [], op, identity, welford=True)
+        lines += _split_combine_welford(step, ctype, chunks, moments)
         lines += _split_normalise(step, ctype, space, stats)
         ds = _transposed_dim(space)
         elements = shape_numel(space.sizes) if ds is None else _tiles(space, ds) * BLOCK  # a tile per block
-        passes = [("sums", partial_grid, "float*"), ("mean", combine_grid, "float*"),
-                  ("deviations", partial_grid, "float*"), ("variance", combine_grid, "float*"),
+        passes = [("moments", partial_grid, "float*"), ("combine", combine_grid, "float*"),
                   ("normalise", f"kf_blocks({elements}LL, {BLOCK})", "const float*")]
     else:
         finish = [f"  s = s * {scale};  // ATen's mean: sum times 1/N"] if spec.kind == "mean" else []  # type: ignore[attr-defined]
@@ -143,9 +137,10 @@ cudaError_t {k}_launch({params}, void* out, void* work, cudaStream_t stream) {{
 
 
 def _split_partial(step: GenStep, ctype: str, chunks: int, name: str, term: str, before: list[str], op: str,
-                   identity: str) -> list[str]:
+                   identity: str, welford: bool = False) -> list[str]:
     """Kernel `{k}_{name}`: each block combines `term` (of value(r)) over one chunk of its row(s) into
-    work[row * chunks + chunk]; `before` runs first (its row is `row_k` for strided rows, else `row`)."""
+    work[row * chunks + chunk]; `before` runs first (its row is `row_k` for strided rows, else `row`). `welford`:
+    the chunk's mean and squared deviations instead (Welford), the latter rows * chunks further on."""
     space = space_of(step)
     rows, red = space.count("k"), space.count("r")
     chunk = -(-red // chunks)
@@ -169,8 +164,10 @@ def _split_partial(step: GenStep, ctype: str, chunks: int, name: str, term: str,
         lines += decompose(space, "k", "row", "row_", tensors, "  ")
     lines += value_lambda(step, space, "r", "row_") + before
     lines += [f"  const INDEX begin = (INDEX)blockIdx.x * {chunk};",
-              f"  const INDEX end = begin + {chunk} < (INDEX){red} ? begin + {chunk} : (INDEX){red};",
-              f"  float s = {identity};"]
+              f"  const INDEX end = begin + {chunk} < (INDEX){red} ? begin + {chunk} : (INDEX){red};"]
+    if welford:
+        return lines + _welford_partial(strided, rows, chunks)
+    lines.append(f"  float s = {identity};")
     if strided:
         lines += [f"  if (active) for (INDEX r = begin + lane; r < end; r += TPR) s = {op}()(s, {term});",
                   f"  __shared__ float part[TPR][{tile + 1}];",
@@ -183,6 +180,50 @@ def _split_partial(step: GenStep, ctype: str, chunks: int, name: str, term: str,
                   f"  s = kf_row_reduce<TPR>(s, {op}());",
                   "  if (lane != 0) return;"]
     return lines + [f"  work[row * {chunks} + blockIdx.x] = s;", "}", ""]
+
+
+def _welford_partial(strided: bool, rows: int, chunks: int) -> list[str]:
+    """The Welford body of a norm's partial kernel: (n, mean, m2) over the chunk, merged across the block in a
+    fixed order; the mean and m2 stored (n is the chunk's length, known to the combine kernel)."""
+    lines = ["  float n = 0.0f, mean = 0.0f, m2 = 0.0f;"]
+    if strided:
+        tile = strided_tile(rows)
+        lines += ["  if (active) for (INDEX r = begin + lane; r < end; r += TPR) kf_welford_add(n, mean, m2, value(r));",
+                  f"  __shared__ float part[3][TPR][{tile + 1}];",
+                  "  part[0][lane][tx] = n; part[1][lane][tx] = mean; part[2][lane][tx] = m2;",
+                  "  __syncthreads();",
+                  "  if (lane != 0 || !active) return;",
+                  "  for (int j = 1; j < TPR; ++j) kf_welford_merge(n, mean, m2, part[0][j][tx], part[1][j][tx], "
+                  "part[2][j][tx]);  // in a fixed order"]
+    else:
+        lines += ["  for (INDEX r = begin + lane; r < end; r += TPR) kf_welford_add(n, mean, m2, value(r));",
+                  "  kf_row_reduce_welford<TPR>(n, mean, m2);",
+                  "  if (lane != 0) return;"]
+    return lines + [f"  work[row * {chunks} + blockIdx.x] = mean;",
+                    f"  work[{rows * chunks} + row * {chunks} + blockIdx.x] = m2;", "}", ""]
+
+
+def _split_combine_welford(step: GenStep, ctype: str, chunks: int, finish: list[str]) -> list[str]:
+    """Kernel `{k}_combine` of a split norm: a warp per row merges the row's chunk moments (Chan's formula, each
+    chunk weighted by its length) in a fixed order into `n`, `mean`, `m2`, then `finish`."""
+    space = space_of(step)
+    rows, red = space.count("k"), space.count("r")
+    chunk = -(-red // chunks)
+    return [f"__global__ void __launch_bounds__({BLOCK}) {step.kernel}_combine({pointer_params(step, ctype)}, "
+            "float* __restrict__ work) {",
+            f"  typedef {index_type(step)} INDEX;",
+            "  const int lane = threadIdx.x % 32;",
+            f"  const INDEX row = (INDEX)blockIdx.x * {BLOCK // 32} + threadIdx.x / 32;",
+            f"  if (row >= {rows}) return;",
+            "  float n = 0.0f, mean = 0.0f, m2 = 0.0f;",
+            f"  for (int c = lane; c < {chunks}; c += 32) {{",
+            f"    const INDEX left = (INDEX){red} - (INDEX)c * {chunk};",
+            f"    const float count = (float)(left < {chunk} ? (left > 0 ? left : 0) : {chunk});",
+            f"    kf_welford_merge(n, mean, m2, count, work[row * {chunks} + c], "
+            f"work[{rows * chunks} + row * {chunks} + c]);",
+            "  }",
+            "  kf_row_reduce_welford<32>(n, mean, m2);",
+            *finish, "}", ""]
 
 
 def _split_combine(step: GenStep, ctype: str, chunks: int, name: str, op: str, identity: str, finish: list[str],
