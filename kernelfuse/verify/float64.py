@@ -13,6 +13,7 @@ candidate may differ from eager's rounding, but must not be less accurate than t
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,27 +56,8 @@ def to_float64(inputs: list[Any]) -> list[Any]:
     return [x.double() if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in inputs]
 
 
-def max_abs_error(out: Any, ref64: Any) -> float:
-    """Max |out - ref64| over the positions where both are finite (computed in float64, chunked)."""
-    worst = 0.0
-    for o, r in zip(flatten_outputs(out), flatten_outputs(ref64), strict=False):
-        if not (isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor)) or o.shape != r.shape:
-            continue
-        if not (o.is_floating_point() and r.is_floating_point()):
-            continue
-        o_flat, r_flat = o.detach().reshape(-1), r.detach().reshape(-1).to(o.device)
-        for start in range(0, o_flat.numel(), CHUNK):
-            oc = o_flat[start:start + CHUNK].double()
-            rc = r_flat[start:start + CHUNK].double()
-            both = torch.isfinite(oc) & torch.isfinite(rc)
-            if both.any():
-                worst = max(worst, float((oc - rc).abs()[both].max()))
-    return worst
-
-
-def mean_abs_error(out: Any, ref64: Any) -> float:
-    """Mean |out - ref64| over the positions where both are finite (float64, chunked): how wrong on average."""
-    total, count = 0.0, 0
+def _finite_errors(out: Any, ref64: Any) -> Iterator[torch.Tensor]:
+    """|out - ref64| in float64, chunk by chunk, at the positions where both are finite (matching float leaves)."""
     for o, r in zip(flatten_outputs(out), flatten_outputs(ref64), strict=False):
         if not (isinstance(o, torch.Tensor) and isinstance(r, torch.Tensor)) or o.shape != r.shape:
             continue
@@ -84,9 +66,20 @@ def mean_abs_error(out: Any, ref64: Any) -> float:
         o_flat, r_flat = o.detach().reshape(-1), r.detach().reshape(-1).to(o.device)
         for start in range(0, o_flat.numel(), CHUNK):
             oc, rc = o_flat[start:start + CHUNK].double(), r_flat[start:start + CHUNK].double()
-            both = torch.isfinite(oc) & torch.isfinite(rc)
-            total += float((oc - rc).abs()[both].sum())
-            count += int(both.sum())
+            yield (oc - rc).abs()[torch.isfinite(oc) & torch.isfinite(rc)]
+
+
+def max_abs_error(out: Any, ref64: Any) -> float:
+    """Max |out - ref64| over the positions where both are finite (computed in float64, chunked)."""
+    return max((float(e.max()) for e in _finite_errors(out, ref64) if e.numel()), default=0.0)
+
+
+def mean_abs_error(out: Any, ref64: Any) -> float:
+    """Mean |out - ref64| over the positions where both are finite (float64, chunked): how wrong on average."""
+    total, count = 0.0, 0
+    for e in _finite_errors(out, ref64):
+        total += float(e.sum())
+        count += e.numel()
     return total / max(1, count)
 
 
