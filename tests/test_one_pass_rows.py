@@ -52,6 +52,10 @@ def test_online_row_kernel_matches_eager_on_special_values(name: str, tmp_path) 
     (step,) = plan.generated
     assert strategy in generate(plan).cuda, generate(plan).cuda[:2000]
     assert "kf_row_reduce_online<TPR>(m, s)" in generate(plan).cuda  # one pass for the max and the sum
+    # a broadcasting kernel whose thread owns at most 32 elements keeps them in registers for the write pass
+    per_thread = -(-shape[1] // int(strategy.split(", ")[1].split()[0]))
+    assert ("float cache[PER];" in generate(plan).cuda) == (name != "logsumexp" and "logsumexp" not in name
+                                                             and per_thread <= 32)
     x = _special_rows(shape)
     assert [n for n, _ in tensor_args(step)] == ["src"]
     out = torch.full(step.out_meta.shape, float("nan"))
@@ -81,6 +85,7 @@ def test_welford_norm_kernel_matches_the_interpreter(name: str, tmp_path) -> Non
     step = next(g for g in plan.generated if g.spec.kind == "norm")
     cuda = generate(plan).cuda
     assert strategy in cuda and "kf_row_reduce_welford<TPR>(n, mean, m2)" in cuda
+    assert ("float cache[PER];" in cuda) == (name != "batch_norm_strided")  # 64 per thread: read twice
     torch.manual_seed(1)
     env, tensors = {}, []
     for arg, ref in tensor_args(step):

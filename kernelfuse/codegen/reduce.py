@@ -137,6 +137,8 @@ __device__ __forceinline__ void kf_row_reduce_welford(float& n, float& mean, flo
 }
 """
 
+CACHE_MAX = 32  # elements a thread keeps in registers across a broadcasting row kernel's passes (a warp: 1024)
+
 REDUCE_OPS = {"sum": ("kf_sum_op", "0.0f"), "mean": ("kf_sum_op", "0.0f"), "prod": ("kf_prod_op", "1.0f"),
               "amax": ("kf_max_op", "(-INFINITY)"), "amin": ("kf_min_op", "INFINITY")}
 
@@ -173,45 +175,60 @@ def row_kernel(step: GenStep, ctype: str) -> str:
              f"row += (INDEX)gridDim.x * {rows_per_block}) {{"]
     lines += decompose(space, "k", "row", "row_", tensors, "    ")
     lines += value_lambda(step, space, "r", "row_")
-    lines += _kind_lines(step, kind, red, ctype, space)
+    lines += _kind_lines(step, kind, red, ctype, space, tpr)
     lines += ["  }", "}", ""]
     grid = f"kf_blocks({rows}LL * {tpr}, {BLOCK})"
     return "\n".join(lines) + launcher(step, ctype, grid)
 
 
-def _loop(body: list[str], ind: str = "    ") -> list[str]:
-    return [f"{ind}for (INDEX r = lane; r < (INDEX)RED; r += TPR) {{", *[f"{ind}  {b}" for b in body], f"{ind}}}"]
+def _loop(body: list[str], cache: str | None = None) -> list[str]:
+    """A thread's pass over its elements of the row, `v` the element's value. `cache` None: each pass reads (and
+    recomputes the prologue); "fill": this pass reads and keeps the thread's elements in registers (`cache`,
+    PER of them); "read": this pass takes them from there."""
+    if cache is None:
+        return ["    for (INDEX r = lane; r < (INDEX)RED; r += TPR) {", "      const float v = value(r);",
+                *[f"      {b}" for b in body], "    }"]
+    take = "const float v = value(r);\n        cache[j] = v;" if cache == "fill" else "const float v = cache[j];"
+    return ["#pragma unroll", "    for (int j = 0; j < PER; ++j) {", "      const INDEX r = lane + (INDEX)j * TPR;",
+            "      if (r < (INDEX)RED) {", *[f"        {t}" for t in take.split("\n")],
+            *[f"        {b}" for b in body], "      }", "    }"]
 
 
-def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space) -> list[str]:
+def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tpr: int) -> list[str]:
     lines = [f"    constexpr INDEX RED = {red};"]
+    per = -(-red // tpr)
+    cached = step.spec.broadcast and per <= CACHE_MAX  # type: ignore[attr-defined]
+    if cached:  # the statistics pass keeps the row in registers: the write pass reads nothing again
+        lines += [f"    constexpr int PER = {per};", "    float cache[PER];"]
+    first, again = ("fill", "read") if cached else (None, None)
     if kind in REDUCE_OPS:
         op, identity = REDUCE_OPS[kind]
         lines.append(f"    float s = {identity};")
-        lines += _loop([f"s = {op}()(s, value(r));"])
+        lines += _loop([f"s = {op}()(s, v);"])
         lines.append(f"    s = kf_row_reduce<TPR>(s, {op}());")
         if kind == "mean":
             lines.append(f"    s = s * {float_literal(1.0 / red)};  // ATen's mean: sum times 1/N")
         return lines + reduced_store(step, "s", ctype)
     if kind in ("logsumexp", "softmax", "log_softmax"):
         lines.append("    float m = -INFINITY, s = 0.0f;")
-        lines += _loop(["kf_online_add(m, s, value(r));"])
+        lines += _loop(["kf_online_add(m, s, v);"], first)
         lines.append("    kf_row_reduce_online<TPR>(m, s);")
         if kind == "logsumexp":  # ATen replaces an infinite max by 0: the sum is then inf (or 0), log gives m back
             lines.append("    const float lse = fabsf(m) == INFINITY ? m : logf(s) + m;")
             return lines + reduced_store(step, "lse", ctype)
         lines.append("    const float logs = logf(s);" if kind == "log_softmax" else "")
-        expr = "value(r) - m - logs" if kind == "log_softmax" else "expf(value(r) - m) / s"
-        return lines + _broadcast_store(step, expr, ctype, [], space)
+        expr = "v - m - logs" if kind == "log_softmax" else "expf(v - m) / s"
+        return lines + _broadcast_store(step, expr, ctype, [], space, again)
     # norm: mean and biased variance in one Welford pass; affine; batch norm updates its running statistics
     lines.append("    float n = 0.0f, mean = 0.0f, m2 = 0.0f;")
-    lines += _loop(["kf_welford_add(n, mean, m2, value(r));"])
+    lines += _loop(["kf_welford_add(n, mean, m2, v);"], first)
     lines.append("    kf_row_reduce_welford<TPR>(n, mean, m2);")
     lines.append(f"    const float var = m2 * {float_literal(1.0 / red)};")
     lines.append(f"    const float rstd = {rstd(step)};")
     lines += running_lines(step, red, ctype, "    ")
     affine = [n for n in ("weight", "bias") if n in space.strides]
-    return lines + _broadcast_store(step, normalised(step, lambda n: f"row_{n} + o_{n}"), ctype, affine, space)
+    expr = normalised(step, lambda n: f"row_{n} + o_{n}").replace("value(r)", "v")
+    return lines + _broadcast_store(step, expr, ctype, affine, space, again)
 
 
 def rstd(step: GenStep) -> str:
@@ -251,10 +268,12 @@ def reduced_store(step: GenStep, value: str, ctype: str) -> list[str]:
     return lines
 
 
-def _broadcast_store(step: GenStep, expr: str, ctype: str, extra: list[str], space: Space) -> list[str]:
-    """Write every element of the row: `expr` (the row's statistics applied), then the epilogue."""
+def _broadcast_store(step: GenStep, expr: str, ctype: str, extra: list[str], space: Space,
+                     cache: str | None) -> list[str]:
+    """Write every element of the row: `expr` (of the element `v`, the row's statistics applied), then the
+    epilogue."""
     body = [ln.strip() for ln in decompose(space, "r", "r", "o_", ["out", *extra], "")]
     body.append(f"const float y = {expr};")
     body += [ln.strip() for ln in epilogue_lines(step, "row_out + o_out", "")]
     body.append(f"out[row_out + o_out] = kf_store<{ctype}>(e_result);")
-    return _loop(body)
+    return _loop(body, cache)
