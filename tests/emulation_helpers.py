@@ -57,6 +57,14 @@ def call(lib: ctypes.CDLL, step: GenStep, tensors: list) -> None:
 
 def emulated_and_interpreted(lib: ctypes.CDLL, plan: Plan, step: GenStep, seed: int = 0) -> tuple:
     """(the kernel's output, the plan interpreter's) for random tensors in the layouts the plan gives them."""
+    out, expected, _, _ = emulated_run(lib, plan, step, seed)
+    return out, expected
+
+
+def emulated_run(lib: ctypes.CDLL, plan: Plan, step: GenStep, seed: int = 0, src_offset: float = 0.0) -> tuple:
+    """The kernel and the plan interpreter on the same random tensors (the source shifted by `src_offset`):
+    (kernel output, interpreter output, the kernel's input tensors after the call, the interpreter's by name) -
+    in-place updates (batch norm's running statistics) show in the last two."""
     import torch
 
     from kernelfuse.plan.interpret import _run_generated
@@ -65,8 +73,9 @@ def emulated_and_interpreted(lib: ctypes.CDLL, plan: Plan, step: GenStep, seed: 
     env, tensors = {}, []
     for name, ref in tensor_args(step):
         meta = step.source.meta if name == "src" else plan.graph[ref].meta
-        env[ref.name] = torch.empty_strided(meta.shape, meta.stride).copy_(torch.randn(meta.shape))
-        tensors.append(env[ref.name])
+        value = torch.randn(meta.shape) + (src_offset if name == "src" else 0.0)
+        env[ref.name] = torch.empty_strided(meta.shape, meta.stride).copy_(value)
+        tensors.append(env[ref.name].clone())
     out = torch.full(step.out_meta.shape, float("nan"))
     call(lib, step, [*tensors, out])
-    return out, _run_generated(step, env)
+    return out, _run_generated(step, env), tensors, env

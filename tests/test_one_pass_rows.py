@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from emulation_helpers import call, emulated
+from emulation_helpers import call, emulated, emulated_run
 from optimizer_helpers import pipeline, write_problem
 
 from kernelfuse.codegen import generate
 from kernelfuse.codegen.iteration import tensor_args
-from kernelfuse.plan.interpret import _run_generated
 
 BODY = """
 def forward(self, x):
@@ -54,8 +53,7 @@ def test_online_row_kernel_matches_eager_on_special_values(name: str, tmp_path) 
     assert "kf_row_reduce_online<TPR>(m, s)" in generate(plan).cuda  # one pass for the max and the sum
     # a broadcasting kernel whose thread owns at most 32 elements keeps them in registers for the write pass
     per_thread = -(-shape[1] // int(strategy.split(", ")[1].split()[0]))
-    assert ("float cache[PER];" in generate(plan).cuda) == (name != "logsumexp" and "logsumexp" not in name
-                                                             and per_thread <= 32)
+    assert ("float cache[PER];" in generate(plan).cuda) == ("logsumexp" not in name and per_thread <= 32)
     x = _special_rows(shape)
     assert [n for n, _ in tensor_args(step)] == ["src"]
     out = torch.full(step.out_meta.shape, float("nan"))
@@ -66,7 +64,7 @@ def test_online_row_kernel_matches_eager_on_special_values(name: str, tmp_path) 
 
 
 NORMS = {
-    # name: (model body, input, the strategy line's start); rows offset by 100 (a variance far below the mean)
+    # name: (model body, input, the strategy line's start); sources offset by 100 (a variance far below the mean)
     "layer_norm_block": ("def __init__(self):\n    super().__init__()\n    self.ln = nn.LayerNorm(3000)\n\n"
                          "def forward(self, x):\n    return self.ln(x)", (8, 3000), "256 thread(s) per row"),
     "layer_norm_warp": ("def __init__(self):\n    super().__init__()\n    self.ln = nn.LayerNorm(100)\n\n"
@@ -86,18 +84,7 @@ def test_welford_norm_kernel_matches_the_interpreter(name: str, tmp_path) -> Non
     cuda = generate(plan).cuda
     assert strategy in cuda and "kf_row_reduce_welford<TPR>(n, mean, m2)" in cuda
     assert ("float cache[PER];" in cuda) == (name != "batch_norm_strided")  # 64 per thread: read twice
-    torch.manual_seed(1)
-    env, tensors = {}, []
-    for arg, ref in tensor_args(step):
-        meta = step.source.meta if arg == "src" else plan.graph[ref].meta
-        value = torch.randn(meta.shape) * 0.5 + (100.0 if arg == "src" else 0.0)
-        if arg == "run_var":
-            value = value.abs()
-        env[ref.name] = torch.empty_strided(meta.shape, meta.stride).copy_(value)
-        tensors.append(env[ref.name].clone())
-    out = torch.full(step.out_meta.shape, float("nan"))
-    call(emulated(plan, tmp_path), step, [*tensors, out])
-    expected = _run_generated(step, env)
+    out, expected, tensors, env = emulated_run(emulated(plan, tmp_path), plan, step, seed=1, src_offset=100.0)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
     for (arg, ref), emulated_buffer in zip(tensor_args(step), tensors, strict=True):
         if arg.startswith("run_"):  # batch norm's running statistics, updated in place by both

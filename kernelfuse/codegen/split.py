@@ -93,7 +93,6 @@ def split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
     rows, red = space.count("k"), space.count("r")
     strided = not reads_rows_contiguously(space)
     norm = spec.kind == "norm"  # type: ignore[attr-defined]
-    op, identity = ("kf_sum_op", "0.0f") if norm else REDUCE_OPS[spec.kind]  # type: ignore[attr-defined]
     tile = strided_tile(rows)
     tiles = f", tiles of {tile} rows" if strided else ""
     then = "a combine kernel"
@@ -111,7 +110,7 @@ def split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
         moments = [f"  const float var = m2 * {scale}, rstd = {rstd(step)};",
                    f"  if (lane == 0) {{ work[{stats} + row] = mean; work[{stats + rows} + row] = rstd; }}",
                    *running_lines(step, red, ctype, "  ")]
-        lines += _split_partial(step, ctype, chunks, "moments", "value(r)", [], op, identity, welford=True)
+        lines += _split_partial(step, ctype, chunks, "moments", None)
         lines += _split_combine_welford(step, ctype, chunks, moments)
         lines += _split_normalise(step, ctype, space, stats)
         ds = _transposed_dim(space)
@@ -121,7 +120,8 @@ def split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
     else:
         finish = [f"  s = s * {scale};  // ATen's mean: sum times 1/N"] if spec.kind == "mean" else []  # type: ignore[attr-defined]
         finish += [ln[2:] for ln in reduced_store(step, "s", ctype)]
-        lines += _split_partial(step, ctype, chunks, "partial", "value(r)", [], op, identity)
+        op, identity = REDUCE_OPS[spec.kind]  # type: ignore[attr-defined]
+        lines += _split_partial(step, ctype, chunks, "partial", (op, identity))
         lines += _split_combine(step, ctype, chunks, "combine", op, identity, finish, const=True)
         passes = [("partial", partial_grid, "float*"), ("combine", combine_grid, "const float*")]
     params, args = launch_params(step, ctype)
@@ -136,11 +136,10 @@ cudaError_t {k}_launch({params}, void* out, void* work, cudaStream_t stream) {{
     return "\n".join(lines)
 
 
-def _split_partial(step: GenStep, ctype: str, chunks: int, name: str, term: str, before: list[str], op: str,
-                   identity: str, welford: bool = False) -> list[str]:
-    """Kernel `{k}_{name}`: each block combines `term` (of value(r)) over one chunk of its row(s) into
-    work[row * chunks + chunk]; `before` runs first (its row is `row_k` for strided rows, else `row`). `welford`:
-    the chunk's mean and squared deviations instead (Welford), the latter rows * chunks further on."""
+def _split_partial(step: GenStep, ctype: str, chunks: int, name: str, reduce: tuple[str, str] | None) -> list[str]:
+    """Kernel `{k}_{name}`: each block combines value(r) with `reduce` (its op and identity) over one chunk of its
+    row(s) into work[row * chunks + chunk]; `reduce` None: the chunk's mean and squared deviations instead
+    (Welford), the latter rows * chunks further on."""
     space = space_of(step)
     rows, red = space.count("k"), space.count("r")
     chunk = -(-red // chunks)
@@ -162,21 +161,22 @@ def _split_partial(step: GenStep, ctype: str, chunks: int, name: str, term: str,
                   "  const int lane = threadIdx.x;",
                   "  const INDEX row = blockIdx.y;"]
         lines += decompose(space, "k", "row", "row_", tensors, "  ")
-    lines += value_lambda(step, space, "r", "row_") + before
+    lines += value_lambda(step, space, "r", "row_")
     lines += [f"  const INDEX begin = (INDEX)blockIdx.x * {chunk};",
               f"  const INDEX end = begin + {chunk} < (INDEX){red} ? begin + {chunk} : (INDEX){red};"]
-    if welford:
+    if reduce is None:
         return lines + _welford_partial(strided, rows, chunks)
+    op, identity = reduce
     lines.append(f"  float s = {identity};")
     if strided:
-        lines += [f"  if (active) for (INDEX r = begin + lane; r < end; r += TPR) s = {op}()(s, {term});",
+        lines += [f"  if (active) for (INDEX r = begin + lane; r < end; r += TPR) s = {op}()(s, value(r));",
                   f"  __shared__ float part[TPR][{tile + 1}];",
                   "  part[lane][tx] = s;",
                   "  __syncthreads();",
                   "  if (lane != 0 || !active) return;",
                   f"  for (int j = 1; j < TPR; ++j) s = {op}()(s, part[j][tx]);  // in a fixed order"]
     else:
-        lines += [f"  for (INDEX r = begin + lane; r < end; r += TPR) s = {op}()(s, {term});",
+        lines += [f"  for (INDEX r = begin + lane; r < end; r += TPR) s = {op}()(s, value(r));",
                   f"  s = kf_row_reduce<TPR>(s, {op}());",
                   "  if (lane != 0) return;"]
     return lines + [f"  work[row * {chunks} + blockIdx.x] = s;", "}", ""]
