@@ -3,7 +3,9 @@
 Without a GPU the plans are checked by the CPU interpreter against the original model and the default variant is
 emitted, saying plainly that GPU verification did not run. With a GPU every variant is built (in parallel),
 judged by `kernelfuse.judge` (the same judge as `kernelfuse eval`), and the fastest verified variant ships only
-if it beats eager; otherwise the unfused file (the original ops) ships and the report says why.
+if it beats eager; otherwise the unfused file (the original ops) ships and the report says why. When the judge's
+profile shows the GPU idle for a tenth of the shipped forward or more (launch-bound: deep models, small batches),
+the same kernels replayed from a CUDA graph are judged too and ship if verified and faster.
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ from kernelfuse.judge import EvalOptions, Verdict, evaluate
 from kernelfuse.load import Problem, check_output_path, load_problem
 from kernelfuse.plan import Plan, plan_variants
 from kernelfuse.rewrite import RULE_NAMES, RuleFiring, apply_rules
+
+# A forward whose kernels keep the GPU busy for less than this fraction of its timed duration is launch-bound:
+# its CUDA-graph variant is judged (measured on an H100, benchmarks/graph_probe.py: graphs gained 2-6x where the
+# fraction was 0.14-0.49 and lost up to 20% where it was 0.96-1.0, the input copy and output clone then costing)
+GRAPH_BUSY_BELOW = 0.9
 
 
 @dataclass(frozen=True)
@@ -91,11 +98,13 @@ def optimize_file(problem_path: str | Path, out_path: str | Path, options: Optim
     if not any(p.fused or p.generated for p in plans) and not rewritten.fired:  # a rewritten graph is worth a plan
         result.notes.append("nothing to fuse (no library call with pointwise ops behind it): "
                             "shipping the unfused model")
-        return _ship_unfused(problem, result, log, options if use_gpu else None)  # on a GPU: judged and timed
+        if not use_gpu:
+            return _ship_unfused(problem, result, log)
+        return _try_graph(problem, plans[0], options, _ship_unfused(problem, result, log, options), log)
     if use_gpu and not options.cpu_check:
         del model
         log("[4/5] CPU interpreter check skipped: the GPU judge verifies every plan")
-        return _choose_on_gpu(problem, plans, options, result, log, in_order=timings is not None)
+        return _choose_then_graph(problem, plans, options, result, log, in_order=timings is not None)
     checks = check_plans(problem, model, graph, plans, lambda g: apply_rules(g, disabled).graph)
     result.cpu_checks = checks
     del model  # the weights are not needed past the check: the judge builds its own copies
@@ -106,7 +115,10 @@ def optimize_file(problem_path: str | Path, out_path: str | Path, options: Optim
             if c.ok or c.skipped]
     if not good:
         result.notes.append("every fused plan failed the CPU check: shipping the unfused model")
-        return _ship_unfused(problem, result, log, options if use_gpu else None)
+        if not use_gpu:
+            return _ship_unfused(problem, result, log)
+        ops_only = plan_variants(graph, options.precision, max_fusions=0)[0]  # the captured ops, no fusion
+        return _try_graph(problem, ops_only, options, _ship_unfused(problem, result, log, options), log)
     if not use_gpu:
         plan = good[0]
         check = checks[plans.index(plan)]
@@ -116,7 +128,7 @@ def optimize_file(problem_path: str | Path, out_path: str | Path, options: Optim
             "the plan was checked with the CPU interpreter only" if check.ok else f"the CPU check was {check.note}"))
         log(f"[5/5] wrote {out_path} ({plan.variant})")
         return result
-    return _choose_on_gpu(problem, good, options, result, log, in_order=timings is not None)
+    return _choose_then_graph(problem, good, options, result, log, in_order=timings is not None)
 
 
 def _measure_conv_layouts(graph: Graph, precision: str, log: Callable[[str], None]) -> list[LayoutTiming] | None:
@@ -176,6 +188,74 @@ def _choose_on_gpu(problem: Problem, plans: list[Plan], options: OptimizeOptions
         return _ship_unfused(problem, result, log, options)
     log(f"wrote {result.output} ({plan.variant})")
     return result
+
+
+def _choose_then_graph(problem: Problem, plans: list[Plan], options: OptimizeOptions, result: OptimizeResult,
+                       log: Callable[[str], None], in_order: bool = False) -> OptimizeResult:
+    """`_choose_on_gpu`, then the CUDA-graph variant of what it chose (for the original ops: of the fastest plan
+    that verified, or of the captured ops unfused) where the shipped forward is launch-bound."""
+    result = _choose_on_gpu(problem, plans, options, result, log, in_order)
+    by_name = {p.variant: p for p in plans}
+    if result.shipped in by_name:
+        candidate = by_name[result.shipped]
+    else:
+        verified = [v for v in result.variants if v.verdict.correct and v.verdict.runtime_ms is not None]
+        fastest = min(verified, key=lambda v: v.verdict.runtime_ms or 0.0, default=None)
+        candidate = by_name[fastest.variant] if fastest is not None else \
+            plan_variants(plans[0].graph, options.precision, max_fusions=0)[0]
+    return _try_graph(problem, candidate, options, result, log)
+
+
+def _try_graph(problem: Problem, plan: Plan, options: OptimizeOptions, result: OptimizeResult,
+               log: Callable[[str], None]) -> OptimizeResult:
+    """Judge `plan` replayed from a CUDA graph when the shipped file's forward is launch-bound (the GPU busy for
+    less than GRAPH_BUSY_BELOW of its timed duration, by the judge's profile); ship it if verified and faster than
+    both eager and what ships now. Plans with random ops are not graphed."""
+    final = result.final
+    busy = ((final.details or {}).get("streams") or {}).get("candidate_busy_ms") if final is not None else None
+    if final is None or not final.correct or not final.runtime_ms or busy is None:
+        return result
+    if busy >= GRAPH_BUSY_BELOW * final.runtime_ms:
+        return result
+    if has_random_ops(plan.graph):
+        result.notes.append("launch-bound, but not graphed: the forward draws random numbers")
+        return result
+    graphed = plan.as_graphed()
+    log(f"      launch-bound: the GPU is busy {busy:.3f} of {final.runtime_ms:.3f} ms; judging {graphed.variant}")
+    path = Path(tempfile.mkdtemp(prefix=f"kernelfuse_{problem.name}_")) / f"{problem.name}_{graphed.variant}.py"
+    path.write_text(emit_file(problem, graphed, f"variant under evaluation: {graphed.variant}"))
+    verdict = evaluate(problem.path, path, judge_options(options, options.final_baselines))
+    result.variants.append(VariantResult(graphed.variant, verdict))
+    log(f"      {graphed.variant}: " + describe_verdict(verdict))
+    if verdict.correct and verdict.runtime_ms is not None and (verdict.speedup_eager or 0.0) >= 1.0 \
+            and verdict.runtime_ms < final.runtime_ms:
+        _write_verified(problem, graphed, options, result)
+        result.final = verdict
+        log(f"wrote {result.output} ({graphed.variant})")
+    else:
+        why = f"not verified: {verdict.reason}" if not verdict.correct else \
+            f"{verdict.runtime_ms or 0:.3f} ms against {final.runtime_ms:.3f} ms"
+        result.notes.append(f"{graphed.variant} does not ship ({why})")
+    return result
+
+
+def has_random_ops(graph: Graph) -> bool:
+    """Whether any captured op draws random numbers: ATen tags such ops nondeterministic_seeded, but dropout
+    (and the recurrent ops' dropout between layers) with probability 0 or outside training draws none."""
+    for node in graph.nodes:
+        packet, _, overload = node.op.partition(".")
+        op = getattr(getattr(torch.ops.aten, packet, None), overload or "default", None)
+        if op is None or torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
+            continue
+        schema = op._schema.arguments
+        args = {a.name: a.default_value for a in schema if a.has_default_value()}
+        args.update(zip((a.name for a in schema), node.args, strict=False))
+        args.update((a[1], a[2]) for a in node.args if isinstance(a, tuple) and len(a) == 3 and a[0] == "kw")
+        probability = next((args[k] for k in ("p", "dropout", "dropout_p") if k in args), None)
+        if isinstance(probability, (int, float)) and (probability == 0 or args.get("train") is False):
+            continue
+        return True
+    return False
 
 
 def _ship_first_faster(problem: Problem, plans: list[Plan], files: dict[str, Path], options: OptimizeOptions,

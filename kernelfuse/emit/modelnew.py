@@ -18,6 +18,7 @@ from kernelfuse.capture import Node, Ref
 from kernelfuse.codegen import CudaSources
 from kernelfuse.codegen.generated import tensor_args
 from kernelfuse.emit.flags import _with_tf32, _without_tf32, source_of
+from kernelfuse.emit.graphed import GRAPH_RUNTIME, graphed_forward_source
 from kernelfuse.emit.hoist import cached_tuple, plan_hoist, step_out, weight_methods
 from kernelfuse.errors import ProblemError
 from kernelfuse.load import Problem, class_source
@@ -95,6 +96,8 @@ def runtime_text(plan: Plan, sources: CudaSources | None) -> str:
         parts.append(source_of(_with_tf32))  # a matmul under the tf32 policy
     if any(s.anchor.fp32 for s in plan.fused):
         parts.append(source_of(_without_tf32))  # a channels-last conv in full fp32
+    if plan.graphed:
+        parts.append(GRAPH_RUNTIME)
     return "\n\n".join(p.strip("\n") + "\n" for p in parts)
 
 
@@ -105,7 +108,7 @@ def emit_modelnew(problem: Problem, plan: Plan, sources: CudaSources | None, rep
     arg_names, optional = _forward_args(forward, problem, len(plan.graph.inputs))
     prelude = _problem_without_model(problem, cls)
     header = _docstring(problem, plan, report)
-    guarded = sources is not None or bool(plan.fused) or bool(optional)
+    guarded = sources is not None or bool(plan.fused) or bool(optional) or plan.graphed
     body = _model_new_class(problem, cls, forward, plan, arg_names, sources is not None, guarded, optional)
     parts = [header, "import hashlib\nimport inspect\n", prelude.rstrip() + "\n", body]
     specs = ", ".join(f"({tuple(n.meta.shape)}, {n.meta.dtype})" for n in plan.graph.inputs)
@@ -205,10 +208,14 @@ def forward_source(plan: Plan, arg_names: list[str], has_kernels: bool, guarded:
     for node in graph.inputs:
         names[node.name] = arg_names[int(node.target)]  # type: ignore[arg-type]
     args = ", ".join(arg_names)
-    params = ", ".join([*arg_names, *(f"{o}=None" for o in optional)])
-    out = [f"def forward(self, {params}):" if params else "def forward(self):"]
-    out.append('    """Fused kernels on the captured shapes; the original ops otherwise (see _use_kernels)."""')
-    if guarded:
+    params = ", ".join(["self", *arg_names, *(f"{o}=None" for o in optional)])
+    if plan.graphed:  # forward replays the graph; the plan's kernels run from _fused_forward, guard checked before
+        out = [f"def _fused_forward(self, {args}):" if args else "def _fused_forward(self):",
+               '    """The plan\'s kernels one by one: what the CUDA graph captures."""']
+    else:
+        out = [f"def forward({params}):",
+               '    """Fused kernels on the captured shapes; the original ops otherwise (see _use_kernels)."""']
+    if guarded and not plan.graphed:
         given = "".join(f"{o} is not None or " for o in optional)
         out.append(f"    if {given}not _use_kernels(self, ({args}{',' if len(arg_names) == 1 else ''})):")
         out.append(f"        return self._reference_forward({', '.join([*arg_names, *optional])})")
@@ -226,6 +233,8 @@ def forward_source(plan: Plan, arg_names: list[str], has_kernels: bool, guarded:
     results = ", ".join(names[r.name] for r in graph.outputs)
     out.append(f"    return {results}")
     text = "\n".join(out) + "\n"
+    if plan.graphed:
+        text = graphed_forward_source(arg_names, optional, "_fused_forward") + "\n" + text
     if hoist.cached:
         text += "\n" + weight_methods(hoist, state_names, lambda s, n: _step_lines(graph, s, n), has_kernels)
     return text

@@ -3,6 +3,10 @@
 Eager work and torch.compile run on the current stream. A candidate whose kernels also run on other streams may be
 fine (if it joins them before returning) or may be hiding work from the timing events; the verdict names the
 extra streams, and the host-time cross-check in bench decides whether work escaped.
+
+The same trace gives the GPU's busy time (the summed durations of the call's kernels and copies): next to the
+timed call's duration it says how much of a forward is launch overhead, which decides whether replaying the
+forward from a CUDA graph is worth judging (kernelfuse.pipeline).
 """
 
 from __future__ import annotations
@@ -11,13 +15,23 @@ import json
 import os
 import tempfile
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
-def kernel_streams(fn: Callable[[], Any]) -> tuple[set[int], int]:
-    """(stream ids used by the GPU work of one call of `fn`, number of GPU activities); raises if profiling fails."""
+@dataclass(frozen=True)
+class GpuActivity:
+    """The GPU work of one profiled call."""
+
+    streams: frozenset[int]  # CUDA stream ids its kernels and copies ran on
+    count: int  # kernels, copies and memsets
+    busy_ms: float  # their summed durations (overlapping work counted twice)
+
+
+def kernel_streams(fn: Callable[[], Any]) -> GpuActivity:
+    """The GPU work of one call of `fn`, read from the profiler's trace; raises if profiling fails."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -34,10 +48,12 @@ def kernel_streams(fn: Callable[[], Any]) -> tuple[set[int], int]:
         os.unlink(path)
     streams: set[int] = set()
     count = 0
+    busy_us = 0.0
     for event in trace.get("traceEvents", []):
         if event.get("cat") in GPU_CATEGORIES:
             stream = (event.get("args") or {}).get("stream")
             if stream is not None:
                 streams.add(int(stream))
                 count += 1
-    return streams, count
+                busy_us += float(event.get("dur") or 0.0)
+    return GpuActivity(frozenset(streams), count, busy_us / 1000)

@@ -325,21 +325,22 @@ def _check_streams(out: Outcome, models: Models, problem: Any, settings: TrialSe
     pristine = problem.make_inputs(settings.seed, settings.device)
     try:
         settings.default_flags.apply()
-        ref_streams, _ = kernel_streams(lambda: models.reference(*inputs_to(pristine, settings.device)))
+        ref = kernel_streams(lambda: models.reference(*inputs_to(pristine, settings.device)))
         settings.candidate_flags.apply()
-        cand_streams, count = kernel_streams(lambda: models.candidate(*inputs_to(pristine, settings.device)))
+        cand = kernel_streams(lambda: models.candidate(*inputs_to(pristine, settings.device)))
         settings.default_flags.apply()
     except CandidateCallError:
         raise
     except Exception as err:  # noqa: BLE001 - the profiler is a cross-check, not a requirement
         out.warn(f"stream check unavailable: {type(err).__name__}: {str(err)[:200]}")
         return
-    extra = sorted(cand_streams - ref_streams)
-    out.set(streams={"reference": sorted(ref_streams), "candidate": sorted(cand_streams), "extra": extra,
-                     "gpu_activities": count})
+    extra = sorted(cand.streams - ref.streams)
+    out.set(streams={"reference": sorted(ref.streams), "candidate": sorted(cand.streams), "extra": extra,
+                     "gpu_activities": cand.count, "reference_busy_ms": round(ref.busy_ms, 4),
+                     "candidate_busy_ms": round(cand.busy_ms, 4)})
     if extra:
         out.warn(f"the candidate's kernels ran on CUDA stream(s) {extra} besides the current stream "
-                 f"{sorted(ref_streams)}: fine if joined before returning; the timing cross-check decides")
+                 f"{sorted(ref.streams)}: fine if joined before returning; the timing cross-check decides")
 
 
 def _runtime_failure(out: Outcome, request: WorkerRequest, err: BaseException, when: str | None = None) -> Failed:

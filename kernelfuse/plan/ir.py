@@ -6,7 +6,7 @@ tensors, broadcast to the output) and earlier statements, each statement one row
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kernelfuse.capture import Graph, Node, Ref, TensorMeta
 
@@ -142,6 +142,11 @@ class Plan:
     steps: tuple[Step, ...]
     variant: str
     options: object = None  # the kernelfuse.plan.fuse.PlanOptions that made it: the same plan for another capture
+    graphed: bool = False  # the forward is replayed from a CUDA graph (kernelfuse.emit.graphed)
+
+    def as_graphed(self) -> Plan:
+        """The same kernels, replayed from a CUDA graph: a variant of its own, judged like the others."""
+        return replace(self, graphed=True, variant=f"{self.variant}+graph")
 
     @property
     def fused(self) -> list[FusedStep]:
@@ -169,6 +174,8 @@ class Plan:
             lines.append(f"  unfused: {s.node.op} ({s.reason})")
         if not self.unfused:
             lines.append("  unfused: none")
+        if self.graphed:
+            lines.append("  the whole forward replayed from one CUDA graph (one launch per call)")
         return "\n".join(lines)
 
     def __str__(self) -> str:

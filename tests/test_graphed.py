@@ -1,0 +1,263 @@
+"""CUDA-graph variants: when the optimizer judges one (a launch-bound forward), when it ships, and the emitted
+runtime's rule for when a captured graph may serve a call (run on the CPU with the capture replaced by a plain
+call: the bookkeeping is what is tested here; tests/test_graphed_gpu.py replays real graphs)."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernelfuse.capture import build_model, capture
+from kernelfuse.emit import emit_modelnew
+from kernelfuse.load import load_problem
+from kernelfuse.pipeline import has_random_ops
+from kernelfuse.plan import plan_variants
+from kernelfuse.rewrite import rewrite
+from tests.test_pipeline_choice import _run, _verdict
+
+FIXTURES = Path(__file__).parent / "fixtures" / "problems"
+
+
+def _busy(verdict, busy_ms: float):  # noqa: ANN001, ANN202
+    return dataclasses.replace(verdict, details={"streams": {"candidate_busy_ms": busy_ms}})
+
+
+def test_launch_bound_forward_ships_its_graph(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    script = {"fused+graph": _verdict(True, 1.0, eager=2.8), "fused": _busy(_verdict(True, 2.7, eager=2.8), 1.2),
+              "unfused": _verdict(True, 2.8, eager=2.8)}
+    result, text, judged = _run(monkeypatch, tmp_path, "gemm_add_relu", script)
+    assert judged == ["fused", "fused+graph"]
+    assert result.shipped == "fused+graph" and result.final.runtime_ms == 1.0
+    assert "graph.replay((x,))" in text and "def _fused_forward(self, x):" in text
+    assert "class _CudaGraph" in text
+
+
+def test_kernel_bound_forward_is_not_graphed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    script = {"fused+graph": _verdict(True, 1.0, eager=2.8), "fused": _busy(_verdict(True, 2.7, eager=2.8), 2.6),
+              "unfused": _verdict(True, 2.8, eager=2.8)}
+    result, text, judged = _run(monkeypatch, tmp_path, "gemm_add_relu", script)
+    assert judged == ["fused"] and result.shipped == "fused"  # busy 2.6 of 2.7 ms: no graph judged
+    assert "_CudaGraph" not in text
+
+
+def test_graph_that_is_slower_does_not_ship(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    script = {"fused+graph": _verdict(True, 2.75, eager=2.8), "fused": _busy(_verdict(True, 2.7, eager=2.8), 1.0),
+              "unfused": _verdict(True, 2.8, eager=2.8)}
+    result, text, judged = _run(monkeypatch, tmp_path, "gemm_add_relu", script)
+    assert judged == ["fused", "fused+graph"] and result.shipped == "fused"
+    assert result.notes == ["fused+graph does not ship (2.750 ms against 2.700 ms)"]
+    assert "_CudaGraph" not in text
+
+
+def test_unfused_ship_graphs_the_fastest_verified_plan(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Fusion alone did not pay (ResNet101: 0.98x eager), but its kernels replayed from a graph do."""
+    script = {"fused+graph": _verdict(True, 1.4, eager=2.8), "fused": _verdict(True, 2.9, eager=2.8),
+              "unfused": _busy(_verdict(True, 2.8, eager=2.8), 1.1)}
+    result, text, judged = _run(monkeypatch, tmp_path, "gemm_add_relu", script)
+    assert judged == ["fused", "unfused", "fused+graph"]
+    assert result.shipped == "fused+graph" and "graph.replay((x,))" in text
+
+
+def test_random_ops_are_never_graphed() -> None:
+    problem = load_problem(FIXTURES / "tiny_bn_dropout.py")
+    graph = rewrite(capture(problem, build_model(problem)))
+    assert graph.training and has_random_ops(graph)
+    problem = load_problem(FIXTURES / "tiny_gemm_add_relu.py")
+    assert not has_random_ops(rewrite(capture(problem, build_model(problem))))
+
+
+@pytest.mark.parametrize(("module", "random"), [
+    ("nn.Dropout(0.0)", False),  # KernelBench's transformers: dropout 0 draws nothing
+    ("nn.Dropout(0.1)", True),
+    ("nn.LSTM(8, 8, num_layers=2, dropout=0.0)", False),  # the recurrent op is tagged seeded for its dropout
+    ("nn.LSTM(8, 8, num_layers=2, dropout=0.5)", True),
+])
+def test_dropout_with_probability_zero_draws_nothing(tmp_path: Path, module: str, random: bool) -> None:
+    path = tmp_path / "problem.py"
+    call = "self.m(x)[0]" if "LSTM" in module else "self.m(x)"
+    path.write_text(f"""import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.m = {module}
+
+    def forward(self, x):
+        return torch.relu({call})
+
+
+def get_inputs():
+    return [torch.rand(5, 3, 8)]
+
+
+def get_init_inputs():
+    return []
+""")
+    problem = load_problem(path)
+    graph = rewrite(capture(problem, build_model(problem)))
+    assert graph.training and has_random_ops(graph) is random
+
+
+# --- the emitted runtime, its capture replaced by plain calls -------------------------------------------------
+
+class _Counting:
+    """Stands in for the capture: records by running the forward, 'replays' by running it again on the static
+    inputs and writing the result into the recorded output (as a replay writes the graph's memory)."""
+
+    launches = 0
+
+    def _record(self, forward):  # noqa: ANN001, ANN202
+        self.forward = forward
+        return forward(*self.static)
+
+    def _launch(self) -> None:
+        _Counting.launches += 1
+        self.out.copy_(self.forward(*self.static))
+
+
+def _namespace(tmp_path: Path) -> dict:
+    """The emitted file of an ops-only plan of BatchNorm in eval mode (runs on the CPU), executed."""
+    source = tmp_path / "problem.py"
+    source.write_text('''import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+
+    def forward(self, x):
+        return torch.relu(self.bn(self.fc(x)))
+
+
+def get_inputs():
+    return [torch.rand(4, 8)]
+
+
+def get_init_inputs():
+    return []
+''')
+    problem = load_problem(source)
+    model = build_model(problem).eval()
+    plan = plan_variants(rewrite(capture(problem, model)), max_fusions=0)[0].as_graphed()
+    text = emit_modelnew(problem, plan, None, "test")
+    namespace: dict = {}
+    exec(compile(text, str(tmp_path / "new.py"), "exec"), namespace)  # noqa: S102 - the emitted file under test
+    graph_cls = namespace["_CudaGraph"]
+    namespace["_CudaGraph"] = type("CountingGraph", (_Counting, graph_cls), {})
+    _Counting.launches = 0
+    return namespace
+
+
+def _model(namespace: dict) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return namespace["ModelNew"]().eval()
+
+
+def _call(namespace: dict, model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """What ModelNew.forward does past its guard (which wants CUDA tensors)."""
+    graph = model.__dict__.get("_cuda_graph")
+    if graph is not None and graph.serves((x,)):
+        return graph.replay((x,))
+    return namespace["_graphed"](model, model._fused_forward, (x,))
+
+
+def test_emitted_file_runs_the_original_ops_off_the_gpu(tmp_path: Path) -> None:
+    namespace = _namespace(tmp_path)
+    model = _model(namespace)
+    x = torch.rand(4, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x), model._reference_forward(x))  # CPU input: the guard sends it to the ops
+    assert model.__dict__.get("_cuda_graph") is None
+
+
+def test_first_call_warms_up_the_second_captures_then_replays(tmp_path: Path) -> None:
+    namespace = _namespace(tmp_path)
+    model = _model(namespace)
+    xs = [torch.rand(4, 8) for _ in range(4)]
+    with torch.no_grad():
+        outs = [_call(namespace, model, x) for x in xs]
+        assert model.__dict__.get("_cuda_graph") is not None
+        assert _Counting.launches == 3  # call 2 replays after capturing, calls 3 and 4 replay
+        for x, out in zip(xs, outs, strict=True):
+            assert torch.allclose(out, model._reference_forward(x))
+    assert len({o.data_ptr() for o in outs}) == 4  # each result is a clone: none aliases the graph or another
+
+
+@pytest.mark.parametrize("change", ["weight_in_place", "weight_replaced", "storage_moved", "submodule_replaced",
+                                    "train_mode", "numerics_flag", "input_shape", "input_strides", "autograd"])
+def test_graph_does_not_serve_after_a_change(tmp_path: Path, change: str) -> None:
+    namespace = _namespace(tmp_path)
+    model = _model(namespace)
+    x = torch.rand(4, 8)
+    with torch.no_grad():
+        _call(namespace, model, x)
+        _call(namespace, model, x)
+        graph = model.__dict__["_cuda_graph"]
+        assert graph.serves((x,))
+    flag = torch.backends.cudnn.benchmark
+    try:
+        with torch.no_grad():
+            if change == "weight_in_place":
+                model.fc.weight.mul_(2)
+            elif change == "weight_replaced":
+                model.fc.weight = torch.nn.Parameter(model.fc.weight.detach().clone())
+            elif change == "storage_moved":
+                model.fc.weight.data = model.fc.weight.data.clone()
+            elif change == "submodule_replaced":
+                model.bn = torch.nn.BatchNorm1d(8).eval()
+            elif change == "train_mode":
+                model.bn.train()
+            elif change == "numerics_flag":
+                torch.backends.cudnn.benchmark = not flag
+            elif change == "input_shape":
+                x = torch.rand(5, 8)
+            elif change == "input_strides":
+                x = torch.rand(8, 4).t()
+        if change == "autograd":
+            assert not graph.serves((x,))  # grad enabled and the weights require it
+        else:
+            with torch.no_grad():
+                assert not graph.serves((x,))
+    finally:
+        torch.backends.cudnn.benchmark = flag
+
+
+def test_graph_serves_an_unchanged_call(tmp_path: Path) -> None:
+    namespace = _namespace(tmp_path)
+    model = _model(namespace)
+    x = torch.rand(4, 8)
+    with torch.no_grad():
+        _call(namespace, model, x)
+        _call(namespace, model, x)
+        graph = model.__dict__["_cuda_graph"]
+        assert graph.serves((torch.rand(4, 8),))  # other values, same signature and weights
+
+
+def test_failed_capture_warns_once_and_runs_plainly(tmp_path: Path) -> None:
+    namespace = _namespace(tmp_path)
+
+    class Failing(namespace["_CudaGraph"]):
+        def _record(self, forward):  # noqa: ANN001, ANN202
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    namespace["_CudaGraph"] = Failing
+    model = _model(namespace)
+    x = torch.rand(4, 8)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = [_call(namespace, model, x) for _ in range(4)]
+    assert [str(w.message) for w in caught if "CUDA graph capture failed" in str(w.message)] != []
+    assert len([w for w in caught if "CUDA graph capture failed" in str(w.message)]) == 1
+    assert model.__dict__.get("_cuda_graph") is None and model.__dict__["_cuda_graph_broken"]
+    with torch.no_grad():
+        for out in outs:
+            assert torch.allclose(out, model._reference_forward(x))
