@@ -9,6 +9,7 @@ ATen level (Linear becomes `t` + `mm`/`addmm`, Conv2d becomes `convolution`), th
 
 from __future__ import annotations
 
+import inspect
 import logging
 import operator
 import traceback
@@ -30,6 +31,10 @@ DATA_DEPENDENT = ("_local_scalar_dense", "data-dependent", "Data dependent", "Da
 # Recurrent ops recorded as one node each: their CPU decomposition unrolls every time step and layer (a 6-layer
 # GRU over 512 steps is 64 000 nodes and minutes of tracing), while on the GPU each is a single cuDNN call.
 WHOLE_OPS = ("gru", "lstm", "rnn_tanh", "rnn_relu")
+# Attention recorded whole: traced on the CPU it becomes `_scaled_dot_product_flash_attention_for_cpu`, which has
+# no CUDA kernel (a plan calling it fails on the GPU); whole, it dispatches to flash or memory-efficient attention
+# on the device it runs on, as eager's call does.
+ATTENTION = "scaled_dot_product_attention"
 
 
 def build_model(problem: Problem) -> torch.nn.Module:
@@ -101,7 +106,7 @@ def capture_module(model: torch.nn.Module, example_inputs: list[torch.Tensor], m
 
     what = what or type(model).__name__
     try:
-        with mode, torch.no_grad(), _quiet(), _recurrent_ops_whole(model):
+        with mode, torch.no_grad(), _quiet(), _composite_ops_whole(model):
             gm = make_fx(forward, tracing_mode="real")(*flat)
     except ProblemError:
         raise
@@ -110,13 +115,36 @@ def capture_module(model: torch.nn.Module, example_inputs: list[torch.Tensor], m
     return _to_graph(gm, names, kinds, model.training)
 
 
+def _ops_to_keep_whole(model: torch.nn.Module) -> dict:
+    """The composite ops this model's trace records as single nodes, each with the fake rule giving its outputs."""
+    keep: dict = {}
+    if any(isinstance(m, torch.nn.RNNBase) for m in model.modules()):
+        keep.update({getattr(torch.ops.aten, name).input: _recurrent_fake for name in WHOLE_OPS})
+    if any(isinstance(m, torch.nn.MultiheadAttention) for m in model.modules()) or _calls(model, ATTENTION):
+        keep[torch.ops.aten.scaled_dot_product_attention.default] = _attention_fake
+    return keep
+
+
+def _calls(model: torch.nn.Module, name: str) -> bool:
+    """Whether the source of the model's class (or of a submodule's) mentions `name`."""
+    for cls in {type(m) for m in model.modules()}:
+        try:
+            if name in inspect.getsource(cls):
+                return True
+        except (OSError, TypeError):
+            continue
+    return False
+
+
 @contextmanager
-def _recurrent_ops_whole(model: torch.nn.Module) -> Iterator[None]:
-    """For a model with an RNN/LSTM/GRU module, trace `aten.gru.input` and its kin as single nodes (torch.export's
-    mechanism for preserving a composite op), their outputs' shapes and strides computed by `_recurrent_fake`
-    rather than by running the unrolled steps on fake tensors; other models are traced exactly as before. A
-    torch without that mechanism traces the unrolled steps: slower, the same values."""
-    if not any(isinstance(m, torch.nn.RNNBase) for m in model.modules()):
+def _composite_ops_whole(model: torch.nn.Module) -> Iterator[None]:
+    """Trace the ops of `_ops_to_keep_whole` (recurrent layers, attention) as single nodes, through torch.export's
+    mechanism for preserving a composite op, their outputs' shapes and strides given by our fake rules rather than
+    by running their CPU decomposition on fake tensors; other models are traced exactly as before. A torch without
+    that mechanism traces the decomposition: recurrent layers unrolled (slower, the same values), attention as its
+    CPU kernel (the GPU judge then rejects the plan, and the original ops ship)."""
+    keep = _ops_to_keep_whole(model)
+    if not keep:
         yield
         return
     try:
@@ -128,21 +156,29 @@ def _recurrent_ops_whole(model: torch.nn.Module) -> Iterator[None]:
     except ImportError:
         yield
         return
-    ops = [getattr(torch.ops.aten, name).input for name in WHOLE_OPS]
     # Fake tensors prefer torch's Python decomposition (every step again, on fake tensors) to a fake rule: set
     # those aside while tracing, and restore them after.
-    decompositions = {op: decomposition_table.pop(op) for op in ops if op in decomposition_table}
-    for op in ops:
+    decompositions = {op: decomposition_table.pop(op) for op in keep if op in decomposition_table}
+    for op, rule in keep.items():
         _deregister_op_impl(op)
-        register_op_impl(op)(_recurrent_fake)
+        register_op_impl(op)(rule)
     try:  # the override keeps a fake rule registered before it, and removes it on exit
-        with _override_composite_implicit_decomp(dict.fromkeys(ops, _special_op_to_preserve_cia)), \
+        with _override_composite_implicit_decomp(dict.fromkeys(keep, _special_op_to_preserve_cia)), \
                 enable_python_dispatcher():
             yield
     finally:
-        for op in ops:
+        for op in keep:
             _deregister_op_impl(op)
         decomposition_table.update(decompositions)
+
+
+def _attention_fake(mode: FakeTensorMode, func: object, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    """The output of `aten.scaled_dot_product_attention`: the query's shape with the value's last dimension,
+    contiguous (the layout of its CPU and math kernels; CUDA's flash kernel may return other strides, which the
+    captured graph's readers then see: a view that no longer applies fails the GPU judge, never silently)."""
+    with mode:
+        return torch.empty((*query.shape[:-1], value.shape[-1]), dtype=query.dtype, device=query.device)
 
 
 def _recurrent_fake(mode: FakeTensorMode, func: object, data: torch.Tensor, hx: object, *args: object,
