@@ -99,11 +99,36 @@ def _grow(graph: Graph, members: list[Node], space: TensorMeta, used: set[str]) 
         if node.name in used or node.name in inside or not any(r.name in inside for r in node.refs):
             continue
         if can_fuse_pointwise(graph, node, space)[0]:
+            for producer in _private_producers(graph, node, inside, space, used):
+                members.append(producer)
+                inside.add(producer.name)
             members.append(node)
             inside.add(node.name)
     while len(members) > 1 and _escaping(graph, members, inside):
         inside.discard(members.pop().name)
     return _Chain(members, inside)
+
+
+def _private_producers(graph: Graph, node: Node, inside: set[str], space: TensorMeta, used: set[str]) -> list[Node]:
+    """The pointwise nodes, in graph order, that compute `node`'s other operands over the same space and are read
+    by nothing else: the chain pulls them in (x * f(x): the f(x) branch joins the kernel that multiplies, instead
+    of a kernel of its own whose output makes a round trip through memory)."""
+    pulled: list[Node] = []
+    taken = set(inside) | {node.name}
+
+    def pull(n: Node) -> None:
+        for ref in n.refs:
+            p = graph[ref]
+            if p.name in taken or p.name in used or p.op not in POINTWISE_BY_ATEN or graph.is_output(p.name):
+                continue  # a reshape stays a free view outside the kernel
+            if can_fuse_pointwise(graph, p, space)[0] and all(u.name in taken for u in graph.users(p.name)):
+                taken.add(p.name)
+                pull(p)
+                pulled.append(p)
+
+    pull(node)
+    order = {n.name: i for i, n in enumerate(graph.nodes)}
+    return sorted(pulled, key=lambda n: order[n.name])
 
 
 def _escaping(graph: Graph, members: list[Node], inside: set[str]) -> bool:
