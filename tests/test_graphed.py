@@ -44,12 +44,14 @@ def test_kernel_bound_forward_is_not_graphed(monkeypatch: pytest.MonkeyPatch, tm
     assert "_CudaGraph" not in text
 
 
-def test_graph_that_is_slower_does_not_ship(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    script = {"fused+graph": _verdict(True, 2.75, eager=2.8), "fused": _busy(_verdict(True, 2.7, eager=2.8), 1.0),
-              "unfused": _verdict(True, 2.8, eager=2.8)}
+@pytest.mark.parametrize("graph_ms", [2.75, 2.68])  # slower; faster by less than the 2% a graph must gain
+def test_graph_that_does_not_gain_does_not_ship(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                graph_ms: float) -> None:
+    script = {"fused+graph": _verdict(True, graph_ms, eager=2.8),
+              "fused": _busy(_verdict(True, 2.7, eager=2.8), 1.0), "unfused": _verdict(True, 2.8, eager=2.8)}
     result, text, judged = _run(monkeypatch, tmp_path, "gemm_add_relu", script)
     assert judged == ["fused", "fused+graph"] and result.shipped == "fused"
-    assert result.notes == ["fused+graph does not ship (2.750 ms against 2.700 ms)"]
+    assert result.notes == [f"fused+graph does not ship ({graph_ms:.3f} ms against 2.700 ms)"]
     assert "_CudaGraph" not in text
 
 
@@ -170,6 +172,17 @@ def _call(namespace: dict, model: torch.nn.Module, x: torch.Tensor) -> torch.Ten
     return namespace["_graphed"](model, model._fused_forward, (x,))
 
 
+def _captured(tmp_path: Path) -> tuple[torch.nn.Module, torch.Tensor]:
+    """A model whose graph was captured (two calls), and the input it was captured with."""
+    namespace = _namespace(tmp_path)
+    model = _model(namespace)
+    x = torch.rand(4, 8)
+    with torch.no_grad():
+        _call(namespace, model, x)
+        _call(namespace, model, x)
+    return model, x
+
+
 def test_emitted_file_runs_the_original_ops_off_the_gpu(tmp_path: Path) -> None:
     namespace = _namespace(tmp_path)
     model = _model(namespace)
@@ -195,13 +208,9 @@ def test_first_call_warms_up_the_second_captures_then_replays(tmp_path: Path) ->
 @pytest.mark.parametrize("change", ["weight_in_place", "weight_replaced", "storage_moved", "submodule_replaced",
                                     "train_mode", "numerics_flag", "input_shape", "input_strides", "autograd"])
 def test_graph_does_not_serve_after_a_change(tmp_path: Path, change: str) -> None:
-    namespace = _namespace(tmp_path)
-    model = _model(namespace)
-    x = torch.rand(4, 8)
+    model, x = _captured(tmp_path)
+    graph = model.__dict__["_cuda_graph"]
     with torch.no_grad():
-        _call(namespace, model, x)
-        _call(namespace, model, x)
-        graph = model.__dict__["_cuda_graph"]
         assert graph.serves((x,))
     flag = torch.backends.cudnn.benchmark
     try:
@@ -232,14 +241,9 @@ def test_graph_does_not_serve_after_a_change(tmp_path: Path, change: str) -> Non
 
 
 def test_graph_serves_an_unchanged_call(tmp_path: Path) -> None:
-    namespace = _namespace(tmp_path)
-    model = _model(namespace)
-    x = torch.rand(4, 8)
+    model, _ = _captured(tmp_path)
     with torch.no_grad():
-        _call(namespace, model, x)
-        _call(namespace, model, x)
-        graph = model.__dict__["_cuda_graph"]
-        assert graph.serves((torch.rand(4, 8),))  # other values, same signature and weights
+        assert model.__dict__["_cuda_graph"].serves((torch.rand(4, 8),))  # other values, same signature, weights
 
 
 def test_failed_capture_warns_once_and_runs_plainly(tmp_path: Path) -> None:
