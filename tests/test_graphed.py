@@ -206,7 +206,8 @@ def test_first_call_warms_up_the_second_captures_then_replays(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("change", ["weight_in_place", "weight_replaced", "storage_moved", "submodule_replaced",
-                                    "train_mode", "numerics_flag", "input_shape", "input_strides", "autograd"])
+                                    "train_mode", "numerics_flag", "input_shape", "input_strides", "autograd",
+                                    "inference_mode"])
 def test_graph_does_not_serve_after_a_change(tmp_path: Path, change: str) -> None:
     model, x = _captured(tmp_path)
     graph = model.__dict__["_cuda_graph"]
@@ -233,6 +234,9 @@ def test_graph_does_not_serve_after_a_change(tmp_path: Path, change: str) -> Non
                 x = torch.rand(8, 4).t()
         if change == "autograd":
             assert not graph.serves((x,))  # grad enabled and the weights require it
+        elif change == "inference_mode":
+            with torch.inference_mode():
+                assert not graph.serves((x,))
         else:
             with torch.no_grad():
                 assert not graph.serves((x,))

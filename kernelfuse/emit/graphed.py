@@ -8,8 +8,9 @@ the GPU idles for a tenth of a call or more (kernelfuse.pipeline), and ships it 
 The emitted file's runtime (`GRAPH_RUNTIME`, copied into the file verbatim) keeps the forward's meaning:
 - a replay serves a call only if the inputs have the captured shapes, strides, dtypes and device, every module,
   parameter and buffer is the object captured with the same storage and version (a weight replaced, moved or
-  changed in place: capture again), the train/eval modes and the numerics flags are the captured ones and autograd
-  needs nothing; anything else runs the kernels one by one (and the original ops where `_use_kernels` says so);
+  changed in place: capture again), the train/eval modes, inference mode and the numerics flags are the captured
+  ones, autograd needs nothing and the caller is not capturing a graph of its own; anything else runs the kernels
+  one by one (and the original ops where `_use_kernels` says so);
 - inputs are copied into the graph's own buffers and outputs cloned out of its memory, so no result aliases the
   graph or an earlier call's result;
 - the first call with new inputs or weights runs the kernels one by one (it also creates cuBLAS and cuDNN handles
@@ -48,14 +49,17 @@ class _CudaGraph:
         self.graph.replay()
 
     def _key(self, inputs):
+        # inference mode too: a graph captured in it owns inference tensors, which no copy may write outside it
         return ([(x.shape, x.stride(), x.dtype, x.device) for x in inputs],
                 list(map(torch.Tensor.data_ptr, self.state)), [t._version for t in self.state],
-                [m.training for m in self.modules], _numerics_flags())
+                [m.training for m in self.modules], _numerics_flags(), torch.is_inference_mode_enabled())
 
     def serves(self, inputs):
         """Whether a replay computes what the forward would compute for `inputs` now."""
         if torch.is_grad_enabled() and any(t.requires_grad for t in (*self.state, *inputs)):
             return False
+        if inputs and inputs[0].is_cuda and torch.cuda.is_current_stream_capturing():
+            return False  # the caller captures a graph of its own: the kernels run into it one by one
         return all(owner.get(name) is value for owner, name, value in self.owners) and \\
             self._key(inputs) == self.key
 
