@@ -72,6 +72,9 @@ def emulated_run(lib: ctypes.CDLL, plan: Plan, step: GenStep, seed: int = 0, src
     torch.manual_seed(seed)
     env, tensors = {}, []
     for name, ref in tensor_args(step):
+        if ref.name in env:  # one graph value read twice (the source as a broadcast consumer's operand too)
+            tensors.append(env[ref.name].clone())
+            continue
         meta = step.source.meta if name == "src" else plan.graph[ref].meta
         value = torch.randn(meta.shape) + (src_offset if name == "src" else 0.0)
         env[ref.name] = torch.empty_strided(meta.shape, meta.stride).copy_(value)

@@ -71,6 +71,8 @@ def tensor_args(step: GenStep) -> list[tuple[str, object]]:
         if spec.running is not None:  # type: ignore[attr-defined]
             args += [("run_mean", spec.running[0]), ("run_var", spec.running[1])]  # type: ignore[attr-defined]
     args += [(f"ep{i}", o.ref) for i, o in enumerate(step.epilogue.operands)]
+    if step.mapped is not None:
+        args += [(f"m{i}", o.ref) for i, o in enumerate(step.mapped.operands)]
     return args
 
 
@@ -98,6 +100,8 @@ def space_of(step: GenStep) -> Space:
     classes = tuple("r" if d in reduced else "k" for d in range(len(space)))
     strides = {"src": step.source.strides, "out": contiguous_strides(space)}
     strides.update({f"in{i}": o.strides for i, o in enumerate(step.prologue.operands)})
+    if step.mapped is not None:
+        strides.update({f"m{i}": o.strides for i, o in enumerate(step.mapped.operands)})
     if spec is not None:
         for name in ("weight", "bias"):
             if getattr(spec, name) is not None:
@@ -153,6 +157,8 @@ def pointer_params(step: GenStep, ctype: str) -> str:
         if spec.running is not None:  # type: ignore[attr-defined]
             params += [f"{ctype}* __restrict__ run_mean", f"{ctype}* __restrict__ run_var"]
     params += [f"const {ctype}* __restrict__ e_in{i}_p" for i in range(len(step.epilogue.operands))]
+    if step.mapped is not None:
+        params += [f"const {ctype}* __restrict__ m_in{i}_p" for i in range(len(step.mapped.operands))]
     params.append(f"{ctype}* __restrict__ out")
     return ", ".join(params)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kernelfuse.codegen.common import program_lines
 from kernelfuse.codegen.iteration import (
     BLOCK,
     Space,
@@ -138,6 +139,7 @@ __device__ __forceinline__ void kf_row_reduce_welford(float& n, float& mean, flo
 """
 
 CACHE_MAX = 32  # elements a thread keeps in registers across a broadcasting row kernel's passes (a warp: 1024)
+CACHE_MAX_THREAD_ROW = 64  # the same for a reduce-then-broadcast kernel whose thread owns its row (not measured)
 
 REDUCE_OPS = {"sum": ("kf_sum_op", "0.0f"), "mean": ("kf_sum_op", "0.0f"), "prod": ("kf_prod_op", "1.0f"),
               "amax": ("kf_max_op", "(-INFINITY)"), "amin": ("kf_min_op", "INFINITY")}
@@ -166,6 +168,8 @@ def row_kernel(step: GenStep, ctype: str) -> str:
     tensors = ["src", *(f"in{i}" for i in range(len(step.prologue.operands)))]
     if spec.broadcast:  # type: ignore[attr-defined]
         tensors += ["out"] + [n for n in ("weight", "bias") if n in space.strides]
+    elif step.mapped is not None:
+        tensors += ["out"] + [f"m{i}" for i in range(len(step.mapped.operands))]
     lines = [f"// strategy: {'inner' if inner else 'strided'}, {tpr} thread(s) per row, {rows} rows of {red}",
              f"__global__ void __launch_bounds__({BLOCK}) {k}_kernel({pointer_params(step, ctype)}) {{",
              f"  typedef {index_t} INDEX;",
@@ -181,14 +185,21 @@ def row_kernel(step: GenStep, ctype: str) -> str:
     return "\n".join(lines) + launcher(step, ctype, grid)
 
 
-def _loop(body: list[str], cache: str | None = None) -> list[str]:
+def _loop(body: list[str], cache: str | None = None, raw: bool = False) -> list[str]:
     """A thread's pass over its elements of the row, `v` the element's value. `cache` None: each pass reads (and
     recomputes the prologue); "fill": this pass reads and keeps the thread's elements in registers (`cache`,
-    PER of them); "read": this pass takes them from there."""
+    PER of them); "read": this pass takes them from there. `raw`: the pass also names the source element `raw`,
+    and the cache keeps that (a broadcast consumer reads the source, not the prologue's value)."""
+    if raw:
+        load = "const float raw = source(r);\nconst float v = value_at(r, raw);"
+        take = {None: load, "fill": load.replace("\n", "\ncache[j] = raw;\n", 1),
+                "read": "const float raw = cache[j];"}[cache]
+    else:
+        take = {None: "const float v = value(r);", "fill": "const float v = value(r);\ncache[j] = v;",
+                "read": "const float v = cache[j];"}[cache]
     if cache is None:
-        return ["    for (INDEX r = lane; r < (INDEX)RED; r += TPR) {", "      const float v = value(r);",
+        return ["    for (INDEX r = lane; r < (INDEX)RED; r += TPR) {", *[f"      {t}" for t in take.split("\n")],
                 *[f"      {b}" for b in body], "    }"]
-    take = "const float v = value(r);\n        cache[j] = v;" if cache == "fill" else "const float v = cache[j];"
     return ["#pragma unroll", "    for (int j = 0; j < PER; ++j) {", "      const INDEX r = lane + (INDEX)j * TPR;",
             "      if (r < (INDEX)RED) {", *[f"        {t}" for t in take.split("\n")],
             *[f"        {b}" for b in body], "      }", "    }"]
@@ -197,18 +208,24 @@ def _loop(body: list[str], cache: str | None = None) -> list[str]:
 def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tpr: int) -> list[str]:
     lines = [f"    constexpr INDEX RED = {red};"]
     per = -(-red // tpr)
-    cached = step.spec.broadcast and per <= CACHE_MAX  # type: ignore[attr-defined]
+    mapped = step.mapped is not None
+    # a broadcast consumer's thread that owns a whole strided row (RMSNorm over 64 channels) caches up to 64
+    limit = CACHE_MAX_THREAD_ROW if mapped and tpr == 1 else CACHE_MAX
+    cached = (step.spec.broadcast or mapped) and per <= limit  # type: ignore[attr-defined]
     if cached:  # the statistics pass keeps the row in registers: the write pass reads nothing again
         lines += [f"    constexpr int PER = {per};", "    float cache[PER];"]
     first, again = ("fill", "read") if cached else (None, None)
     if kind in REDUCE_OPS:
         op, identity = REDUCE_OPS[kind]
         lines.append(f"    float s = {identity};")
-        lines += _loop([f"s = {op}()(s, v);"])
+        lines += _loop([f"s = {op}()(s, v);"], first, raw=mapped)
         lines.append(f"    s = kf_row_reduce<TPR>(s, {op}());")
         if kind == "mean":
             lines.append(f"    s = s * {float_literal(1.0 / red)};  // ATen's mean: sum times 1/N")
-        return lines + reduced_store(step, "s", ctype)
+        if not mapped:
+            return lines + reduced_store(step, "s", ctype)
+        lines.append("    const float y = s;  // every thread of the row: the row's value after the epilogue")
+        return lines + epilogue_lines(step, "row", "    ") + _mapped_store(step, ctype, space, again)
     if kind in ("logsumexp", "softmax", "log_softmax"):
         lines.append("    float m = -INFINITY, s = 0.0f;")
         lines += _loop(["kf_online_add(m, s, v);"], first)
@@ -277,3 +294,20 @@ def _broadcast_store(step: GenStep, expr: str, ctype: str, extra: list[str], spa
     body += [ln.strip() for ln in epilogue_lines(step, "row_out + o_out", "")]
     body.append(f"out[row_out + o_out] = kf_store<{ctype}>(e_result);")
     return _loop(body, cache)
+
+
+def _mapped_store(step: GenStep, ctype: str, space: Space, cache: str | None) -> list[str]:
+    """Write every element of the row: the broadcast consumer (`step.mapped`) of the row's value `e_result` and
+    its operands; an operand that is the source itself takes the element already loaded or cached (`raw`)."""
+    mapped = step.mapped
+    names = [f"m{i}" for i in range(len(mapped.operands))]  # type: ignore[union-attr]
+    body = [ln.strip() for ln in decompose(space, "r", "r", "o_", ["out", *names], "")]
+    offsets = {f"in{i}": f"row_m{i} + o_m{i}" for i in range(len(names))}
+    program = [ln.strip() for ln in program_lines(mapped, "e_result", offsets, "m_", "")]  # type: ignore[arg-type]
+    for i, operand in enumerate(mapped.operands):  # type: ignore[union-attr]
+        if operand.ref == step.source.ref and operand.strides == step.source.strides:
+            program = [f"const float m_in{i} = raw;" if ln.startswith(f"const float m_in{i} = ") else ln
+                       for ln in program]
+    body += program
+    body.append(f"out[row_out + o_out] = kf_store<{ctype}>(m_result);")
+    return _loop(body, cache, raw=True)

@@ -49,8 +49,8 @@ def split_chunks(step: GenStep) -> int:
     then combined in a fixed order. Rows whose elements are strided (a channels-last output pooled over space) are
     split too while there are too few rows for a thread each to fill the GPU."""
     spec = step.spec
-    if spec is None or spec.kind not in SPLIT_KINDS or spec.window is not None:  # type: ignore[attr-defined]
-        return 1
+    if spec is None or spec.kind not in SPLIT_KINDS or spec.window is not None or step.mapped is not None:  # type: ignore[attr-defined]
+        return 1  # a broadcast consumer needs the whole row's value in the block that writes it
     space = space_of(step)
     rows, red = space.count("k"), space.count("r")
     if not reads_rows_contiguously(space):

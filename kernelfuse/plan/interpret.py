@@ -56,7 +56,8 @@ def _run_fused(graph: Graph, step: FusedStep, env: dict[str, object]) -> torch.T
 
 
 def _run_generated(step: GenStep, env: dict[str, object]) -> torch.Tensor:
-    """Prologue on the source, the reduction node's own ATen call on its result, then the epilogue."""
+    """Prologue on the source, the reduction node's own ATen call on its result, then the epilogue (and the
+    broadcast consumer reading it, for a reduce-then-broadcast kernel)."""
     value = _run_program(step.prologue, env[step.source.ref.name], env)
     if step.reduce_node is not None:
         node = step.reduce_node
@@ -66,7 +67,8 @@ def _run_generated(step: GenStep, env: dict[str, object]) -> torch.Tensor:
         index = getattr(step.spec, "out_index", None)
         if index is not None:
             value = value[index]  # type: ignore[index]
-    return _run_program(step.epilogue, value, env)
+    value = _run_program(step.epilogue, value, env)
+    return value if step.mapped is None else _run_program(step.mapped, value, env)  # the row's value broadcast
 
 
 def _run_program(program: Epilogue | Program, acc: object, env: dict[str, object]) -> torch.Tensor:

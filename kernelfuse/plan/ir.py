@@ -105,7 +105,11 @@ class Program:
 class GenStep:
     """A generated kernel: load `source` over `spec.space` (or `prologue.space` without a reduction), run the
     prologue, then at most one reduction/normalisation (`spec`, from kernelfuse.ops.reductions), then the
-    epilogue over the output; write `out`. `reduce_node` is the ATen node the reduction replaces."""
+    epilogue over the output; write `out`. `reduce_node` is the ATen node the reduction replaces.
+
+    `mapped` (reduce-then-broadcast of a plain reduction, `x / sqrt(mean(x * x) + eps)`): a program over the
+    source's space whose `acc` is the row's value after the epilogue; the kernel writes its result for every
+    element of the row instead of the row's value."""
 
     kernel: str
     source: Operand
@@ -116,6 +120,7 @@ class GenStep:
     out_meta: TensorMeta
     replaces: tuple[str, ...]
     out: str
+    mapped: Program | None = None
 
     def chain(self, graph: Graph) -> str:
         return " -> ".join(graph[n].op.split(".")[0] for n in self.replaces if graph[n].op != "getitem")
@@ -124,7 +129,8 @@ class GenStep:
     def family(self) -> str:
         if self.spec is None:
             return "pointwise"
-        return f"{self.spec.kind}"  # type: ignore[attr-defined]
+        kind = f"{self.spec.kind}"  # type: ignore[attr-defined]
+        return f"{kind}-broadcast" if self.mapped is not None else kind
 
 
 @dataclass(frozen=True)
