@@ -135,9 +135,10 @@ class Model(nn.Module):
         super().__init__()
         self.fc = nn.Linear(8, 8)
         self.bn = nn.BatchNorm1d(8)
+        self.scale = torch.rand(8) + 0.5  # a plain tensor attribute: state the graph reads too
 
     def forward(self, x):
-        return torch.relu(self.bn(self.fc(x)))
+        return torch.relu(self.bn(self.fc(x)) * self.scale)
 
 
 def get_inputs():
@@ -207,7 +208,7 @@ def test_first_call_warms_up_the_second_captures_then_replays(tmp_path: Path) ->
 
 @pytest.mark.parametrize("change", ["weight_in_place", "weight_replaced", "storage_moved", "submodule_replaced",
                                     "train_mode", "numerics_flag", "input_shape", "input_strides", "autograd",
-                                    "inference_mode"])
+                                    "inference_mode", "attribute_replaced", "attribute_in_place"])
 def test_graph_does_not_serve_after_a_change(tmp_path: Path, change: str) -> None:
     model, x = _captured(tmp_path)
     graph = model.__dict__["_cuda_graph"]
@@ -232,6 +233,10 @@ def test_graph_does_not_serve_after_a_change(tmp_path: Path, change: str) -> Non
                 x = torch.rand(5, 8)
             elif change == "input_strides":
                 x = torch.rand(8, 4).t()
+            elif change == "attribute_replaced":
+                model.scale = torch.rand(8)
+            elif change == "attribute_in_place":
+                model.scale.mul_(2)
         if change == "autograd":
             assert not graph.serves((x,))  # grad enabled and the weights require it
         elif change == "inference_mode":

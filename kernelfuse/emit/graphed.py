@@ -7,10 +7,10 @@ the GPU idles for a tenth of a call or more (kernelfuse.pipeline), and ships it 
 
 The emitted file's runtime (`GRAPH_RUNTIME`, copied into the file verbatim) keeps the forward's meaning:
 - a replay serves a call only if the inputs have the captured shapes, strides, dtypes and device, every module,
-  parameter and buffer is the object captured with the same storage and version (a weight replaced, moved or
-  changed in place: capture again), the train/eval modes, inference mode and the numerics flags are the captured
-  ones, autograd needs nothing and the caller is not capturing a graph of its own; anything else runs the kernels
-  one by one (and the original ops where `_use_kernels` says so);
+  parameter, buffer and plain tensor attribute is the object captured with the same storage and version (a
+  weight replaced, moved or changed in place: capture again), the train/eval modes, inference mode and the
+  numerics flags are the captured ones, autograd needs nothing and the caller is not capturing a graph of its
+  own; anything else runs the kernels one by one (and the original ops where `_use_kernels` says so);
 - inputs are copied into the graph's own buffers and outputs cloned out of its memory, so no result aliases the
   graph or an earlier call's result;
 - the first call with new inputs or weights runs the kernels one by one (it also creates cuBLAS and cuDNN handles
@@ -32,6 +32,8 @@ class _CudaGraph:
         self.owners = [(m.__dict__[kind], name, value) for m in self.modules
                        for kind in ("_modules", "_parameters", "_buffers")
                        for name, value in m.__dict__[kind].items()]
+        self.owners += [(m.__dict__, name, value) for m in self.modules for name, value in vars(m).items()
+                        if isinstance(value, torch.Tensor) and not name.startswith("_")]  # plain tensor attributes
         self.state = [value for _, _, value in self.owners if isinstance(value, torch.Tensor)]
         if any(t.is_inference() for t in self.state):
             raise RuntimeError("inference tensors have no version counter to notice a weight changed in place")
