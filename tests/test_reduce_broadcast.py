@@ -68,3 +68,14 @@ def test_row_value_with_another_reader_is_not_broadcast(tmp_path) -> None:
     plan = plans[-1]
     assert all(g.mapped is None for g in plan.generated), plan.summary()
     assert_interpreter_matches(problem, plan, atol=1e-6, rtol=1e-5)
+
+
+def test_row_value_reshaped_after_the_reduction_is_not_broadcast(tmp_path) -> None:
+    """mean(x, 1, keepdim) viewed as (64, 8, 1) is no longer each element's own row value: fusing it would divide
+    by another row's mean (the kernel hands an element its row's value; 560 off in the emulation)."""
+    body = ("def forward(self, x):\n    v = torch.mean(x, dim=1, keepdim=True).view(64, 8, 1)\n"
+            "    return x / v")
+    problem, _, plans = pipeline(write_problem(tmp_path, "reshaped", body, "[torch.randn(64, 8, 8)]"))
+    plan = plans[-1]
+    assert all(g.mapped is None for g in plan.generated), plan.summary()
+    assert_interpreter_matches(problem, plan, atol=1e-6, rtol=1e-5)

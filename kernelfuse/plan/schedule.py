@@ -168,7 +168,7 @@ def _reduction_kernel(graph: Graph, node: Node, prologue: _Chain | None, used: s
     _, epilogue = build_program(graph, epi_members, out_meta, out_meta.shape, acc=value)
     out = epi_members[-1].name if epi_members else value
     replaces += [m.name for m in epi_members]
-    mapped = _broadcast_consumer(graph, spec, out, src_meta, used | set(replaces))
+    mapped = _broadcast_consumer(graph, spec, value, out, src_meta, used | set(replaces))
     if mapped is not None:  # the row's value is read back by every element of the row: one kernel, not two
         members, consumer = mapped
         replaces += [m.name for m in members]
@@ -181,30 +181,29 @@ MAPPED_KINDS = ("sum", "mean", "amax", "amin")  # plain reductions whose value a
 MAPPED_MIN_ROWS = 1024  # fewer, longer rows are split across blocks (kernelfuse.codegen.split) and stay two kernels
 
 
-def _broadcast_consumer(graph: Graph, spec: ReduceSpec, value: str, src_meta: TensorMeta, used: set[str]
-                        ) -> tuple[list[Node], Program] | None:
-    """The pointwise chain over the reduction's source space that reads the row's value (kept dims, size-1
-    reduced dims) as its only reader (RMSNorm's `x / sqrt(mean(x * x) + eps)`, L1/L2 norms), with the program
-    computing it from that value (`acc`) and its other operands; None when there is none."""
+def _broadcast_consumer(graph: Graph, spec: ReduceSpec, reduced: str, value: str, src_meta: TensorMeta,
+                        used: set[str]) -> tuple[list[Node], Program] | None:
+    """The pointwise chain over the reduction's source space that reads the row's value `value` (the reduction's
+    result `reduced` after the epilogue) as its only reader (RMSNorm's `x / sqrt(mean(x * x) + eps)`, L1/L2
+    norms), with the program computing it from that value (`acc`) and its other operands; None when there is
+    none. The value must keep the reduction's keepdim shape (the source's, reduced dims 1): the kernel hands each
+    element its own row's value, which a reshape after the reduction would reassign."""
     if spec.kind not in MAPPED_KINDS or spec.out_index is not None or spec.rows < MAPPED_MIN_ROWS:
         return None
     readers = graph.users(value)
-    meta = graph[value].meta
-    if len(readers) != 1 or graph.is_output(value) or meta is None or len(meta.shape) != len(src_meta.shape):
+    row_shape = graph[reduced].meta.shape
+    keepdim = len(row_shape) == len(src_meta.shape) and all(
+        r in (1, s) for r, s in zip(row_shape, src_meta.shape, strict=True))
+    if len(readers) != 1 or graph.is_output(value) or not keepdim or graph[value].meta.shape != row_shape:
         return None
     consumer = readers[0]
     if consumer.name in used or consumer.meta is None or consumer.meta.shape != src_meta.shape:
         return None
     if not can_fuse_pointwise(graph, consumer, consumer.meta)[0]:
         return None
-    chain = _grow(graph, [consumer], consumer.meta, used)
-    members = _trim_reshapes(chain.members)
+    members = _trim_reshapes(_grow(graph, [consumer], consumer.meta, used).members)
     _, program = build_program(graph, members, consumer.meta, spec.space, acc=value)
-    if program.space != spec.space or not program.statements:
-        return None
-    strides_ok = all(space_strides(graph[o.ref].meta, consumer.meta.shape, spec.space) is not None
-                     for o in program.operands)
-    return (members, program) if strides_ok else None
+    return (members, program) if program.statements else None  # none: an operand cannot follow the space
 
 
 def _result_value(graph: Graph, node: Node, spec: ReduceSpec) -> tuple[str | None, list[str] | str]:
