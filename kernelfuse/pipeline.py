@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from kernelfuse.bench.layout import LayoutTiming, measure_conv_layouts
-from kernelfuse.capture import Graph, build_model, capture
+from kernelfuse.capture import Graph, build_model, capture, draws_random_numbers
 from kernelfuse.codegen import generate
 from kernelfuse.cpucheck import CpuCheck, check_plans
 from kernelfuse.emit import emit_modelnew, emit_reference
@@ -220,7 +220,7 @@ def _try_graph(problem: Problem, plan: Plan, options: OptimizeOptions, result: O
         return result
     if busy >= GRAPH_BUSY_BELOW * final.runtime_ms:
         return result
-    if has_random_ops(plan.graph):
+    if draws_random_numbers(plan.graph):
         result.notes.append("launch-bound, but not graphed: the forward draws random numbers")
         return result
     graphed = plan.as_graphed()
@@ -240,25 +240,6 @@ def _try_graph(problem: Problem, plan: Plan, options: OptimizeOptions, result: O
             f"{verdict.runtime_ms or 0:.3f} ms against {final.runtime_ms:.3f} ms"
         result.notes.append(f"{graphed.variant} does not ship ({why})")
     return result
-
-
-def has_random_ops(graph: Graph) -> bool:
-    """Whether any captured op draws random numbers: ATen tags such ops nondeterministic_seeded, but dropout
-    (and the recurrent ops' dropout between layers) with probability 0 or outside training draws none."""
-    for node in graph.nodes:
-        packet, _, overload = node.op.partition(".")
-        op = getattr(getattr(torch.ops.aten, packet, None), overload or "default", None)
-        if op is None or torch.Tag.nondeterministic_seeded not in getattr(op, "tags", ()):
-            continue
-        schema = op._schema.arguments
-        args = {a.name: a.default_value for a in schema if a.has_default_value()}
-        args.update(zip((a.name for a in schema), node.args, strict=False))
-        args.update((a[1], a[2]) for a in node.args if isinstance(a, tuple) and len(a) == 3 and a[0] == "kw")
-        probability = next((args[k] for k in ("p", "dropout", "dropout_p") if k in args), None)
-        if isinstance(probability, (int, float)) and (probability == 0 or args.get("train") is False):
-            continue
-        return True
-    return False
 
 
 def _ship_first_faster(problem: Problem, plans: list[Plan], files: dict[str, Path], options: OptimizeOptions,

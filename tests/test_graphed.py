@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernelfuse.capture import build_model, capture
+from kernelfuse.capture import build_model, capture, draws_random_numbers
 from kernelfuse.emit import emit_modelnew
 from kernelfuse.load import load_problem
-from kernelfuse.pipeline import has_random_ops
 from kernelfuse.plan import plan_variants
 from kernelfuse.rewrite import rewrite
 from tests.test_pipeline_choice import _run, _verdict
@@ -67,9 +66,9 @@ def test_unfused_ship_graphs_the_fastest_verified_plan(monkeypatch: pytest.Monke
 def test_random_ops_are_never_graphed() -> None:
     problem = load_problem(FIXTURES / "tiny_bn_dropout.py")
     graph = rewrite(capture(problem, build_model(problem)))
-    assert graph.training and has_random_ops(graph)
+    assert graph.training and draws_random_numbers(graph)
     problem = load_problem(FIXTURES / "tiny_gemm_add_relu.py")
-    assert not has_random_ops(rewrite(capture(problem, build_model(problem))))
+    assert not draws_random_numbers(rewrite(capture(problem, build_model(problem))))
 
 
 @pytest.mark.parametrize(("module", "random"), [
@@ -103,7 +102,7 @@ def get_init_inputs():
 """)
     problem = load_problem(path)
     graph = rewrite(capture(problem, build_model(problem)))
-    assert graph.training and has_random_ops(graph) is random
+    assert graph.training and draws_random_numbers(graph) is random
 
 
 # --- the emitted runtime, its capture replaced by plain calls -------------------------------------------------

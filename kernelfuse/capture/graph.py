@@ -9,7 +9,7 @@ earlier nodes; everything else in `args` is a Python constant. Graph inputs are 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cache, cached_property
 
 import torch
 
@@ -129,6 +129,31 @@ class Graph:
         lines = [str(n) for n in self.nodes]
         lines.append("return " + ", ".join(str(r) for r in self.outputs))
         return "\n".join(lines)
+
+
+@cache
+def aten_overload(op: str) -> torch._ops.OpOverload | None:
+    """The ATen overload a node's op name spells (`"add.Tensor"`); None for "input", "getitem" and the like."""
+    packet, _, overload = op.partition(".")
+    return getattr(getattr(torch.ops.aten, packet, None), overload, None) if overload else None
+
+
+def draws_random_numbers(graph: Graph) -> bool:
+    """Whether any op of the graph draws random numbers: ATen tags such ops nondeterministic_seeded, but dropout
+    (and the recurrent ops' dropout between layers) with probability 0 or outside training draws none."""
+    for node in graph.nodes:
+        op = aten_overload(node.op)
+        if op is None or torch.Tag.nondeterministic_seeded not in op.tags:
+            continue
+        schema = op._schema.arguments
+        args = {a.name: a.default_value for a in schema if a.has_default_value()}
+        args.update(zip((a.name for a in schema), node.args, strict=False))
+        args.update((a[1], a[2]) for a in node.args if isinstance(a, tuple) and len(a) == 3 and a[0] == "kw")
+        probability = next((args[k] for k in ("p", "dropout", "dropout_p") if k in args), None)
+        if isinstance(probability, (int, float)) and (probability == 0 or args.get("train") is False):
+            continue
+        return True
+    return False
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -191,8 +191,8 @@ def _loop(body: list[str], cache: str | None = None, raw: bool = False) -> list[
     PER of them); "read": this pass takes them from there. `raw`: the pass also names the source element `raw`,
     and the cache keeps that (a broadcast consumer reads the source, not the prologue's value)."""
     if raw:
-        load = "const float raw = source(r);\nconst float v = value_at(r, raw);"
-        take = {None: load, "fill": load.replace("\n", "\ncache[j] = raw;\n", 1),
+        take = {None: "const float raw = source(r);\nconst float v = value_at(r, raw);",
+                "fill": "const float raw = source(r);\ncache[j] = raw;\nconst float v = value_at(r, raw);",
                 "read": "const float raw = cache[j];"}[cache]
     else:
         take = {None: "const float v = value(r);", "fill": "const float v = value(r);\ncache[j] = v;",

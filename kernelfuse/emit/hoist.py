@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernelfuse.capture import Graph, Node, Ref
+from kernelfuse.capture import Graph, Node, Ref, aten_overload
 from kernelfuse.ops import VIEW_OPS
 from kernelfuse.plan.ir import Plan, Step, TorchStep
 from kernelfuse.rewrite.engine import pure
@@ -108,7 +108,7 @@ def alias_closure(graph: Graph, names: Iterable[str]) -> set[str]:
 def _written(node: Node) -> list[Ref]:
     """The tensors an impure op may write: the arguments its schema marks `(a!)`; every argument of batch norm
     (its schema hides the running-statistics update) and of an op without a schema."""
-    fn = _aten(node.op)
+    fn = aten_overload(node.op)
     if fn is None or "batch_norm" in node.op:
         return list(node.refs)
     schema = {a.name: a for a in fn._schema.arguments}
@@ -127,13 +127,8 @@ def may_alias(node: Node) -> bool:
     `contiguous` of a contiguous tensor, `expand`...). Unknown ops are assumed to."""
     if node.op in VIEW_OPS:
         return True
-    fn = _aten(node.op)
+    fn = aten_overload(node.op)
     return fn is None or any(r.alias_info is not None for r in fn._schema.returns)
-
-
-def _aten(op: str) -> torch._ops.OpOverload | None:
-    packet, _, overload = op.partition(".")
-    return getattr(getattr(torch.ops.aten, packet, None), overload, None)
 
 
 def step_out(step: Step) -> str:

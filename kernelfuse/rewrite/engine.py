@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernelfuse.capture import Graph, Node, Ref, TensorMeta
+from kernelfuse.capture import Graph, Node, Ref, TensorMeta, aten_overload
 from kernelfuse.ops import VIEW_OPS
 from kernelfuse.plan.interpret import call_aten
 
@@ -185,8 +185,7 @@ def _pure_op(op: str) -> bool:
         return True
     if op in ("input", "param", "buffer") or any(m in op for m in IMPURE_MARKERS):
         return False
-    packet, overload = op.split(".")
-    fn = getattr(getattr(torch.ops.aten, packet, None), overload, None)
+    fn = aten_overload(op)
     return fn is not None and not fn._schema.is_mutable and torch.Tag.nondeterministic_seeded not in fn.tags
 
 

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import functools
 
-import torch
-
-from kernelfuse.capture import Graph, Node
+from kernelfuse.capture import Graph, Node, aten_overload
 from kernelfuse.rewrite.engine import Builder, Replacement, pure, single_use
 
 
@@ -44,9 +42,9 @@ def functional_twin(op: str) -> str | None:
     packet, _, overload = op.partition(".")
     if not packet.endswith("_") or packet.startswith("_") or not overload:
         return None
-    inplace = _overload(packet, overload)
+    inplace = aten_overload(op)
     twin = f"{packet[:-1]}.{overload}"
-    if inplace is None or _overload(packet[:-1], overload) is None or not pure(Node("", twin)):
+    if inplace is None or aten_overload(twin) is None or not pure(Node("", twin)):
         return None
     writes = [a.alias_info is not None and a.alias_info.is_write for a in inplace._schema.arguments]
     return twin if writes[:1] == [True] and not any(writes[1:]) else None
@@ -56,10 +54,5 @@ def fresh(graph: Graph, node: Node) -> bool:
     """`node`'s value is new storage: an ATen op (or one result of a multi-output one) that returns no alias."""
     if node.op == "getitem":
         node = graph[node.args[0]]  # type: ignore[index]
-    packet, _, overload = node.op.partition(".")
-    fn = _overload(packet, overload) if overload else None
+    fn = aten_overload(node.op)
     return fn is not None and all(r.alias_info is None for r in fn._schema.returns)
-
-
-def _overload(packet: str, overload: str) -> torch._ops.OpOverload | None:
-    return getattr(getattr(torch.ops.aten, packet, None), overload, None)
