@@ -359,3 +359,24 @@ def test_optimize_writes_into_new_directory(tmp_path):
     result = optimize_file(problem_path, out, OptimizeOptions(use_gpu=False), log=lambda s: None)
     assert out.is_file() and result.output == Path(out)
     assert [c.ok for c in result.cpu_checks] == [True]
+
+
+def test_model_without_its_own_constructor_gets_one_that_builds_the_kernels(tmp_path):
+    """A Model that inherits nn.Module's __init__ (only a forward) is emitted, not refused: ModelNew gains a
+    constructor that calls the parent's and builds the extension (the GPU run of zoo_mapped.py failed here)."""
+    path = write_problem(tmp_path, "noinit", """
+        def forward(self, a):
+            return torch.relu(a) * 2.0
+        """, "[torch.rand(2, 8)]")
+    problem = load_problem(path)
+    plan = plan_variants(rewrite(capture(problem)))[-1]
+    assert plan.generated
+    text = emit_file(problem, plan, "test")
+    cls = next(n for n in ast.parse(text).body if isinstance(n, ast.ClassDef) and n.name == "ModelNew")
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    assert "_extension()" in ast.unparse(init)
+    ns: dict = {"__name__": "emitted"}
+    exec(compile(text, "emitted.py", "exec"), ns)
+    x = problem.make_inputs(0)
+    with torch.no_grad():
+        assert torch.equal(ns["ModelNew"]()(*x), problem.make_model()(*x))  # CPU: the reference path

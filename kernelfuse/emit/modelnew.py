@@ -185,10 +185,14 @@ def _model_new_class(problem: Problem, cls: ast.ClassDef, forward: ast.FunctionD
     def_line = forward.lineno - cls.lineno
     text_lines[def_line] = text_lines[def_line].replace("def forward(", "def _reference_forward(", 1)
     if has_kernels:  # build the kernels at construction, not inside the first (timed) forward
-        init = _find_method(cls, "__init__", problem)
-        body_indent = " " * init.body[-1].col_offset
-        text_lines.insert(init.end_lineno - cls.lineno + 1,
-                          f"{body_indent}if torch.cuda.is_available():\n{body_indent}    _extension()")
+        build = "if torch.cuda.is_available():\n    _extension()"
+        init = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__"), None)
+        if init is None:  # the Model inherits its constructor: ModelNew gets one that adds the build
+            init_text = "def __init__(self, *args, **kwargs):\n" + textwrap.indent(
+                "super().__init__(*args, **kwargs)\n" + build, "    ")
+            text_lines.insert(def_line, textwrap.indent(init_text, " " * forward.col_offset) + "\n")
+        else:
+            text_lines.insert(init.end_lineno - cls.lineno + 1, textwrap.indent(build, " " * init.body[-1].col_offset))
     text = "\n".join(text_lines)
     text = _rename_class(text, cls.name)
     indent = " " * (forward.col_offset)
