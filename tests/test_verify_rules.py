@@ -56,6 +56,41 @@ def test_check_float64_on_a_real_model():
     assert max_abs_value(torch.tensor([-3.0, float("inf"), 2.0])) == 3.0
 
 
+class _ClosureModel(torch.nn.Module):
+    """MiniGPT's pattern (level 3, 44): a lambda over submodules, which a deep copy does not re-point."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = torch.nn.ModuleDict({"fc": torch.nn.Linear(8, 8)})
+        m = self.mlp
+        self.mlpf = lambda x: torch.relu(m.fc(x))
+
+    def forward(self, x):
+        return self.mlpf(x)
+
+
+def test_float64_copy_of_a_model_with_closures_over_its_layers():
+    torch.manual_seed(0)
+    model = _ClosureModel()
+    with torch.no_grad():
+        model.mlp.fc.weight.add_(1.0)  # state that differs from a fresh construction: the copy must take it over
+    x = torch.rand(4, 8)
+    with pytest.raises(RuntimeError, match="dtype"):
+        float64_model(model)(*to_float64([x]))  # the deep copy still calls the float32 layer
+    ref64 = float64_model(model, _ClosureModel)(*to_float64([x]))
+    assert ref64.dtype == torch.float64
+    torch.testing.assert_close(ref64.float(), model(x))
+    assert model.mlp.fc.weight.dtype == torch.float32  # the original is left as it is
+
+
+def test_reference64_that_cannot_run_in_float64_leaves_the_trial_to_eager():
+    from kernelfuse.judge.trials import _reference64
+
+    model = _ClosureModel()
+    out, why = _reference64(float64_model(model), [torch.rand(4, 8)], torch.device("cpu"), 0)
+    assert out is None and "does not run in float64" in why and "dtype" in why
+
+
 def test_numerics_flags_capture_apply_and_changes():
     before = NumericsFlags.capture()
     try:

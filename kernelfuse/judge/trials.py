@@ -110,7 +110,7 @@ class TrialResult:
     err64_eager: float | None
     err64_base: float | None
     by_accuracy: bool = False  # passed on the float64 accuracy rule, eager being TF32 (not within 1e-4 of eager)
-    float64_skipped: bool = False  # the float64 reference did not fit in device memory: compared with eager only
+    float64_skipped: str | None = None  # why the float64 reference gave no output: compared with eager only
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -245,8 +245,8 @@ def run_trial(problem: Problem, models: Models, settings: TrialSettings, index: 
     del in_a, in_b, ref_in
 
     f64 = None
-    ref64_out = _reference64(models.reference64, pristine, device, rng) if models.reference64 is not None else None
-    float64_skipped = models.reference64 is not None and ref64_out is None
+    ref64_out, float64_skipped = (_reference64(models.reference64, pristine, device, rng)
+                                  if models.reference64 is not None else (None, None))
     if ref64_out is not None:
         base = ref_out
         if policy.baseline == "tf32":
@@ -307,17 +307,20 @@ def run_trial(problem: Problem, models: Models, settings: TrialSettings, index: 
     return TrialResult(index, True, None, None, **errors, by_accuracy=by_accuracy, float64_skipped=float64_skipped)
 
 
-def _reference64(model: torch.nn.Module, pristine: list[Any], device: torch.device, rng: int) -> Any:
-    """The float64 reference's output, or None when it does not fit in device memory: a float64 copy doubles
-    every tensor (level-1 L1Norm: 16 GiB input, more for its intermediates, beside the trial's four fp32
-    outputs). The trial then stands on the comparison with eager alone, and the verdict says so."""
+def _reference64(model: torch.nn.Module, pristine: list[Any], device: torch.device, rng: int) -> tuple[Any, str | None]:
+    """(the float64 reference's output, None), or (None, why not) when it does not fit in device memory (a float64
+    copy doubles every tensor: level-1 L1Norm has a 16 GiB input) or the model does not run in float64 (it
+    builds float32 tensors of its own). The trial then stands on the comparison with eager alone, and the verdict
+    says so."""
     try:
         torch.manual_seed(rng)
-        return model(*to_float64(inputs_to(pristine, device)))
+        return model(*to_float64(inputs_to(pristine, device))), None
     except torch.OutOfMemoryError:
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        return None
+        return None, "a float64 copy of the model's tensors does not fit in device memory"
+    except Exception as err:  # noqa: BLE001 - the reference's own failure in float64, not the candidate's
+        return None, f"the model does not run in float64 ({type(err).__name__}: {str(err)[:160]})"
 
 
 def as_accurate_as_tf32_eager(settings: TrialSettings, out: Any, ref_out: Any, ref64_out: Any) -> bool:

@@ -212,7 +212,10 @@ def run(request: WorkerRequest, out: Outcome) -> None:
         synchronize(device)
     except Exception as err:  # noqa: BLE001
         raise _runtime_failure(out, request, err) from None
-    reference64 = float64_model(reference) if _wants_float64(request, policy) else None
+    def rebuild() -> torch.nn.Module:
+        return problem.make_model(request.seed, init_inputs)
+
+    reference64 = float64_model(reference, rebuild) if _wants_float64(request, policy) else None
 
     with torch.no_grad():
         out.stage("probe")
@@ -221,7 +224,7 @@ def run(request: WorkerRequest, out: Outcome) -> None:
         settings = TrialSettings(device, policy, request.seed, default_flags, candidate_flags, probe.uses_tf32,
                                  poison_reserve_for(probe), request.call_checks)
         if request.float64 == "auto" and reference64 is None and probe.uses_tf32:
-            reference64 = float64_model(reference)
+            reference64 = float64_model(reference, rebuild)
         out.set(probe={"flops": probe.flops, "min_bytes": probe.min_bytes, "output_bytes": probe.output_bytes,
                        "uses_tf32": probe.uses_tf32, "output": probe.output},
                 float64_reference=reference64 is not None)

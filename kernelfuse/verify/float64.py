@@ -13,7 +13,7 @@ candidate may differ from eager's rounding, but must not be less accurate than t
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,9 +46,19 @@ class Float64Check:
                 f"{self.ref_scale:.3g} = {bound:.3g}")
 
 
-def float64_model(model: torch.nn.Module) -> torch.nn.Module:
-    """A float64 copy of `model` (the original is left as it is)."""
-    return copy.deepcopy(model).double()
+def float64_model(model: torch.nn.Module, rebuild: Callable[[], torch.nn.Module] | None = None) -> torch.nn.Module:
+    """A float64 copy of `model` (the original is left as it is). With `rebuild` (a fresh construction of the same
+    model), the copy is built by it and given `model`'s state: a deep copy keeps closures over the original's
+    submodules (MiniGPT's `self.mlpf = lambda x: m.c_proj(...)`), so the copy's forward would still call the
+    float32 layers."""
+    if rebuild is None:
+        return copy.deepcopy(model).double()
+    fresh = rebuild()
+    fresh.load_state_dict(model.state_dict())
+    for copy_module, module in zip(fresh.modules(), model.modules(), strict=False):
+        copy_module.training = module.training
+    device = next(model.parameters(), next(model.buffers(), torch.empty(0))).device
+    return fresh.double().to(device)
 
 
 def to_float64(inputs: list[Any]) -> list[Any]:
