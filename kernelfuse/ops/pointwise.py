@@ -12,8 +12,9 @@ renders through its `render` function. Device helpers the expressions call live 
 each row names the ones it uses, so `prelude_for(rows)` emits only those.
 
 Bool values (comparison results, where/masked_fill conditions) are carried as float 1.0f / 0.0f. Such rows say so
-(`result="bool"`, `bool_args`); the planner must load bool tensors as 0/1 floats and store bool results as
-`v != 0.0f` before it can fuse them (today it fuses float tensors only, so it refuses them).
+(`result="bool"`, `bool_args`). The scheduler fuses a comparison only as an in-kernel condition: computed from
+float values in the same kernel as the where/masked_fill that reads it, never loaded from or stored to a bool
+tensor.
 """
 
 from __future__ import annotations

@@ -54,18 +54,23 @@ def schedule(graph: Graph, taken: set[str], first_kernel: int, max_kernels: int 
 
 def can_fuse_pointwise(graph: Graph, node: Node, space: TensorMeta) -> tuple[bool, str]:
     """Can `node` join a pointwise chain over `space`? As many elements (a reshape keeps the flat order), the same
-    float dtype, and every tensor it reads broadcasts to its own shape."""
+    float dtype, and every tensor it reads broadcasts to its own shape. A comparison of such values (a bool
+    result) may join as well, and a where/masked_fill may read one as its condition: inside a kernel the
+    condition is a 1.0f/0.0f float that is never stored (the chain checks that it is computed inside,
+    `_conditions_inside`)."""
     if node.op not in POINTWISE_BY_ATEN and node.op not in RESHAPES:
         return False, "not a pointwise op of the table"
-    if node.meta is None or node.meta.dtype not in FLOAT_DTYPES:
+    if node.meta is None or not (node.meta.dtype in FLOAT_DTYPES or _is_comparison(node)):
         return False, "not a floating-point tensor"
-    if node.meta.numel != space.numel or node.meta.dtype != space.dtype:
+    if node.meta.numel != space.numel or (node.meta.dtype != space.dtype and not _is_comparison(node)):
         return False, f"size or dtype differs from the kernel's {space}"
     if node.op in RESHAPES:
         return (True, "") if len(node.refs) == 1 else (False, "reshape of a computed shape")
+    conditions = _condition_refs(node)
     for ref in node.refs:
         meta = graph[ref].meta
-        if meta is None or meta.dtype != space.dtype:
+        in_kernel_bool = ref in conditions and _is_comparison(graph[ref])
+        if meta is None or (meta.dtype != space.dtype and not in_kernel_bool):
             return False, f"operand %{ref.name} has another dtype"
         if not _broadcasts(meta.shape, node.meta.shape):
             return False, f"operand %{ref.name} does not broadcast to the output"
@@ -76,11 +81,19 @@ def _kernel_from(graph: Graph, seed: Node, used: set[str], kernel: str, reasons:
     if seed.op in REDUCTION_BY_ATEN:
         return _reduction_kernel(graph, seed, None, used, kernel, reasons)
     ok, why = can_fuse_pointwise(graph, seed, seed.meta) if seed.op in POINTWISE_BY_ATEN else (False, "")
+    if ok and _is_comparison(seed):
+        ok, why = False, "a comparison's bool result is fused only into the where/masked_fill that reads it"
+    producers = _private_producers(graph, seed, set(), seed.meta, used) if ok else []
+    if ok and not _conditions_inside(seed, {p.name for p in producers}):
+        ok, why = False, "its condition is a bool tensor computed elsewhere"
     if not ok:
         if why:
             reasons[seed.name] = why
         return None
-    chain = _grow(graph, [seed], seed.meta, used)
+    chain = _grow(graph, [*producers, seed], seed.meta, used)
+    if _is_comparison(chain.members[-1]):
+        reasons[seed.name] = "the chain would end in a stored bool"
+        return None
     last = chain.members[-1]
     readers = graph.users(last.name)
     if len(readers) == 1 and readers[0].op in REDUCTION_BY_ATEN and not graph.is_output(last.name) \
@@ -99,14 +112,36 @@ def _grow(graph: Graph, members: list[Node], space: TensorMeta, used: set[str]) 
         if node.name in used or node.name in inside or not any(r.name in inside for r in node.refs):
             continue
         if can_fuse_pointwise(graph, node, space)[0]:
-            for producer in _private_producers(graph, node, inside, space, used):
+            producers = _private_producers(graph, node, inside, space, used)
+            if not _conditions_inside(node, inside | {p.name for p in producers}):
+                continue
+            for producer in producers:
                 members.append(producer)
                 inside.add(producer.name)
             members.append(node)
             inside.add(node.name)
-    while len(members) > 1 and _escaping(graph, members, inside):
+    while len(members) > 1 and (_escaping(graph, members, inside) or _is_comparison(members[-1])):
         inside.discard(members.pop().name)
     return _Chain(members, inside)
+
+
+def _is_comparison(node: Node) -> bool:
+    row = POINTWISE_BY_ATEN.get(node.op)
+    return row is not None and row.result == "bool" and node.meta is not None and node.meta.dtype == torch.bool
+
+
+def _condition_refs(node: Node) -> set[Ref]:
+    """The operands `node` reads as a bool condition (where's first, masked_fill's mask)."""
+    row = POINTWISE_BY_ATEN.get(node.op)
+    if row is None:
+        return set()
+    return {node.args[i] for i in row.bool_args if i < len(node.args) and isinstance(node.args[i], Ref)}
+
+
+def _conditions_inside(node: Node, inside: set[str]) -> bool:
+    """Every bool condition `node` reads is computed in the kernel (a bool tensor in memory would be read as
+    floats)."""
+    return all(ref.name in inside for ref in _condition_refs(node))
 
 
 def _private_producers(graph: Graph, node: Node, inside: set[str], space: TensorMeta, used: set[str]) -> list[Node]:

@@ -21,6 +21,7 @@ from kernelfuse.rewrite.chains import collapse_clamps, common_subexpressions, do
 from kernelfuse.rewrite.dropout import dropout_as_on_cuda
 from kernelfuse.rewrite.engine import Match, RuleFiring, rebuild, rewire, run_local
 from kernelfuse.rewrite.inplace import inplace_to_functional
+from kernelfuse.rewrite.losses import losses_as_pointwise
 from kernelfuse.rewrite.monotonic import reduce_before_monotonic
 from kernelfuse.rewrite.reductions import (
     avg_pool_linear_output,
@@ -137,6 +138,7 @@ RULES: tuple[Rule, ...] = (
     _local(inplace_to_functional),
     _whole(dropout_as_on_cuda),
     _whole(drop_identities),
+    _local(losses_as_pointwise),
     _whole(div_by_scalar_to_mul),
     _local(common_subexpressions),
     _local(neutral_scalars),
