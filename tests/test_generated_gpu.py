@@ -77,19 +77,32 @@ def test_zoo_special_values(tmp_path: Path) -> None:
         assert torch.allclose(g[finite], e[finite], atol=1e-4, rtol=1e-4), i
 
 
-MAPPED = Path(__file__).parent / "fixtures" / "problems" / "zoo_mapped.py"
+FIXTURES = Path(__file__).parent / "fixtures" / "problems"
 
 
 @pytest.mark.gpu
-def test_reduce_then_broadcast_matches_eager(tmp_path: Path) -> None:
-    """RMS/L1 norms, max-subtract and a long-row min-scale as one kernel each, at the sizes the scheduler maps."""
-    ns = _emitted(tmp_path, MAPPED)
+@pytest.mark.parametrize("name", ["zoo_mapped", "zoo_cluster"])
+def test_row_kernels_match_eager(tmp_path: Path, name: str) -> None:
+    """zoo_mapped: RMS/L1 norms, max-subtract and a long-row min-scale as one kernel each, at the sizes the
+    scheduler maps. zoo_cluster: rows too long for a block's registers (log_softmax, a mapped L1 norm, instance
+    and layer norm, a 393216-element softmax) kept in the shared memory of a thread-block cluster; on Hopper the
+    cluster kernels must be the ones that ran."""
+    path = FIXTURES / f"{name}.py"
+    ns = _emitted(tmp_path, path)
     torch.manual_seed(3)
     inputs = [t.cuda() for t in ns["get_inputs"]()]
-    ref = runpy.run_path(str(MAPPED))["Model"]().cuda()
+    torch.manual_seed(0)
+    ref = runpy.run_path(str(path))["Model"]().cuda()
+    torch.manual_seed(0)
     new = ns["ModelNew"]().cuda()
     with torch.no_grad():
-        expected, got = ref(*inputs), new(*inputs)
+        expected = ref(*inputs)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            got = new(*inputs)
+            torch.cuda.synchronize()
     errs = [(g - e).abs().max().item() for e, g in zip(expected, got, strict=True)]
     assert all(g.shape == e.shape for e, g in zip(expected, got, strict=True))
     assert all(err <= 1e-4 for err in errs), errs
+    ran = {e.key for e in prof.key_averages()}
+    if name == "zoo_cluster" and torch.cuda.get_device_capability()[0] >= 9:
+        assert sum("_cluster_kernel" in k for k in ran) == len(expected), sorted(ran)

@@ -21,7 +21,7 @@ from kernelfuse.codegen.iteration import (
     value_lambda,
 )
 from kernelfuse.codegen.pool import pool_kernel
-from kernelfuse.codegen.reduce import REDUCE_PRELUDE, row_kernel
+from kernelfuse.codegen.reduce import REDUCE_PRELUDE, row_kernel, row_strategy
 from kernelfuse.codegen.split import split_chunks, split_kernel, split_workspace
 from kernelfuse.ops import float_literal
 from kernelfuse.plan.ir import GenStep, Plan
@@ -43,6 +43,14 @@ def render_generated(plan: Plan, step: GenStep) -> tuple[str, str]:
     else:
         body = row_kernel(step, ctype)
     return f"// {step.kernel}: {step.chain(plan.graph)}\n{body}", _wrapper(plan, step)
+
+
+def uses_cluster(step: GenStep) -> bool:
+    """Does the step's kernel keep its rows on chip across a thread-block cluster (kernelfuse.codegen.cluster)?"""
+    spec = step.spec
+    if spec is None or spec.kind == "affine_norm" or spec.window is not None or split_chunks(step) > 1:  # type: ignore[attr-defined]
+        return False
+    return row_strategy(step)[3] > 0
 
 
 def _flat_kernel(step: GenStep, ctype: str) -> str:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kernelfuse.codegen.cluster import CLUSTER_THREADS, CLUSTER_UNROLL, chunk_of, cluster_launcher, cluster_size
 from kernelfuse.codegen.common import program_lines
 from kernelfuse.codegen.iteration import (
     BLOCK,
@@ -155,113 +156,157 @@ def reads_rows_contiguously(space: Space) -> bool:
     return space.classes[unit[-1] if unit else -1] == "r"
 
 
-def row_kernel(step: GenStep, ctype: str) -> str:
-    spec = step.spec
-    k = step.kernel
+def row_strategy(step: GenStep) -> tuple[bool, int, int, int]:
+    """(rows contiguous?, threads per row, elements a thread may cache in registers, cluster blocks per row or 0)."""
     space = space_of(step)
-    index_t = index_type(step)
-    rows, red = space.count("k"), space.count("r")
+    red = space.count("r")
     inner = reads_rows_contiguously(space)
     tpr = 1 if not inner or red < 32 else 32 if red <= 1024 else BLOCK
+    limit = CACHE_MAX_THREAD_ROW if step.mapped is not None and tpr == 1 else CACHE_MAX
+    return inner, tpr, limit, cluster_size(step, red, inner, -(-red // tpr), limit)
+
+
+def row_kernel(step: GenStep, ctype: str) -> str:
+    k = step.kernel
+    space = space_of(step)
+    rows, red = space.count("k"), space.count("r")
+    inner, tpr, limit, blocks = row_strategy(step)
     rows_per_block = BLOCK // tpr
-    kind = spec.kind  # type: ignore[attr-defined]
+    lines = [f"// strategy: {'inner' if inner else 'strided'}, {tpr} thread(s) per row, {rows} rows of {red}"
+             + (f" (on Hopper: a cluster of {blocks} blocks per row, the row in shared memory)" if blocks else ""),
+             f"__global__ void __launch_bounds__({BLOCK}) {k}_kernel({pointer_params(step, ctype)}) {{",
+             *_row_body(step, ctype, space, tpr, f"(INDEX)blockIdx.x * {rows_per_block} + threadIdx.x / TPR",
+                        f"(INDEX)gridDim.x * {rows_per_block}", limit, 0),
+             "}", ""]
+    grid = f"kf_blocks({rows}LL * {tpr}, {BLOCK})"
+    if not blocks:
+        return "\n".join(lines) + launcher(step, ctype, grid)
+    lines += [f"__global__ void __launch_bounds__({CLUSTER_THREADS}) {k}_cluster_kernel("
+              f"{pointer_params(step, ctype)}) {{",
+              "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900",
+              *_row_body(step, ctype, space, CLUSTER_THREADS, f"(INDEX)(blockIdx.x / {blocks})",
+                         f"(INDEX)(gridDim.x / {blocks})", limit, blocks),
+              "#endif", "}", ""]
+    return "\n".join(lines) + cluster_launcher(step, ctype, blocks, rows, red, grid, BLOCK)
+
+
+def _row_body(step: GenStep, ctype: str, space: Space, tpr: int, first_row: str, row_step: str, limit: int,
+              cluster: int) -> list[str]:
+    """A row kernel's body: `tpr` threads per row, rows from `first_row` by `row_step`; with `cluster` blocks per
+    row, this block's chunk of it (cached in shared memory) and statistics combined across the cluster."""
+    rows, red = space.count("k"), space.count("r")
+    kind = step.spec.kind  # type: ignore[attr-defined]
     tensors = ["src", *(f"in{i}" for i in range(len(step.prologue.operands)))]
-    if spec.broadcast:  # type: ignore[attr-defined]
+    if step.spec.broadcast:  # type: ignore[attr-defined]
         tensors += ["out"] + [n for n in ("weight", "bias") if n in space.strides]
     elif step.mapped is not None:
         tensors += ["out"] + [f"m{i}" for i in range(len(step.mapped.operands))]
-    lines = [f"// strategy: {'inner' if inner else 'strided'}, {tpr} thread(s) per row, {rows} rows of {red}",
-             f"__global__ void __launch_bounds__({BLOCK}) {k}_kernel({pointer_params(step, ctype)}) {{",
-             f"  typedef {index_t} INDEX;",
-             f"  constexpr int TPR = {tpr};",
-             "  const int lane = threadIdx.x % TPR;",
-             f"  for (INDEX row = (INDEX)blockIdx.x * {rows_per_block} + threadIdx.x / TPR; row < (INDEX){rows}; "
-             f"row += (INDEX)gridDim.x * {rows_per_block}) {{"]
+    lines = [f"  typedef {index_type(step)} INDEX;", f"  constexpr int TPR = {tpr};", "  const int lane = threadIdx.x % TPR;"]
+    if cluster:
+        chunk = chunk_of(red, cluster)
+        lines += ["  extern __shared__ float kf_row_cache[];  // this block's chunk of the row, read from memory once",
+                  "  const INDEX kf_rank = (INDEX)cooperative_groups::this_cluster().block_rank();",
+                  f"  constexpr INDEX CHUNK = {chunk};"]
+    lines.append(f"  for (INDEX row = {first_row}; row < (INDEX){rows}; row += {row_step}) {{")
     lines += decompose(space, "k", "row", "row_", tensors, "    ")
     lines += value_lambda(step, space, "r", "row_")
-    lines += _kind_lines(step, kind, red, ctype, space, tpr)
-    lines += ["  }", "}", ""]
-    grid = f"kf_blocks({rows}LL * {tpr}, {BLOCK})"
-    return "\n".join(lines) + launcher(step, ctype, grid)
+    lines += _kind_lines(step, kind, red, ctype, space, tpr, limit, cluster)
+    lines.append("  }")
+    return lines
 
 
-def _loop(body: list[str], cache: str | None = None, raw: bool = False) -> list[str]:
+def _loop(body: list[str], cache: str | None = None, raw: bool = False, cluster: bool = False) -> list[str]:
     """A thread's pass over its elements of the row, `v` the element's value. `cache` None: each pass reads (and
-    recomputes the prologue); "fill": this pass reads and keeps the thread's elements in registers (`cache`,
-    PER of them); "read": this pass takes them from there. `raw`: the pass also names the source element `raw`,
-    and the cache keeps that (a broadcast consumer reads the source, not the prologue's value)."""
+    recomputes the prologue); "fill": this pass reads and keeps the thread's elements (PER of them) in registers,
+    or in a cluster kernel in the block's shared memory; "read": this pass takes them from there. `raw`: the pass
+    also names the source element `raw`, and the cache keeps that (a broadcast consumer reads the source, not the
+    prologue's value)."""
+    slot = "kf_row_cache[j * TPR + lane]" if cluster else "cache[j]"
     if raw:
         take = {None: "const float raw = source(r);\nconst float v = value_at(r, raw);",
-                "fill": "const float raw = source(r);\ncache[j] = raw;\nconst float v = value_at(r, raw);",
-                "read": "const float raw = cache[j];"}[cache]
+                "fill": f"const float raw = source(r);\n{slot} = raw;\nconst float v = value_at(r, raw);",
+                "read": f"const float raw = {slot};"}[cache]
     else:
-        take = {None: "const float v = value(r);", "fill": "const float v = value(r);\ncache[j] = v;",
-                "read": "const float v = cache[j];"}[cache]
+        take = {None: "const float v = value(r);", "fill": f"const float v = value(r);\n{slot} = v;",
+                "read": f"const float v = {slot};"}[cache]
     if cache is None:
         return ["    for (INDEX r = lane; r < (INDEX)RED; r += TPR) {", *[f"      {t}" for t in take.split("\n")],
                 *[f"      {b}" for b in body], "    }"]
-    return ["#pragma unroll", "    for (int j = 0; j < PER; ++j) {", "      const INDEX r = lane + (INDEX)j * TPR;",
-            "      if (r < (INDEX)RED) {", *[f"        {t}" for t in take.split("\n")],
+    first = "kf_rank * CHUNK + lane" if cluster else "lane"
+    bound = "r < (INDEX)RED && j * TPR + lane < CHUNK" if cluster else "r < (INDEX)RED"
+    return [f"#pragma unroll{f' {CLUSTER_UNROLL}' if cluster else ''}", "    for (int j = 0; j < PER; ++j) {",
+            f"      const INDEX r = {first} + (INDEX)j * TPR;",
+            f"      if ({bound}) {{", *[f"        {t}" for t in take.split("\n")],
             *[f"        {b}" for b in body], "      }", "    }"]
 
 
-def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tpr: int) -> list[str]:
+def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tpr: int, limit: int,
+                cluster: int) -> list[str]:
     lines = [f"    constexpr INDEX RED = {red};"]
-    per = -(-red // tpr)
     mapped = step.mapped is not None
-    # a broadcast consumer's thread that owns a whole strided row (RMSNorm over 64 channels) caches up to 64
-    limit = CACHE_MAX_THREAD_ROW if mapped and tpr == 1 else CACHE_MAX
-    cached = (step.spec.broadcast or mapped) and per <= limit  # type: ignore[attr-defined]
-    if cached:  # the statistics pass keeps the row in registers: the write pass reads nothing again
-        lines += [f"    constexpr int PER = {per};", "    float cache[PER];"]
+    if cluster:  # the block's chunk lives in shared memory; its statistic is combined across the cluster
+        lines += [f"    constexpr int PER = {-(-chunk_of(red, cluster) // tpr)};"]
+        cached = True
+    else:
+        per = -(-red // tpr)
+        cached = (step.spec.broadcast or mapped) and per <= limit  # type: ignore[attr-defined]
+        if cached:  # the statistics pass keeps the row in registers: the write pass reads nothing again
+            lines += [f"    constexpr int PER = {per};", "    float cache[PER];"]
     first, again = ("fill", "read") if cached else (None, None)
+    cl = bool(cluster)
     if kind in REDUCE_OPS:
         op, identity = REDUCE_OPS[kind]
         lines.append(f"    float s = {identity};")
-        lines += _loop([f"s = {op}()(s, v);"], first, raw=mapped)
+        lines += _loop([f"s = {op}()(s, v);"], first, raw=mapped, cluster=cl)
         lines.append(f"    s = kf_row_reduce<TPR>(s, {op}());")
+        if cluster:
+            lines.append(f"    s = kf_cluster_reduce<{cluster}>(s, {op}());")
         if kind == "mean":
             lines.append(f"    s = s * {float_literal(1.0 / red)};  // ATen's mean: sum times 1/N")
         if not mapped:
             return lines + reduced_store(step, "s", ctype)
         lines.append("    const float y = s;  // every thread of the row: the row's value after the epilogue")
-        return lines + epilogue_lines(step, "row", "    ") + _mapped_store(step, ctype, space, again)
+        return lines + epilogue_lines(step, "row", "    ") + _mapped_store(step, ctype, space, again, cl)
     if kind in ("logsumexp", "softmax", "log_softmax"):
         lines.append("    float m = -INFINITY, s = 0.0f;")
-        lines += _loop(["kf_online_add(m, s, v);"], first)
+        lines += _loop(["kf_online_add(m, s, v);"], first, cluster=cl)
         lines.append("    kf_row_reduce_online<TPR>(m, s);")
+        if cluster:
+            lines.append(f"    {{ float unused = 0.0f; kf_cluster_reduce3<{cluster}>(m, s, unused, kf_online_merge3()); }}")
         if kind == "logsumexp":  # ATen replaces an infinite max by 0: the sum is then inf (or 0), log gives m back
             lines.append("    const float lse = fabsf(m) == INFINITY ? m : logf(s) + m;")
             return lines + reduced_store(step, "lse", ctype)
         lines.append("    const float logs = logf(s);" if kind == "log_softmax" else "")
         expr = "v - m - logs" if kind == "log_softmax" else "expf(v - m) / s"
-        return lines + _broadcast_store(step, expr, ctype, [], space, again)
+        return lines + _broadcast_store(step, expr, ctype, [], space, again, cl)
     # norm: mean and biased variance in one Welford pass; affine; batch norm updates its running statistics
     lines.append("    float n = 0.0f, mean = 0.0f, m2 = 0.0f;")
-    lines += _loop(["kf_welford_add(n, mean, m2, v);"], first)
+    lines += _loop(["kf_welford_add(n, mean, m2, v);"], first, cluster=cl)
     lines.append("    kf_row_reduce_welford<TPR>(n, mean, m2);")
+    if cluster:
+        lines.append(f"    kf_cluster_reduce3<{cluster}>(n, mean, m2, kf_welford_merge3());")
     lines.append(f"    const float var = m2 * {float_literal(1.0 / red)};")
     lines.append(f"    const float rstd = {rstd(step)};")
-    lines += running_lines(step, red, ctype, "    ")
+    lines += running_lines(step, red, ctype, "    ", "lane == 0 && kf_rank == 0" if cluster else "lane == 0")
     affine = [n for n in ("weight", "bias") if n in space.strides]
     expr = normalised(step, lambda n: f"row_{n} + o_{n}").replace("value(r)", "v")
-    return lines + _broadcast_store(step, expr, ctype, affine, space, again)
+    return lines + _broadcast_store(step, expr, ctype, affine, space, again, cl)
 
 
 def rstd(step: GenStep) -> str:
     return f"1.0f / sqrtf(var + {float_literal(step.spec.eps)})"  # type: ignore[attr-defined]
 
 
-def running_lines(step: GenStep, red: int, ctype: str, ind: str) -> list[str]:
+def running_lines(step: GenStep, red: int, ctype: str, ind: str, who: str = "lane == 0") -> list[str]:
     """Batch norm's running statistics from the row's `mean` and biased `var`, as ATen updates them (momentum,
-    unbiased variance); nothing for a norm without them."""
+    unbiased variance), written by the one thread `who` names; nothing for a norm without them."""
     spec = step.spec
     if spec.running is None:  # type: ignore[attr-defined]
         return []
     m = float_literal(spec.momentum)  # type: ignore[attr-defined]
     keep = float_literal(1.0 - spec.momentum)  # type: ignore[attr-defined]
     unbias = float_literal(red / max(red - 1, 1))
-    return [f"{ind}if (lane == 0) {{  // running statistics, as ATen updates them (unbiased variance)",
+    return [f"{ind}if ({who}) {{  // running statistics, as ATen updates them (unbiased variance)",
             f"{ind}  run_mean[row] = kf_store<{ctype}>({m} * mean + {keep} * kf_load(run_mean[row]));",
             f"{ind}  run_var[row] = kf_store<{ctype}>({m} * (var * {unbias}) + {keep} * kf_load(run_var[row]));",
             f"{ind}}}"]
@@ -286,17 +331,17 @@ def reduced_store(step: GenStep, value: str, ctype: str) -> list[str]:
 
 
 def _broadcast_store(step: GenStep, expr: str, ctype: str, extra: list[str], space: Space,
-                     cache: str | None) -> list[str]:
+                     cache: str | None, cluster: bool = False) -> list[str]:
     """Write every element of the row: `expr` (of the element `v`, the row's statistics applied), then the
     epilogue."""
     body = [ln.strip() for ln in decompose(space, "r", "r", "o_", ["out", *extra], "")]
     body.append(f"const float y = {expr};")
     body += [ln.strip() for ln in epilogue_lines(step, "row_out + o_out", "")]
     body.append(f"out[row_out + o_out] = kf_store<{ctype}>(e_result);")
-    return _loop(body, cache)
+    return _loop(body, cache, cluster=cluster)
 
 
-def _mapped_store(step: GenStep, ctype: str, space: Space, cache: str | None) -> list[str]:
+def _mapped_store(step: GenStep, ctype: str, space: Space, cache: str | None, cluster: bool = False) -> list[str]:
     """Write every element of the row: the broadcast consumer (`step.mapped`) of the row's value `e_result` and
     its operands; an operand that is the source itself takes the element already loaded or cached (`raw`)."""
     mapped = step.mapped
@@ -310,4 +355,4 @@ def _mapped_store(step: GenStep, ctype: str, space: Space, cache: str | None) ->
                        for ln in program]
     body += program
     body.append(f"out[row_out + o_out] = kf_store<{ctype}>(m_result);")
-    return _loop(body, cache, raw=True)
+    return _loop(body, cache, raw=True, cluster=cluster)

@@ -1,0 +1,75 @@
+"""Long rows on chip across a thread-block cluster (kernelfuse.codegen.cluster): which rows take it, that the
+kernels compile for sm_90, and that the one-block-per-row kernel the launcher falls back to (pre-Hopper GPUs,
+the CPU emulation) still matches the plan interpreter. The cluster kernels themselves run in
+tests/test_generated_gpu.py."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from emulation_helpers import emulated, emulated_run
+from optimizer_helpers import pipeline, write_problem
+
+from kernelfuse.codegen import generate
+from kernelfuse.codegen.cluster import CLUSTER_CHUNK_BYTES, CLUSTER_MAX
+from kernelfuse.codegen.generated import uses_cluster
+from kernelfuse.plan import schedule
+
+CASES = {  # forward, input shape, cluster kernel expected
+    "softmax_long": ("torch.softmax(x, dim=-1)", (4, 9000), True),
+    "softmax_cached": ("torch.softmax(x, dim=-1)", (4, 8000), False),  # 32 per thread: registers hold it
+    "log_softmax_8_blocks": ("torch.log_softmax(x, dim=1)", (2, 8 * CLUSTER_CHUNK_BYTES // 4), True),
+    "too_long_for_8_blocks": ("torch.log_softmax(x, dim=1)", (2, 8 * CLUSTER_CHUNK_BYTES // 4 + 4), False),
+    "logsumexp": ("torch.logsumexp(x, dim=1)", (4, 50000), False),  # one value per row: nothing to read back
+    "strided_softmax": ("torch.softmax(x, dim=0)", (20000, 8), False),
+    "layer_norm": ("torch.nn.functional.layer_norm(x, (12000,))", (3, 12000), True),
+    "mapped_l1": ("x / torch.sum(torch.abs(x), dim=1, keepdim=True)", (1024, 9000), True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_which_rows_take_a_cluster(name: str, tmp_path: Path) -> None:
+    expr, shape, expected = CASES[name]
+    _, _, plans = pipeline(write_problem(tmp_path, name, f"def forward(self, x):\n    return {expr}",
+                                         f"[torch.randn{shape}]"))
+    (step,) = plans[-1].generated
+    assert uses_cluster(step) == expected, plans[-1].summary()
+    cuda = generate(plans[-1]).cuda
+    assert ("_cluster_kernel" in cuda) == expected
+    if expected:
+        blocks = int(cuda.split("a cluster of ")[1].split(" ")[0])
+        assert 2 <= blocks <= CLUSTER_MAX
+        assert "kf_row_cache[j * TPR + lane]" in cuda and "kf_cluster_reduce" in cuda
+
+
+def test_cluster_kernels_compile_for_sm90(tmp_path: Path) -> None:
+    nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    if not Path(nvcc).exists():
+        pytest.skip("nvcc not found")
+    zoo = Path(__file__).parent / "fixtures" / "problems" / "zoo_cluster.py"
+    _, _, plans = pipeline(zoo)
+    cu = tmp_path / "cluster.cu"
+    cu.write_text(generate(plans[-1]).cuda)
+    result = subprocess.run([nvcc, "-c", "-std=c++17", "-arch=sm_90", "-Xptxas", "-v", str(cu), "-o",
+                             str(tmp_path / "cluster.o")], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.count("_cluster_kernel") >= len(plans[-1].generated)
+    spills = [ln for ln in result.stderr.splitlines() if "spill stores" in ln and not ln.strip().startswith("0 bytes")]
+    assert not spills, spills
+
+
+@pytest.mark.parametrize("name", ["softmax_long", "layer_norm", "mapped_l1"])
+def test_fallback_kernel_matches_the_interpreter(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(schedule, "MAPPED_MIN_ROWS", 1)  # a small emulated shape
+    expr, shape, _ = CASES[name]
+    shape = (2, *shape[1:]) if name == "mapped_l1" else shape
+    _, _, plans = pipeline(write_problem(tmp_path, name, f"def forward(self, x):\n    return {expr}",
+                                         f"[torch.randn{shape}]"))
+    plan = plans[-1]
+    (step,) = plan.generated
+    out, expected, _, _ = emulated_run(emulated(plan, tmp_path), plan, step, seed=1)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
