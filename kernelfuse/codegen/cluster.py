@@ -3,7 +3,8 @@
 A reduce-then-broadcast row (softmax, log_softmax, a norm, a reduction whose value every element reads back)
 needs the whole row's statistic before it writes any element. A row longer than a block's register cache was
 read twice (level-1 LogSoftmax at 1.58x its memory floor, InstanceNorm 1.71x, L1Norm 1.54x). Here a cluster of
-`C` blocks shares a row: each block loads its chunk into shared memory once and reduces it, the blocks combine
+`C` blocks shares a row: each block copies its chunk into shared memory once (asynchronous copies, all in flight
+together) and reduces it, the blocks combine
 their partial statistics through distributed shared memory in a fixed order (every block gets the same bits),
 and each block writes its chunk from shared memory.
 
@@ -14,7 +15,9 @@ same values up to the summation order.
 
 from __future__ import annotations
 
-from kernelfuse.codegen.iteration import launch_params
+import torch
+
+from kernelfuse.codegen.iteration import Space, decompose, launch_params
 from kernelfuse.plan.ir import GenStep
 
 CLUSTER_THREADS = 1024  # one block per SM (its chunk fills shared memory): every thread keeps loads in flight
@@ -25,6 +28,13 @@ CLUSTER_UNROLL = 8  # loads a thread issues before it waits: 32 KB in flight per
 CLUSTER_PRELUDE = r"""
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #include <cooperative_groups.h>
+// One element copied from global to shared memory without passing through registers: a thread issues all of its
+// chunk's copies before it waits, so the whole chunk is in flight at once.
+__device__ __forceinline__ void kf_cp_async4(float* dst, const float* src) {
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src));
+}
+__device__ __forceinline__ void kf_cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 // The cluster's value of a row from each block's partial `v` (every thread of every block holds it): combined in
 // rank order, so every block computes the same bits. The second sync keeps a block's partial alive until every
 // other block has read it.
@@ -67,6 +77,8 @@ def cluster_size(step: GenStep, red: int, inner: bool, per_block_row: int, cache
     spec = step.spec
     writes_row = spec.broadcast or step.mapped is not None  # type: ignore[attr-defined]
     if not inner or not writes_row or per_block_row <= cache_max or red <= 1024:
+        return 0
+    if step.source.meta.dtype != torch.float32:  # the asynchronous copies move 4-byte elements
         return 0
     blocks = max(2, -(-red * 4 // CLUSTER_CHUNK_BYTES))
     return blocks if blocks <= CLUSTER_MAX else 0
@@ -130,3 +142,9 @@ cudaError_t {k}_launch({params}, void* out, cudaStream_t stream) {{
   return cudaGetLastError();
 }}
 """
+
+
+def source_pointer_lambda(space: Space) -> list[str]:
+    """`source_ptr(r)`: the address of the row's element r (what the asynchronous copy reads)."""
+    return ["    auto source_ptr = [&](INDEX r) -> const float* {",
+            *decompose(space, "r", "r", "o_", ["src"], "      "), "      return src + row_src + o_src;", "    };"]

@@ -19,7 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kernelfuse.codegen.cluster import CLUSTER_THREADS, CLUSTER_UNROLL, chunk_of, cluster_launcher, cluster_size
+from kernelfuse.codegen.cluster import (
+    CLUSTER_THREADS,
+    CLUSTER_UNROLL,
+    chunk_of,
+    cluster_launcher,
+    cluster_size,
+    source_pointer_lambda,
+)
 from kernelfuse.codegen.common import program_lines
 from kernelfuse.codegen.iteration import (
     BLOCK,
@@ -210,6 +217,8 @@ def _row_body(step: GenStep, ctype: str, space: Space, tpr: int, first_row: str,
     lines.append(f"  for (INDEX row = {first_row}; row < (INDEX){rows}; row += {row_step}) {{")
     lines += decompose(space, "k", "row", "row_", tensors, "    ")
     lines += value_lambda(step, space, "r", "row_")
+    if cluster:
+        lines += source_pointer_lambda(space)
     lines += _kind_lines(step, kind, red, ctype, space, tpr, limit, cluster)
     lines.append("  }")
     return lines
@@ -221,7 +230,14 @@ def _loop(body: list[str], cache: str | None = None, raw: bool = False, cluster:
     or in a cluster kernel in the block's shared memory; "read": this pass takes them from there. `raw`: the pass
     also names the source element `raw`, and the cache keeps that (a broadcast consumer reads the source, not the
     prologue's value)."""
-    slot = "kf_row_cache[j * TPR + lane]" if cluster else "cache[j]"
+    if cluster:  # the chunk is copied to shared memory first; both passes read the source values from there
+        slot = "kf_row_cache[j * TPR + lane]"
+        take = f"const float raw = {slot};\nconst float v = value_at(r, raw);"
+        passes = _cluster_pass([take, *body])
+        if cache == "fill":
+            passes = _cluster_pass([f"kf_cp_async4(&{slot}, source_ptr(r));"]) + ["    kf_cp_async_wait_all();"] + passes
+        return passes
+    slot = "cache[j]"
     if raw:
         take = {None: "const float raw = source(r);\nconst float v = value_at(r, raw);",
                 "fill": f"const float raw = source(r);\n{slot} = raw;\nconst float v = value_at(r, raw);",
@@ -232,12 +248,17 @@ def _loop(body: list[str], cache: str | None = None, raw: bool = False, cluster:
     if cache is None:
         return ["    for (INDEX r = lane; r < (INDEX)RED; r += TPR) {", *[f"      {t}" for t in take.split("\n")],
                 *[f"      {b}" for b in body], "    }"]
-    first = "kf_rank * CHUNK + lane" if cluster else "lane"
-    bound = "r < (INDEX)RED && j * TPR + lane < CHUNK" if cluster else "r < (INDEX)RED"
-    return [f"#pragma unroll{f' {CLUSTER_UNROLL}' if cluster else ''}", "    for (int j = 0; j < PER; ++j) {",
-            f"      const INDEX r = {first} + (INDEX)j * TPR;",
-            f"      if ({bound}) {{", *[f"        {t}" for t in take.split("\n")],
+    return ["#pragma unroll", "    for (int j = 0; j < PER; ++j) {", "      const INDEX r = lane + (INDEX)j * TPR;",
+            "      if (r < (INDEX)RED) {", *[f"        {t}" for t in take.split("\n")],
             *[f"        {b}" for b in body], "      }", "    }"]
+
+
+def _cluster_pass(body: list[str]) -> list[str]:
+    """A pass over this block's chunk of the row (a thread's elements are j * TPR + lane of the chunk)."""
+    lines = [ln for b in body for ln in b.split("\n")]
+    return [f"#pragma unroll {CLUSTER_UNROLL}", "    for (int j = 0; j < PER; ++j) {",
+            "      const INDEX r = kf_rank * CHUNK + lane + (INDEX)j * TPR;",
+            "      if (r < (INDEX)RED && j * TPR + lane < CHUNK) {", *[f"        {t}" for t in lines], "      }", "    }"]
 
 
 def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tpr: int, limit: int,
