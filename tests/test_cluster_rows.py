@@ -22,8 +22,8 @@ from kernelfuse.plan import schedule
 CASES = {  # forward, input shape, cluster kernel expected
     "softmax_long": ("torch.softmax(x, dim=-1)", (4, 9000), True),
     "softmax_cached": ("torch.softmax(x, dim=-1)", (4, 8000), False),  # 32 per thread: registers hold it
-    "log_softmax_8_blocks": ("torch.log_softmax(x, dim=1)", (2, 8 * CLUSTER_CHUNK_BYTES // 4), True),
-    "too_long_for_8_blocks": ("torch.log_softmax(x, dim=1)", (2, 8 * CLUSTER_CHUNK_BYTES // 4 + 4), False),
+    "log_softmax_most_blocks": ("torch.log_softmax(x, dim=1)", (2, CLUSTER_MAX * CLUSTER_CHUNK_BYTES // 4), True),
+    "too_long_for_a_cluster": ("torch.log_softmax(x, dim=1)", (2, CLUSTER_MAX * CLUSTER_CHUNK_BYTES // 4 + 4), False),
     "logsumexp": ("torch.logsumexp(x, dim=1)", (4, 50000), False),  # one value per row: nothing to read back
     "strided_softmax": ("torch.softmax(x, dim=0)", (20000, 8), False),
     "layer_norm": ("torch.nn.functional.layer_norm(x, (12000,))", (3, 12000), True),
