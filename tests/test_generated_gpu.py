@@ -84,9 +84,9 @@ FIXTURES = Path(__file__).parent / "fixtures" / "problems"
 @pytest.mark.parametrize("name", ["zoo_mapped", "zoo_cluster"])
 def test_row_kernels_match_eager(tmp_path: Path, name: str) -> None:
     """zoo_mapped: RMS/L1 norms, max-subtract and a long-row min-scale as one kernel each, at the sizes the
-    scheduler maps. zoo_cluster: rows too long for a block's registers (log_softmax, a mapped L1 norm, instance
-    and layer norm, a 393216-element softmax) kept in the shared memory of a thread-block cluster; on Hopper the
-    cluster kernels must be the ones that ran."""
+    scheduler maps. zoo_cluster: rows too long for a block's registers (a mapped L1 norm, instance and layer norm,
+    a 98304-element softmax) kept in the shared memory of a thread-block cluster; on Hopper the cluster kernels
+    must be the ones that ran (a 100000-element log_softmax is too long for a cluster: two passes)."""
     path = FIXTURES / f"{name}.py"
     ns = _emitted(tmp_path, path)
     torch.manual_seed(3)
@@ -105,4 +105,4 @@ def test_row_kernels_match_eager(tmp_path: Path, name: str) -> None:
     assert all(err <= 1e-4 for err in errs), errs
     ran = {e.key for e in prof.key_averages()}
     if name == "zoo_cluster" and torch.cuda.get_device_capability()[0] >= 9:
-        assert sum("_cluster_kernel" in k for k in ran) == len(expected), sorted(ran)
+        assert sum("_cluster_kernel" in k for k in ran) == len(expected) - 1, sorted(ran)

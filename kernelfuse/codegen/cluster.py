@@ -25,7 +25,8 @@ CLUSTER_THREADS = 512
 # the other's statistics and stores. Measured on an H100 with one 200 KB block of 1024 threads per SM: log_softmax
 # over rows of 393216 at 1.74x its memory floor, the phases of all SMs in step with DRAM idle in between.
 CLUSTER_CHUNK_BYTES = 96 * 1024
-CLUSTER_MAX = 16  # 8 is portable; Hopper allows 16 with the non-portable attribute (the launcher asks for it)
+CLUSTER_MAX = 4  # measured on an H100: 3 blocks per row at 1.17x the memory floor (L1Norm), 11 and 16 slower than
+# two passes from one block (InstanceNorm 1.85x, LogSoftmax 1.72x): a large cluster waits for free slots in one GPC
 CLUSTER_UNROLL = 8
 
 CLUSTER_PRELUDE = r"""
