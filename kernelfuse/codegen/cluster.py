@@ -25,8 +25,10 @@ CLUSTER_THREADS = 512
 # the other's statistics and stores. Measured on an H100 with one 200 KB block of 1024 threads per SM: log_softmax
 # over rows of 393216 at 1.74x its memory floor, the phases of all SMs in step with DRAM idle in between.
 CLUSTER_CHUNK_BYTES = 96 * 1024
-CLUSTER_MAX = 4  # measured on an H100: 3 blocks per row at 1.17x the memory floor (L1Norm), 11 and 16 slower than
-# two passes from one block (InstanceNorm 1.85x, LogSoftmax 1.72x): a large cluster waits for free slots in one GPC
+# Measured on an H100: 3 blocks per row at 1.17x the memory floor (L1Norm); 11 and 16 blocks (the non-portable
+# size) slower than two passes from one block (InstanceNorm 1.85x, LogSoftmax 1.72x): a large cluster waits for
+# free slots in one GPC.
+CLUSTER_MAX = 4
 CLUSTER_UNROLL = 8
 
 CLUSTER_PRELUDE = r"""
@@ -100,51 +102,32 @@ def cluster_launcher(step: GenStep, ctype: str, blocks: int, rows: int, red: int
     k = step.kernel
     params, args = launch_params(step, ctype)
     smem = chunk_of(red, blocks) * 4
-    allow = "cudaFuncAttributeNonPortableClusterSizeAllowed"
-    nonportable = ""
-    if blocks > 8:
-        nonportable = f"\n        && cudaFuncSetAttribute({k}_cluster_kernel, {allow}, 1) == cudaSuccess"
     return f"""
 cudaError_t {k}_launch({params}, void* out, cudaStream_t stream) {{
 #ifdef __CUDACC__
+  cudaLaunchAttribute dims[1];
+  dims[0].id = cudaLaunchAttributeClusterDimension;
+  dims[0].val.clusterDim.x = {blocks};
+  dims[0].val.clusterDim.y = 1;
+  dims[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {{}};
+  config.gridDim = dim3((unsigned)({rows}LL * {blocks}));
+  config.blockDim = dim3({CLUSTER_THREADS});
+  config.dynamicSmemBytes = {smem};
+  config.stream = stream;
+  config.attrs = dims;
+  config.numAttrs = 1;
   static int usable = -1;  // decided once per process: cluster launch supported and the cluster placeable
   if (usable < 0) {{
     int dev = 0, supported = 0, clusters = 0;
     cudaGetDevice(&dev);
     cudaDeviceGetAttribute(&supported, cudaDevAttrClusterLaunch, dev);
-    usable = 0;
-    if (supported && cudaFuncSetAttribute({k}_cluster_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          {smem}) == cudaSuccess{nonportable}) {{
-      cudaLaunchConfig_t probe = {{}};
-      cudaLaunchAttribute dims[1];
-      dims[0].id = cudaLaunchAttributeClusterDimension;
-      dims[0].val.clusterDim.x = {blocks};
-      dims[0].val.clusterDim.y = 1;
-      dims[0].val.clusterDim.z = 1;
-      probe.gridDim = dim3({blocks});
-      probe.blockDim = dim3({CLUSTER_THREADS});
-      probe.dynamicSmemBytes = {smem};
-      probe.attrs = dims;
-      probe.numAttrs = 1;
-      usable = cudaOccupancyMaxActiveClusters(&clusters, {k}_cluster_kernel, &probe) == cudaSuccess && clusters > 0;
-    }}
+    usable = supported
+        && cudaFuncSetAttribute({k}_cluster_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, {smem}) == cudaSuccess
+        && cudaOccupancyMaxActiveClusters(&clusters, {k}_cluster_kernel, &config) == cudaSuccess && clusters > 0;
     cudaGetLastError();  // a refusal above is an answer, not an error of this launch
   }}
-  if (usable) {{
-    cudaLaunchConfig_t config = {{}};
-    cudaLaunchAttribute dims[1];
-    dims[0].id = cudaLaunchAttributeClusterDimension;
-    dims[0].val.clusterDim.x = {blocks};
-    dims[0].val.clusterDim.y = 1;
-    dims[0].val.clusterDim.z = 1;
-    config.gridDim = dim3((unsigned)({rows}LL * {blocks}));
-    config.blockDim = dim3({CLUSTER_THREADS});
-    config.dynamicSmemBytes = {smem};
-    config.stream = stream;
-    config.attrs = dims;
-    config.numAttrs = 1;
-    return cudaLaunchKernelEx(&config, {k}_cluster_kernel, {args}, ({ctype}*)out);
-  }}
+  if (usable) return cudaLaunchKernelEx(&config, {k}_cluster_kernel, {args}, ({ctype}*)out);
 #endif
   {k}_kernel<<<{fallback_grid}, {fallback_threads}, 0, stream>>>({args}, ({ctype}*)out);
   return cudaGetLastError();
