@@ -3,8 +3,10 @@
 `F.mse_loss`, `F.smooth_l1_loss` and `F.huber_loss` reach the graph as one ATen node each, which no kernel
 family knows; written out, the per-element loss joins the reduction's prologue (one kernel that reads both
 inputs once). The expressions are ATen's CUDA formulas (PointwiseOpsKernel.cu, BinaryMiscOpsKernels.cu) in the
-same order of operations, so the elements are bit-identical; the reduction is ATen's `mean()`/`sum()` of the
-elementwise loss, as `apply_loss_reduction` does (its summation order is the reduction kernel's own).
+same order of operations, so the elements are bit-identical, except that smooth L1's division by beta becomes a
+product with 1/beta rounded to float, as every division by a scalar does here (`div_by_scalar_to_mul`): up to
+one ulp apart where beta is not a power of two. The reduction is ATen's `mean()`/`sum()` of the elementwise loss,
+as `apply_loss_reduction` does (its summation order is the reduction kernel's own).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ REDUCTIONS = {0: None, 1: "mean.default", 2: "sum.default"}  # at::Reduction: No
 def losses_as_pointwise(graph: Graph, node: Node) -> Replacement | None:
     """mse_loss(x, y) = (x - y)^2; smooth_l1_loss(x, y, beta) = z < beta ? 0.5 z z / beta : z - 0.5 beta and
     huber_loss(x, y, delta) = z < delta ? 0.5 z z : delta (z - 0.5 delta), z = |x - y| (beta 0: z); then mean,
-    sum or nothing as `reduction` says. Exact per element (ATen's formulas, same operation order; 0.5 * beta
-    is exact in float); float tensors only."""
+    sum or nothing as `reduction` says. ATen's formulas in the same operation order (0.5 * beta is exact in
+    float); float tensors only."""
     if node.op not in LOSSES or len(node.args) < 2 or not all(isinstance(a, Ref) for a in node.args[:2]):
         return None
     x, y = node.args[0], node.args[1]
