@@ -27,16 +27,21 @@ def _emitted(tmp_path: Path, problem_path: Path) -> dict:
     return runpy.run_path(str(path))
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("seed", [0, 1])
-def test_zoo_matches_eager(tmp_path: Path, seed: int) -> None:
-    ns = _emitted(tmp_path, ZOO)
+def _pair(tmp_path: Path, problem_path: Path, seed: int) -> tuple:
+    """(reference Model, emitted ModelNew, CUDA inputs drawn under `seed`), both models built under seed 0."""
+    ns = _emitted(tmp_path, problem_path)
     torch.manual_seed(seed)
     inputs = [t.cuda() for t in ns["get_inputs"]()]
     torch.manual_seed(0)
-    ref = runpy.run_path(str(ZOO))["Model"]().cuda()
+    ref = runpy.run_path(str(problem_path))["Model"]().cuda()
     torch.manual_seed(0)
-    new = ns["ModelNew"]().cuda()
+    return ref, ns["ModelNew"]().cuda(), inputs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", [0, 1])
+def test_zoo_matches_eager(tmp_path: Path, seed: int) -> None:
+    ref, new, inputs = _pair(tmp_path, ZOO, seed)
     with torch.no_grad():
         expected = ref(*inputs)
         got = new(*inputs)
@@ -87,14 +92,7 @@ def test_row_kernels_match_eager(tmp_path: Path, name: str) -> None:
     scheduler maps. zoo_cluster: rows too long for a block's registers (a mapped L1 norm, instance and layer norm,
     a 98304-element softmax) kept in the shared memory of a thread-block cluster; on Hopper the cluster kernels
     must be the ones that ran (a 100000-element log_softmax is too long for a cluster: two passes)."""
-    path = FIXTURES / f"{name}.py"
-    ns = _emitted(tmp_path, path)
-    torch.manual_seed(3)
-    inputs = [t.cuda() for t in ns["get_inputs"]()]
-    torch.manual_seed(0)
-    ref = runpy.run_path(str(path))["Model"]().cuda()
-    torch.manual_seed(0)
-    new = ns["ModelNew"]().cuda()
+    ref, new, inputs = _pair(tmp_path, FIXTURES / f"{name}.py", 3)
     with torch.no_grad():
         expected = ref(*inputs)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
