@@ -61,6 +61,19 @@ def test_few_long_rows_stay_two_kernels(tmp_path, monkeypatch: pytest.MonkeyPatc
     assert_interpreter_matches(problem, plan, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("row", [schedule.MAPPED_MAX_ROW, schedule.MAPPED_MAX_ROW + 4])
+def test_rows_longer_than_a_cluster_holds_stay_two_kernels(row: int, tmp_path) -> None:
+    """One kernel only where the row stays on chip: registers, or the largest cluster the code generator builds
+    (a longer row would be read twice by the one kernel, slower than two kernels)."""
+    from kernelfuse.codegen.cluster import CLUSTER_CHUNK_BYTES, CLUSTER_MAX
+
+    assert schedule.MAPPED_MAX_ROW == CLUSTER_MAX * CLUSTER_CHUNK_BYTES // 4
+    body = "def forward(self, x):\n    return x / torch.sum(torch.abs(x), dim=1, keepdim=True)"
+    _, _, plans = pipeline(write_problem(tmp_path, "long", body, f"[torch.randn(2, {row})]"))
+    mapped = [g for g in plans[-1].generated if g.mapped is not None]
+    assert bool(mapped) == (row <= schedule.MAPPED_MAX_ROW), plans[-1].summary()
+
+
 def test_row_value_with_another_reader_is_not_broadcast(tmp_path) -> None:
     body = ("def forward(self, x):\n    m = torch.mean(torch.abs(x), dim=1, keepdim=True)\n"
             "    return x / m, m")
