@@ -26,7 +26,7 @@ def _verdict(correct: bool, ms: float | None = None, eager: float = 4.0) -> Verd
                    eager_ms=eager, speedup_eager=(eager / ms) if correct and ms else None)
 
 
-def _run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, problem: str, script: dict[str, Verdict],
+def _run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, problem: str | Path, script: dict[str, Verdict],
          layouts: dict[str, tuple] | None = None, options: OptimizeOptions | None = None,
          patch: Callable[[], None] = lambda: None) -> tuple:
     """`layouts`: each convolution's scripted (NCHW ms, channels-last ms[, fp32]); None: not measurable."""
@@ -46,7 +46,8 @@ def _run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, problem: str, script: 
     monkeypatch.setattr(pipeline.torch.cuda, "get_device_name", lambda *a: "scripted GPU")
     patch()  # a test's own stand-ins, over the defaults above
     out = tmp_path / "out.py"
-    result = optimize_file(EXAMPLES / f"{problem}.py", out, options or OptimizeOptions(use_gpu=True),
+    path = problem if isinstance(problem, Path) else EXAMPLES / f"{problem}.py"
+    result = optimize_file(path, out, options or OptimizeOptions(use_gpu=True),
                            log=lambda s: None)
     return result, out.read_text(), judged
 
@@ -76,6 +77,26 @@ def test_measured_plan_that_fails_falls_back_to_nchw(monkeypatch: pytest.MonkeyP
     assert judged == ["fused-nhwc", "fused-nchw"] and result.shipped == "fused-nchw"
     assert result.notes == ["fused-nhwc does not ship (not verified: 5 of 5 trials failed)"]
     assert "to_channels_last" not in text
+
+
+def test_norm_reading_a_channels_last_convolution_judges_both_layouts(monkeypatch: pytest.MonkeyPatch,
+                                                                      tmp_path: Path) -> None:
+    """The convolution alone measured faster channels-last, but a group norm reads its output: the timing does
+    not decide, both plans are judged whole and the faster one ships (level-2 60: the norm 3.9 ms channels-last)."""
+    from optimizer_helpers import write_problem
+
+    path = write_problem(tmp_path, "conv_gn", """
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 16, 3)
+            self.gn = nn.GroupNorm(4, 16)
+
+        def forward(self, x):
+            return self.gn(self.conv(x))
+        """, "[torch.rand(2, 3, 16, 16)]")
+    script = {"fused-nhwc": _verdict(True, 3.0), "fused-nchw": _verdict(True, 2.0), "unfused": _verdict(True, 4.0)}
+    result, _, judged = _run(monkeypatch, tmp_path, path, script, layouts={"convolution": (3.0, 2.0)})
+    assert judged == ["fused-nhwc", "fused-nchw", "fused-nchw"] and result.shipped == "fused-nchw"
 
 
 def test_fp32_convolution_runs_without_tf32(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
