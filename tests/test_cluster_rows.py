@@ -28,6 +28,7 @@ CASES = {  # forward, input shape, cluster kernel expected
     "strided_softmax": ("torch.softmax(x, dim=0)", (20000, 8), False),
     "layer_norm": ("torch.nn.functional.layer_norm(x, (12000,))", (3, 12000), True),
     "mapped_l1": ("x / torch.sum(torch.abs(x), dim=1, keepdim=True)", (1024, 9000), True),
+    "norm_residual": ("torch.nn.functional.group_norm(x, 2) + x", (2, 4, 5000), True),
 }
 
 
@@ -62,7 +63,7 @@ def test_cluster_kernels_compile_for_sm90(tmp_path: Path) -> None:
     assert not spills, spills
 
 
-@pytest.mark.parametrize("name", ["softmax_long", "layer_norm", "mapped_l1"])
+@pytest.mark.parametrize("name", ["softmax_long", "layer_norm", "mapped_l1", "norm_residual"])
 def test_fallback_kernel_matches_the_interpreter(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(schedule, "MAPPED_MIN_ROWS", 1)  # a small emulated shape
     expr, shape, _ = CASES[name]
@@ -72,4 +73,24 @@ def test_fallback_kernel_matches_the_interpreter(name: str, tmp_path: Path, monk
     plan = plans[-1]
     (step,) = plan.generated
     out, expected, _, _ = emulated_run(emulated(plan, tmp_path), plan, step, seed=1)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("expr", "in_cluster", "in_block"), [
+    ("torch.nn.functional.group_norm(x, 2) + x", True, True),
+    ("torch.nn.functional.group_norm(x * 2.0, 2) + x", True, False),  # the one-block kernel holds 2x, not x
+    ("torch.nn.functional.group_norm(x, 2) + x.flip(2)", False, False)])
+def test_residual_of_the_norms_own_input_is_not_read_again(expr: str, in_cluster: bool, in_block: bool,
+                                                           tmp_path: Path) -> None:
+    """GroupNorm(x) + x (level-2 92): the epilogue's x is the element the kernel already holds (the cluster
+    kernel's shared-memory copy of the source; the one-block kernel's value where no prologue changed it);
+    otherwise it is read from memory. Checked against the interpreter through the emulated one-block kernel."""
+    _, _, plans = pipeline(write_problem(tmp_path, "res", f"def forward(self, x):\n    return {expr}",
+                                         "[torch.randn(2, 4, 5000)]"))
+    cuda = generate(plans[-1]).cuda
+    assert ("const float e_in0 = raw;" in cuda) == in_cluster
+    assert ("const float e_in0 = v;" in cuda) == in_block
+    plan = plans[-1]
+    step = next(g for g in plan.generated if g.spec is not None and g.spec.kind == "norm")
+    out, expected, _, _ = emulated_run(emulated(plan, tmp_path), plan, step, seed=3)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

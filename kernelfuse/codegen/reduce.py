@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kernelfuse.capture.graph import contiguous_strides
 from kernelfuse.codegen.cluster import (
     CLUSTER_THREADS,
     CLUSTER_UNROLL,
@@ -36,6 +37,7 @@ from kernelfuse.codegen.iteration import (
     index_type,
     launcher,
     pointer_params,
+    shape_numel,
     space_of,
     value_lambda,
 )
@@ -357,9 +359,25 @@ def _broadcast_store(step: GenStep, expr: str, ctype: str, extra: list[str], spa
     epilogue."""
     body = [ln.strip() for ln in decompose(space, "r", "r", "o_", ["out", *extra], "")]
     body.append(f"const float y = {expr};")
-    body += [ln.strip() for ln in epilogue_lines(step, "row_out + o_out", "")]
+    epilogue = [ln.strip() for ln in epilogue_lines(step, "row_out + o_out", "")]
+    element = "raw" if cluster else "v" if not step.prologue.statements else None  # the source element in hand
+    for i in _source_operands(step) if element else ():  # a residual of the norm's own input: no second read
+        epilogue = [f"const float e_in{i} = {element};" if ln.startswith(f"const float e_in{i} = ") else ln
+                    for ln in epilogue]
+    body += epilogue
     body.append(f"out[row_out + o_out] = kf_store<{ctype}>(e_result);")
     return _loop(body, cache, cluster=cluster)
+
+
+def _source_operands(step: GenStep) -> list[int]:
+    """The epilogue operands that are the kernel's source element by element: the same tensor, contiguous, read at
+    the output's flat index, which is the source's flat index (a contiguous source, an output of its shape)."""
+    src = step.source
+    if src.meta.stride != contiguous_strides(src.meta.shape) or step.out_meta.numel != src.meta.numel:
+        return []
+    space = step.epilogue.space
+    return [i for i, o in enumerate(step.epilogue.operands)
+            if o.ref == src.ref and tuple(o.strides) == contiguous_strides(space) and shape_numel(space) == src.meta.numel]
 
 
 def _mapped_store(step: GenStep, ctype: str, space: Space, cache: str | None, cluster: bool = False) -> list[str]:
