@@ -74,21 +74,20 @@ def test_rows_longer_than_a_cluster_holds_stay_two_kernels(row: int, tmp_path) -
     assert bool(mapped) == (row <= schedule.MAPPED_MAX_ROW), plans[-1].summary()
 
 
-def test_row_value_with_another_reader_is_not_broadcast(tmp_path) -> None:
-    body = ("def forward(self, x):\n    m = torch.mean(torch.abs(x), dim=1, keepdim=True)\n"
-            "    return x / m, m")
-    problem, _, plans = pipeline(write_problem(tmp_path, "shared", body, "[torch.randn(16, 100)]"))
-    plan = plans[-1]
-    assert all(g.mapped is None for g in plan.generated), plan.summary()
-    assert_interpreter_matches(problem, plan, atol=1e-6, rtol=1e-5)
+NOT_BROADCAST = {  # forward body, input shape
+    # the row value has another reader: it is stored, and the division is a kernel of its own
+    "another_reader": ("    m = torch.mean(torch.abs(x), dim=1, keepdim=True)\n    return x / m, m", (16, 100)),
+    # mean(x, 1, keepdim) viewed as (64, 8, 1) is no longer each element's own row value: fusing it would divide
+    # by another row's mean (the kernel hands an element its row's value; 560 off in the emulation)
+    "reshaped": ("    v = torch.mean(x, dim=1, keepdim=True).view(64, 8, 1)\n    return x / v", (64, 8, 8)),
+}
 
 
-def test_row_value_reshaped_after_the_reduction_is_not_broadcast(tmp_path) -> None:
-    """mean(x, 1, keepdim) viewed as (64, 8, 1) is no longer each element's own row value: fusing it would divide
-    by another row's mean (the kernel hands an element its row's value; 560 off in the emulation)."""
-    body = ("def forward(self, x):\n    v = torch.mean(x, dim=1, keepdim=True).view(64, 8, 1)\n"
-            "    return x / v")
-    problem, _, plans = pipeline(write_problem(tmp_path, "reshaped", body, "[torch.randn(64, 8, 8)]"))
+@pytest.mark.parametrize("name", sorted(NOT_BROADCAST))
+def test_row_value_that_is_not_each_elements_own_is_not_broadcast(name: str, tmp_path) -> None:
+    body, shape = NOT_BROADCAST[name]
+    problem, _, plans = pipeline(write_problem(tmp_path, name, f"def forward(self, x):\n{body}",
+                                               f"[torch.randn{shape}]"))
     plan = plans[-1]
     assert all(g.mapped is None for g in plan.generated), plan.summary()
     assert_interpreter_matches(problem, plan, atol=1e-6, rtol=1e-5)

@@ -4,9 +4,8 @@ A reduce-then-broadcast row (softmax, log_softmax, a norm, a reduction whose val
 needs the whole row's statistic before it writes any element. A row longer than a block's register cache was
 read twice (level-1 LogSoftmax at 1.58x its memory floor, InstanceNorm 1.71x, L1Norm 1.54x). Here a cluster of
 `C` blocks shares a row: each block copies its chunk into shared memory once (asynchronous copies, all in flight
-together) and reduces it, the blocks combine
-their partial statistics through distributed shared memory in a fixed order (every block gets the same bits),
-and each block writes its chunk from shared memory.
+together) and reduces it, the blocks combine their partial statistics through distributed shared memory in a
+fixed order (every block gets the same bits), and each block writes its chunk from shared memory.
 
 The launcher runs the cluster kernel where the device supports cluster launch and can place the cluster, and
 the one-block-per-row kernel of the same row otherwise (pre-Hopper GPUs; the CPU emulation): both compute the

@@ -31,26 +31,32 @@ __all__ = ["REDUCE_PRELUDE", "render_generated", "tensor_args"]  # tensor_args: 
 
 def render_generated(plan: Plan, step: GenStep) -> tuple[str, str]:
     """(CUDA kernel + launcher, C++ wrapper) for one GenStep."""
-    spec = step.spec
-    dtype = step.out_meta.dtype
-    ctype = C_TYPES[dtype]
-    if spec is None or spec.kind == "affine_norm":  # type: ignore[attr-defined]
+    ctype = C_TYPES[step.out_meta.dtype]
+    family = _family(step)
+    if family == "flat":
         body = _flat_kernel(step, ctype)
-    elif spec.window is not None:  # type: ignore[attr-defined]
+    elif family == "pool":
         body = pool_kernel(step, ctype)
-    elif split_chunks(step) > 1:
+    elif family == "split":
         body = split_kernel(step, ctype, split_chunks(step))
     else:
         body = row_kernel(step, ctype)
     return f"// {step.kernel}: {step.chain(plan.graph)}\n{body}", _wrapper(plan, step)
 
 
+def _family(step: GenStep) -> str:
+    """The kernel family a step renders to: flat (pointwise, eval-mode batch norm), pool, split or row."""
+    spec = step.spec
+    if spec is None or spec.kind == "affine_norm":  # type: ignore[attr-defined]
+        return "flat"
+    if spec.window is not None:  # type: ignore[attr-defined]
+        return "pool"
+    return "split" if split_chunks(step) > 1 else "row"
+
+
 def uses_cluster(step: GenStep) -> bool:
     """Does the step's kernel keep its rows on chip across a thread-block cluster (kernelfuse.codegen.cluster)?"""
-    spec = step.spec
-    if spec is None or spec.kind == "affine_norm" or spec.window is not None or split_chunks(step) > 1:  # type: ignore[attr-defined]
-        return False
-    return row_strategy(step)[3] > 0
+    return _family(step) == "row" and row_strategy(step)[3] > 0
 
 
 def _flat_kernel(step: GenStep, ctype: str) -> str:

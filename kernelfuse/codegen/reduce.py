@@ -361,9 +361,8 @@ def _broadcast_store(step: GenStep, expr: str, ctype: str, extra: list[str], spa
     body.append(f"const float y = {expr};")
     epilogue = [ln.strip() for ln in epilogue_lines(step, "row_out + o_out", "")]
     element = "raw" if cluster else "v" if not step.prologue.statements else None  # the source element in hand
-    for i in _source_operands(step) if element else ():  # a residual of the norm's own input: no second read
-        epilogue = [f"const float e_in{i} = {element};" if ln.startswith(f"const float e_in{i} = ") else ln
-                    for ln in epilogue]
+    if element:  # a residual of the norm's own input: no second read
+        epilogue = _element_in_hand(epilogue, "e_", _source_operands(step), element)
     body += epilogue
     body.append(f"out[row_out + o_out] = kf_store<{ctype}>(e_result);")
     return _loop(body, cache, cluster=cluster)
@@ -380,6 +379,13 @@ def _source_operands(step: GenStep) -> list[int]:
             if o.ref == src.ref and tuple(o.strides) == contiguous_strides(space) and shape_numel(space) == src.meta.numel]
 
 
+def _element_in_hand(program: list[str], prefix: str, operands: list[int], element: str) -> list[str]:
+    """`program` with the loads of `operands` (its `{prefix}in{i}`) replaced by `element`, the source element the
+    thread already holds: the same value, not read from memory again."""
+    loads = {f"const float {prefix}in{i} = ": f"const float {prefix}in{i} = {element};" for i in operands}
+    return [next((new for start, new in loads.items() if ln.startswith(start)), ln) for ln in program]
+
+
 def _mapped_store(step: GenStep, ctype: str, space: Space, cache: str | None, cluster: bool = False) -> list[str]:
     """Write every element of the row: the broadcast consumer (`step.mapped`) of the row's value `e_result` and
     its operands; an operand that is the source itself takes the element already loaded or cached (`raw`)."""
@@ -388,10 +394,8 @@ def _mapped_store(step: GenStep, ctype: str, space: Space, cache: str | None, cl
     body = [ln.strip() for ln in decompose(space, "r", "r", "o_", ["out", *names], "")]
     offsets = {f"in{i}": f"row_m{i} + o_m{i}" for i in range(len(names))}
     program = [ln.strip() for ln in program_lines(mapped, "e_result", offsets, "m_", "")]  # type: ignore[arg-type]
-    for i, operand in enumerate(mapped.operands):  # type: ignore[union-attr]
-        if operand.ref == step.source.ref and operand.strides == step.source.strides:
-            program = [f"const float m_in{i} = raw;" if ln.startswith(f"const float m_in{i} = ") else ln
-                       for ln in program]
-    body += program
+    sources = [i for i, o in enumerate(mapped.operands)  # type: ignore[union-attr]
+               if o.ref == step.source.ref and o.strides == step.source.strides]
+    body += _element_in_hand(program, "m_", sources, "raw")
     body.append(f"out[row_out + o_out] = kf_store<{ctype}>(m_result);")
     return _loop(body, cache, raw=True, cluster=cluster)
