@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from kernelfuse.codegen import generate
+from kernelfuse.codegen.generated import workspace_floats
 from kernelfuse.codegen.iteration import tensor_args
-from kernelfuse.codegen.split import split_workspace
 from kernelfuse.plan import Plan
 from kernelfuse.plan.ir import GenStep
 
@@ -44,8 +44,8 @@ def emulated(plan: Plan, tmp_path: Path) -> ctypes.CDLL:
 
 
 def pointer_count(step: GenStep) -> int:
-    """Pointers its launcher takes before the stream: every tensor it reads, out, and a split's workspace."""
-    return len(tensor_args(step)) + 1 + (1 if split_workspace(step) else 0)
+    """Pointers its launcher takes before the stream: every tensor it reads, out, and a workspace if any."""
+    return len(tensor_args(step)) + 1 + (1 if workspace_floats(step) else 0)
 
 
 def call(lib: ctypes.CDLL, step: GenStep, tensors: list) -> None:
@@ -80,5 +80,6 @@ def emulated_run(lib: ctypes.CDLL, plan: Plan, step: GenStep, seed: int = 0, src
         env[ref.name] = torch.empty_strided(meta.shape, meta.stride).copy_(value)
         tensors.append(env[ref.name].clone())
     out = torch.full(step.out_meta.shape, float("nan"))
-    call(lib, step, [*tensors, out])
+    work = [torch.full((workspace_floats(step),), float("nan"))] if workspace_floats(step) else []
+    call(lib, step, [*tensors, out, *work])
     return out, _run_generated(step, env), tensors, env

@@ -62,12 +62,12 @@ def test_few_long_rows_stay_two_kernels(tmp_path, monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.parametrize("row", [schedule.MAPPED_MAX_ROW, schedule.MAPPED_MAX_ROW + 4])
-def test_rows_longer_than_a_cluster_holds_stay_two_kernels(row: int, tmp_path) -> None:
-    """One kernel only where the row stays on chip: registers, or the largest cluster the code generator builds
+def test_rows_longer_than_the_chip_holds_stay_two_kernels(row: int, tmp_path) -> None:
+    """One kernel only where the row stays on chip: registers, or the most blocks the code generator shares a row
     (a longer row would be read twice by the one kernel, slower than two kernels)."""
-    from kernelfuse.codegen.cluster import CLUSTER_CHUNK_BYTES, CLUSTER_MAX
+    from kernelfuse.codegen.onchip import ONCHIP_MAX_ROW
 
-    assert schedule.MAPPED_MAX_ROW == CLUSTER_MAX * CLUSTER_CHUNK_BYTES // 4
+    assert schedule.MAPPED_MAX_ROW == ONCHIP_MAX_ROW
     body = "def forward(self, x):\n    return x / torch.sum(torch.abs(x), dim=1, keepdim=True)"
     _, _, plans = pipeline(write_problem(tmp_path, "long", body, f"[torch.randn(2, {row})]"))
     mapped = [g for g in plans[-1].generated if g.mapped is not None]

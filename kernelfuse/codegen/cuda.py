@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from kernelfuse.capture import TensorMeta
-from kernelfuse.codegen.cluster import CLUSTER_PRELUDE
 from kernelfuse.codegen.common import AT_TYPES, C_TYPES, INT32_LIMIT, ints, offset_expr, program_lines
-from kernelfuse.codegen.generated import REDUCE_PRELUDE, render_generated, uses_cluster
+from kernelfuse.codegen.generated import REDUCE_PRELUDE, keeps_rows_on_chip, render_generated
+from kernelfuse.codegen.onchip import ONCHIP_PRELUDE
 from kernelfuse.ops import POINTWISE_BY_ATEN, prelude_for
 from kernelfuse.plan.ir import Epilogue, FusedStep, Plan
 
@@ -152,8 +152,8 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
     if gens:
         cuda.append(REDUCE_PRELUDE)
         cpp.append(CPP_STRIDED_CHECK)
-    if any(uses_cluster(g) for g in gens):
-        cuda.append(CLUSTER_PRELUDE)
+    if any(keeps_rows_on_chip(g) for g in gens):
+        cuda.append(ONCHIP_PRELUDE)
     functions: list[str] = []
     channels_last = [s for s in plan.fused if s.anchor.layout == "nhwc"]  # with or without an epilogue kernel
     if channels_last:

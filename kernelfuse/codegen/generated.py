@@ -21,7 +21,7 @@ from kernelfuse.codegen.iteration import (
     value_lambda,
 )
 from kernelfuse.codegen.pool import pool_kernel
-from kernelfuse.codegen.reduce import REDUCE_PRELUDE, row_kernel, row_strategy
+from kernelfuse.codegen.reduce import REDUCE_PRELUDE, row_kernel, row_strategy, row_workspace
 from kernelfuse.codegen.split import split_chunks, split_kernel, split_workspace
 from kernelfuse.ops import float_literal
 from kernelfuse.plan.ir import GenStep, Plan
@@ -54,9 +54,15 @@ def _family(step: GenStep) -> str:
     return "split" if split_chunks(step) > 1 else "row"
 
 
-def uses_cluster(step: GenStep) -> bool:
-    """Does the step's kernel keep its rows on chip across a thread-block cluster (kernelfuse.codegen.cluster)?"""
+def keeps_rows_on_chip(step: GenStep) -> bool:
+    """Does the step's kernel keep its rows on chip across several blocks (kernelfuse.codegen.onchip)?"""
     return _family(step) == "row" and row_strategy(step)[3] > 0
+
+
+def workspace_floats(step: GenStep) -> int:
+    """Floats of device workspace the step's launcher takes after `out` (0: none)."""
+    family = _family(step)
+    return split_workspace(step) if family == "split" else row_workspace(step) if family == "row" else 0
 
 
 def _flat_kernel(step: GenStep, ctype: str) -> str:
@@ -130,7 +136,7 @@ def _wrapper(plan: Plan, step: GenStep) -> str:
     metas = {name: plan.graph[ref].meta for name, ref in args}  # type: ignore[index]
     metas["src"] = step.source.meta  # the layout the kernel reads (a channels-last convolution's, say)
     decl_params = "".join(f", {'const ' if name not in ('run_mean', 'run_var') else ''}void*" for name, _ in args)
-    workspace = split_workspace(step)
+    workspace = workspace_floats(step)
     work = ", void*" if workspace else ""
     lines = [f"cudaError_t {k}_launch({decl_params[2:]}, void*{work}, cudaStream_t);", "",
              f"// {k}: {step.chain(plan.graph)}",
@@ -142,7 +148,7 @@ def _wrapper(plan: Plan, step: GenStep) -> str:
                      f"{{{ints(meta.stride)}}}, {at_type});")
     lines.append(f"  torch::Tensor out = at::empty({{{ints(step.out_meta.shape)}}}, src.options());")
     ptrs = ", ".join(f"{name}.data_ptr()" for name, _ in args) + ", out.data_ptr()"
-    if workspace:  # a split kernel's partial results (one float per row and chunk), a split norm's statistics
+    if workspace:  # a split kernel's partial results, a split norm's statistics, an on-chip row kernel's partials
         lines.append(f"  torch::Tensor work = at::empty({{{workspace}}}, src.options().dtype(at::kFloat));")
         ptrs += ", work.data_ptr()"
     lines.append(f'  kf_check_launch({k}_launch({ptrs}, c10::cuda::getCurrentCUDAStream()), "{k}");')

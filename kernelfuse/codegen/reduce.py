@@ -20,14 +20,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kernelfuse.capture.graph import contiguous_strides
-from kernelfuse.codegen.cluster import (
-    CLUSTER_THREADS,
-    CLUSTER_UNROLL,
-    chunk_of,
-    cluster_launcher,
-    cluster_size,
-    source_pointer_lambda,
-)
 from kernelfuse.codegen.common import program_lines
 from kernelfuse.codegen.iteration import (
     BLOCK,
@@ -40,6 +32,17 @@ from kernelfuse.codegen.iteration import (
     shape_numel,
     space_of,
     value_lambda,
+)
+from kernelfuse.codegen.onchip import (
+    ONCHIP_THREADS,
+    ONCHIP_UNROLL,
+    blocks_per_sm,
+    chunk_of,
+    combine_across_blocks,
+    onchip_launcher,
+    onchip_workspace,
+    row_blocks,
+    source_pointer_lambda,
 )
 from kernelfuse.ops import float_literal
 from kernelfuse.plan.ir import GenStep
@@ -166,13 +169,14 @@ def reads_rows_contiguously(space: Space) -> bool:
 
 
 def row_strategy(step: GenStep) -> tuple[bool, int, int, int]:
-    """(rows contiguous?, threads per row, elements a thread may cache in registers, cluster blocks per row or 0)."""
+    """(rows contiguous?, threads per row, elements a thread may cache in registers, blocks per row that keep it
+    on chip or 0)."""
     space = space_of(step)
     red = space.count("r")
     inner = reads_rows_contiguously(space)
     tpr = 1 if not inner or red < 32 else 32 if red <= 1024 else BLOCK
     limit = CACHE_MAX_THREAD_ROW if step.mapped is not None and tpr == 1 else CACHE_MAX
-    return inner, tpr, limit, cluster_size(step, red, inner, -(-red // tpr), limit)
+    return inner, tpr, limit, row_blocks(step, red, inner, -(-red // tpr), limit)
 
 
 def row_kernel(step: GenStep, ctype: str) -> str:
@@ -181,8 +185,9 @@ def row_kernel(step: GenStep, ctype: str) -> str:
     rows, red = space.count("k"), space.count("r")
     inner, tpr, limit, blocks = row_strategy(step)
     rows_per_block = BLOCK // tpr
-    lines = [f"// strategy: {'inner' if inner else 'strided'}, {tpr} thread(s) per row, {rows} rows of {red}"
-             + (f" (on Hopper: a cluster of {blocks} blocks per row, the row in shared memory)" if blocks else ""),
+    on_chip = (f" (sm_80+: {blocks} blocks per row, the row in their shared memory, statistics combined through "
+               "global memory)") if blocks else ""
+    lines = [f"// strategy: {'inner' if inner else 'strided'}, {tpr} thread(s) per row, {rows} rows of {red}{on_chip}",
              f"__global__ void __launch_bounds__({BLOCK}) {k}_kernel({pointer_params(step, ctype)}) {{",
              *_row_body(step, ctype, space, tpr, f"(INDEX)blockIdx.x * {rows_per_block} + threadIdx.x / TPR",
                         f"(INDEX)gridDim.x * {rows_per_block}", limit, 0),
@@ -190,19 +195,25 @@ def row_kernel(step: GenStep, ctype: str) -> str:
     grid = f"kf_blocks({rows}LL * {tpr}, {BLOCK})"
     if not blocks:
         return "\n".join(lines) + launcher(step, ctype, grid)
-    lines += [f"__global__ void __launch_bounds__({CLUSTER_THREADS}) {k}_cluster_kernel("
-              f"{pointer_params(step, ctype)}) {{",
-              "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900",
-              *_row_body(step, ctype, space, CLUSTER_THREADS, f"(INDEX)(blockIdx.x / {blocks})",
-                         f"(INDEX)(gridDim.x / {blocks})", limit, blocks),
+    lines += [f"__global__ void __launch_bounds__({ONCHIP_THREADS}, {blocks_per_sm(red, blocks)}) {k}_onchip_kernel("
+              f"{pointer_params(step, ctype)}, float* kf_work) {{",
+              "#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800",
+              *_row_body(step, ctype, space, ONCHIP_THREADS, "", "", limit, blocks),
               "#endif", "}", ""]
-    return "\n".join(lines) + cluster_launcher(step, ctype, blocks, rows, red, grid, BLOCK)
+    return "\n".join(lines) + onchip_launcher(step, ctype, blocks, rows, red, grid, BLOCK)
+
+
+def row_workspace(step: GenStep) -> int:
+    """Floats of workspace a row kernel needs: the on-chip kernel's partials and counters; else 0."""
+    blocks = row_strategy(step)[3]
+    return onchip_workspace(space_of(step).count("k"), blocks) if blocks else 0
 
 
 def _row_body(step: GenStep, ctype: str, space: Space, tpr: int, first_row: str, row_step: str, limit: int,
-              cluster: int) -> list[str]:
-    """A row kernel's body: `tpr` threads per row, rows from `first_row` by `row_step`; with `cluster` blocks per
-    row, this block's chunk of it (cached in shared memory) and statistics combined across the cluster."""
+              blocks: int) -> list[str]:
+    """A row kernel's body: `tpr` threads per row, rows from `first_row` by `row_step`; or, with `blocks` blocks
+    per row, (row, chunk) work items taken from a counter, the chunk cached in shared memory and the statistics
+    combined across the row's blocks."""
     rows, red = space.count("k"), space.count("r")
     kind = step.spec.kind  # type: ignore[attr-defined]
     tensors = ["src", *(f"in{i}" for i in range(len(step.prologue.operands)))]
@@ -211,33 +222,38 @@ def _row_body(step: GenStep, ctype: str, space: Space, tpr: int, first_row: str,
     elif step.mapped is not None:
         tensors += ["out"] + [f"m{i}" for i in range(len(step.mapped.operands))]
     lines = [f"  typedef {index_type(step)} INDEX;", f"  constexpr int TPR = {tpr};", "  const int lane = threadIdx.x % TPR;"]
-    if cluster:
-        chunk = chunk_of(red, cluster)
+    if blocks:
         lines += ["  extern __shared__ float kf_row_cache[];  // this block's chunk of the row, read from memory once",
-                  "  const INDEX kf_rank = (INDEX)cooperative_groups::this_cluster().block_rank();",
-                  f"  constexpr INDEX CHUNK = {chunk};"]
-    lines.append(f"  for (INDEX row = {first_row}; row < (INDEX){rows}; row += {row_step}) {{")
+                  f"  constexpr INDEX CHUNK = {chunk_of(red, blocks)};",
+                  f"  unsigned* const kf_claim = (unsigned*)(kf_work + {3 * rows * blocks});",
+                  "  unsigned* const kf_arrived = kf_claim + 1;",
+                  "  for (;;) {",
+                  "    const unsigned kf_item = kf_grid_claim(kf_claim);",
+                  f"    if (kf_item >= {rows * blocks}u) break;",
+                  f"    const INDEX row = kf_item / {blocks}, kf_rank = kf_item % {blocks};"]
+    else:
+        lines.append(f"  for (INDEX row = {first_row}; row < (INDEX){rows}; row += {row_step}) {{")
     lines += decompose(space, "k", "row", "row_", tensors, "    ")
     lines += value_lambda(step, space, "r", "row_")
-    if cluster:
+    if blocks:
         lines += source_pointer_lambda(space)
-    lines += _kind_lines(step, kind, red, ctype, space, tpr, limit, cluster)
+    lines += _kind_lines(step, kind, red, ctype, space, tpr, limit, blocks)
     lines.append("  }")
     return lines
 
 
-def _loop(body: list[str], cache: str | None = None, raw: bool = False, cluster: bool = False) -> list[str]:
+def _loop(body: list[str], cache: str | None = None, raw: bool = False, onchip: bool = False) -> list[str]:
     """A thread's pass over its elements of the row, `v` the element's value. `cache` None: each pass reads (and
     recomputes the prologue); "fill": this pass reads and keeps the thread's elements (PER of them) in registers,
-    or in a cluster kernel in the block's shared memory; "read": this pass takes them from there. `raw`: the pass
+    or in an on-chip kernel in the block's shared memory; "read": this pass takes them from there. `raw`: the pass
     also names the source element `raw`, and the cache keeps that (a broadcast consumer reads the source, not the
     prologue's value)."""
-    if cluster:  # the chunk is copied to shared memory first; both passes read the source values from there
+    if onchip:  # the chunk is copied to shared memory first; both passes read the source values from there
         slot = "kf_row_cache[j * TPR + lane]"
         take = f"const float raw = {slot};\nconst float v = value_at(r, raw);"
-        passes = _cluster_pass([take, *body])
+        passes = _chunk_pass([take, *body])
         if cache == "fill":
-            passes = _cluster_pass([f"kf_cp_async4(&{slot}, source_ptr(r));"]) + ["    kf_cp_async_wait_all();"] + passes
+            passes = _chunk_pass([f"kf_cp_async4(&{slot}, source_ptr(r));"]) + ["    kf_cp_async_wait_all();"] + passes
         return passes
     slot = "cache[j]"
     if raw:
@@ -255,20 +271,20 @@ def _loop(body: list[str], cache: str | None = None, raw: bool = False, cluster:
             *[f"        {b}" for b in body], "      }", "    }"]
 
 
-def _cluster_pass(body: list[str]) -> list[str]:
+def _chunk_pass(body: list[str]) -> list[str]:
     """A pass over this block's chunk of the row (a thread's elements are j * TPR + lane of the chunk)."""
     lines = [ln for b in body for ln in b.split("\n")]
-    return [f"#pragma unroll {CLUSTER_UNROLL}", "    for (int j = 0; j < PER; ++j) {",
+    return [f"#pragma unroll {ONCHIP_UNROLL}", "    for (int j = 0; j < PER; ++j) {",
             "      const INDEX r = kf_rank * CHUNK + lane + (INDEX)j * TPR;",
             "      if (r < (INDEX)RED && j * TPR + lane < CHUNK) {", *[f"        {t}" for t in lines], "      }", "    }"]
 
 
 def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tpr: int, limit: int,
-                cluster: int) -> list[str]:
+                blocks: int) -> list[str]:
     lines = [f"    constexpr INDEX RED = {red};"]
     mapped = step.mapped is not None
-    if cluster:  # the block's chunk lives in shared memory; its statistic is combined across the cluster
-        lines += [f"    constexpr int PER = {-(-chunk_of(red, cluster) // tpr)};"]
+    if blocks:  # the block's chunk lives in shared memory; its statistic is combined across the row's blocks
+        lines += [f"    constexpr int PER = {-(-chunk_of(red, blocks) // tpr)};"]
         cached = True
     else:
         per = -(-red // tpr)
@@ -276,44 +292,44 @@ def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tp
         if cached:  # the statistics pass keeps the row in registers: the write pass reads nothing again
             lines += [f"    constexpr int PER = {per};", "    float cache[PER];"]
     first, again = ("fill", "read") if cached else (None, None)
-    cl = bool(cluster)
+    oc = bool(blocks)
     if kind in REDUCE_OPS:
         op, identity = REDUCE_OPS[kind]
         lines.append(f"    float s = {identity};")
-        lines += _loop([f"s = {op}()(s, v);"], first, raw=mapped, cluster=cl)
+        lines += _loop([f"s = {op}()(s, v);"], first, raw=mapped, onchip=oc)
         lines.append(f"    s = kf_row_reduce<TPR>(s, {op}());")
-        if cluster:
-            lines.append(f"    s = kf_cluster_reduce<{cluster}>(s, {op}());")
+        if blocks:
+            lines.append(f"    {combine_across_blocks(blocks, ('s',), op)}")
         if kind == "mean":
             lines.append(f"    s = s * {float_literal(1.0 / red)};  // ATen's mean: sum times 1/N")
         if not mapped:
             return lines + reduced_store(step, "s", ctype)
         lines.append("    const float y = s;  // every thread of the row: the row's value after the epilogue")
-        return lines + epilogue_lines(step, "row", "    ") + _mapped_store(step, ctype, space, again, cl)
+        return lines + epilogue_lines(step, "row", "    ") + _mapped_store(step, ctype, space, again, oc)
     if kind in ("logsumexp", "softmax", "log_softmax"):
         lines.append("    float m = -INFINITY, s = 0.0f;")
-        lines += _loop(["kf_online_add(m, s, v);"], first, cluster=cl)
+        lines += _loop(["kf_online_add(m, s, v);"], first, onchip=oc)
         lines.append("    kf_row_reduce_online<TPR>(m, s);")
-        if cluster:
-            lines.append(f"    {{ float unused = 0.0f; kf_cluster_reduce3<{cluster}>(m, s, unused, kf_online_merge3()); }}")
+        if blocks:
+            lines.append(f"    {{ float unused = 0.0f; {combine_across_blocks(blocks, ('m', 's', 'unused'), 'kf_online_merge3')} }}")
         if kind == "logsumexp":  # ATen replaces an infinite max by 0: the sum is then inf (or 0), log gives m back
             lines.append("    const float lse = fabsf(m) == INFINITY ? m : logf(s) + m;")
             return lines + reduced_store(step, "lse", ctype)
         lines.append("    const float logs = logf(s);" if kind == "log_softmax" else "")
         expr = "v - m - logs" if kind == "log_softmax" else "expf(v - m) / s"
-        return lines + _broadcast_store(step, expr, ctype, [], space, again, cl)
+        return lines + _broadcast_store(step, expr, ctype, [], space, again, oc)
     # norm: mean and biased variance in one Welford pass; affine; batch norm updates its running statistics
     lines.append("    float n = 0.0f, mean = 0.0f, m2 = 0.0f;")
-    lines += _loop(["kf_welford_add(n, mean, m2, v);"], first, cluster=cl)
+    lines += _loop(["kf_welford_add(n, mean, m2, v);"], first, onchip=oc)
     lines.append("    kf_row_reduce_welford<TPR>(n, mean, m2);")
-    if cluster:
-        lines.append(f"    kf_cluster_reduce3<{cluster}>(n, mean, m2, kf_welford_merge3());")
+    if blocks:
+        lines.append(f"    {combine_across_blocks(blocks, ('n', 'mean', 'm2'), 'kf_welford_merge3')}")
     lines.append(f"    const float var = m2 * {float_literal(1.0 / red)};")
     lines.append(f"    const float rstd = {rstd(step)};")
-    lines += running_lines(step, red, ctype, "    ", "lane == 0 && kf_rank == 0" if cluster else "lane == 0")
+    lines += running_lines(step, red, ctype, "    ", "lane == 0 && kf_rank == 0" if blocks else "lane == 0")
     affine = [n for n in ("weight", "bias") if n in space.strides]
     expr = normalised(step, lambda n: f"row_{n} + o_{n}").replace("value(r)", "v")
-    return lines + _broadcast_store(step, expr, ctype, affine, space, again, cl)
+    return lines + _broadcast_store(step, expr, ctype, affine, space, again, oc)
 
 
 def rstd(step: GenStep) -> str:
@@ -354,18 +370,18 @@ def reduced_store(step: GenStep, value: str, ctype: str) -> list[str]:
 
 
 def _broadcast_store(step: GenStep, expr: str, ctype: str, extra: list[str], space: Space,
-                     cache: str | None, cluster: bool = False) -> list[str]:
+                     cache: str | None, onchip: bool = False) -> list[str]:
     """Write every element of the row: `expr` (of the element `v`, the row's statistics applied), then the
     epilogue."""
     body = [ln.strip() for ln in decompose(space, "r", "r", "o_", ["out", *extra], "")]
     body.append(f"const float y = {expr};")
     epilogue = [ln.strip() for ln in epilogue_lines(step, "row_out + o_out", "")]
-    element = "raw" if cluster else "v" if not step.prologue.statements else None  # the source element in hand
+    element = "raw" if onchip else "v" if not step.prologue.statements else None  # the source element in hand
     if element:  # a residual of the norm's own input: no second read
         epilogue = _element_in_hand(epilogue, "e_", _source_operands(step), element)
     body += epilogue
     body.append(f"out[row_out + o_out] = kf_store<{ctype}>(e_result);")
-    return _loop(body, cache, cluster=cluster)
+    return _loop(body, cache, onchip=onchip)
 
 
 def _source_operands(step: GenStep) -> list[int]:
@@ -386,7 +402,7 @@ def _element_in_hand(program: list[str], prefix: str, operands: list[int], eleme
     return [next((new for start, new in loads.items() if ln.startswith(start)), ln) for ln in program]
 
 
-def _mapped_store(step: GenStep, ctype: str, space: Space, cache: str | None, cluster: bool = False) -> list[str]:
+def _mapped_store(step: GenStep, ctype: str, space: Space, cache: str | None, onchip: bool = False) -> list[str]:
     """Write every element of the row: the broadcast consumer (`step.mapped`) of the row's value `e_result` and
     its operands; an operand that is the source itself takes the element already loaded or cached (`raw`)."""
     mapped = step.mapped
@@ -398,4 +414,4 @@ def _mapped_store(step: GenStep, ctype: str, space: Space, cache: str | None, cl
                if o.ref == step.source.ref and o.strides == step.source.strides]
     body += _element_in_hand(program, "m_", sources, "raw")
     body.append(f"out[row_out + o_out] = kf_store<{ctype}>(m_result);")
-    return _loop(body, cache, raw=True, cluster=cluster)
+    return _loop(body, cache, raw=True, onchip=onchip)

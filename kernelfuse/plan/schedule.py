@@ -214,10 +214,10 @@ def _reduction_kernel(graph: Graph, node: Node, prologue: _Chain | None, used: s
 
 MAPPED_KINDS = ("sum", "mean", "amax", "amin")  # plain reductions whose value a broadcast consumer may read
 MAPPED_MIN_ROWS = 1024  # fewer, longer rows are split across blocks (kernelfuse.codegen.split) and stay two kernels
-# Longer rows cannot stay on chip (a cluster of 4 blocks with 96 KB of row each, kernelfuse.codegen.cluster): the
-# one kernel would read each row twice, and measured slower than the reduction and a pointwise kernel (level-1
-# L1Norm's rows of 65535 before clusters: 0.92x eager in one kernel against 1.75x in two).
-MAPPED_MAX_ROW = 4 * 96 * 1024 // 4
+# Longer rows cannot stay on chip (up to 128 blocks with 48 KB of row each, kernelfuse.codegen.onchip): the one
+# kernel would read each row twice, and measured slower than the reduction and a pointwise kernel (level-1
+# L1Norm's rows of 65535 before rows were kept on chip: 0.92x eager in one kernel against 1.75x in two).
+MAPPED_MAX_ROW = 128 * 48 * 1024 // 4
 
 
 def _broadcast_consumer(graph: Graph, spec: ReduceSpec, reduced: str, value: str, src_meta: TensorMeta,

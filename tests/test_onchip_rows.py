@@ -1,6 +1,6 @@
-"""Long rows on chip across a thread-block cluster (kernelfuse.codegen.cluster): which rows take it, that the
-kernels compile for sm_90, and that the one-block-per-row kernel the launcher falls back to (pre-Hopper GPUs,
-the CPU emulation) still matches the plan interpreter. The cluster kernels themselves run in
+"""Long rows on chip across several blocks (kernelfuse.codegen.onchip): which rows take it, that the kernels
+compile for sm_80 and sm_90 without spills, and that the one-block-per-row kernel the launcher falls back to
+(older GPUs, the CPU emulation) still matches the plan interpreter. The on-chip kernels themselves run in
 tests/test_generated_gpu.py."""
 
 from __future__ import annotations
@@ -15,15 +15,15 @@ from emulation_helpers import emulated, emulated_run
 from optimizer_helpers import pipeline, write_problem
 
 from kernelfuse.codegen import generate
-from kernelfuse.codegen.cluster import CLUSTER_CHUNK_BYTES, CLUSTER_MAX
-from kernelfuse.codegen.generated import uses_cluster
+from kernelfuse.codegen.generated import keeps_rows_on_chip
+from kernelfuse.codegen.onchip import ONCHIP_MAX_BLOCKS, ONCHIP_MAX_ROW
 from kernelfuse.plan import schedule
 
-CASES = {  # forward, input shape, cluster kernel expected
+CASES = {  # forward, input shape, on-chip kernel expected
     "softmax_long": ("torch.softmax(x, dim=-1)", (4, 9000), True),
     "softmax_cached": ("torch.softmax(x, dim=-1)", (4, 8000), False),  # 32 per thread: registers hold it
-    "log_softmax_most_blocks": ("torch.log_softmax(x, dim=1)", (2, CLUSTER_MAX * CLUSTER_CHUNK_BYTES // 4), True),
-    "too_long_for_a_cluster": ("torch.log_softmax(x, dim=1)", (2, CLUSTER_MAX * CLUSTER_CHUNK_BYTES // 4 + 4), False),
+    "log_softmax_most_blocks": ("torch.log_softmax(x, dim=1)", (2, ONCHIP_MAX_ROW), True),
+    "too_long_for_the_chip": ("torch.log_softmax(x, dim=1)", (2, ONCHIP_MAX_ROW + 4), False),
     "logsumexp": ("torch.logsumexp(x, dim=1)", (4, 50000), False),  # one value per row: nothing to read back
     "strided_softmax": ("torch.softmax(x, dim=0)", (20000, 8), False),
     "layer_norm": ("torch.nn.functional.layer_norm(x, (12000,))", (3, 12000), True),
@@ -33,32 +33,35 @@ CASES = {  # forward, input shape, cluster kernel expected
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_which_rows_take_a_cluster(name: str, tmp_path: Path) -> None:
+def test_which_rows_stay_on_chip(name: str, tmp_path: Path) -> None:
     expr, shape, expected = CASES[name]
     _, _, plans = pipeline(write_problem(tmp_path, name, f"def forward(self, x):\n    return {expr}",
                                          f"[torch.randn{shape}]"))
     (step,) = plans[-1].generated
-    assert uses_cluster(step) == expected, plans[-1].summary()
-    cuda = generate(plans[-1]).cuda
-    assert ("_cluster_kernel" in cuda) == expected
+    assert keeps_rows_on_chip(step) == expected, plans[-1].summary()
+    sources = generate(plans[-1])
+    assert ("_onchip_kernel" in sources.cuda) == expected
+    assert ("torch::Tensor work = at::empty(" in sources.cpp) == expected  # the partials and counters
     if expected:
-        blocks = int(cuda.split("a cluster of ")[1].split(" ")[0])
-        assert 2 <= blocks <= CLUSTER_MAX
-        assert "kf_row_cache[j * TPR + lane]" in cuda and "kf_cluster_reduce" in cuda
+        blocks = int(sources.cuda.split("sm_80+: ")[1].split(" ")[0])
+        assert 2 <= blocks <= ONCHIP_MAX_BLOCKS
+        assert "kf_row_cache[j * TPR + lane]" in sources.cuda and "kf_grid_reduce" in sources.cuda
 
 
-def test_cluster_kernels_compile_for_sm90(tmp_path: Path) -> None:
+def test_onchip_kernels_compile_for_sm80_and_sm90(tmp_path: Path) -> None:
     nvcc = shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
     if not Path(nvcc).exists():
         pytest.skip("nvcc not found")
-    zoo = Path(__file__).parent / "fixtures" / "problems" / "zoo_cluster.py"
+    zoo = Path(__file__).parent / "fixtures" / "problems" / "zoo_onchip.py"
     _, _, plans = pipeline(zoo)
-    cu = tmp_path / "cluster.cu"
+    cu = tmp_path / "onchip.cu"
     cu.write_text(generate(plans[-1]).cuda)
-    result = subprocess.run([nvcc, "-c", "-std=c++17", "-arch=sm_90", "-Xptxas", "-v", str(cu), "-o",
-                             str(tmp_path / "cluster.o")], capture_output=True, text=True, timeout=600)
+    arches = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in (80, 90)]
+    result = subprocess.run([nvcc, "-c", "-std=c++17", *arches, "-Xptxas", "-v", str(cu), "-o",
+                             str(tmp_path / "onchip.o")], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stderr.count("_cluster_kernel") >= len(plans[-1].generated)
+    assert result.stderr.count("Compiling entry function '_Z") >= 4 * len(plans[-1].generated)
+    assert all(f"{g.kernel}_onchip_kernel" in result.stderr for g in plans[-1].generated)
     spills = [ln for ln in result.stderr.splitlines() if "spill stores" in ln and not ln.strip().startswith("0 bytes")]
     assert not spills, spills
 
@@ -76,19 +79,19 @@ def test_fallback_kernel_matches_the_interpreter(name: str, tmp_path: Path, monk
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize(("expr", "in_cluster", "in_block"), [
+@pytest.mark.parametrize(("expr", "on_chip", "in_block"), [
     ("torch.nn.functional.group_norm(x, 2) + x", True, True),
     ("torch.nn.functional.group_norm(x * 2.0, 2) + x", True, False),  # the one-block kernel holds 2x, not x
     ("torch.nn.functional.group_norm(x, 2) + x.flip(2)", False, False)])
-def test_residual_of_the_norms_own_input_is_not_read_again(expr: str, in_cluster: bool, in_block: bool,
+def test_residual_of_the_norms_own_input_is_not_read_again(expr: str, on_chip: bool, in_block: bool,
                                                            tmp_path: Path) -> None:
-    """GroupNorm(x) + x (level-2 92): the epilogue's x is the element the kernel already holds (the cluster
+    """GroupNorm(x) + x (level-2 92): the epilogue's x is the element the kernel already holds (the on-chip
     kernel's shared-memory copy of the source; the one-block kernel's value where no prologue changed it);
     otherwise it is read from memory. Checked against the interpreter through the emulated one-block kernel."""
     _, _, plans = pipeline(write_problem(tmp_path, "res", f"def forward(self, x):\n    return {expr}",
                                          "[torch.randn(2, 4, 5000)]"))
     cuda = generate(plans[-1]).cuda
-    assert ("const float e_in0 = raw;" in cuda) == in_cluster
+    assert ("const float e_in0 = raw;" in cuda) == on_chip
     assert ("const float e_in0 = v;" in cuda) == in_block
     plan = plans[-1]
     step = next(g for g in plan.generated if g.spec is not None and g.spec.kind == "norm")
