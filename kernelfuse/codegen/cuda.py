@@ -57,6 +57,23 @@ namespace torch { using at::Tensor; }
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime.h>
+#include <sstream>
+#include <stdexcept>
+
+// A failed check raises an error whose message is built here from plain strings and numbers: on the H100 host a
+// message that printed a tensor's sizes through c10's stream operators crashed the process instead of raising.
+static std::string kf_dims(at::IntArrayRef v) {
+  std::string s = "[";
+  for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+template <typename... A> static std::string kf_message(const A&... parts) {
+  std::ostringstream out;
+  (out << ... << parts);
+  return out.str();
+}
+#define KF_CHECK(cond, ...) \
+  do { if (!(cond)) throw std::invalid_argument(kf_message(__VA_ARGS__)); } while (0)
 
 // torch's channels-last memory format for a 4-d (NHWC) or 5-d (NDHWC) tensor
 static at::MemoryFormat kf_channels_last(const torch::Tensor& t) {
@@ -65,15 +82,17 @@ static at::MemoryFormat kf_channels_last(const torch::Tensor& t) {
 
 static void kf_check(const torch::Tensor& t, const char* what, at::IntArrayRef sizes, at::ScalarType dtype,
                      bool channels_last) {
-  TORCH_CHECK(t.is_cuda(), "kernelfuse: ", what, " must be a CUDA tensor");
-  TORCH_CHECK(t.scalar_type() == dtype, "kernelfuse: ", what, " has dtype ", t.scalar_type(), ", expected ", dtype);
-  TORCH_CHECK(t.sizes() == sizes, "kernelfuse: ", what, " has shape ", t.sizes(), ", the kernel was built for ", sizes);
-  TORCH_CHECK(channels_last ? t.is_contiguous(kf_channels_last(t)) : t.is_contiguous(),
+  KF_CHECK(t.is_cuda(), "kernelfuse: ", what, " must be a CUDA tensor");
+  KF_CHECK(t.scalar_type() == dtype, "kernelfuse: ", what, " has dtype ", c10::toString(t.scalar_type()), ", expected ",
+           c10::toString(dtype));
+  KF_CHECK(t.sizes() == sizes, "kernelfuse: ", what, " has shape ", kf_dims(t.sizes()), ", the kernel was built for ",
+           kf_dims(sizes));
+  KF_CHECK(channels_last ? t.is_contiguous(kf_channels_last(t)) : t.is_contiguous(),
               "kernelfuse: ", what, channels_last ? " must be channels-last contiguous" : " must be contiguous");
 }
 
 static void kf_check_launch(cudaError_t err, const char* kernel) {
-  TORCH_CHECK(err == cudaSuccess, "kernelfuse: launching ", kernel, " failed: ", cudaGetErrorString(err));
+  KF_CHECK(err == cudaSuccess, "kernelfuse: launching ", kernel, " failed: ", cudaGetErrorString(err));
 }
 """
 
@@ -81,12 +100,14 @@ static void kf_check_launch(cudaError_t err, const char* kernel) {
 CPP_STRIDED_CHECK = r"""
 static void kf_check_strided(const torch::Tensor& t, const char* what, at::IntArrayRef sizes, at::IntArrayRef strides,
                              at::ScalarType dtype) {
-  TORCH_CHECK(t.is_cuda(), "kernelfuse: ", what, " must be a CUDA tensor");
-  TORCH_CHECK(t.scalar_type() == dtype, "kernelfuse: ", what, " has dtype ", t.scalar_type(), ", expected ", dtype);
-  TORCH_CHECK(t.sizes() == sizes, "kernelfuse: ", what, " has shape ", t.sizes(), ", the kernel was built for ", sizes);
+  KF_CHECK(t.is_cuda(), "kernelfuse: ", what, " must be a CUDA tensor");
+  KF_CHECK(t.scalar_type() == dtype, "kernelfuse: ", what, " has dtype ", c10::toString(t.scalar_type()), ", expected ",
+           c10::toString(dtype));
+  KF_CHECK(t.sizes() == sizes, "kernelfuse: ", what, " has shape ", kf_dims(t.sizes()), ", the kernel was built for ",
+           kf_dims(sizes));
   for (size_t d = 0; d < sizes.size(); ++d)
-    TORCH_CHECK(sizes[d] == 1 || t.stride(d) == strides[d], "kernelfuse: ", what, " has strides ", t.strides(),
-                ", the kernel was built for ", strides);
+    KF_CHECK(sizes[d] == 1 || t.stride(d) == strides[d], "kernelfuse: ", what, " has strides ", kf_dims(t.strides()),
+                ", the kernel was built for ", kf_dims(strides));
 }
 """
 
