@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from kernelfuse.capture import contiguous_strides
 from kernelfuse.codegen import generate
 from kernelfuse.codegen.generated import workspace_floats
-from kernelfuse.codegen.iteration import tensor_args
+from kernelfuse.codegen.iteration import permuted_out, tensor_args
 from kernelfuse.plan import Plan
 from kernelfuse.plan.ir import GenStep
 
@@ -79,7 +80,8 @@ def emulated_run(lib: ctypes.CDLL, plan: Plan, step: GenStep, seed: int = 0, src
         value = torch.randn(meta.shape) + (src_offset if name == "src" else 0.0)
         env[ref.name] = torch.empty_strided(meta.shape, meta.stride).copy_(value)
         tensors.append(env[ref.name].clone())
-    out = torch.full(step.out_meta.shape, float("nan"))
+    out = torch.empty_strided(step.out_meta.shape, permuted_out(step) or contiguous_strides(step.out_meta.shape))
+    out.fill_(float("nan"))  # the layout the wrapper allocates: eager's where it kept a permutation
     work = [torch.full((workspace_floats(step),), float("nan"))] if workspace_floats(step) else []
     call(lib, step, [*tensors, out, *work])
     return out, _run_generated(step, env), tensors, env

@@ -7,6 +7,7 @@ pooling in kernelfuse.codegen.pool; the shared iteration machinery in kernelfuse
 
 from __future__ import annotations
 
+from kernelfuse.capture import contiguous_strides
 from kernelfuse.codegen.common import AT_TYPES, C_TYPES, ints
 from kernelfuse.codegen.iteration import (
     BLOCK,
@@ -14,6 +15,7 @@ from kernelfuse.codegen.iteration import (
     epilogue_lines,
     index_type,
     launch_params,
+    permuted_out,
     pointer_params,
     shape_numel,
     space_of,
@@ -73,7 +75,8 @@ def _flat_kernel(step: GenStep, ctype: str) -> str:
     index_t = index_type(step)
     numel = shape_numel(step.prologue.space)
     spec = step.spec
-    vectorised = space.strides["src"] == space.strides["out"]
+    permuted = permuted_out(step) is not None  # written in eager's layout, through the output's strides
+    vectorised = space.strides["src"] == space.strides["out"] and not permuted
     element = ["      float y = value_at(i, acc);"]
     if spec is not None:  # affine_norm: (x - running_mean) / sqrt(running_var + eps) * weight + bias
         extra = [n for n in ("weight", "bias", "run_mean", "run_var") if n in space.strides]
@@ -105,12 +108,27 @@ def _flat_kernel(step: GenStep, ctype: str) -> str:
                   "    }",
                   "    for (INDEX i = NUMEL / VEC * VEC + first; i < NUMEL; i += stride)",
                   f"      out[i] = kf_store<{ctype}>(element(i, kf_load(src[i])));"]
+    elif permuted:  # in the output's memory order: its writes coalesce, and so do reads of a source laid out alike
+        lines += ["    for (INDEX m = first; m < NUMEL; m += stride) {",
+                  *_logical_index(step.out_meta.shape, permuted_out(step), "m", "i", "      "),  # type: ignore[arg-type]
+                  f"      out[m] = kf_store<{ctype}>(element(i, source(i)));",
+                  "    }"]
     else:
         lines += ["    for (INDEX i = first; i < NUMEL; i += stride)",
                   f"      out[i] = kf_store<{ctype}>(element(i, source(i)));"]
     lines += ["  }", "}", ""]
     vec = 16 // {"float": 4}.get(ctype, 2) if vectorised else 1
     return "\n".join(lines) + _flat_launcher(step, ctype, numel, vec)
+
+
+def _logical_index(shape: tuple[int, ...], strides: tuple[int, ...], memory: str, logical: str, ind: str) -> list[str]:
+    """Lines that turn `memory`, an element's position in a dense permuted layout, into `logical`, its row-major
+    index over `shape`."""
+    contiguous = contiguous_strides(shape)
+    lines = [f"{ind}INDEX {logical} = 0, t_{logical} = {memory};"]
+    for d in sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: strides[d]):
+        lines.append(f"{ind}{logical} += t_{logical} % {shape[d]} * {contiguous[d]}; t_{logical} /= {shape[d]};")
+    return lines
 
 
 def _flat_launcher(step: GenStep, ctype: str, numel: int, vec: int) -> str:
@@ -146,7 +164,12 @@ def _wrapper(plan: Plan, step: GenStep) -> str:
         meta = metas[name]
         lines.append(f'  kf_check_strided({name}, "{k} {name} (%{ref.name})", {{{ints(meta.shape)}}}, '  # type: ignore[attr-defined]
                      f"{{{ints(meta.stride)}}}, {at_type});")
-    lines.append(f"  torch::Tensor out = at::empty({{{ints(step.out_meta.shape)}}}, src.options());")
+    strides = permuted_out(step)
+    if strides:  # eager's permuted layout, which later views and kernels were captured against
+        lines.append(f"  torch::Tensor out = at::empty_strided({{{ints(step.out_meta.shape)}}}, {{{ints(strides)}}}, "
+                     "src.options());")
+    else:
+        lines.append(f"  torch::Tensor out = at::empty({{{ints(step.out_meta.shape)}}}, src.options());")
     ptrs = ", ".join(f"{name}.data_ptr()" for name, _ in args) + ", out.data_ptr()"
     if workspace:  # a split kernel's partial results, a split norm's statistics, an on-chip row kernel's partials
         lines.append(f"  torch::Tensor work = at::empty({{{workspace}}}, src.options().dtype(at::kFloat));")
