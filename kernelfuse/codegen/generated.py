@@ -23,7 +23,8 @@ from kernelfuse.codegen.iteration import (
     value_lambda,
 )
 from kernelfuse.codegen.pool import pool_kernel
-from kernelfuse.codegen.reduce import REDUCE_PRELUDE, row_kernel, row_strategy, row_workspace
+from kernelfuse.codegen.reduce import row_kernel, row_strategy, row_workspace
+from kernelfuse.codegen.reduce_prelude import REDUCE_PRELUDE
 from kernelfuse.codegen.split import split_chunks, split_kernel, split_workspace
 from kernelfuse.ops import float_literal
 from kernelfuse.plan.ir import GenStep, Plan
@@ -75,8 +76,8 @@ def _flat_kernel(step: GenStep, ctype: str) -> str:
     index_t = index_type(step)
     numel = shape_numel(step.prologue.space)
     spec = step.spec
-    permuted = permuted_out(step) is not None  # written in eager's layout, through the output's strides
-    vectorised = space.strides["src"] == space.strides["out"] and not permuted
+    permuted = permuted_out(step)  # eager's layout of the output, written through its strides
+    vectorised = space.strides["src"] == space.strides["out"] and permuted is None
     element = ["      float y = value_at(i, acc);"]
     if spec is not None:  # affine_norm: (x - running_mean) / sqrt(running_var + eps) * weight + bias
         extra = [n for n in ("weight", "bias", "run_mean", "run_var") if n in space.strides]
@@ -108,9 +109,9 @@ def _flat_kernel(step: GenStep, ctype: str) -> str:
                   "    }",
                   "    for (INDEX i = NUMEL / VEC * VEC + first; i < NUMEL; i += stride)",
                   f"      out[i] = kf_store<{ctype}>(element(i, kf_load(src[i])));"]
-    elif permuted:  # in the output's memory order: its writes coalesce, and so do reads of a source laid out alike
+    elif permuted is not None:  # in the output's memory order: its writes coalesce, and so do reads of a source laid out alike
         lines += ["    for (INDEX m = first; m < NUMEL; m += stride) {",
-                  *_logical_index(step.out_meta.shape, permuted_out(step), "m", "i", "      "),  # type: ignore[arg-type]
+                  *_logical_index(step.out_meta.shape, permuted, "m", "i", "      "),
                   f"      out[m] = kf_store<{ctype}>(element(i, source(i)));",
                   "    }"]
     else:

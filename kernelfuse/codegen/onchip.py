@@ -141,7 +141,7 @@ def chunk_of(red: int, blocks: int) -> int:
 
 
 def onchip_launcher(step: GenStep, ctype: str, blocks: int, rows: int, red: int, fallback_grid: str,
-                  fallback_threads: int) -> str:
+                    fallback_threads: int) -> str:
     """`kN_launch`: the on-chip kernel where the device holds at least `blocks` of its blocks at once (sm_80+), its
     counters zeroed first; else the one-block-per-row kernel."""
     k = step.kernel
