@@ -7,14 +7,12 @@ Prediction written before measuring: input transpose ~0.27 ms (1.07 GB at ~4 TB/
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
-from torch.utils.cpp_extension import load_inline
 
 from kernelfuse.bench.timer import median_event_ms as median_ms
 from kernelfuse.capture import capture
 from kernelfuse.codegen import CodegenOptions, generate
+from kernelfuse.emit.module import load_kernels
 from kernelfuse.load import load_problem
 from kernelfuse.plan import plan_variants
 from kernelfuse.rewrite import rewrite
@@ -42,11 +40,7 @@ def main() -> None:
         rows.append(("cudnn_convolution_relu NHWC", median_ms(
             lambda: torch.cudnn_convolution_relu(xcl, wcl, b1, [1, 1], [0, 0], [1, 1], 1))))
         for tile in (32, 64):
-            src = generate(plan, CodegenOptions(tile=tile))
-            digest = hashlib.sha256((src.cuda + src.cpp).encode()).hexdigest()[:12]
-            ext = load_inline(name=f"kf_breakdown_{digest}", cpp_sources=src.cpp, cuda_sources=src.cuda,
-                              functions=list(src.functions), extra_cflags=["-O3"], extra_cuda_cflags=["-O3"],
-                              no_implicit_headers=True)
+            ext = load_kernels(generate(plan, CodegenOptions(tile=tile)), f"breakdown_tile{tile}")
             assert torch.equal(ext.to_channels_last(x), xcl)
             out = ext.k0(y, b2)
             err = (out - ref).abs().max().item()

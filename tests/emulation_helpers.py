@@ -1,6 +1,11 @@
 """Run a plan's generated CUDA on the CPU: the kernel file built with the host compiler against
-tests/fixtures/cuda_emulation.h (block threads as std::threads, barriers and shuffles emulated), with an
-`extern "C" int call_kN(void** pointers)` per generated kernel (its tensors, out, then the workspace if any)."""
+tests/fixtures/cuda_emulation.h (block threads as std::threads, barriers and shuffles emulated).
+
+`emulated_run` calls each kernel through the emitted Python binding (`_Kernels`, kernelfuse.codegen.binding): its
+checks, output and workspace allocation and argument order are what the GPU runs; only the launch drops the device
+and stream. `call` passes pointers straight to an `extern "C" int call_kN(void** pointers)` shim (its tensors, out,
+then the workspace if any) for tests that build their own tensors.
+"""
 
 from __future__ import annotations
 
@@ -8,26 +13,36 @@ import ctypes
 import re
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from kernelfuse.capture import contiguous_strides
 from kernelfuse.codegen import generate
+from kernelfuse.codegen.binding import runtime_source
 from kernelfuse.codegen.generated import workspace_floats
-from kernelfuse.codegen.iteration import permuted_out, tensor_args
+from kernelfuse.codegen.iteration import tensor_args
 from kernelfuse.plan import Plan
 from kernelfuse.plan.ir import GenStep
 
 EMULATION = Path(__file__).parent / "fixtures" / "cuda_emulation.h"
 
 
-def emulated(plan: Plan, tmp_path: Path) -> ctypes.CDLL:
+@dataclass
+class Emulated:
+    """The plan's kernels built for the CPU: the library, and the emitted binding (`_Kernels`) over it."""
+
+    lib: ctypes.CDLL
+    kernels: object
+
+
+def emulated(plan: Plan, tmp_path: Path) -> Emulated:
     """The plan's kernels as a CPU library (skips the test where no C++20 host compiler is found)."""
     cxx = shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no host C++ compiler (g++/c++) on PATH")
-    lines = [ln for ln in generate(plan).cuda.splitlines()
+    sources = generate(plan)
+    lines = [ln for ln in sources.cuda.splitlines()
              if not ln.startswith("#include") and "__half" not in ln and "__nv_bfloat16" not in ln]
     text = re.sub(r"(\w+(?:<[^<>]*>)?)<<<(.*?), (\w+), 0, stream>>>\((.*)\);",
                   r"kf_emu_launch(dim3(\2), \3, [&]{ \1(\4); });", "\n".join(lines))
@@ -41,7 +56,33 @@ def emulated(plan: Plan, tmp_path: Path) -> ctypes.CDLL:
     if result.returncode and "barrier" in result.stderr:
         pytest.skip("the host compiler has no C++20 <barrier>")
     assert result.returncode == 0, result.stderr[-3000:]
-    return ctypes.CDLL(str(lib))
+    return Emulated(ctypes.CDLL(str(lib)), _binding(sources.binding, lib))
+
+
+def _binding(binding: str, lib: Path) -> object:
+    """The emitted `_Kernels` over the CPU library: the same checks, except that CPU tensors are allowed, and
+    launches without a device or stream."""
+    import torch
+
+    namespace: dict = {"torch": torch, "ctypes": ctypes}
+    exec(runtime_source() + binding, namespace)  # noqa: S102 - the generated binding under test
+
+    def on_cpu(check):
+        def run(t, *args):
+            try:
+                check(t, *args)
+            except ValueError as err:
+                if not str(err).endswith("must be a CUDA tensor"):
+                    raise
+        return run
+
+    namespace["_check"], namespace["_check_dense"] = on_cpu(namespace["_check"]), on_cpu(namespace["_check_dense"])
+
+    class EmulatedKernels(namespace["_Kernels"]):
+        def _launch(self, function, kernel, tensor, *args):
+            assert function(*args, None) == 0, kernel
+
+    return EmulatedKernels(str(lib))
 
 
 def pointer_count(step: GenStep) -> int:
@@ -49,20 +90,20 @@ def pointer_count(step: GenStep) -> int:
     return len(tensor_args(step)) + 1 + (1 if workspace_floats(step) else 0)
 
 
-def call(lib: ctypes.CDLL, step: GenStep, tensors: list) -> None:
+def call(emu: Emulated, step: GenStep, tensors: list) -> None:
     """Launch `step`'s kernel(s) on CPU tensors (inputs in tensor_args order, out, workspace); assert success."""
     pointers = [t.data_ptr() for t in tensors]
     assert len(pointers) == pointer_count(step)
-    assert lib[f"call_{step.kernel}"]((ctypes.c_void_p * len(pointers))(*pointers)) == 0
+    assert emu.lib[f"call_{step.kernel}"]((ctypes.c_void_p * len(pointers))(*pointers)) == 0
 
 
-def emulated_and_interpreted(lib: ctypes.CDLL, plan: Plan, step: GenStep, seed: int = 0) -> tuple:
+def emulated_and_interpreted(emu: Emulated, plan: Plan, step: GenStep, seed: int = 0) -> tuple:
     """(the kernel's output, the plan interpreter's) for random tensors in the layouts the plan gives them."""
-    out, expected, _, _ = emulated_run(lib, plan, step, seed)
+    out, expected, _, _ = emulated_run(emu, plan, step, seed)
     return out, expected
 
 
-def emulated_run(lib: ctypes.CDLL, plan: Plan, step: GenStep, seed: int = 0, src_offset: float = 0.0) -> tuple:
+def emulated_run(emu: Emulated, plan: Plan, step: GenStep, seed: int = 0, src_offset: float = 0.0) -> tuple:
     """The kernel and the plan interpreter on the same random tensors (the source shifted by `src_offset`):
     (kernel output, interpreter output, the kernel's input tensors after the call, the interpreter's by name) -
     in-place updates (batch norm's running statistics) show in the last two."""
@@ -80,8 +121,13 @@ def emulated_run(lib: ctypes.CDLL, plan: Plan, step: GenStep, seed: int = 0, src
         value = torch.randn(meta.shape) + (src_offset if name == "src" else 0.0)
         env[ref.name] = torch.empty_strided(meta.shape, meta.stride).copy_(value)
         tensors.append(env[ref.name].clone())
-    out = torch.empty_strided(step.out_meta.shape, permuted_out(step) or contiguous_strides(step.out_meta.shape))
-    out.fill_(float("nan"))  # the layout the wrapper allocates: eager's where it kept a permutation
-    work = [torch.full((workspace_floats(step),), float("nan"))] if workspace_floats(step) else []
-    call(lib, step, [*tensors, out, *work])
+    # the binding allocates out and the workspace: NaN-filled here, so an element the kernel skips shows
+    previous = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        out = getattr(emu.kernels, step.kernel)(*tensors)
+    finally:
+        torch.use_deterministic_algorithms(previous[0])
+        torch.utils.deterministic.fill_uninitialized_memory = previous[1]
     return out, _run_generated(step, env), tensors, env

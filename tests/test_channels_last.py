@@ -45,14 +45,14 @@ def test_reductions_read_the_channels_last_output_through_its_strides(layouts):
     kept = [s for s in nhwc.fused if s.keeps_layout]
     assert len(kept) == 4 and all(not s.needs_kernel for s in kept)  # no kernel transposes these back
     readers = {s.source.ref.name: s for s in nhwc.generated}
-    cpp = generate(nhwc).cpp
+    binding = generate(nhwc).binding
     for step in kept:
         reader = readers[step.out]
         strides = channels_last_strides(reader.source.meta.shape)
         assert reader.source.meta.stride == strides
         # the wrapper checks the layout the kernel reads, not the captured NCHW one
-        (check,) = [ln for ln in cpp.splitlines() if f'kf_check_strided(src, "{reader.kernel} src' in ln]
-        assert check.endswith(f"{{{', '.join(map(str, strides))}}}, at::kFloat);"), check
+        (check,) = [ln for ln in binding.splitlines() if f'_check(src, "{reader.kernel} src' in ln]
+        assert check.endswith(f"{tuple(strides)}, torch.float32)"), check
     transposed = [s for s in nhwc.fused if s.epilogue.statements]
     # the bias of every biased convolution (rewrite conv_bias_to_epilogue) is the epilogue's first add
     assert [s.chain(nhwc.graph) for s in transposed] == ["convolution -> add -> add -> clamp"]

@@ -99,11 +99,15 @@ def test_gemm_kernel_is_flat_and_in_place(example_sources):
     assert "constexpr int kNumel = 8388608;" in src.cuda
     assert "const float in0 = kf_load(in0_p[(i % 8192)]);" in src.cuda
     assert "const float v_add = (acc + in0);" in src.cuda and "kf_relu(v_add)" in src.cuda
-    assert "to_channels_last" not in src.cpp and "__shared__" not in src.cuda
-    assert "(in place on the library output)" in src.cpp
-    assert "torch::Tensor out = acc;" in src.cpp
-    assert 'kf_check(acc, "k0 input", {1024, 8192}, at::kFloat, false);' in src.cpp
-    assert 'kf_check(in0, "k0 operand in0 (arg0_1)", {8192}, at::kFloat, false);' in src.cpp
+    assert "to_channels_last" not in src.binding and "__shared__" not in src.cuda
+    assert "(in place on the library output)" in src.binding
+    assert "        out = acc\n" in src.binding
+    assert '_check_dense(acc, "k0 input", (1024, 8192), torch.float32)' in src.binding
+    assert '_check_dense(in0, "k0 operand in0 (arg0_1)", (8192,), torch.float32)' in src.binding
+    assert 'KF_EXPORT cudaError_t k0_launch(const void* acc, void* out, const void* in0, cudaStream_t stream)' \
+        in src.cuda
+    assert 'self._k0 = self._function("k0_launch", [ctypes.c_void_p] * 3)' in src.binding
+    assert 'self._launch(self._k0, "k0", acc, acc.data_ptr(), out.data_ptr(), in0.data_ptr())' in src.binding
     assert "#include <torch/extension.h>" not in src.cuda, "the kernel TU stays free of torch headers"
 
 
@@ -111,30 +115,31 @@ def test_gemm_residual_reads_acc_twice_without_operands(example_sources):
     src = example_sources["gemm_sigmoid_scaling_residualadd"]["fused"]
     assert "float k0_apply(float acc, int i) {" in src.cuda
     assert "(v_sigmoid * 2.0f)" in src.cuda and "(v_mul + acc)" in src.cuda
-    assert "torch::Tensor k0(const torch::Tensor& acc_in) {" in src.cpp
+    assert "    def k0(self, acc):" in src.binding
 
 
 def test_conv_nhwc_has_transpose_kernel_and_to_channels_last(example_sources):
     src = example_sources["conv2d_relu_biasadd"]["fused-nhwc"]
     assert src.functions == ("to_channels_last", "k0")
     assert "kf_nchw_to_nhwc_kernel" in src.cuda and "kf_nchw_to_nhwc_float32(" in src.cuda
-    assert "torch::Tensor to_channels_last(const torch::Tensor& x)" in src.cpp
+    assert "    def to_channels_last(self, x):" in src.binding
+    assert 'torch.float32: self._function("kf_nchw_to_nhwc_float32"' in src.binding
     assert "constexpr int C = 128, HW = 15876;" in src.cuda
     assert "__shared__ float tile[" in src.cuda
     assert "kf_load(in0_p[((i / 15876) % 128)])" in src.cuda
     # not in place: reads channels-last acc, writes a new NCHW tensor
-    assert "at::empty(acc.sizes(), acc.options())" in src.cpp
-    assert "acc_in.contiguous(kf_channels_last(acc_in))" in src.cpp
-    assert 'kf_check(acc, "k0 input", {128, 128, 126, 126}, at::kFloat, true);' in src.cpp
-    assert "(in place on the library output)" not in src.cpp
+    assert "out = acc.new_empty(acc.shape)  # NCHW" in src.binding
+    assert "acc = acc.contiguous(memory_format=torch.channels_last)" in src.binding
+    assert '_check_dense(acc, "k0 input", (128, 128, 126, 126), torch.float32, torch.channels_last)' in src.binding
+    assert "(in place on the library output)" not in src.binding
 
 
 def test_conv_nchw_is_flat_in_place(example_sources):
     src = example_sources["conv2d_relu_biasadd"]["fused-nchw"]
     assert src.functions == ("k0",)
-    assert "kf_nchw_to_nhwc" not in src.cuda and "to_channels_last" not in src.cpp
+    assert "kf_nchw_to_nhwc" not in src.cuda and "to_channels_last" not in src.binding
     assert "kf_pack<float, VEC>" in src.cuda
-    assert "torch::Tensor out = acc;" in src.cpp
+    assert "        out = acc\n" in src.binding
 
 
 def test_plan_without_kernels_generates_nothing(tmp_path):
@@ -191,11 +196,11 @@ def test_index_type_transpose_kernel(tmp_path):
     assert "const long long i = base + (long long)c * HW + hw;" in src.cuda
 
 
-@pytest.mark.parametrize("dtype, ctype, at_type, vec", [
-    ("torch.float16", "__half", "at::kHalf", 8),
-    ("torch.bfloat16", "__nv_bfloat16", "at::kBFloat16", 8),
+@pytest.mark.parametrize("dtype, ctype, vec", [
+    ("torch.float16", "__half", 8),
+    ("torch.bfloat16", "__nv_bfloat16", 8),
 ])
-def test_low_precision_types(tmp_path, dtype, ctype, at_type, vec):
+def test_low_precision_types(tmp_path, dtype, ctype, vec):
     path = write_problem(tmp_path, "lowp", f"""
         def __init__(self):
             super().__init__()
@@ -211,7 +216,7 @@ def test_low_precision_types(tmp_path, dtype, ctype, at_type, vec):
     assert f"kf_pack<{ctype}, VEC>" in src.cuda and f"constexpr int k0_VEC = {vec};" in src.cuda
     assert f"kf_store<{ctype}>(k0_apply(kf_load(p.v[j])" in src.cuda
     assert "const float in0 = kf_load(in0_p[(i % 32)]);" in src.cuda  # math in float opmath
-    assert f'kf_check(acc, "k0 input", {{4, 32}}, {at_type}, false);' in src.cpp
+    assert f'_check_dense(acc, "k0 input", (4, 32), {dtype})' in src.binding
 
 
 def test_conv_nhwc_half_uses_typed_transpose(tmp_path):
@@ -226,7 +231,7 @@ def test_conv_nhwc_half_uses_typed_transpose(tmp_path):
     _, _, (nhwc, _) = pipeline(path)
     src = generate(nhwc)
     assert "kf_nchw_to_nhwc_float16(" in src.cuda and "<__half" in src.cuda
-    assert "if (x.scalar_type() == at::kHalf) err = kf_nchw_to_nhwc_float16(" in src.cpp
+    assert 'torch.float16: self._function("kf_nchw_to_nhwc_float16"' in src.binding
 
 
 def test_kernel_sizes_follow_the_captured_shapes(tmp_path):
@@ -235,4 +240,4 @@ def test_kernel_sizes_follow_the_captured_shapes(tmp_path):
         _, _, (plan,) = pipeline(write_problem(tmp_path, f"rows{rows}", BIG, f"[torch.rand({rows}, 16)]"))
         sources.append(generate(plan))
     assert "constexpr int kNumel = 48;" in sources[0].cuda and "constexpr int kNumel = 80;" in sources[1].cuda
-    assert "{3, 16}" in sources[0].cpp and "{5, 16}" in sources[1].cpp
+    assert "(3, 16)" in sources[0].binding and "(5, 16)" in sources[1].binding

@@ -108,7 +108,7 @@ def test_emitted_text(emitted, name):
     assert result.shipped == result.plans[0].variant
     assert "not verified on a GPU" in text
     assert f"fused k0: {CHAINS[name]}" in text.split('"""', 2)[1], "the docstring carries the plan summary"
-    assert "CUDA_SRC = r\"\"\"" in text and "CPP_SRC = r\"\"\"" in text
+    assert "CUDA_SRC = r\"\"\"" in text and "class _Kernels(_KernelLibrary):" in text
     assert "def _reference_forward(self, x):" in text
     assert "not verified" not in unfused.read_text() and "unfused (the original ops)" in unfused.read_text()
 
@@ -350,7 +350,7 @@ def test_no_kernelfuse_import_even_indirectly(emitted):
         tree = ast.parse(emitted[name][1].read_text())
         imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        assert imported <= {"torch", "hashlib", "inspect", "os"}, imported
+        assert imported <= {"torch", "ctypes", "hashlib", "inspect", "os"}, imported
 
 
 def test_optimize_writes_into_new_directory(tmp_path):

@@ -74,7 +74,7 @@ def test_zoo_kernels_match_the_golden_snapshot(zoo):
     """A refactor that changes no kernel changes no byte here; regenerate with KERNELFUSE_UPDATE_GOLDEN=1."""
     _, _, plan = zoo
     sources = generate(plan)
-    text = sources.cuda + "\n// ---- bindings ----\n" + sources.cpp
+    text = sources.cuda + "\n// ---- bindings ----\n" + sources.binding
     golden = GOLDEN / "zoo_generated.cu"
     if os.environ.get("KERNELFUSE_UPDATE_GOLDEN"):
         golden.parent.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from judge_support import EXAMPLES, FIXTURE_CASES, SEED_PROBLEMS, candidate, persisting_l2_settable, seed_path
+from judge_support import EXAMPLES, FIXTURE_CASES, SEED_PROBLEMS, TIMED, candidate, persisting_l2_settable, seed_path
 
 from kernelfuse.judge import EXIT_INCORRECT, EXIT_NOT_BUILT, EXIT_OK, EvalOptions, Verdict, evaluate
 
@@ -115,7 +115,11 @@ def test_exploit_fixture_is_caught_by_its_defence(batch, case):
     if case.label == "state_l2_persist" and not persisting_l2_settable():
         pytest.skip("this device does not take a persisting-L2 limit: the fixture changes nothing here")
     v = batch[case.label]
-    assert case.met_by(v.status, v.defence, v.reason), (case.expected(), v.status, v.defence, v.reason)
+    # The batch judges 14 candidates at once on one GPU: under that load the host-time cross-check can stop a
+    # "wrong while timed" gamer before its wrong answer is seen. Rejected either way; which defence catches each
+    # gamer alone is asserted on the CPU (tests/test_judge_timed_cpu.py).
+    escaped = case.words == TIMED and (v.status, v.defence) == ("rejected", "timing_escape")
+    assert escaped or case.met_by(v.status, v.defence, v.reason), (case.expected(), v.status, v.defence, v.reason)
     assert not v.correct and v.exit_code == EXIT_INCORRECT and v.speedup_eager is None
     assert v.to_json()["correctness"] is False and v.to_json()["runtime"] == -1.0
 

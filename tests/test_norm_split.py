@@ -92,7 +92,7 @@ def test_split_norm_renders_three_ordered_kernels_without_atomics(planned):
         for g in plan.generated:
             launch = sources.cuda.split(f"cudaError_t {g.kernel}_launch(", 1)[1].split("return cudaGetLastError", 1)[0]
             assert re.findall(rf"{g.kernel}_(\w+)<<<", launch) == list(PASSES)
-            assert f"torch::Tensor work = at::empty({{{split_workspace(g)}}}" in sources.cpp
+            assert f"work = src.new_empty({split_workspace(g)}, dtype=torch.float32)" in sources.binding
         # one Welford pass per chunk, merged by Chan's formula; the unbiased running variance
         k1 = sources.cuda.split("// k1: ", 1)[1].split("// k2: ", 1)[0]
         assert "kf_welford_add(n, mean, m2, value(r))" in k1 and "kf_welford_merge(n, mean, m2, count, " in k1

@@ -41,7 +41,7 @@ def test_which_rows_stay_on_chip(name: str, tmp_path: Path) -> None:
     assert keeps_rows_on_chip(step) == expected, plans[-1].summary()
     sources = generate(plans[-1])
     assert ("_onchip_kernel" in sources.cuda) == expected
-    assert ("torch::Tensor work = at::empty(" in sources.cpp) == expected  # the partials and counters
+    assert ("work = src.new_empty(" in sources.binding) == expected  # the partials and counters
     if expected:
         blocks = int(sources.cuda.split("sm_80+: ")[1].split(" ")[0])
         assert 2 <= blocks <= ONCHIP_MAX_BLOCKS

@@ -1,4 +1,4 @@
-"""Stage 5 — codegen: CUDA kernels and C++ bindings for a Plan's fused steps."""
+"""Stage 5 — codegen: CUDA kernels for a Plan's fused steps and the Python binding that calls them."""
 
 from kernelfuse.codegen.common import offset_expr
 from kernelfuse.codegen.cuda import CodegenOptions, CudaSources, generate

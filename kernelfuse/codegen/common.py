@@ -9,13 +9,7 @@ from kernelfuse.ops import POINTWISE_BY_ATEN, float_literal, render_cuda
 from kernelfuse.plan.ir import Epilogue, Program
 
 C_TYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
-AT_TYPES = {torch.float32: "at::kFloat", torch.float16: "at::kHalf", torch.bfloat16: "at::kBFloat16"}
 INT32_LIMIT = 2**31 - 1
-
-
-def ints(values: tuple[int, ...]) -> str:
-    """`1, 2, 3`: a C++ initializer list's body."""
-    return ", ".join(str(v) for v in values)
 
 
 def offset_expr(strides: tuple[int, ...], shape: tuple[int, ...], var: str = "i") -> str:

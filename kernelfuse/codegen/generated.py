@@ -1,4 +1,4 @@
-"""CUDA for generated kernels (plan GenSteps): the dispatch by family, pointwise kernels and the C++ wrappers.
+"""CUDA for generated kernels (plan GenSteps): the dispatch by family, pointwise kernels and their Python bindings.
 
 Pointwise kernels move 16 bytes per access where the source is contiguous over the space; reductions, softmax and
 norms are in kernelfuse.codegen.reduce (their split form over a few long rows in kernelfuse.codegen.split),
@@ -8,7 +8,8 @@ pooling in kernelfuse.codegen.pool; the shared iteration machinery in kernelfuse
 from __future__ import annotations
 
 from kernelfuse.capture import contiguous_strides
-from kernelfuse.codegen.common import AT_TYPES, C_TYPES, ints
+from kernelfuse.codegen.binding import Binding, pointer_launcher, py_tuple
+from kernelfuse.codegen.common import C_TYPES
 from kernelfuse.codegen.iteration import (
     BLOCK,
     decompose,
@@ -32,8 +33,8 @@ from kernelfuse.plan.ir import GenStep, Plan
 __all__ = ["REDUCE_PRELUDE", "render_generated", "tensor_args"]  # tensor_args: the emitted call passes them
 
 
-def render_generated(plan: Plan, step: GenStep) -> tuple[str, str]:
-    """(CUDA kernel + launcher, C++ wrapper) for one GenStep."""
+def render_generated(plan: Plan, step: GenStep) -> tuple[str, Binding]:
+    """(CUDA kernel + launcher, its Python binding) for one GenStep."""
     ctype = C_TYPES[step.out_meta.dtype]
     family = _family(step)
     if family == "flat":
@@ -44,7 +45,7 @@ def render_generated(plan: Plan, step: GenStep) -> tuple[str, str]:
         body = split_kernel(step, ctype, split_chunks(step))
     else:
         body = row_kernel(step, ctype)
-    return f"// {step.kernel}: {step.chain(plan.graph)}\n{body}", _wrapper(plan, step)
+    return f"// {step.kernel}: {step.chain(plan.graph)}\n{body}", _binding(plan, step)
 
 
 def _family(step: GenStep) -> str:
@@ -141,40 +142,37 @@ def _flat_launcher(step: GenStep, ctype: str, numel: int, vec: int) -> str:
     body = f"  if ({aligned})\n    {launch.format(VEC=vec)}\n  else\n    {launch.format(VEC=1)}" if vec > 1 \
         else f"  {launch.format(VEC=1)}"
     return f"""
-cudaError_t {k}_launch({params}, void* out, cudaStream_t stream) {{
+KF_EXPORT cudaError_t {k}_launch({params}, void* out, cudaStream_t stream) {{
 {body}
   return cudaGetLastError();
 }}
 """
 
 
-def _wrapper(plan: Plan, step: GenStep) -> str:
+def _binding(plan: Plan, step: GenStep) -> Binding:
+    """The `_Kernels` method: check each tensor's layout, allocate out (and the workspace), launch."""
     k = step.kernel
-    at_type = AT_TYPES[step.out_meta.dtype]
     args = tensor_args(step)
     metas = {name: plan.graph[ref].meta for name, ref in args}  # type: ignore[index]
     metas["src"] = step.source.meta  # the layout the kernel reads (a channels-last convolution's, say)
-    decl_params = "".join(f", {'const ' if name not in ('run_mean', 'run_var') else ''}void*" for name, _ in args)
-    workspace = workspace_floats(step)
-    work = ", void*" if workspace else ""
-    lines = [f"cudaError_t {k}_launch({decl_params[2:]}, void*{work}, cudaStream_t);", "",
-             f"// {k}: {step.chain(plan.graph)}",
-             f"torch::Tensor {k}({', '.join(f'const torch::Tensor& {name}' for name, _ in args)}) {{",
-             "  const c10::cuda::CUDAGuard guard(src.device());"]
+    dtype = step.out_meta.dtype
+    lines = [f"# {k}: {step.chain(plan.graph)}",
+             f"def {k}(self, {', '.join(name for name, _ in args)}):"]
     for name, ref in args:
         meta = metas[name]
-        lines.append(f'  kf_check_strided({name}, "{k} {name} (%{ref.name})", {{{ints(meta.shape)}}}, '  # type: ignore[attr-defined]
-                     f"{{{ints(meta.stride)}}}, {at_type});")
+        lines.append(f'    _check({name}, "{k} {name} (%{ref.name})", {py_tuple(meta.shape)}, {py_tuple(meta.stride)}, '  # type: ignore[attr-defined]
+                     f"{dtype})")
     strides = permuted_out(step)
     if strides:  # eager's permuted layout, which later views and kernels were captured against
-        lines.append(f"  torch::Tensor out = at::empty_strided({{{ints(step.out_meta.shape)}}}, {{{ints(strides)}}}, "
-                     "src.options());")
+        lines.append(f"    out = src.new_empty_strided({py_tuple(step.out_meta.shape)}, {py_tuple(strides)})")
     else:
-        lines.append(f"  torch::Tensor out = at::empty({{{ints(step.out_meta.shape)}}}, src.options());")
-    ptrs = ", ".join(f"{name}.data_ptr()" for name, _ in args) + ", out.data_ptr()"
+        lines.append(f"    out = src.new_empty({py_tuple(step.out_meta.shape)})")
+    ptrs = "".join(f"{name}.data_ptr(), " for name, _ in args) + "out.data_ptr()"
+    workspace = workspace_floats(step)
     if workspace:  # a split kernel's partial results, a split norm's statistics, an on-chip row kernel's partials
-        lines.append(f"  torch::Tensor work = at::empty({{{workspace}}}, src.options().dtype(at::kFloat));")
+        lines.append(f"    work = src.new_empty({workspace}, dtype=torch.float32)")
         ptrs += ", work.data_ptr()"
-    lines.append(f'  kf_check_launch({k}_launch({ptrs}, c10::cuda::getCurrentCUDAStream()), "{k}");')
-    lines += ["  return out;", "}", ""]
-    return "\n".join(lines)
+    lines.append(f'    self._launch(self._{k}, "{k}", src, {ptrs})')
+    lines.append("    return out")
+    return Binding(pointer_launcher(k, len(args) + 1 + bool(workspace)), "\n".join(lines))
+

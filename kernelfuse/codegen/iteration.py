@@ -207,7 +207,7 @@ def launcher(step: GenStep, ctype: str, grid: str) -> str:
     k = step.kernel
     params, args = launch_params(step, ctype)
     return f"""
-cudaError_t {k}_launch({params}, void* out, cudaStream_t stream) {{
+KF_EXPORT cudaError_t {k}_launch({params}, void* out, cudaStream_t stream) {{
   {k}_kernel<<<{grid}, {BLOCK}, 0, stream>>>({args}, ({ctype}*)out);
   return cudaGetLastError();
 }}

@@ -149,7 +149,7 @@ def onchip_launcher(step: GenStep, ctype: str, blocks: int, rows: int, red: int,
     smem = chunk_of(red, blocks) * 4
     parts = 3 * rows * blocks
     return f"""
-cudaError_t {k}_launch({params}, void* out, void* work, cudaStream_t stream) {{
+KF_EXPORT cudaError_t {k}_launch({params}, void* out, void* work, cudaStream_t stream) {{
 #ifdef __CUDACC__
   static int resident = -1;  // blocks of the on-chip kernel the device runs at once, decided once per process
   if (resident < 0) {{

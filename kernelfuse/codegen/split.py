@@ -128,7 +128,7 @@ def split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
     launches = "\n".join(f"  {k}_{name}<<<{grid}, {BLOCK}, 0, stream>>>({args}, ({ctype}*)out, ({work})work);"
                          for name, grid, work in passes)
     lines.append(f"""
-cudaError_t {k}_launch({params}, void* out, void* work, cudaStream_t stream) {{
+KF_EXPORT cudaError_t {k}_launch({params}, void* out, void* work, cudaStream_t stream) {{
 {launches}
   return cudaGetLastError();
 }}

@@ -16,6 +16,7 @@ import torch
 
 from kernelfuse.capture import Node, Ref
 from kernelfuse.codegen import CudaSources
+from kernelfuse.codegen.binding import runtime_source
 from kernelfuse.codegen.generated import tensor_args
 from kernelfuse.emit.flags import _with_tf32, _without_tf32, source_of
 from kernelfuse.emit.graphed import GRAPH_RUNTIME, graphed_forward_source
@@ -38,14 +39,15 @@ _EXTENSION = None
 
 
 def _extension():
-    """Build the kernels below on first use, or load them from torch's extension cache (keyed by source hash)."""
+    """The kernels below, built on first use as a plain library (no torch headers, no C++ binding: a fast build)
+    or loaded from torch's extension cache (keyed by source hash), behind the `_Kernels` methods."""
     global _EXTENSION
     if _EXTENSION is None:
         import os
 
         from torch.utils.cpp_extension import load_inline
 
-        digest = hashlib.sha256((CUDA_SRC + CPP_SRC).encode()).hexdigest()[:16]
+        digest = hashlib.sha256(CUDA_SRC.encode()).hexdigest()[:16]
         # Keep torch's headers out of the kernel file where this torch allows it: a much faster build.
         options = {"no_implicit_headers": True} if "no_implicit_headers" in inspect.signature(load_inline).parameters else {}
         # Compile the kernels for the GPU at hand only (not a long TORCH_CUDA_ARCH_LIST from the environment).
@@ -53,13 +55,12 @@ def _extension():
         if torch.cuda.is_available():
             os.environ["TORCH_CUDA_ARCH_LIST"] = "%d.%d" % torch.cuda.get_device_capability()
         try:
-            _EXTENSION = load_inline(
+            path = load_inline(
                 name=f"kernelfuse_{NAME}_{digest}",
-                cpp_sources=CPP_SRC,
+                cpp_sources="",  # nothing on the C++ side: Python calls the kernels' C launchers through ctypes
                 cuda_sources=CUDA_SRC,
-                functions=list(FUNCTIONS),
-                extra_cflags=["-O1"],  # the C++ side only checks shapes and launches: its build time is header parsing
                 extra_cuda_cflags=["-O3"],
+                is_python_module=False,
                 **options,
             )
         finally:
@@ -67,6 +68,7 @@ def _extension():
                 os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
             else:
                 os.environ["TORCH_CUDA_ARCH_LIST"] = arch
+        _EXTENSION = _Kernels(path)
     return _EXTENSION
 '''
 
@@ -90,7 +92,7 @@ def _use_kernels(module, inputs):
 
 def runtime_text(plan: Plan, sources: CudaSources | None) -> str:
     """The module-level support code a fused forward calls: loader, guard, TF32 helper (as needed)."""
-    parts = [LOADER] if sources is not None else []
+    parts = [LOADER, runtime_source(), sources.binding] if sources is not None else []
     parts.append(GUARD)
     if any(s.anchor.tf32 for s in plan.fused):
         parts.append(source_of(_with_tf32))  # a matmul under the tf32 policy
@@ -110,14 +112,15 @@ def emit_modelnew(problem: Problem, plan: Plan, sources: CudaSources | None, rep
     header = _docstring(problem, plan, report)
     guarded = sources is not None or bool(plan.fused) or bool(optional) or plan.graphed
     body = _model_new_class(problem, cls, forward, plan, arg_names, sources is not None, guarded, optional)
-    parts = [header, "import hashlib\nimport inspect\n", prelude.rstrip() + "\n", body]
+    imports = "import ctypes\nimport hashlib\nimport inspect\n" if sources is not None else "import hashlib\nimport inspect\n"
+    parts = [header, imports, prelude.rstrip() + "\n", body]
     specs = ", ".join(f"({tuple(n.meta.shape)}, {n.meta.dtype})" for n in plan.graph.inputs)
     if guarded:
         parts.append(runtime_text(plan, sources))
         parts.append(f"INPUT_SPECS = [{specs}]\nCAPTURED_TRAINING = {plan.graph.training}\n")
     if sources is not None:
-        parts.append(f"NAME = {problem.name!r}\nFUNCTIONS = {sources.functions!r}\n")
-        parts.append(f'CUDA_SRC = r"""\n{sources.cuda}"""\n\nCPP_SRC = r"""\n{sources.cpp}"""\n')
+        parts.append(f"NAME = {problem.name!r}\n")
+        parts.append(f'CUDA_SRC = r"""\n{sources.cuda}"""\n')
     return _tidy("\n\n".join(p.strip("\n") + "\n" for p in parts))
 
 

@@ -6,6 +6,7 @@ executed in a fresh namespace, with the wrapped module's state read through `sel
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import inspect
 import textwrap
@@ -13,7 +14,8 @@ import textwrap
 import torch
 
 from kernelfuse.codegen import CudaSources
-from kernelfuse.emit.modelnew import forward_source, runtime_text
+from kernelfuse.codegen.binding import runtime_source
+from kernelfuse.emit.modelnew import LOADER, forward_source, runtime_text
 from kernelfuse.plan.ir import Plan
 
 WRAPPER = '''
@@ -35,11 +37,10 @@ def build_module(model: torch.nn.Module, plan: Plan, sources: CudaSources | None
                  arg_names: list[str]) -> torch.nn.Module:
     """A module whose forward runs `plan` (its kernels built now), falling back to `model` like a ModelNew."""
     specs = [(tuple(n.meta.shape), n.meta.dtype) for n in plan.graph.inputs]
-    namespace: dict[str, object] = {"torch": torch, "hashlib": hashlib, "inspect": inspect, "INPUT_SPECS": specs,
-                                    "CAPTURED_TRAINING": plan.graph.training}
+    namespace: dict[str, object] = {"torch": torch, "ctypes": ctypes, "hashlib": hashlib, "inspect": inspect,
+                                    "INPUT_SPECS": specs, "CAPTURED_TRAINING": plan.graph.training}
     if sources is not None:
-        namespace.update(NAME=type(model).__name__.lower(), FUNCTIONS=sources.functions,
-                         CUDA_SRC=sources.cuda, CPP_SRC=sources.cpp)
+        namespace.update(NAME=type(model).__name__.lower(), CUDA_SRC=sources.cuda)
     exec(compile(runtime_text(plan, sources), "<kernelfuse runtime>", "exec"), namespace)  # noqa: S102 - our own generated code
     forward = forward_source(plan, arg_names, sources is not None, True, state="self.inner")
     doc = plan.summary().replace('"""', "'''").replace("\n", "\n    ")
@@ -48,6 +49,15 @@ def build_module(model: torch.nn.Module, plan: Plan, sources: CudaSources | None
     if sources is not None:
         namespace["_extension"]()  # type: ignore[operator]
     return namespace["FusedModule"](model)  # type: ignore[operator]
+
+
+def load_kernels(sources: CudaSources, name: str) -> object:
+    """`sources`' kernels built now (or loaded from torch's cache) behind the emitted `_Kernels` methods, for
+    measuring kernels outside a model (benchmarks)."""
+    namespace: dict[str, object] = {"torch": torch, "ctypes": ctypes, "hashlib": hashlib, "inspect": inspect,
+                                    "NAME": name, "CUDA_SRC": sources.cuda}
+    exec(compile(LOADER + runtime_source() + sources.binding, "<kernelfuse kernels>", "exec"), namespace)  # noqa: S102
+    return namespace["_extension"]()  # type: ignore[operator]
 
 
 def forward_arg_names(model: torch.nn.Module) -> list[str]:

@@ -1,0 +1,127 @@
+"""The kernels' Python side: checks, output allocation and launches through ctypes, so no C++ binding is compiled.
+
+The kernel file builds as a plain shared library whose launchers are `extern "C"` (KF_EXPORT); the emitted
+`_Kernels` class calls them through ctypes. Each of its methods checks every tensor against the layout the kernels
+were built for (a mismatch raises, never a wrong result), allocates the output with torch's allocator and launches
+on torch's current stream. Compiling a torch-facing C++ binding took about 10 of a cold build's 12 seconds
+(benchmarks/results/build_speed_*_h100.log); this Python costs a few microseconds per call instead.
+
+The helpers below are copied into the emitted file (it imports nothing from kernelfuse) by `runtime_source`, so
+what the tests run here is what the file runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+
+def _layout_error(t, what, shape, strides, dtype):
+    """The message of a failed check: what differs from the layout the kernel was built for."""
+    if tuple(t.shape) != tuple(shape):
+        return f"kernelfuse: {what} has shape {list(t.shape)}, the kernel was built for {list(shape)}"
+    if strides is not None:
+        return f"kernelfuse: {what} has strides {list(t.stride())}, the kernel was built for {list(strides)}"
+    if t.dtype != dtype:
+        return f"kernelfuse: {what} has dtype {t.dtype}, expected {dtype}"
+    return f"kernelfuse: {what} must be a CUDA tensor"
+
+
+def _check(t, what, shape, strides, dtype):
+    """Raise ValueError unless `t` is a CUDA tensor of `dtype` and `shape` laid out with `strides` (a dimension of
+    size 1 may have any stride): the kernel reads it through exactly these strides."""
+    if t.shape != shape or (t.stride() != strides and any(
+            n != 1 and s != e for n, s, e in zip(shape, t.stride(), strides, strict=True))):
+        raise ValueError(_layout_error(t, what, shape, strides, dtype))
+    if t.dtype != dtype or not t.is_cuda:
+        raise ValueError(_layout_error(t, what, shape, None, dtype))
+
+
+def _check_dense(t, what, shape, dtype, memory_format=torch.contiguous_format):
+    """Raise ValueError unless `t` is a CUDA tensor of `dtype` and `shape`, dense in `memory_format`."""
+    if t.shape != shape:
+        raise ValueError(_layout_error(t, what, shape, None, dtype))
+    if not t.is_contiguous(memory_format=memory_format):
+        raise ValueError(f"kernelfuse: {what} must be dense in {memory_format}, its strides are {list(t.stride())}")
+    if t.dtype != dtype or not t.is_cuda:
+        raise ValueError(_layout_error(t, what, shape, None, dtype))
+
+
+class _KernelLibrary:
+    """The compiled kernel library: its `extern "C"` launchers by name, each launched on torch's current stream."""
+
+    # torch's current stream as an integer: the private accessor Inductor's generated code uses, where it exists
+    _raw_stream = staticmethod(getattr(torch._C, "_cuda_getCurrentRawStream", None)
+                               or (lambda index: torch.cuda.current_stream(index).cuda_stream))
+
+    def __init__(self, path):
+        self._lib = ctypes.CDLL(path)
+        self._lib.kf_error_string.argtypes = [ctypes.c_int]
+        self._lib.kf_error_string.restype = ctypes.c_char_p
+
+    def _function(self, symbol, argtypes):
+        """The launcher `symbol`: `argtypes`, then the stream; it returns a cudaError_t."""
+        function = getattr(self._lib, symbol)
+        function.argtypes = [*argtypes, ctypes.c_void_p]
+        function.restype = ctypes.c_int
+        return function
+
+    def _launch(self, function, kernel, tensor, *args):
+        """`function(*args, stream)` on `tensor`'s device and torch's current stream there; a CUDA error raises."""
+        index = tensor.device.index
+        if index != torch.cuda.current_device():  # the runtime launches on its current device: make it tensor's
+            with torch.cuda.device(index):
+                return self._launch(function, kernel, tensor, *args)
+        error = function(*args, self._raw_stream(index))
+        if error:
+            raise RuntimeError(f"kernelfuse: launching {kernel} failed: {self._lib.kf_error_string(error).decode()}")
+        return None
+
+
+@dataclass(frozen=True)
+class Binding:
+    """One launcher's Python side: the line of `_Kernels.__init__` that declares its C signature, and the method
+    that calls it with tensors."""
+
+    init: str
+    method: str
+
+
+def pointer_launcher(kernel: str, pointers: int) -> str:
+    """The `__init__` line of a launcher `{kernel}_launch` that takes `pointers` device pointers, then the stream."""
+    return f'self._{kernel} = self._function("{kernel}_launch", [ctypes.c_void_p] * {pointers})'
+
+
+def py_tuple(values: tuple[int, ...]) -> str:
+    """A Python tuple literal (one element keeps its comma)."""
+    return repr(tuple(values))
+
+
+def kernels_class(bindings: list[Binding]) -> str:
+    """The emitted `_Kernels` class: one method per kernel entry point, all on one ctypes library."""
+    init = "\n".join(f"        {b.init}" for b in bindings)
+    methods = "\n\n".join(_indent(b.method.strip("\n"), "    ") for b in bindings)
+    return f'''
+class _Kernels(_KernelLibrary):
+    """The kernels of CUDA_SRC, called with tensors: each checks its tensors against the layouts the kernels were
+    built for, allocates its output and launches on torch's current stream."""
+
+    def __init__(self, path):
+        super().__init__(path)
+{init}
+
+{methods}
+'''
+
+
+def runtime_source() -> str:
+    """The helpers above as the emitted file's text."""
+    return "\n\n".join(inspect.getsource(obj).strip("\n") + "\n"
+                       for obj in (_layout_error, _check, _check_dense, _KernelLibrary))
+
+
+def _indent(text: str, prefix: str) -> str:
+    return "\n".join(prefix + line if line else line for line in text.splitlines())
