@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from kernelfuse.codegen import generate
 from kernelfuse.cpucheck import CpuCheck, check_plans
 from kernelfuse.emit import emit_modelnew, emit_reference
 from kernelfuse.judge import EvalOptions, Verdict, evaluate
+from kernelfuse.judge.runner import judge_zygote
 from kernelfuse.load import Problem, check_output_path, load_problem
 from kernelfuse.plan import Plan, plan_variants
 from kernelfuse.rewrite import RULE_NAMES, RuleFiring, apply_rules
@@ -81,6 +83,14 @@ class OptimizeResult:
 
 def optimize_file(problem_path: str | Path, out_path: str | Path, options: OptimizeOptions = OptimizeOptions(),
                   log: Callable[[str], None] = print) -> OptimizeResult:
+    use_gpu = torch.cuda.is_available() if options.use_gpu is None else options.use_gpu
+    # the judge's fork server imports torch.compile's machinery while the problem is captured and planned
+    with judge_zygote() if use_gpu else nullcontext():
+        return _optimize(problem_path, out_path, options, log, use_gpu)
+
+
+def _optimize(problem_path: str | Path, out_path: str | Path, options: OptimizeOptions, log: Callable[[str], None],
+              use_gpu: bool) -> OptimizeResult:
     out_path = check_output_path(Path(problem_path), Path(out_path))
     problem = load_problem(problem_path)
     log(f"[1/5] loaded {problem.path}")
@@ -90,7 +100,6 @@ def optimize_file(problem_path: str | Path, out_path: str | Path, options: Optim
     graph = rewritten.graph
     mode = "training" if graph.training else "eval"
     log(f"[2/5] captured {len(graph.nodes)} ATen nodes on fake tensors ({mode} mode); {rewritten.summary()}")
-    use_gpu = torch.cuda.is_available() if options.use_gpu is None else options.use_gpu
     timings = _measure_conv_layouts(graph, options.precision, log) if use_gpu else None
     plans = plan_variants(graph, options.precision, options.max_fusions,
                           None if timings is None else {t.node: t.choice for t in timings},

@@ -12,19 +12,30 @@ import pytest
 from judge_support import TINY, candidate, evaluate_many
 
 from kernelfuse.judge import EXIT_INCORRECT, EXIT_NOT_BUILT, EXIT_OK, EvalOptions
+from kernelfuse.judge.runner import NO_ZYGOTE_ENV, ZYGOTE_ENV, judge_zygote
 
 CPU = EvalOptions(device="cpu", baselines=("eager",), timing_reps=3, warmup=1, trials=2, timeout_s=120)
 NAMES = ["raise_at_import", "exit_at_import", "hard_exit_in_init", "segfault_at_import", "raise_in_forward",
          "syntax_error", "no_model_new"]
 
 
-@pytest.fixture(scope="module")
-def verdicts():
+@pytest.fixture(scope="module", params=["spawned", "forked"])
+def verdicts(request):
+    """Every candidate judged by workers started with `python -m`, then by workers forked from the warm server
+    (kernelfuse.judge.zygote): a crash, exit or hang must end the same way."""
     jobs = {name: (TINY, candidate(name), CPU) for name in NAMES}
     # the limit leaves room for setup (importing torch) even on a loaded machine
     jobs["hang_at_import"] = (TINY, candidate("hang_at_import"), replace(CPU, timeout_s=30))
     jobs["crash_then_good"] = [(TINY, candidate("segfault_at_import"), CPU), (TINY, candidate("good"), CPU)]
-    return evaluate_many(jobs)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv(ZYGOTE_ENV, raising=False)
+        if request.param == "spawned":
+            patch.setenv(NO_ZYGOTE_ENV, "1")
+        with judge_zygote():
+            results = evaluate_many(jobs)
+    ran = {v.details.get("worker") for v in results.values()} - {None}  # a syntax error starts no worker
+    assert ran == {request.param}
+    return results
 
 
 def test_raise_at_import_names_the_line(verdicts):
@@ -71,3 +82,9 @@ def test_judge_carries_on_after_a_crash(verdicts):
     v = verdicts[("crash_then_good", 1)]
     assert (v.status, v.correct, v.exit_code) == ("ok", True, EXIT_OK)
     assert v.trials_passed == 2 and v.runtime_ms is not None and v.eager_ms is not None
+
+
+def test_an_unreachable_fork_server_leaves_the_worker_spawned(monkeypatch):
+    monkeypatch.setenv(ZYGOTE_ENV, "999999999:/nonexistent/kernelfuse_zygote.socket")
+    v = evaluate_many({"good": (TINY, candidate("good"), CPU)})["good"]
+    assert v.status == "ok" and v.details["worker"] == "spawned"

@@ -29,7 +29,8 @@ CALL_CHECKS_OFF = ("per-call checks off (call_checks=False): timed-call comparis
                    "output type and aliasing and device-state checks did not run; for measuring the judge's "
                    "overhead only, not a verdict on the candidate")
 STAGE_WORDS = {
-    "setup": "setup (importing torch, loading the problem)", "reference": "building the reference model",
+    "setup": "setup (importing torch, loading the problem)", "compiler_import": "importing torch.compile's machinery",
+    "timer": "starting the GPU timer", "reference": "building the reference model",
     "import": "import of the candidate (building its extensions)", "construct": "ModelNew(...) construction",
     "guard": "checks after import", "parameters": "the parameter check", "to_device": "moving the models to the GPU",
     "probe": "the reference probe", "trials": "the correctness trials", "streams": "the stream check",
@@ -116,6 +117,9 @@ def _verdict(run: ChildRun, cand: Candidate, opts: EvalOptions, base: dict[str, 
                          if out.get(k) is not None}
     fields["details"]["trials"] = trials
     fields["details"]["stage_s"] = _stage_seconds(out)
+    fields["details"]["worker"] = run.started  # forked from the warm server, or spawned with python -m
+    if out.get("timing"):
+        fields["details"]["timing_s"] = out["timing"].get("seconds")
     if out.get("timing"):
         fields["details"]["floor"] = out["timing"].get("floor")
         fields["details"]["timing_escape"] = out["timing"].get("escape")

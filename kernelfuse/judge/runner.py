@@ -2,16 +2,24 @@
 
 The child runs in a new session, so the compiler processes of an extension build and anything the candidate spawns
 are in its process group: one `killpg` ends them all. It is also killed after a normal exit, in case the candidate
-left a process behind.
+left a process behind. Within `judge_zygote()` the child is forked from a warm fork server (kernelfuse.judge.zygote)
+instead of started with `python -m`: the same worker in its own session, without ~9 s of imports; where the server
+cannot be reached, the child is started as before.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +28,9 @@ import kernelfuse
 from kernelfuse.judge.protocol import read_outcome
 
 KILL_WAIT_S = 60.0
+ZYGOTE_ENV = "KERNELFUSE_ZYGOTE"  # "PID:SOCKET" of the fork server the judge workers come from
+NO_ZYGOTE_ENV = "KERNELFUSE_NO_ZYGOTE"  # set (to anything) to start every worker with `python -m`
+ZYGOTE_START_S = 180.0  # how long a first request waits for the server to finish its imports
 
 
 @dataclass(frozen=True)
@@ -31,6 +42,7 @@ class ChildRun:
     wall_s: float
     log_path: Path
     outcome: dict[str, Any] = field(default_factory=dict)
+    started: str = "spawned"  # "forked" from the zygote, or "spawned" with python -m
 
 
 def package_root() -> Path:
@@ -56,14 +68,19 @@ def _kill_group(pid: int) -> None:
 
 
 def run_worker(request_path: Path, outcome_path: Path, log_path: Path, timeout_s: float) -> ChildRun:
-    """Start `python -m kernelfuse.judge.worker REQUEST`, wait at most `timeout_s`, and collect its outcome."""
+    """Run the worker on REQUEST (forked from the zygote where one is up, else `python -m
+    kernelfuse.judge.worker REQUEST`), wait at most `timeout_s`, and collect its outcome."""
+    if os.environ.get(ZYGOTE_ENV):
+        forked = _run_forked(os.environ[ZYGOTE_ENV], request_path, outcome_path, log_path, timeout_s)
+        if forked is not None:
+            return forked
     start = time.monotonic()
     timed_out = False
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "kernelfuse.judge.worker", str(request_path)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=str(request_path.parent),
-            env=child_env(), start_new_session=True,
+            env=_worker_env(), start_new_session=True,
         )
         try:
             returncode: int | None = proc.wait(timeout=timeout_s)
@@ -76,3 +93,111 @@ def run_worker(request_path: Path, outcome_path: Path, log_path: Path, timeout_s
                 returncode = None
         _kill_group(proc.pid)
     return ChildRun(returncode, timed_out, time.monotonic() - start, log_path, read_outcome(outcome_path))
+
+
+def _worker_env() -> dict[str, str]:
+    env = child_env()
+    env.pop(ZYGOTE_ENV, None)  # a worker has no business with the server
+    return env
+
+
+def _run_forked(server: str, request_path: Path, outcome_path: Path, log_path: Path,
+                timeout_s: float) -> ChildRun | None:
+    """The worker forked by the zygote `server` ("PID:SOCKET"); None when the server cannot take the request
+    (nothing was started then)."""
+    start = time.monotonic()
+    conn = _connect(server)
+    if conn is None:
+        return None
+    lines = _Lines(conn)
+    try:
+        request = {"argv": ["kernelfuse.judge.worker", str(request_path)], "cwd": str(request_path.parent),
+                   "env": _worker_env(), "log": str(log_path)}
+        conn.sendall((json.dumps(request) + "\n").encode())
+        pid = int(lines.read(30.0)["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        conn.close()
+        return None
+    timed_out = False
+    try:
+        returncode: int | None = int(lines.read(max(timeout_s - (time.monotonic() - start), 0.1))["returncode"])
+    except TimeoutError:
+        timed_out = True
+        _kill_group(pid)
+        try:
+            returncode = int(lines.read(KILL_WAIT_S)["returncode"])
+        except (OSError, ValueError, KeyError, TypeError):
+            returncode = None
+    except (OSError, ValueError, KeyError, TypeError):  # the server died: the child is gone with its group below
+        returncode = None
+    conn.close()
+    _kill_group(pid)
+    return ChildRun(returncode, timed_out, time.monotonic() - start, log_path, read_outcome(outcome_path), "forked")
+
+
+def _connect(server: str) -> socket.socket | None:
+    """A connection to the zygote, waiting while it is still importing; None once it is gone or never answers."""
+    pid_text, _, path = server.partition(":")
+    deadline = time.monotonic() + ZYGOTE_START_S
+    while True:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(path)
+            return conn
+        except OSError:
+            conn.close()
+        failed = Path(f"{path}.failed").exists()  # the server could not start (an exited one may linger as a zombie)
+        if failed or time.monotonic() > deadline or not _alive(int(pid_text or 0)):
+            return None
+        time.sleep(0.2)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError, OverflowError):
+        return False
+    return pid > 0
+
+
+class _Lines:
+    """JSON lines from a socket, each read with its own time limit (TimeoutError when it passes)."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn, self.buffer = conn, b""
+
+    def read(self, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self.buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            self.conn.settimeout(left)
+            chunk = self.conn.recv(4096)  # TimeoutError when `left` passes
+            if not chunk:
+                raise OSError("the zygote closed the connection")
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return json.loads(line)
+
+
+@contextmanager
+def judge_zygote() -> Iterator[None]:
+    """Judge workers within the block are forked from one warm server (started here, in the background; a block
+    inside another reuses the outer one's). Set KERNELFUSE_NO_ZYGOTE to start each worker with `python -m`."""
+    if os.environ.get(ZYGOTE_ENV) or os.environ.get(NO_ZYGOTE_ENV):
+        yield
+        return
+    folder = Path(tempfile.mkdtemp(prefix="kernelfuse_zygote_"))
+    with open(folder / "zygote.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "kernelfuse.judge.zygote", str(folder / "socket")],
+                                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=child_env(),
+                                start_new_session=True)
+    os.environ[ZYGOTE_ENV] = f"{proc.pid}:{folder / 'socket'}"
+    try:
+        yield
+    finally:
+        os.environ.pop(ZYGOTE_ENV, None)
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(folder, ignore_errors=True)

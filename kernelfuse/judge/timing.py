@@ -48,13 +48,14 @@ class TimingReport:
     checked_calls: int = 0
     failure: tuple[str, str] | None = None
     implausible: str | None = None
+    seconds: dict[str, float] = field(default_factory=dict)  # where the stage's time went: compile, samples, floor
 
     def to_dict(self) -> dict[str, Any]:
         return {"stats": self.stats, "compile_s": self.compile_s, "compile_error": self.compile_error,
                 "escape": self.escape, "threads": list(self.threads), "patched": list(self.patched),
                 "floor": self.floor, "warnings": list(self.warnings), "input_sets": self.input_sets,
                 "checked_calls": self.checked_calls, "failure": list(self.failure) if self.failure else None,
-                "implausible": self.implausible}
+                "implausible": self.implausible, "seconds": self.seconds}
 
 
 def run_timing(problem: Problem, models: Models, settings: TrialSettings, probe: Probe, timer: Timer,
@@ -62,6 +63,8 @@ def run_timing(problem: Problem, models: Models, settings: TrialSettings, probe:
                implausible_margin: float = 0.5) -> TimingReport:
     """Time the candidate and the requested baselines ("eager", "compile") alternating, then cross-check."""
     device = settings.device
+    clock = time.perf_counter()
+    seconds: dict[str, float] = {}
     pool = TimedInputs(problem, models, settings, ["candidate", *baselines], input_sets, reps)
     own = {name: pool.own[name][0] for name in pool.own}
     runners: dict[str, Callable[[], Any]] = {"candidate": lambda: models.candidate(*own["candidate"])}
@@ -85,6 +88,8 @@ def run_timing(problem: Problem, models: Models, settings: TrialSettings, probe:
             compile_error = f"{type(err).__name__}: {str(err)[:500]}"
             warnings.append(f"torch.compile baseline failed: {compile_error}")
 
+    seconds["inputs_and_compile"] = round(time.perf_counter() - clock, 3)
+    clock = time.perf_counter()
     snapshot = Snapshot.take()
     threads_seen: list[str] = []
     before = python_threads()
@@ -112,6 +117,8 @@ def run_timing(problem: Problem, models: Models, settings: TrialSettings, probe:
     for name, values in samples.items():
         stats[name]["host_median"] = summarize([s.host_ms for s in values]).median
     escape = escaped_work(samples["candidate"], samples.get("eager", []))
+    seconds["samples"] = round(time.perf_counter() - clock, 3)
+    clock = time.perf_counter()
 
     floor: Floor | None = None
     if device.type == "cuda":
@@ -124,6 +131,7 @@ def run_timing(problem: Problem, models: Models, settings: TrialSettings, probe:
                     floor = capped_by(floor, stats[name]["median"])
         except Exception as err:  # noqa: BLE001 - no floor is a missing number, not a failure
             warnings.append(f"floor estimate failed: {type(err).__name__}: {err}")
+    seconds["floor"] = round(time.perf_counter() - clock, 3)
     implausible = None
     if floor is not None:
         implausible = below_floor(stats["candidate"]["median"], floor, implausible_margin, "implausible")
@@ -132,4 +140,4 @@ def run_timing(problem: Problem, models: Models, settings: TrialSettings, probe:
             warnings.append(slow)
     return TimingReport(stats, compile_s, compile_error, escape, tuple(threads_seen), patched,
                         floor.to_dict() if floor else None, tuple(warnings), pool.sets, pool.n_checked,
-                        pool.failure, implausible)
+                        pool.failure, implausible, seconds)

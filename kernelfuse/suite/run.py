@@ -7,10 +7,12 @@ import os
 import re
 import tempfile
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kernelfuse.judge.runner import judge_zygote
 from kernelfuse.suite.candidates import find_candidate
 from kernelfuse.suite.child import ChildResult
 from kernelfuse.suite.discover import SuiteError, SuiteProblem, discover
@@ -81,8 +83,10 @@ def run_suite(paths: list[Path], options: SuiteOptions, log: Callable[[str], Non
         items.append(WorkItem(problem, candidate, _spec(problem, candidate, options),
                               workroot / re.sub(r"[^\w.-]", "_", problem.key)))
     try:
-        for finished in _schedule(items, options, log):
-            _record(store, progress, finished, options)
+        # judge workers forked warm from one server on this machine (Ray tasks start their own processes)
+        with nullcontext() if options.ray else judge_zygote():
+            for finished in _schedule(items, options, log):
+                _record(store, progress, finished, options)
     finally:
         progress.close()
     summary = summarize_records(store.records)

@@ -1,0 +1,146 @@
+"""A fork server for judge workers: torch and torch.compile's machinery imported once, each judge a fresh fork.
+
+A judge worker started with `python -m` spends about 3 s importing torch and 6 s importing torch._dynamo (measured
+on the H100 host, `stage_s.compiler_import`) before it judges anything; an optimizer judges one to four files per
+problem, a suite hundreds. The zygote process imports all of that once, never touching CUDA, and forks one child
+per judge: the child is still a process of its own (its own session and process group, killed as a whole on time
+out; a candidate's crash, patching or CUDA state dies with it), it only starts warm. It sets the request's
+environment and working folder, sends its output to the log file, and runs the worker's `main`.
+
+    python -m kernelfuse.judge.zygote SOCKET     (kernelfuse.judge.runner starts it; KERNELFUSE_ZYGOTE names it)
+
+Protocol, one Unix-socket connection per judge: the client sends one JSON line {argv, cwd, env, log}; the server
+answers {"pid": N} once forked, then {"returncode": R} when the child has ended (negative: killed by a signal).
+A server that cannot start (its imports touched CUDA, say) leaves SOCKET.failed, and the judge spawns its workers.
+The server is single-threaded (a fork from a threaded process can inherit a held lock) and exits when its parent
+does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import socket
+import sys
+from pathlib import Path
+
+
+def _preload() -> None:
+    """Everything a judge worker imports before it judges, CUDA left uninitialised (a forked child cannot use a
+    CUDA driver its parent started)."""
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # torch.cuda.is_available() through NVML: no CUDA runtime
+    import torch
+
+    import kernelfuse.judge.worker as worker
+
+    worker._prewarm_compiler()
+    if torch.cuda.is_initialized() or _children_in_bad_fork():  # they could not use the GPU: the judge spawns
+        raise SystemExit("kernelfuse zygote: importing the judge touched CUDA; workers will be spawned instead")
+
+
+def _children_in_bad_fork() -> bool:
+    """Would a forked child find CUDA poisoned? torch marks every child bad once its parent has asked the CUDA
+    runtime anything (a device count, say); ask a child."""
+    import torch
+
+    pid = os.fork()
+    if pid == 0:
+        os._exit(1 if torch.cuda._is_in_bad_fork() else 0)
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0
+
+
+def _child(request: dict, listener: socket.socket, conn: socket.socket) -> None:
+    """In the forked child: become the judge worker the request describes; never returns."""
+    code = 1
+    try:
+        listener.close()
+        conn.close()
+        os.setsid()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(devnull, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        sys.argv = list(request["argv"])
+        from kernelfuse.judge.worker import main
+
+        code = main(sys.argv)  # ends with os._exit
+    except BaseException as err:  # noqa: BLE001 - report, then leave without running the server's code
+        print(f"kernelfuse zygote: the forked judge failed to start: {type(err).__name__}: {err}", file=sys.stderr,
+              flush=True)
+    os._exit(code)
+
+
+def serve(path: str) -> None:
+    """Accept requests on the Unix socket `path` until the parent process is gone."""
+    _preload()
+    parent = os.getppid()
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(64)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ)
+    children: dict[int, socket.socket] = {}
+    print("ready", flush=True)
+    while os.getppid() == parent:
+        for _ in selector.select(timeout=0.2):
+            conn, _ = listener.accept()
+            try:
+                request = json.loads(conn.makefile("r").readline())
+            except (OSError, ValueError):
+                conn.close()
+                continue
+            pid = os.fork()
+            if pid == 0:
+                _child(request, listener, conn)
+            conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
+            children[pid] = conn
+        _reap(children)
+    for pid in children:
+        _kill(pid)
+
+
+def _reap(children: dict[int, socket.socket]) -> None:
+    """Report the children that have ended to their clients."""
+    for pid in list(children):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done == 0:
+            continue
+        conn = children.pop(pid)
+        try:
+            conn.sendall((json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n").encode())
+        except OSError:
+            pass
+        conn.close()
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1:
+        print(__doc__, file=sys.stderr)
+        return 2
+    path = Path(argv[0])
+    try:
+        serve(str(path))
+    except BaseException:
+        Path(f"{path}.failed").touch()  # clients stop waiting for it and spawn their workers
+        raise
+    finally:
+        path.unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
