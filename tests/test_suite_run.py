@@ -80,6 +80,8 @@ def test_a_problem_that_crashes_or_hangs_its_process_becomes_its_record(tmp_path
     assert records["a_crashes"]["status"] == "crashed" and "SIGSEGV" in records["a_crashes"]["reason"]
     assert records["b_hangs"]["status"] == "timeout" and records["b_hangs"]["correctness"] is False
     assert records["tiny_gemm_add_relu"]["status"] == "no_candidate"
+    # the job processes were forked warm from the judge's server: a crash and a hang still end as their records
+    assert records["a_crashes"]["judge_started"] == records["b_hangs"]["judge_started"] == "forked"
     assert time.monotonic() - started < 120  # the hang was cut at its limit, not waited out
     assert not [line for line in subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
                 .splitlines() if "kernelfuse.suite.job" in line and str(tmp_path) in line]

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,7 +60,8 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def _kill_group(pid: int) -> None:
+def kill_group(pid: int) -> None:
+    """SIGKILL to the process group `pid` leads (a child started in its own session), if it is still there."""
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -70,69 +71,95 @@ def _kill_group(pid: int) -> None:
 def run_worker(request_path: Path, outcome_path: Path, log_path: Path, timeout_s: float) -> ChildRun:
     """Run the worker on REQUEST (forked from the zygote where one is up, else `python -m
     kernelfuse.judge.worker REQUEST`), wait at most `timeout_s`, and collect its outcome."""
-    if os.environ.get(ZYGOTE_ENV):
-        forked = _run_forked(os.environ[ZYGOTE_ENV], request_path, outcome_path, log_path, timeout_s)
-        if forked is not None:
-            return forked
-    start = time.monotonic()
-    timed_out = False
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kernelfuse.judge.worker", str(request_path)],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=str(request_path.parent),
-            env=_worker_env(), start_new_session=True,
-        )
-        try:
-            returncode: int | None = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_group(proc.pid)
-            try:
-                returncode = proc.wait(timeout=KILL_WAIT_S)
-            except subprocess.TimeoutExpired:
-                returncode = None
-        _kill_group(proc.pid)
-    return ChildRun(returncode, timed_out, time.monotonic() - start, log_path, read_outcome(outcome_path))
-
-
-def _worker_env() -> dict[str, str]:
     env = child_env()
     env.pop(ZYGOTE_ENV, None)  # a worker has no business with the server
-    return env
-
-
-def _run_forked(server: str, request_path: Path, outcome_path: Path, log_path: Path,
-                timeout_s: float) -> ChildRun | None:
-    """The worker forked by the zygote `server` ("PID:SOCKET"); None when the server cannot take the request
-    (nothing was started then)."""
     start = time.monotonic()
-    conn = _connect(server)
-    if conn is None:
-        return None
-    lines = _Lines(conn)
-    try:
-        request = {"argv": ["kernelfuse.judge.worker", str(request_path)], "cwd": str(request_path.parent),
-                   "env": _worker_env(), "log": str(log_path)}
-        conn.sendall((json.dumps(request) + "\n").encode())
-        pid = int(lines.read(30.0)["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
-        conn.close()
-        return None
+    ended = run_module("kernelfuse.judge.worker", [str(request_path)], request_path.parent, env, log_path, timeout_s)
+    return ChildRun(ended.returncode, ended.timed_out, time.monotonic() - start, log_path, read_outcome(outcome_path),
+                    ended.started)
+
+
+@dataclass(frozen=True)
+class Ended:
+    """How a child process ended: exit status (negative: a signal; None: unknown), whether it was killed at its
+    limit, and how it was started ("forked" from the zygote or "spawned" with python -m)."""
+
+    returncode: int | None
+    timed_out: bool
+    started: str
+
+
+def run_module(module: str, args: list[str], cwd: Path, env: dict[str, str], log_path: Path, timeout_s: float,
+               on_start: Callable[[int], None] = lambda pid: None) -> Ended:
+    """`python -m MODULE ARGS...` in its own session with output to `log_path`, forked from the zygote where one
+    is up; killed with its whole process group after `timeout_s` and again once ended (whatever it left running).
+    `on_start(pid)` is told the process group as soon as it exists (to kill it from elsewhere)."""
+    server = os.environ.get(ZYGOTE_ENV)
+    forked = _Forked.start(server, module, args, cwd, env, log_path) if server else None
+    if forked is not None:
+        on_start(forked.pid)
+        try:
+            return Ended(*forked.wait(timeout_s), "forked")
+        finally:
+            kill_group(forked.pid)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", module, *args], stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, cwd=str(cwd), env=env, start_new_session=True)
+    on_start(proc.pid)
     timed_out = False
     try:
-        returncode: int | None = int(lines.read(max(timeout_s - (time.monotonic() - start), 0.1))["returncode"])
-    except TimeoutError:
+        returncode: int | None = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
         timed_out = True
-        _kill_group(pid)
+        kill_group(proc.pid)
         try:
-            returncode = int(lines.read(KILL_WAIT_S)["returncode"])
-        except (OSError, ValueError, KeyError, TypeError):
+            returncode = proc.wait(timeout=KILL_WAIT_S)
+        except subprocess.TimeoutExpired:
             returncode = None
-    except (OSError, ValueError, KeyError, TypeError):  # the server died: the child is gone with its group below
-        returncode = None
-    conn.close()
-    _kill_group(pid)
-    return ChildRun(returncode, timed_out, time.monotonic() - start, log_path, read_outcome(outcome_path), "forked")
+    finally:
+        kill_group(proc.pid)
+    return Ended(returncode, timed_out, "spawned")
+
+
+class _Forked:
+    """A child forked by the zygote: its process group, and the connection that reports its exit status."""
+
+    def __init__(self, pid: int, lines: _Lines) -> None:
+        self.pid, self.lines = pid, lines
+
+    @staticmethod
+    def start(server: str, module: str, args: list[str], cwd: Path, env: dict[str, str],
+              log_path: Path) -> _Forked | None:
+        """Ask the zygote `server` ("PID:SOCKET") for the child; None when it cannot take the request (nothing
+        was started then)."""
+        conn = _connect(server)
+        if conn is None:
+            return None
+        lines = _Lines(conn)
+        try:
+            request = {"module": module, "argv": [module, *args], "cwd": str(cwd), "env": env, "log": str(log_path)}
+            conn.sendall((json.dumps(request) + "\n").encode())
+            return _Forked(int(lines.read(30.0)["pid"]), lines)
+        except (OSError, ValueError, KeyError, TypeError):
+            conn.close()
+            return None
+
+    def wait(self, timeout_s: float) -> tuple[int | None, bool]:
+        """(exit status, killed at the limit); None for a status the server could not report."""
+        timed_out = False
+        try:
+            returncode: int | None = int(self.lines.read(timeout_s)["returncode"])
+        except TimeoutError:
+            timed_out = True
+            kill_group(self.pid)
+            try:
+                returncode = int(self.lines.read(KILL_WAIT_S)["returncode"])
+            except (OSError, ValueError, KeyError, TypeError):
+                returncode = None
+        except (OSError, ValueError, KeyError, TypeError):  # the server died: the child goes with its group
+            returncode = None
+        self.lines.conn.close()
+        return returncode, timed_out
 
 
 def _connect(server: str) -> socket.socket | None:

@@ -1,15 +1,17 @@
-"""A fork server for judge workers: torch and torch.compile's machinery imported once, each judge a fresh fork.
+"""A fork server for judge workers and suite jobs: torch and torch.compile's machinery imported once, each child a
+fresh fork.
 
 A judge worker started with `python -m` spends about 3 s importing torch and 6 s importing torch._dynamo (measured
 on the H100 host, `stage_s.compiler_import`) before it judges anything; an optimizer judges one to four files per
-problem, a suite hundreds. The zygote process imports all of that once, never touching CUDA, and forks one child
-per judge: the child is still a process of its own (its own session and process group, killed as a whole on time
-out; a candidate's crash, patching or CUDA state dies with it), it only starts warm. It sets the request's
-environment and working folder, sends its output to the log file, and runs the worker's `main`.
+problem, a suite hundreds (and each suite problem's own job process imports the same before capturing it). The
+zygote process imports all of that once, never touching CUDA, and forks one child per request: the child is still
+a process of its own (its own session and process group, killed as a whole on time out; a candidate's crash,
+patching or CUDA state dies with it), it only starts warm. It sets the request's environment and working folder,
+sends its output to the log file, and runs the module as `python -m` would (MODULES only).
 
     python -m kernelfuse.judge.zygote SOCKET     (kernelfuse.judge.runner starts it; KERNELFUSE_ZYGOTE names it)
 
-Protocol, one Unix-socket connection per judge: the client sends one JSON line {argv, cwd, env, log}; the server
+Protocol, one Unix-socket connection per child: the client sends one JSON line {module, argv, cwd, env, log}; the server
 answers {"pid": N} once forked, then {"returncode": R} when the child has ended (negative: killed by a signal).
 A server that cannot start (its imports touched CUDA, say) leaves SOCKET.failed, and the judge spawns its workers.
 The server is single-threaded (a fork from a threaded process can inherit a held lock) and exits when its parent
@@ -20,11 +22,15 @@ from __future__ import annotations
 
 import json
 import os
+import runpy
 import selectors
 import signal
 import socket
 import sys
+import warnings
 from pathlib import Path
+
+MODULES = ("kernelfuse.judge.worker", "kernelfuse.suite.job")  # what a child may run
 
 
 def _preload() -> None:
@@ -34,9 +40,12 @@ def _preload() -> None:
     import torch
 
     import kernelfuse.judge.worker as worker
+    import kernelfuse.pipeline  # noqa: F401 - what a suite job imports to capture, plan and emit
 
     worker._prewarm_compiler()
-    if torch.cuda.is_initialized() or _children_in_bad_fork():  # they could not use the GPU: the judge spawns
+    # children that could not use a GPU that is there: leave, the judge spawns its workers (without a GPU a child
+    # never asks for CUDA, and torch marks it bad whenever it found no NVML to count devices with)
+    if torch.cuda.is_initialized() or (_children_in_bad_fork() and torch.cuda.is_available()):
         raise SystemExit("kernelfuse zygote: importing the judge touched CUDA; workers will be spawned instead")
 
 
@@ -52,7 +61,7 @@ def _children_in_bad_fork() -> bool:
 
 
 def _child(request: dict, listener: socket.socket, conn: socket.socket) -> None:
-    """In the forked child: become the judge worker the request describes; never returns."""
+    """In the forked child: become the process the request describes; never returns."""
     code = 1
     try:
         listener.close()
@@ -67,13 +76,20 @@ def _child(request: dict, listener: socket.socket, conn: socket.socket) -> None:
         os.dup2(devnull, 0)
         os.dup2(log, 1)
         os.dup2(log, 2)
+        if request["module"] not in MODULES:
+            raise ValueError(f"{request['module']} is not one of {MODULES}")
         sys.argv = list(request["argv"])
-        from kernelfuse.judge.worker import main
-
-        code = main(sys.argv)  # ends with os._exit
+        warnings.filterwarnings("ignore", message=".*found in sys.modules after import of package")  # preloaded
+        code = 0
+        runpy.run_module(request["module"], run_name="__main__", alter_sys=True)  # the worker leaves by os._exit
+    except SystemExit as done:  # the job's sys.exit(main(...))
+        code = done.code if isinstance(done.code, int) else (0 if done.code is None else 1)
     except BaseException as err:  # noqa: BLE001 - report, then leave without running the server's code
-        print(f"kernelfuse zygote: the forked judge failed to start: {type(err).__name__}: {err}", file=sys.stderr,
-              flush=True)
+        print(f"kernelfuse zygote: the forked {request.get('module')} failed: {type(err).__name__}: {err}",
+              file=sys.stderr, flush=True)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(code)
 
 

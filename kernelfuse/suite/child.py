@@ -7,17 +7,13 @@ and the suite goes on. What the child reported, how it ended and the tail of its
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kernelfuse.judge.runner import child_env
+from kernelfuse.judge.runner import child_env, kill_group, run_module
 from kernelfuse.suite.job import JobSpec
 
 LOG_TAIL_CHARS = 2000
@@ -35,6 +31,7 @@ class ChildResult:
     wall_s: float
     result: dict[str, Any] = field(default_factory=dict)
     log_tail: str = ""
+    started: str = "spawned"  # "forked" from the judge's zygote, or "spawned" with python -m
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -48,13 +45,14 @@ class Children:
     """The running children of a suite, so an interrupted suite kills them all (each by its process group)."""
 
     def __init__(self) -> None:
-        self._procs: set[subprocess.Popen] = set()
+        self._groups: set[int] = set()
         self._lock = threading.Lock()
         self.cancelled = False
 
     def run(self, spec: JobSpec, phase: str, workdir: Path, timeout_s: float,
             cuda_devices: str | None = None) -> ChildResult:
-        """Run `phase` of `spec` in a child; CUDA_VISIBLE_DEVICES is set to `cuda_devices` when given."""
+        """Run `phase` of `spec` in a child (forked warm from the judge's zygote where one is up); CUDA_VISIBLE_DEVICES
+        is set to `cuda_devices` when given."""
         workdir.mkdir(parents=True, exist_ok=True)
         spec_path, result_path, log_path = workdir / "spec.json", workdir / f"{phase}.json", workdir / f"{phase}.log"
         spec.save(spec_path)
@@ -62,40 +60,32 @@ class Children:
         env = child_env()
         if cuda_devices is not None:
             env["CUDA_VISIBLE_DEVICES"] = cuda_devices
-        start = time.monotonic()
-        timed_out = False
-        with open(log_path, "wb") as log:
+        if self.cancelled:
+            return ChildResult(phase, None, False, 0.0, {"error": "cancelled"})
+        groups: list[int] = []
+
+        def started(pid: int) -> None:
             with self._lock:
+                self._groups.add(pid)
+                groups.append(pid)
                 if self.cancelled:
-                    return ChildResult(phase, None, False, 0.0, {"error": "cancelled"})
-                proc = subprocess.Popen([sys.executable, "-m", "kernelfuse.suite.job", str(spec_path),
-                                         str(result_path), phase], stdin=subprocess.DEVNULL, stdout=log,
-                                        stderr=subprocess.STDOUT, cwd=str(workdir), env=env, start_new_session=True)
-                self._procs.add(proc)
-            try:
-                returncode: int | None = proc.wait(timeout=timeout_s + min(MARGIN_S, timeout_s / 2))
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                _kill(proc)
-                returncode = proc.wait()
-            finally:
-                _kill(proc)  # anything the problem left running in its group
-                with self._lock:
-                    self._procs.discard(proc)
+                    kill_group(pid)
+
+        start = time.monotonic()
+        try:
+            ended = run_module("kernelfuse.suite.job", [str(spec_path), str(result_path), phase], workdir, env,
+                               log_path, timeout_s + min(MARGIN_S, timeout_s / 2), started)
+        finally:
+            with self._lock:
+                self._groups.difference_update(groups)
         result = json.loads(result_path.read_text()) if result_path.exists() else {}
         tail = log_path.read_text(errors="replace")[-LOG_TAIL_CHARS:]
-        return ChildResult(phase, returncode, timed_out, round(time.monotonic() - start, 3), result, tail)
+        return ChildResult(phase, ended.returncode, ended.timed_out, round(time.monotonic() - start, 3), result, tail,
+                           ended.started)
 
     def cancel(self) -> None:
         """Kill every running child and start no new one."""
         with self._lock:
             self.cancelled = True
-            for proc in list(self._procs):
-                _kill(proc)
-
-
-def _kill(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+            for pid in list(self._groups):
+                kill_group(pid)

@@ -25,6 +25,7 @@ def make_record(problem: SuiteProblem, candidate: Path | None, build: ChildResul
         "problem_path": str(problem.path), "candidate_path": str(candidate) if candidate else None,
         "sample_id": sample_id(candidate), "mode": "optimize" if candidate is None else "judge", "worker": worker,
         "judge_wall_s": judged.wall_s, "build_wall_s": build.wall_s if build else None,
+        "judge_started": judged.started,  # the job process forked warm from the zygote, or spawned
         "build_phase": _phase_note(build),
     })
     for name in ("shipped", "notes", "cold_build_s", "output"):
