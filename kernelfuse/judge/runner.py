@@ -1,9 +1,10 @@
-"""Run the worker in a child process with a wall-clock limit; kill its whole process group when time is up.
+"""Run a judge worker (or a suite job) in a child process with a wall-clock limit; kill its whole process group
+when time is up.
 
 The child runs in a new session, so the compiler processes of an extension build and anything the candidate spawns
 are in its process group: one `killpg` ends them all. It is also killed after a normal exit, in case the candidate
 left a process behind. Within `judge_zygote()` the child is forked from a warm fork server (kernelfuse.judge.zygote)
-instead of started with `python -m`: the same worker in its own session, without ~9 s of imports; where the server
+instead of started with `python -m`: the same module in its own session, without ~9 s of imports; where the server
 cannot be reached, the child is started as before.
 """
 
@@ -28,7 +29,7 @@ import kernelfuse
 from kernelfuse.judge.protocol import read_outcome
 
 KILL_WAIT_S = 60.0
-ZYGOTE_ENV = "KERNELFUSE_ZYGOTE"  # "PID:SOCKET" of the fork server the judge workers come from
+ZYGOTE_ENV = "KERNELFUSE_ZYGOTE"  # "PID:SOCKET" of the fork server the children come from
 NO_ZYGOTE_ENV = "KERNELFUSE_NO_ZYGOTE"  # set (to anything) to start every worker with `python -m`
 ZYGOTE_START_S = 180.0  # how long a first request waits for the server to finish its imports
 
@@ -210,8 +211,9 @@ class _Lines:
 
 @contextmanager
 def judge_zygote() -> Iterator[None]:
-    """Judge workers within the block are forked from one warm server (started here, in the background; a block
-    inside another reuses the outer one's). Set KERNELFUSE_NO_ZYGOTE to start each worker with `python -m`."""
+    """Judge workers and suite jobs within the block are forked from one warm server (started here, in the
+    background; a block inside another reuses the outer one's). Set KERNELFUSE_NO_ZYGOTE to start each with
+    `python -m`."""
     if os.environ.get(ZYGOTE_ENV) or os.environ.get(NO_ZYGOTE_ENV):
         yield
         return

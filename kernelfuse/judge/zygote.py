@@ -14,8 +14,9 @@ sends its output to the log file, and runs the module as `python -m` would (MODU
 Protocol, one Unix-socket connection per child: the client sends one JSON line {module, argv, cwd, env, log}; the server
 answers {"pid": N} once forked, then {"returncode": R} when the child has ended (negative: killed by a signal).
 A server that cannot start (its imports touched CUDA, say) leaves SOCKET.failed, and the judge spawns its workers.
-The server is single-threaded (a fork from a threaded process can inherit a held lock) and exits when its parent
-does.
+The server runs no Python threads of its own (a fork from a threaded process can inherit a held lock; torch's
+import leaves one idle native thread, which Python 3.12 warns about at each fork) and exits when its parent does.
+A child that hung on an inherited lock would end at its time limit as a `timeout` record, never as a verdict.
 """
 
 from __future__ import annotations
