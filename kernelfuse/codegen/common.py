@@ -1,15 +1,21 @@
-"""What every kernel family shares: C type names, index limits and the broadcast-operand offset expression."""
+"""What every kernel family shares: C type names, index limits, the broadcast-operand offset expression and the
+channels-last memory format's Python name."""
 
 from __future__ import annotations
 
 import torch
 
-from kernelfuse.capture import contiguous_strides
+from kernelfuse.capture import TensorMeta, contiguous_strides
 from kernelfuse.ops import POINTWISE_BY_ATEN, float_literal, render_cuda
 from kernelfuse.plan.ir import Epilogue, Program
 
 C_TYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 INT32_LIMIT = 2**31 - 1
+
+
+def channels_last_format(meta: TensorMeta) -> str:
+    """How Python spells torch's channels-last memory format for a 4-d (NHWC) or 5-d (NDHWC) tensor."""
+    return "torch.channels_last_3d" if len(meta.shape) == 5 else "torch.channels_last"
 
 
 def offset_expr(strides: tuple[int, ...], shape: tuple[int, ...], var: str = "i") -> str:

@@ -2,7 +2,8 @@
 
 Kernels are specialised to the captured shapes (sizes are compile-time constants, so index arithmetic divides
 by constants); the Python binding (kernelfuse.codegen.binding) checks every tensor against those shapes before
-launching, so a mismatch is an error, never a wrong result. Each epilogue statement is one op-table row rendered as a float expression.
+launching, so a mismatch is an error, never a wrong result. Each epilogue statement is one op-table row rendered as
+a float expression.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from kernelfuse.capture import TensorMeta
 from kernelfuse.codegen.binding import Binding, kernels_class, pointer_launcher, py_tuple
-from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, offset_expr, program_lines
+from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, channels_last_format, offset_expr, program_lines
 from kernelfuse.codegen.generated import REDUCE_PRELUDE, keeps_rows_on_chip, render_generated
 from kernelfuse.codegen.onchip import ONCHIP_PRELUDE
 from kernelfuse.ops import POINTWISE_BY_ATEN, prelude_for
@@ -257,7 +258,7 @@ KF_EXPORT cudaError_t {k}_launch(const void* acc, void* out{launch_params}, cuda
 def _binding(plan: Plan, step: FusedStep) -> Binding:
     epi, k = step.epilogue, step.kernel
     dtype = epi.out.dtype
-    fmt = _memory_format(epi.out)
+    fmt = channels_last_format(epi.out)
     params = "".join(f", in{i}" for i in range(len(epi.operands)))
     lines = [f"# {k}: {step.chain(plan.graph)}" + ("  (in place on the library output)" if step.inplace else ""),
              f"def {k}(self, acc{params}):"]
@@ -296,10 +297,6 @@ def _to_channels_last_binding(dtypes: list[torch.dtype]) -> Binding:
                      x.numel() // (n * c))
     return y'''
     return Binding(f"self._to_nhwc = {{{launchers}}}", method)
-
-
-def _memory_format(meta: TensorMeta) -> str:
-    return "torch.channels_last_3d" if len(meta.shape) == 5 else "torch.channels_last"
 
 
 

@@ -17,6 +17,7 @@ import torch
 from kernelfuse.capture import Node, Ref
 from kernelfuse.codegen import CudaSources
 from kernelfuse.codegen.binding import runtime_source
+from kernelfuse.codegen.common import channels_last_format
 from kernelfuse.codegen.generated import tensor_args
 from kernelfuse.emit.flags import _with_tf32, _without_tf32, source_of
 from kernelfuse.emit.graphed import GRAPH_RUNTIME, graphed_forward_source
@@ -268,7 +269,7 @@ def _fused_lines(graph, step: FusedStep, names: dict[str, str]) -> list[str]:
         if anchor.layout == "nhwc":
             x_meta = graph[node.args[0]].meta
             x = f"ext.to_channels_last({x}{'' if x_meta.is_contiguous else '.contiguous()'})"
-            fmt = _channels_last_format(node.meta)
+            fmt = channels_last_format(node.meta)
             w = f"{w}.contiguous(memory_format={fmt})"
             then = ("the reduction kernel reads its channels-last output" if step.keeps_layout
                     else "the epilogue writes NCHW back")
@@ -288,7 +289,7 @@ def _fused_lines(graph, step: FusedStep, names: dict[str, str]) -> list[str]:
         lines.append("    # cuDNN's TF32 off for this call: eager's NCHW convolution computes in full fp32 on this GPU")
         call = f"_without_tf32(lambda: {call})"
     if step.keeps_layout:  # cuDNN returns channels-last for channels-last operands; the reader's kernel needs it
-        call = f"{call}.contiguous(memory_format={_channels_last_format(node.meta)})"
+        call = f"{call}.contiguous(memory_format={channels_last_format(node.meta)})"
     lines.append(f"    {acc} = {call}")
     if step.needs_kernel:
         operands = "".join(f", {_py(o.ref, names)}" for o in step.epilogue.operands)
@@ -300,10 +301,6 @@ def _fused_lines(graph, step: FusedStep, names: dict[str, str]) -> list[str]:
         lines.append(f"    v_{step.out} = {acc}")
     names[step.out] = f"v_{step.out}"
     return lines
-
-
-def _channels_last_format(meta) -> str:
-    return "torch.channels_last_3d" if len(meta.shape) == 5 else "torch.channels_last"
 
 
 def _generated_lines(graph, step: GenStep, names: dict[str, str]) -> list[str]:

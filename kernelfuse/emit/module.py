@@ -37,8 +37,7 @@ def build_module(model: torch.nn.Module, plan: Plan, sources: CudaSources | None
                  arg_names: list[str]) -> torch.nn.Module:
     """A module whose forward runs `plan` (its kernels built now), falling back to `model` like a ModelNew."""
     specs = [(tuple(n.meta.shape), n.meta.dtype) for n in plan.graph.inputs]
-    namespace: dict[str, object] = {"torch": torch, "ctypes": ctypes, "hashlib": hashlib, "inspect": inspect,
-                                    "INPUT_SPECS": specs, "CAPTURED_TRAINING": plan.graph.training}
+    namespace = _namespace(INPUT_SPECS=specs, CAPTURED_TRAINING=plan.graph.training)
     if sources is not None:
         namespace.update(NAME=type(model).__name__.lower(), CUDA_SRC=sources.cuda)
     exec(compile(runtime_text(plan, sources), "<kernelfuse runtime>", "exec"), namespace)  # noqa: S102 - our own generated code
@@ -54,10 +53,14 @@ def build_module(model: torch.nn.Module, plan: Plan, sources: CudaSources | None
 def load_kernels(sources: CudaSources, name: str) -> object:
     """`sources`' kernels built now (or loaded from torch's cache) behind the emitted `_Kernels` methods, for
     measuring kernels outside a model (benchmarks)."""
-    namespace: dict[str, object] = {"torch": torch, "ctypes": ctypes, "hashlib": hashlib, "inspect": inspect,
-                                    "NAME": name, "CUDA_SRC": sources.cuda}
+    namespace = _namespace(NAME=name, CUDA_SRC=sources.cuda)
     exec(compile(LOADER + runtime_source() + sources.binding, "<kernelfuse kernels>", "exec"), namespace)  # noqa: S102
     return namespace["_extension"]()  # type: ignore[operator]
+
+
+def _namespace(**constants: object) -> dict[str, object]:
+    """A fresh namespace with what an emitted file imports, plus its module-level constants."""
+    return {"torch": torch, "ctypes": ctypes, "hashlib": hashlib, "inspect": inspect, **constants}
 
 
 def forward_arg_names(model: torch.nn.Module) -> list[str]:

@@ -120,7 +120,6 @@ def _verdict(run: ChildRun, cand: Candidate, opts: EvalOptions, base: dict[str, 
     fields["details"]["worker"] = run.started  # forked from the warm server, or spawned with python -m
     if out.get("timing"):
         fields["details"]["timing_s"] = out["timing"].get("seconds")
-    if out.get("timing"):
         fields["details"]["floor"] = out["timing"].get("floor")
         fields["details"]["timing_escape"] = out["timing"].get("escape")
         fields["input_sets"] = out["timing"].get("input_sets")
