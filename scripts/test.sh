@@ -13,7 +13,9 @@ if ! .venv/bin/python -c "import sys, torch; sys.exit(0 if torch.version.cuda el
   # torch 2.14.1 is the CUDA 13 build; pip takes it from the local wheel cache where present.
   .venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.14.1"
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check numpy pytest ruff
+# Ray and matplotlib are optional for users (kernelfuse[ray], kernelfuse[report]) but not for the tests: bench's
+# Ray path runs on a local CPU cluster and the HTML report is built and parsed, so both are installed here.
+.venv/bin/python -m pip install --quiet --disable-pip-version-check numpy pytest ruff ray matplotlib
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 if [ -z "${CUDA_HOME:-}" ]; then
   for d in /usr/local/cuda /usr/local/cuda-*; do

@@ -85,7 +85,12 @@ class FixtureCase:
 
     @property
     def path(self) -> Path:
-        return candidate(self.fixture or self.label)
+        return candidate(self.stem)
+
+    @property
+    def stem(self) -> str:
+        """The fixture file's stem."""
+        return self.fixture or self.label
 
     def expected(self) -> str:
         return f"{self.status}/{self.defence}" if self.defence else self.status

@@ -68,6 +68,7 @@ def _x(x):
 # caught before any timing, or (issue 6) only while timed; the implausible-speed rows judge gamers with the per-call
 # checks off. Crashes and hangs are judged one at a time below.
 BATCH = [c for c in FIXTURE_CASES if "cuda" in c.devices and not c.alone and c.cls not in ("fault", "honest")]
+TIMED_GAMERS = {c.stem for c in FIXTURE_CASES if c.words == TIMED}
 
 
 def cold_build(number: str) -> float:
@@ -116,9 +117,10 @@ def test_exploit_fixture_is_caught_by_its_defence(batch, case):
         pytest.skip("this device does not take a persisting-L2 limit: the fixture changes nothing here")
     v = batch[case.label]
     # The batch judges 14 candidates at once on one GPU: under that load the host-time cross-check can stop a
-    # "wrong while timed" gamer before its wrong answer is seen. Rejected either way; which defence catches each
-    # gamer alone is asserted on the CPU (tests/test_judge_timed_cpu.py).
-    escaped = case.words == TIMED and (v.status, v.defence) == ("rejected", "timing_escape")
+    # "wrong while timed" gamer (its timed calls do less work than its checked ones), checked or not, before its
+    # wrong answer or its implausible speed is seen. Rejected either way; which defence catches each gamer alone is
+    # asserted on the CPU (tests/test_judge_timed_cpu.py).
+    escaped = case.stem in TIMED_GAMERS and (v.status, v.defence) == ("rejected", "timing_escape")
     assert escaped or case.met_by(v.status, v.defence, v.reason), (case.expected(), v.status, v.defence, v.reason)
     assert not v.correct and v.exit_code == EXIT_INCORRECT and v.speedup_eager is None
     assert v.to_json()["correctness"] is False and v.to_json()["runtime"] == -1.0
