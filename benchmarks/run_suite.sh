@@ -8,6 +8,8 @@
 # device tool's 10-minute limit); run the script again to continue with --resume. FRESH=1 starts over.
 #   bash benchmarks/run_suite.sh [SECONDS] [extra bench arguments, e.g. --gpus all or --ray]
 # LIST=FILE runs the problem files listed in FILE (one path per line) instead of the whole level-2 folder.
+# SEED=FILE: where the state is gone (the machine went back between calls), resume from a JSONL an earlier call
+# brought back (carry it with the call).
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 LIMIT=${1:-540}
@@ -20,6 +22,9 @@ STATE=${STATE:-/tmp/kernelfuse_suite}
 DEST=${OUT:-out}/suite
 [ "${FRESH:-0}" = 1 ] && rm -rf "$STATE"
 mkdir -p "$STATE" "$DEST"
+if [ ! -s "$STATE/level2.jsonl" ] && [ -n "${SEED:-}" ]; then
+  echo "no state in $STATE: resuming from $SEED"; cp "$SEED" "$STATE/level2.jsonl"
+fi
 resume=()
 [ -s "$STATE/level2.jsonl" ] && resume=(--resume)
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee -a "$STATE/bench.log"
