@@ -83,6 +83,8 @@ class OptimizeResult:
 
 def optimize_file(problem_path: str | Path, out_path: str | Path, options: OptimizeOptions = OptimizeOptions(),
                   log: Callable[[str], None] = print) -> OptimizeResult:
+    """Optimize the problem file into a self-contained ModelNew file at `out_path`: capture, rewrite, plan, check
+    on the CPU, then build, verify and time each variant on the GPU (where there is one) and ship the best."""
     use_gpu = torch.cuda.is_available() if options.use_gpu is None else options.use_gpu
     # the judge's fork server imports torch.compile's machinery while the problem is captured and planned
     with judge_zygote() if use_gpu else nullcontext():

@@ -31,6 +31,8 @@ import sys
 import warnings
 from pathlib import Path
 
+from kernelfuse.judge.runner import kill_group
+
 MODULES = ("kernelfuse.judge.worker", "kernelfuse.suite.job")  # what a child may run
 
 
@@ -120,7 +122,7 @@ def serve(path: str) -> None:
             children[pid] = conn
         _reap(children)
     for pid in children:
-        _kill(pid)
+        kill_group(pid)
 
 
 def _reap(children: dict[int, socket.socket]) -> None:
@@ -135,13 +137,6 @@ def _reap(children: dict[int, socket.socket]) -> None:
         except OSError:
             pass
         conn.close()
-
-
-def _kill(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def main(argv: list[str]) -> int:
