@@ -120,7 +120,7 @@ def _optimize(problem_path: str | Path, out_path: str | Path, options: OptimizeO
     result = OptimizeResult(out_path, "unfused", [], [], rewrites=rewritten.fired)
     for fallback in rewritten.failed:
         _fall_back(result, fallback, log)
-    timings = _measure_conv_layouts(graph, options.precision, log) if use_gpu else None
+    timings = _measure_conv_layouts(graph, options.precision, result, log) if use_gpu else None
     layouts = None if timings is None else {t.node: t.choice for t in timings}
     fp32 = frozenset(t.node for t in timings or [] if t.fp32)
     plans, fallbacks = plans_with_fallbacks(
@@ -210,10 +210,15 @@ def _layout_decided(plans: list[Plan], timings: list[LayoutTiming] | None) -> bo
     return timings is not None and not any(s.keeps_layout for p in plans[:1] for s in p.fused)
 
 
-def _measure_conv_layouts(graph: Graph, precision: str, log: Callable[[str], None]) -> list[LayoutTiming] | None:
+def _measure_conv_layouts(graph: Graph, precision: str, result: OptimizeResult,
+                          log: Callable[[str], None]) -> list[LayoutTiming] | None:
     """Each convolution's layout, timed both ways on this GPU (None: no convolution, or one that could not be
     measured: then both layouts' plans are judged whole)."""
-    timings = measure_conv_layouts(graph, strict=precision == "strict")
+    try:
+        timings = measure_conv_layouts(graph, strict=precision == "strict")
+    except Exception as err:  # noqa: BLE001 - a measurement's bug: both layouts are judged whole instead
+        _fall_back(result, Fallback("plan", "the convolution layout timing", one_line(err)), log)
+        return None
     for t in timings or []:
         log("[3/5] convolution layout " + t.describe())
     return timings or None
@@ -302,7 +307,13 @@ def _try_graph(problem: Problem, plan: Plan, options: OptimizeOptions, result: O
     graphed = plan.as_graphed()
     log(f"      launch-bound: the GPU is busy {busy:.3f} of {final.runtime_ms:.3f} ms; judging {graphed.variant}")
     path = Path(tempfile.mkdtemp(prefix=f"kernelfuse_{problem.name}_")) / f"{problem.name}_{graphed.variant}.py"
-    path.write_text(emit_file(problem, graphed, _UNDER_EVALUATION.format(graphed.variant)))
+    try:
+        path.write_text(emit_file(problem, graphed, _UNDER_EVALUATION.format(graphed.variant)))
+    except KernelfuseError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the graphed file's bug: what ships stays as it is
+        _fall_back(result, Fallback("emit", f"variant {graphed.variant}", one_line(err)), log)
+        return result
     verdict = evaluate(problem.path, path, judge_options(options, options.final_baselines))
     result.variants.append(VariantResult(graphed.variant, verdict))
     log(f"      {graphed.variant}: " + describe_verdict(verdict))

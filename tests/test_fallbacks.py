@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from test_pipeline_choice import _run, _verdict
 
 import kernelfuse.codegen.cuda as cuda
 import kernelfuse.pipeline as pipeline
@@ -14,6 +15,7 @@ import kernelfuse.plan.schedule as schedule
 import kernelfuse.rewrite.rules as rules
 from kernelfuse.cli import main
 from kernelfuse.compilecheck import CompileCheck, check_files, cuda_source_of, find_nvcc, first_error
+from kernelfuse.errors import Fallback
 from kernelfuse.plan.fuse import KEPT_REASON
 
 PROBLEM = '''
@@ -180,3 +182,34 @@ def test_first_error_line_and_source_extraction():
     out = "kernels.cu(3): warning: unused\n/tmp/kernelfuse_nvcc_x/kernels.cu(4): error: redefinition of k1\n"
     assert first_error(out, 2) == "kernels.cu(4): error: redefinition of k1"
     assert cuda_source_of('x = 1\nCUDA_SRC = r"""\nint a;\n"""\n') == "int a;\n"
+
+
+def test_gpu_path_ships_the_very_file_it_judged(monkeypatch, tmp_path):
+    judged_texts: dict[str, str] = {}
+    script = {"fused-nhwc": _verdict(True, 1.7), "fused-nchw": _verdict(True, 2.5), "unfused": _verdict(True, 4.0)}
+
+    def remember() -> None:
+        evaluate = pipeline.evaluate
+
+        def seen(problem_path, candidate, options):
+            judged_texts.setdefault(candidate.name, candidate.read_text())
+            return evaluate(problem_path, candidate, options)
+
+        monkeypatch.setattr(pipeline, "evaluate", seen)
+
+    result, text, _ = _run(monkeypatch, tmp_path, "conv2d_relu_biasadd", script, patch=remember)
+    assert result.shipped == "fused-nhwc"
+    [first] = [t for name, t in judged_texts.items() if name.endswith("_fused-nhwc.py")]
+    assert text == first.replace("variant under evaluation: fused-nhwc",
+                                 "verified on scripted GPU: variant fused-nhwc, strict precision")
+
+
+def test_layout_timing_that_raises_is_a_fallback(monkeypatch, tmp_path):
+    def broken(graph, strict):
+        raise ZeroDivisionError("no samples")
+
+    script = {"fused-nhwc": _verdict(True, 1.7), "fused-nchw": _verdict(True, 2.5), "unfused": _verdict(True, 4.0)}
+    result, _, judged = _run(monkeypatch, tmp_path, "conv2d_relu_biasadd", script,
+                             patch=lambda: monkeypatch.setattr(pipeline, "measure_conv_layouts", broken))
+    assert result.fallbacks == [Fallback("plan", "the convolution layout timing", "ZeroDivisionError: no samples")]
+    assert result.shipped == "fused-nhwc" and judged[:2] == ["fused-nhwc", "fused-nchw"]
