@@ -182,3 +182,50 @@ def test_float64_reference_that_does_not_fit_the_device_runs_on_the_host():
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
         torch.cuda.empty_cache()
+
+
+BIG_POOL = '''
+import torch
+import torch.nn as nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pool = nn.AvgPool3d(3, stride=2, padding=1)
+
+    def forward(self, x):
+        return self.pool(x)
+
+
+def get_inputs():
+    return [torch.rand(8, 16, 64, 128, 256)]  # 1 GiB: its float64 run needs ~4.7 GiB
+
+
+def get_init_inputs():
+    return []
+'''
+
+
+@pytest.mark.gpu
+def test_judge_with_a_nearly_full_gpu_runs_the_float64_reference_on_the_host(tmp_path):
+    """The whole judge, in its own worker, on a GPU the test fills but for 8 GiB: the float32 judging fits, the
+    float64 reference does not and runs on the CPU; the verdict is correct and says so (was: internal_error,
+    CUDA out of memory, on level-1 average pooling)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    from kernelfuse.judge import EvalOptions, evaluate
+
+    problem = tmp_path / "big_pool.py"
+    problem.write_text(BIG_POOL)
+    candidate = tmp_path / "candidate.py"
+    candidate.write_text(BIG_POOL + "\n\nModelNew = Model\n")
+    free, _ = torch.cuda.mem_get_info(0)
+    hog = torch.empty(free - 8 * GIB, dtype=torch.uint8, device="cuda")
+    try:
+        verdict = evaluate(problem, candidate, EvalOptions(trials=2, baselines=("eager",), timing_reps=5))
+    finally:
+        del hog
+        torch.cuda.empty_cache()
+    assert verdict.status == "ok", verdict.reason
+    assert any("runs on the CPU" in w for w in verdict.warnings), verdict.warnings
