@@ -51,7 +51,7 @@ def plans_with_fallbacks(graph: Graph, make_plans: Callable[[frozenset[str]], li
             plans = [p for p in run_stage("plan", make_plans, keep) if p.variant not in dropped]
             for plan in plans:
                 render(plan)
-            return plans, fallbacks
+            return _distinct(plans), fallbacks
         except StageFailed as failed:
             blamed = culprit(failed.error.__traceback__, graph) - keep
             where = _variant(failed.error.__traceback__)
@@ -66,6 +66,12 @@ def plans_with_fallbacks(graph: Graph, make_plans: Callable[[frozenset[str]], li
                 return [], fallbacks
     fallbacks.append(Fallback("plan", "every kernel", f"still failing after {MAX_REPLANS} re-plans"))
     return [], fallbacks
+
+
+def _distinct(plans: list[Plan]) -> list[Plan]:
+    """The first plan of each summary: kept nodes can make two layouts' plans one (no convolution left fused)."""
+    seen: set[str] = set()
+    return [p for p in plans if not (p.summary() in seen or seen.add(p.summary()))]
 
 
 def culprit(tb: TracebackType | None, graph: Graph) -> frozenset[str]:
