@@ -81,11 +81,12 @@ def outcome(r: dict) -> str:
             return f"exit 0, {len(r['fallbacks'])} fallback(s): " + r["fallbacks"][0][:60]
         if r.get("compile") == "FAILED":
             return "exit 0, nvcc FAILED: " + (r.get("compile_note") or "")[:60]
+        nvcc = f", nvcc {r['compile']}" if r.get("compile") else ""
         if r["check"] == "ok":
-            return "exit 0, check ok" + (", nvcc ok" if r.get("compile") == "ok" else
-                                         f", nvcc {r.get('compile')}" if r.get("compile") else "")
+            return "exit 0, check ok" + nvcc
         if r["check"] == "skipped":
-            return "exit 0, check skipped: " + re.sub(r"\(.*", "", r["check_note"].removeprefix("skipped: "))[:60]
+            return "exit 0, check skipped: " + re.sub(r"\(.*", "", r["check_note"].removeprefix("skipped: "))[:60] \
+                + nvcc
         if r["check"] == "FAILED":  # the pipeline then ships the unfused model: still a failure of the plan
             return "exit 0, check FAILED: " + r["check_note"][:60]
         if r["nothing_to_fuse"]:
