@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from test_pipeline_choice import _run, _verdict
 
 import kernelfuse.codegen.cuda as cuda
@@ -213,3 +214,15 @@ def test_layout_timing_that_raises_is_a_fallback(monkeypatch, tmp_path):
                              patch=lambda: monkeypatch.setattr(pipeline, "measure_conv_layouts", broken))
     assert result.fallbacks == [Fallback("plan", "the convolution layout timing", "ZeroDivisionError: no samples")]
     assert result.shipped == "fused-nhwc" and judged[:2] == ["fused-nhwc", "fused-nchw"]
+
+
+def test_python_api_returns_the_model_when_capture_fails(monkeypatch):
+    import kernelfuse.api as api
+
+    def failing(model, inputs):
+        raise AssertionError
+
+    monkeypatch.setattr(api, "capture_module", failing)
+    model = torch.nn.Linear(4, 4)
+    with pytest.warns(UserWarning, match="could not be captured .AssertionError."):
+        assert api.optimize(model, [torch.rand(2, 4)]) is model
