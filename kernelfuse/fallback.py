@@ -16,7 +16,9 @@ from kernelfuse.capture import Graph, Node
 from kernelfuse.errors import Fallback, KernelfuseError, one_line
 from kernelfuse.plan import FusedStep, GenStep, Plan
 
-MAX_REPLANS = 16  # each round keeps at least one more node as a torch call; past this, ship the original ops
+# each round keeps at least one more kernel's nodes as torch calls (one plan, code generation and emission of
+# every variant: about a second for level-3 ResNet101); past this many, a systematic failure ships the original ops
+MAX_REPLANS = 64
 
 
 class StageFailed(Exception):
