@@ -72,10 +72,18 @@ def check_files(texts: dict[str, str], nvcc: str | None = None) -> dict[str, Com
     todo = {v: s for v, s in sources.items() if s is not None}
     out = {v: CompileCheck(v, "not run", "no custom kernel to compile") for v, s in sources.items() if s is None}
     with ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as pool:
-        for variant, error in zip(todo, pool.map(lambda s: compile_error(nvcc, s), todo.values()), strict=True):
-            out[variant] = (CompileCheck(variant, "ok", "the file's CUDA compiles with nvcc") if error is None
-                            else CompileCheck(variant, "FAILED", error))
+        for variant, check in zip(todo, pool.map(lambda item: _check(nvcc, *item), todo.items()), strict=True):
+            out[variant] = check
     return {v: out[v] for v in texts}
+
+
+def _check(nvcc: str, variant: str, source: str) -> CompileCheck:
+    try:
+        error = compile_error(nvcc, source)
+    except OSError as err:  # the compiler could not be started: no verdict on the file either way
+        return CompileCheck(variant, "not run", f"nvcc could not run ({err}): the CUDA compile check did NOT run")
+    return CompileCheck(variant, "ok", "the file's CUDA compiles with nvcc") if error is None else \
+        CompileCheck(variant, "FAILED", error)
 
 
 def compile_error(nvcc: str, source: str) -> str | None:

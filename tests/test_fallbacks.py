@@ -226,3 +226,10 @@ def test_python_api_returns_the_model_when_capture_fails(monkeypatch):
     model = torch.nn.Linear(4, 4)
     with pytest.warns(UserWarning, match="could not be captured .AssertionError."):
         assert api.optimize(model, [torch.rand(2, 4)]) is model
+
+
+def test_nvcc_that_cannot_start_is_no_verdict(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    text = 'CUDA_SRC = r"""\n__global__ void k0() {}\n"""\n'
+    check = check_files({"a": text}, nvcc=str(tmp_path / "no-such-nvcc"))["a"]
+    assert check.status == "not run" and check.ok and "did NOT run" in check.note
