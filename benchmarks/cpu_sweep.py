@@ -26,6 +26,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 CHECK_LINE = re.compile(r"CPU interpreter check \([^)]*\): (ok|skipped|FAILED) — (.*)")
+COMPILE_LINE = re.compile(r"nvcc compile check \([^)]*\): (ok|FAILED|not run) — (.*)")
+FALLBACK_LINE = re.compile(r"fallback: (.*)")
 
 
 def limit_memory(limit_bytes: int) -> None:
@@ -40,7 +42,8 @@ def run_one(problem: Path, outdir: Path, timeout_s: float, mem_bytes: int) -> di
     reaped), so the memory target is measured, not only enforced."""
     out = outdir / f"{problem.parent.name}_{problem.stem}_new.py"
     cmd = [sys.executable, "-m", "kernelfuse", "optimize", str(problem), "-o", str(out), "--cpu-only"]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)  # keeps extra packages
+    env = {**os.environ, "PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": ""}
     started = time.monotonic()
     with tempfile.TemporaryFile("w+") as out_f, tempfile.TemporaryFile("w+") as err_f:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out_f, stderr=err_f, text=True,
@@ -55,11 +58,14 @@ def run_one(problem: Path, outdir: Path, timeout_s: float, mem_bytes: int) -> di
         err_f.seek(0)
         stdout, stderr = out_f.read(), err_f.read()
     checks = CHECK_LINE.findall(stdout)
+    compiled = COMPILE_LINE.findall(stdout)
     return {
         "level": problem.parent.name, "problem": problem.name, "rc": proc.returncode, "timed_out": fired.is_set(),
         "seconds": round(time.monotonic() - started, 1), "cpu_seconds": round(usage.ru_utime + usage.ru_stime, 1),
         "max_rss_mb": round(usage.ru_maxrss / 1024),
         "check": checks[0][0] if checks else None, "check_note": checks[0][1] if checks else None,
+        "compile": compiled[0][0] if compiled else None, "compile_note": compiled[0][1] if compiled else None,
+        "fallbacks": FALLBACK_LINE.findall(stdout),
         "nothing_to_fuse": "nothing to fuse" in stdout,
         "traceback": "Traceback (most recent call last)" in stderr,
         "error": stderr.strip().splitlines()[-1] if stderr.strip() else "",
@@ -71,10 +77,16 @@ def outcome(r: dict) -> str:
     if r["timed_out"]:
         return "timeout"
     if r["rc"] == 0:
+        if r.get("fallbacks"):
+            return f"exit 0, {len(r['fallbacks'])} fallback(s): " + r["fallbacks"][0][:60]
+        if r.get("compile") == "FAILED":
+            return "exit 0, nvcc FAILED: " + (r.get("compile_note") or "")[:60]
+        nvcc = f", nvcc {r['compile']}" if r.get("compile") else ""
         if r["check"] == "ok":
-            return "exit 0, check ok"
+            return "exit 0, check ok" + nvcc
         if r["check"] == "skipped":
-            return "exit 0, check skipped: " + re.sub(r"\(.*", "", r["check_note"].removeprefix("skipped: "))[:60]
+            return "exit 0, check skipped: " + re.sub(r"\(.*", "", r["check_note"].removeprefix("skipped: "))[:60] \
+                + nvcc
         if r["check"] == "FAILED":  # the pipeline then ships the unfused model: still a failure of the plan
             return "exit 0, check FAILED: " + r["check_note"][:60]
         if r["nothing_to_fuse"]:

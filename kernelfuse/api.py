@@ -9,8 +9,10 @@ import torch
 from kernelfuse.capture import capture_module, module_state
 from kernelfuse.codegen import generate
 from kernelfuse.emit.module import build_module, forward_arg_names
+from kernelfuse.errors import one_line
+from kernelfuse.fallback import plans_with_fallbacks, run_stage
 from kernelfuse.plan import interpret, plan_variants
-from kernelfuse.rewrite import rewrite
+from kernelfuse.rewrite import apply_rules
 from kernelfuse.verify.policy import get_policy
 
 
@@ -25,8 +27,18 @@ def optimize(model: torch.nn.Module, example_inputs: list[torch.Tensor] | tuple[
     """
     inputs = list(example_inputs)
     tol = get_policy(precision).atol
-    graph = rewrite(capture_module(model, inputs))
-    plans = [p for p in plan_variants(graph, precision) if p.fused or p.generated]
+    try:
+        rewritten = apply_rules(capture_module(model, inputs))
+    except Exception as err:  # noqa: BLE001 - no graph, no kernels: the model as it is, with why
+        warnings.warn(f"kernelfuse: the forward could not be captured ({one_line(err)}); returning the model "
+                      "unchanged", stacklevel=2)
+        return model
+    graph = rewritten.graph
+    plans, fallbacks = plans_with_fallbacks(graph, lambda keep: plan_variants(graph, precision, keep=keep),
+                                            lambda plan: run_stage("codegen", generate, plan))
+    for fallback in (*rewritten.failed, *fallbacks):
+        warnings.warn(f"kernelfuse: {fallback.describe()}", stacklevel=2)
+    plans = [p for p in plans if p.fused or p.generated]
     if not plans:
         warnings.warn("kernelfuse: nothing to fuse in this model; returning it unchanged", stacklevel=2)
         return model

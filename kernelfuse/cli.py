@@ -12,8 +12,9 @@ from pathlib import Path
 from kernelfuse import __version__
 from kernelfuse.errors import KernelfuseError, UsageError
 
-EPILOG = """exit codes (optimize): 0 file written; 2 bad problem file; 3 forward could not be traced;
-  4 the shipped file failed verification on the GPU. See `kernelfuse eval --help` for eval's codes."""
+EPILOG = """exit codes (optimize): 0 file written (parts a stage failed on ship as the original ops: see the
+  fallbacks); 2 bad problem file; 3 forward could not be traced; 4 the shipped file failed verification on the GPU.
+  See `kernelfuse eval --help` for eval's codes."""
 
 
 def build_parser() -> argparse.ArgumentParser:

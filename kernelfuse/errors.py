@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 
 class KernelfuseError(Exception):
     """Base class: `str(err)` is the one-line message the CLI prints; `exit_code` is what it exits with."""
@@ -25,3 +27,23 @@ class UsageError(KernelfuseError):
     """The command line names something unusable (an output path that cannot be written, a missing candidate)."""
 
     exit_code = 2
+
+
+@dataclass(frozen=True)
+class Fallback:
+    """A part of the model that ships as its original ops because a stage failed on it (a kernelfuse bug or an
+    unsupported construct, not a bad problem file): which stage, what it was working on, and the one-line reason.
+    The run still succeeds; the CLI prints each one and `--json` lists them under `fallbacks`."""
+
+    stage: str  # "capture", "rewrite", "plan", "codegen", "emit" or "compile"
+    what: str  # the rule, kernel, variant or model the stage gave up on
+    reason: str
+
+    def describe(self) -> str:
+        return f"{self.stage} fell back on {self.what}: {self.reason}"
+
+
+def one_line(err: BaseException) -> str:
+    """`Type: first line of the message` (an AssertionError without a message still says what raised)."""
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__

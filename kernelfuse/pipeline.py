@@ -26,8 +26,11 @@ import torch
 from kernelfuse.bench.layout import LayoutTiming, measure_conv_layouts
 from kernelfuse.capture import Graph, build_model, capture, draws_random_numbers
 from kernelfuse.codegen import generate
+from kernelfuse.compilecheck import CompileCheck, check_files
 from kernelfuse.cpucheck import CpuCheck, check_plans
 from kernelfuse.emit import emit_modelnew, emit_reference
+from kernelfuse.errors import Fallback, KernelfuseError, one_line
+from kernelfuse.fallback import plans_with_fallbacks, run_stage
 from kernelfuse.judge import EvalOptions, Verdict, evaluate
 from kernelfuse.judge.runner import judge_zygote
 from kernelfuse.load import Problem, check_output_path, load_problem
@@ -41,6 +44,7 @@ GRAPH_BUSY_BELOW = 0.9
 # ...and ships only if at least this much faster than what ships without it (a graph is more machinery: copies,
 # capture memory, a fallback path; a gain within timing noise does not pay for it)
 GRAPH_MIN_GAIN = 1.02
+_UNDER_EVALUATION = "variant under evaluation: {}"  # a judged file's header line, replaced when it ships
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,8 @@ class OptimizeResult:
     notes: list[str] = field(default_factory=list)
     cold_build_s: float | None = None  # parallel first build of all variants (the judge's build_s is then cached)
     rewrites: tuple[RuleFiring, ...] = ()  # the rewrite rules that fired, in order
+    fallbacks: list[Fallback] = field(default_factory=list)  # parts shipped as the original ops: a stage failed
+    compile_checks: list[CompileCheck] = field(default_factory=list)  # without a GPU: nvcc on each checked file
 
 
 def optimize_file(problem_path: str | Path, out_path: str | Path, options: OptimizeOptions = OptimizeOptions(),
@@ -97,18 +103,38 @@ def _optimize(problem_path: str | Path, out_path: str | Path, options: OptimizeO
     problem = load_problem(problem_path)
     log(f"[1/5] loaded {problem.path}")
     model = build_model(problem)
+    try:
+        captured = capture(problem, model)
+    except KernelfuseError:  # the forward cannot be traced (a branch on a tensor's value...): exit 3, one line
+        raise
+    except Exception as err:  # noqa: BLE001 - a capture bug: the original module ships, with the reason
+        result = OptimizeResult(out_path, "unfused", [], [])
+        _fall_back(result, Fallback("capture", "the whole forward", one_line(err)), log)
+        result.notes.append("the forward could not be captured: shipping the unfused model (the original ops)")
+        return _ship_unfused(problem, result, log, options if use_gpu else None)
     disabled = RULE_NAMES if options.no_rewrites else options.disabled_rewrites
-    rewritten = apply_rules(capture(problem, model), disabled)
+    rewritten = apply_rules(captured, disabled)
     graph = rewritten.graph
     mode = "training" if graph.training else "eval"
     log(f"[2/5] captured {len(graph.nodes)} ATen nodes on fake tensors ({mode} mode); {rewritten.summary()}")
-    timings = _measure_conv_layouts(graph, options.precision, log) if use_gpu else None
-    plans = plan_variants(graph, options.precision, options.max_fusions,
-                          None if timings is None else {t.node: t.choice for t in timings},
-                          frozenset(t.node for t in timings or [] if t.fp32))
+    result = OptimizeResult(out_path, "unfused", [], [], rewrites=rewritten.fired)
+    for fallback in rewritten.failed:
+        _fall_back(result, fallback, log)
+    timings = _measure_conv_layouts(graph, options.precision, result, log) if use_gpu else None
+    layouts = None if timings is None else {t.node: t.choice for t in timings}
+    fp32 = frozenset(t.node for t in timings or [] if t.fp32)
+    plans, fallbacks = plans_with_fallbacks(
+        graph, lambda keep: plan_variants(graph, options.precision, options.max_fusions, layouts, fp32, keep),
+        lambda plan: _render(problem, plan))
+    for fallback in fallbacks:
+        _fall_back(result, fallback, log)
     for plan in plans:
         log("[3/5] " + plan.summary().replace("\n", "\n      "))
-    result = OptimizeResult(out_path, plans[0].variant, plans, [], rewrites=rewritten.fired)
+    result.plans = plans
+    if not plans:
+        result.notes.append("no plan could be made: shipping the unfused model (the original ops)")
+        return _ship_unfused(problem, result, log, options if use_gpu else None)
+    result.shipped = plans[0].variant
     if not any(p.fused or p.generated for p in plans) and not rewritten.fired:  # a rewritten graph is worth a plan
         result.notes.append("nothing to fuse (no library call with pointwise ops behind it): "
                             "shipping the unfused model")
@@ -134,15 +160,46 @@ def _optimize(problem_path: str | Path, out_path: str | Path, options: OptimizeO
         ops_only = plan_variants(graph, options.precision, max_fusions=0)[0]  # the captured ops, no fusion
         return _try_graph(problem, ops_only, options, _ship_unfused(problem, result, log, options), log)
     if not use_gpu:
-        plan = good[0]
-        check = checks[plans.index(plan)]
-        out_path.write_text(emit_file(problem, plan, "not verified on a GPU (none available)"))
-        result.shipped = plan.variant
-        result.notes.append("no CUDA device: GPU build, verification and benchmark did NOT run; " + (
-            "the plan was checked with the CPU interpreter only" if check.ok else f"the CPU check was {check.note}"))
-        log(f"[5/5] wrote {out_path} ({plan.variant})")
-        return result
+        return _ship_compiled(problem, good, checks, result, log)
     return _choose_then_graph(problem, good, options, result, log, in_order=_layout_decided(good, timings))
+
+
+def _render(problem: Problem, plan: Plan) -> None:
+    """Generate and emit `plan` once, so a kernel that code generation or emission fails on is found before any
+    check (kernelfuse.fallback keeps its nodes as torch calls)."""
+    sources = run_stage("codegen", generate, plan)
+    run_stage("emit", emit_modelnew, problem, plan, sources, "")
+
+
+def _fall_back(result: OptimizeResult, fallback: Fallback, log: Callable[[str], None]) -> None:
+    result.fallbacks.append(fallback)
+    log(f"      fallback: {fallback.describe()}")
+
+
+def _ship_compiled(problem: Problem, good: list[Plan], checks: list[CpuCheck], result: OptimizeResult,
+                   log: Callable[[str], None]) -> OptimizeResult:
+    """Without a GPU: the first plan whose file nvcc compiles ships (all files compile at once); a file that does
+    not compile is never written, its variant a fallback with the compiler's first error; none left, the
+    original ops. Without nvcc the first plan ships and the notes say the compile check did not run."""
+    texts = {p.variant: emit_file(problem, p, "not verified on a GPU (none available)") for p in good}
+    compiled = check_files(texts)
+    result.compile_checks = list(compiled.values())
+    for c in result.compile_checks:
+        log(f"[4/5] nvcc compile check ({c.variant}): {c.status} — {c.note}")
+        if not c.ok:
+            _fall_back(result, Fallback("compile", f"variant {c.variant}", c.note), log)
+    plan = next((p for p in good if compiled[p.variant].ok), None)
+    if plan is None:
+        result.notes.append("no fused variant's CUDA compiles: shipping the unfused model (the original ops)")
+        return _ship_unfused(problem, result, log)
+    check, compile_check = checks[result.plans.index(plan)], compiled[plan.variant]
+    result.output.write_text(texts[plan.variant])
+    result.shipped = plan.variant
+    result.notes.append("no CUDA device: GPU build, verification and benchmark did NOT run; " + (
+        "the plan was checked with the CPU interpreter only" if check.ok else f"the CPU check was {check.note}") + (
+        "; its CUDA compiles with nvcc" if compile_check.status == "ok" else f"; {compile_check.note}"))
+    log(f"[5/5] wrote {result.output} ({plan.variant})")
+    return result
 
 
 def _layout_decided(plans: list[Plan], timings: list[LayoutTiming] | None) -> bool:
@@ -153,10 +210,15 @@ def _layout_decided(plans: list[Plan], timings: list[LayoutTiming] | None) -> bo
     return timings is not None and not any(s.keeps_layout for p in plans[:1] for s in p.fused)
 
 
-def _measure_conv_layouts(graph: Graph, precision: str, log: Callable[[str], None]) -> list[LayoutTiming] | None:
+def _measure_conv_layouts(graph: Graph, precision: str, result: OptimizeResult,
+                          log: Callable[[str], None]) -> list[LayoutTiming] | None:
     """Each convolution's layout, timed both ways on this GPU (None: no convolution, or one that could not be
     measured: then both layouts' plans are judged whole)."""
-    timings = measure_conv_layouts(graph, strict=precision == "strict")
+    try:
+        timings = measure_conv_layouts(graph, strict=precision == "strict")
+    except Exception as err:  # noqa: BLE001 - a measurement's bug: both layouts are judged whole instead
+        _fall_back(result, Fallback("plan", "the convolution layout timing", one_line(err)), log)
+        return None
     for t in timings or []:
         log("[3/5] convolution layout " + t.describe())
     return timings or None
@@ -174,7 +236,7 @@ def _choose_on_gpu(problem: Problem, plans: list[Plan], options: OptimizeOptions
     files = {}
     for plan in plans:
         path = workdir / f"{problem.name}_{plan.variant}.py"
-        path.write_text(emit_file(problem, plan, f"variant under evaluation: {plan.variant}"))
+        path.write_text(emit_file(problem, plan, _UNDER_EVALUATION.format(plan.variant)))
         files[plan.variant] = path
     log(f"[5/5] building {len(files)} variant(s) in parallel, then judging each ({options.trials} trials, "
         f"{options.precision})")
@@ -202,7 +264,7 @@ def _choose_on_gpu(problem: Problem, plans: list[Plan], options: OptimizeOptions
         result.notes.append(f"fusion does not pay ({plan.variant}: {verdict.speedup_eager or 0:.3f}x eager): "
                             "shipping the unfused model (the original ops)")
         return _ship_unfused(problem, result, log, options)
-    _write_verified(problem, plan, options, result)
+    _write_verified(files[plan.variant], plan, options, result)
     result.final = evaluate(problem.path, result.output, judge_options(options, options.final_baselines))
     if not result.final.correct:  # the shipped text failed where its variant passed: never ship it
         result.notes.append(f"the final check of {plan.variant} failed ({result.final.reason}): "
@@ -245,13 +307,19 @@ def _try_graph(problem: Problem, plan: Plan, options: OptimizeOptions, result: O
     graphed = plan.as_graphed()
     log(f"      launch-bound: the GPU is busy {busy:.3f} of {final.runtime_ms:.3f} ms; judging {graphed.variant}")
     path = Path(tempfile.mkdtemp(prefix=f"kernelfuse_{problem.name}_")) / f"{problem.name}_{graphed.variant}.py"
-    path.write_text(emit_file(problem, graphed, f"variant under evaluation: {graphed.variant}"))
+    try:
+        path.write_text(emit_file(problem, graphed, _UNDER_EVALUATION.format(graphed.variant)))
+    except KernelfuseError:
+        raise
+    except Exception as err:  # noqa: BLE001 - the graphed file's bug: what ships stays as it is
+        _fall_back(result, Fallback("emit", f"variant {graphed.variant}", one_line(err)), log)
+        return result
     verdict = evaluate(problem.path, path, judge_options(options, options.final_baselines))
     result.variants.append(VariantResult(graphed.variant, verdict))
     log(f"      {graphed.variant}: " + describe_verdict(verdict))
     if verdict.correct and verdict.runtime_ms is not None and (verdict.speedup_eager or 0.0) >= 1.0 \
             and verdict.runtime_ms * GRAPH_MIN_GAIN <= final.runtime_ms:
-        _write_verified(problem, graphed, options, result)
+        _write_verified(path, graphed, options, result)
         result.final = verdict
         log(f"wrote {result.output} ({graphed.variant})")
     else:
@@ -269,7 +337,7 @@ def _ship_first_faster(problem: Problem, plans: list[Plan], files: dict[str, Pat
         result.variants.append(VariantResult(plan.variant, verdict))
         log(f"      {plan.variant}: " + describe_verdict(verdict))
         if verdict.correct and verdict.speedup_eager is not None and verdict.speedup_eager >= 1.0:
-            _write_verified(problem, plan, options, result)
+            _write_verified(files[plan.variant], plan, options, result)
             result.final = verdict
             log(f"wrote {result.output} ({plan.variant})")
             return result
@@ -279,10 +347,11 @@ def _ship_first_faster(problem: Problem, plans: list[Plan], files: dict[str, Pat
     return _ship_unfused(problem, result, log, options)
 
 
-def _write_verified(problem: Problem, plan: Plan, options: OptimizeOptions, result: OptimizeResult) -> None:
-    """The shipped file: the judged plan's text (same kernels, same source hash) with the verification header."""
+def _write_verified(judged: Path, plan: Plan, options: OptimizeOptions, result: OptimizeResult) -> None:
+    """The shipped file: the very file the judge built and verified, its header line saying so instead."""
     report = f"verified on {torch.cuda.get_device_name()}: variant {plan.variant}, {options.precision} precision"
-    result.output.write_text(emit_file(problem, plan, report))
+    text = judged.read_text()
+    result.output.write_text(text.replace(_UNDER_EVALUATION.format(plan.variant), report, 1))
     result.shipped = plan.variant
 
 

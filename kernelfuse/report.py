@@ -55,6 +55,8 @@ def optimize_json(result: OptimizeResult, problem_path: str, precision: str) -> 
         "plans": [plan_json(p) for p in result.plans],
         "cpu_checks": [{"variant": c.variant, "status": c.status, "max_abs_err": c.max_abs_err, "note": c.note}
                        for c in result.cpu_checks],
+        "compile_checks": [{"variant": c.variant, "status": c.status, "note": c.note} for c in result.compile_checks],
+        "fallbacks": [{"stage": f.stage, "what": f.what, "reason": f.reason} for f in result.fallbacks],
         "gpu": None if result.final is None and not result.variants else {
             "variants": [{"variant": v.variant, "verdict": v.verdict.to_json()} for v in result.variants],
             "final": result.final.to_json() if result.final is not None else None,

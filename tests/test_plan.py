@@ -436,3 +436,34 @@ def test_epilogue_joins_a_reduction_through_a_reshape(tmp_path):
         assert_interpreter_matches(problem, plan, **CPU_BIAS)
     out, expected = emulated_and_interpreted(emulated(nchw, tmp_path), nchw, gen)  # the CUDA, on the CPU
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_node_read_by_two_anchors_joins_one_epilogue_and_kernel_names_are_unique(tmp_path):
+    """A gated MLP, relu(down(silu(gate(x)) * up(x))): the mul reads both anchors' outputs. It joins the first
+    anchor's epilogue only; it had joined both (the first step overwritten, the third anchor's kernel named k1
+    like the second: a file nvcc rejects, while the plan computed the right values)."""
+    problem = load_problem(write_problem(tmp_path, "gated", """
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(32, 64, bias=False)
+            self.up = nn.Linear(32, 64, bias=False)
+            self.down = nn.Linear(64, 32, bias=False)
+
+        def forward(self, x):
+            return torch.relu(self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x)))
+        """, "[torch.rand(4, 32)]"))
+    (plan,) = plan_variants(rewrite(capture(problem)))
+    assert [s.chain(plan.graph) for s in plan.fused] == ["mm -> silu -> mul", "mm -> relu"]
+    names = [s.kernel for s in (*plan.fused, *plan.generated)]
+    assert len(names) == len(set(names)), names
+    replaced = [n for s in plan.fused for n in s.replaces]
+    assert len(replaced) == len(set(replaced))
+    assert_interpreter_matches(problem, plan, atol=1e-6, rtol=1e-6)
+
+
+def test_kept_nodes_stay_torch_calls_and_the_rest_still_fuses(example_plans):
+    (plan,) = example_plans["gemm_add_relu"]
+    relu = next(n for n in plan.graph.nodes if n.op == "relu.default")
+    (kept,) = plan_variants(plan.graph, keep=frozenset({relu.name}))
+    assert [s.chain(kept.graph) for s in kept.fused] == ["mm -> add"]
+    assert any(s.node.name == relu.name and "failed to plan or generate" in s.reason for s in kept.unfused)

@@ -67,5 +67,5 @@ def test_running_out_of_memory_anywhere_in_the_check_is_a_skip(monkeypatch):
     checks = cpucheck.check_plans(problem, model, graph, plans)
     assert checks and all(c.skipped and not c.ok and "ran out of memory" in c.note for c in checks)
     monkeypatch.setattr(cpucheck, "compare", lambda *a: (_ for _ in ()).throw(RuntimeError("a real bug")))
-    with pytest.raises(RuntimeError, match="a real bug"):
-        cpucheck.check_plans(problem, model, graph, plans)
+    checks = cpucheck.check_plans(problem, model, graph, plans)  # a bug of the check: skipped (never a pass)
+    assert checks and all(c.skipped and not c.ok and "raised RuntimeError: a real bug" in c.note for c in checks)

@@ -84,10 +84,11 @@ def test_float64_copy_of_a_model_with_closures_over_its_layers():
 
 
 def test_reference64_that_cannot_run_in_float64_leaves_the_trial_to_eager():
-    from kernelfuse.judge.trials import _reference64
+    from kernelfuse.judge.trials import Models, reference64_output
 
     model = _ClosureModel()
-    out, why = _reference64(float64_model(model), [torch.rand(4, 8)], torch.device("cpu"), 0)
+    models = Models(model, model, float64_model(model))
+    out, why = reference64_output(models, [torch.rand(4, 8)], torch.device("cpu"), 0)
     assert out is None and "does not run in float64" in why and "dtype" in why
 
 

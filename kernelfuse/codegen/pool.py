@@ -32,7 +32,9 @@ def pool_kernel(step: GenStep, ctype: str) -> str:
     out_shape = step.epilogue.space  # the pooled value (a reshape in the epilogue keeps its flat index)
     nd = len(win.kernel)
     lead_in, lead_out = in_shape[:-nd], out_shape[:-nd]
-    assert lead_in == lead_out, (lead_in, lead_out)
+    if lead_in != lead_out:
+        raise ValueError(f"pool kernel {k}: the dims before the window differ between input {lead_in} and "
+                         f"output {lead_out}")
     space = space_of(step)  # every input dim kept: value(r) takes a flat input index
     index_t = index_type(step)
     numel = shape_numel(out_shape)

@@ -219,6 +219,10 @@ def _status(run: ChildRun, out: dict[str, Any], failure: dict[str, Any] | None, 
             return after_build, message, kind
         if kind == "implausible":
             return "implausible", message, kind
+        if kind == "out_of_memory":
+            return "runtime_error", (f"out of device memory at the judge's {failure.get('stage', '?')} stage{where}: "
+                                     f"the models with the judge's input copies and outputs do not fit on this "
+                                     f"device ({message.splitlines()[0][:200] if message else ''})"), None
         if kind in ("runtime_error", "cuda_fault"):
             when = failure.get("when")
             prefix = "CUDA fault" if kind == "cuda_fault" else "the candidate raised"

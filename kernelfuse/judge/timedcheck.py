@@ -25,9 +25,15 @@ import torch
 
 from kernelfuse.judge.devicestate import DeviceState
 from kernelfuse.judge.outputs import impure_output
-from kernelfuse.judge.trials import Models, TrialSettings, as_accurate_as_tf32_eager, call_reference
+from kernelfuse.judge.trials import (
+    Models,
+    TrialSettings,
+    as_accurate_as_tf32_eager,
+    call_reference,
+    reference64_output,
+)
 from kernelfuse.load import Problem
-from kernelfuse.verify import Comparison, compare_outputs, inputs_to, to_float64
+from kernelfuse.verify import Comparison, compare_outputs, inputs_to
 
 POOL_MEMORY_FRACTION = 0.25  # of the free device memory, for the input pool of all versions together
 CHECK_ALL_UP_TO = 8  # timed calls: up to this many, every call is checked
@@ -142,12 +148,10 @@ class TimedInputs:
     def _against_float64(self, out: Any, ref: Any) -> Any:
         """A passing comparison when the output is within the tolerance of the exact answer, or (eager running
         TF32) no less accurate than eager against it, as in the trials; else None."""
-        torch.manual_seed(self.call_seed)
-        try:
-            ref64 = self.models.reference64(*to_float64(inputs_to(self.current, self.settings.device)))
-        except Exception:  # noqa: BLE001 - as in the trials: too big or not runnable in float64, eager's stands alone
-            return None
-        like = ref64.to(ref.dtype) if isinstance(ref64, torch.Tensor) and isinstance(ref, torch.Tensor) else None
+        # as in the trials: too big or not runnable in float64, eager's comparison stands alone
+        ref64, _ = reference64_output(self.models, self.current, self.settings.device, self.call_seed)
+        like = ref64.to(ref.device, ref.dtype) if isinstance(ref64, torch.Tensor) and isinstance(ref, torch.Tensor) \
+            else None
         if like is None:
             return None
         comp = compare_outputs(like, out, self.settings.policy.atol, self.settings.policy.rtol)

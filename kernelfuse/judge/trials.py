@@ -62,11 +62,13 @@ class CandidateCallError(Exception):
 
 @dataclass(frozen=True)
 class Models:
-    """The two models on the judged device, and a float64 copy of the reference (None when not used)."""
+    """The two models on the judged device, and a float64 copy of the reference (None when not used) on
+    `reference64_device` (None: the judged device; the host where the device cannot hold it)."""
 
     reference: torch.nn.Module
     candidate: torch.nn.Module
     reference64: torch.nn.Module | None
+    reference64_device: torch.device | None = None
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,7 @@ class Probe:
     min_bytes: int
     uses_tf32: bool
     output: str
+    peak_bytes: int = 0  # device memory one reference call took beyond what was allocated before it (CUDA only)
 
 
 @dataclass(frozen=True)
@@ -173,13 +176,19 @@ def probe_reference(problem: Problem, model: torch.nn.Module, settings: TrialSet
     """
     pristine = problem.make_inputs(settings.seed + trials, settings.device)
     rng = settings.seed + trials
+    cuda = settings.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(settings.device)
+    before = torch.cuda.memory_allocated(settings.device) if cuda else 0
     out, _ = call_reference(model, pristine, settings, rng)
+    # the inputs the call copied and every tensor it made: what a float64 run needs twice of
+    peak = torch.cuda.max_memory_allocated(settings.device) - before + tensor_bytes(pristine) if cuda else 0
     exact, _ = call_reference(model, pristine, settings, rng, flags=no_tf32_flags(settings.default_flags))
     uses_tf32 = not _same_leaves(out, exact)
     flops = count_flops(lambda: call_reference(model, pristine, settings, rng))
     if flops:  # exact algebra may remove arithmetic (kernelfuse's rewrites): the floor is the smaller count
         flops = min(flops, rewritten_flops(problem, model, pristine) or flops)
-    return Probe(tensor_bytes(out), flops, min_bytes(model, pristine, out), uses_tf32, _describe(out))
+    return Probe(tensor_bytes(out), flops, min_bytes(model, pristine, out), uses_tf32, _describe(out), peak)
 
 
 def _describe(out: Any) -> str:
@@ -198,7 +207,7 @@ def _same_leaves(a: Any, b: Any) -> bool:
 
 def _cast_like(ref64: Any, like: Any) -> Any:
     if isinstance(ref64, torch.Tensor) and isinstance(like, torch.Tensor):
-        return ref64.to(like.dtype)
+        return ref64.to(like.device, like.dtype)
     if isinstance(ref64, (tuple, list)) and isinstance(like, (tuple, list)):
         return type(like)(_cast_like(r, x) for r, x in zip(ref64, like, strict=False))
     return ref64
@@ -245,8 +254,7 @@ def run_trial(problem: Problem, models: Models, settings: TrialSettings, index: 
     del in_a, in_b, ref_in
 
     f64 = None
-    ref64_out, float64_skipped = (_reference64(models.reference64, pristine, device, rng)
-                                  if models.reference64 is not None else (None, None))
+    ref64_out, float64_skipped = reference64_output(models, pristine, device, rng)
     if ref64_out is not None:
         base = ref_out
         if policy.baseline == "tf32":
@@ -307,16 +315,20 @@ def run_trial(problem: Problem, models: Models, settings: TrialSettings, index: 
     return TrialResult(index, True, None, None, **errors, by_accuracy=by_accuracy, float64_skipped=float64_skipped)
 
 
-def _reference64(model: torch.nn.Module, pristine: list[Any], device: torch.device, rng: int) -> tuple[Any, str | None]:
-    """(the float64 reference's output, None), or (None, why not) when it does not fit in device memory (a float64
-    copy doubles every tensor: level-1 L1Norm has a 16 GiB input) or the model does not run in float64 (it
-    builds float32 tensors of its own). The trial then stands on the comparison with eager alone, and the verdict
-    says so."""
+def reference64_output(models: Models, pristine: list[Any], device: torch.device, rng: int
+                       ) -> tuple[Any, str | None]:
+    """(the float64 reference's output, None), or (None, why not) when there is no float64 reference, it does not
+    fit in memory after all (a float64 copy doubles every tensor: level-1 L1Norm has a 16 GiB input) or the model
+    does not run in float64 (it builds float32 tensors of its own). The trial then stands on the comparison with
+    eager alone, and the verdict says so. It runs where the worker placed it (the device, else the host)."""
+    if models.reference64 is None:
+        return None, None
+    where = models.reference64_device or device
     try:
         torch.manual_seed(rng)
-        return model(*to_float64(inputs_to(pristine, device))), None
+        return models.reference64(*to_float64(inputs_to(pristine, where))), None
     except torch.OutOfMemoryError:
-        if device.type == "cuda":
+        if where.type == "cuda":
             torch.cuda.empty_cache()
         return None, "a float64 copy of the model's tensors does not fit in device memory"
     except Exception as err:  # noqa: BLE001 - the reference's own failure in float64, not the candidate's

@@ -38,6 +38,7 @@ from kernelfuse.judge.trials import (
 )
 from kernelfuse.load import load_problem
 from kernelfuse.verify import NumericsFlags, compare_state, float64_model, get_policy, inputs_to
+from kernelfuse.verify.memory import float64_need, place_float64
 
 CANDIDATE_MODULE = "kernelfuse_candidate"
 MODE_RUNS = {"train": ("train",), "eval": ("eval",), "both": ("train", "eval")}
@@ -217,20 +218,19 @@ def run(request: WorkerRequest, out: Outcome) -> None:
     def rebuild() -> torch.nn.Module:
         return problem.make_model(request.seed, init_inputs)
 
-    reference64 = float64_model(reference, rebuild) if _wants_float64(request, policy) else None
-
     with torch.no_grad():
         out.stage("probe")
         settings = TrialSettings(device, policy, request.seed, default_flags, candidate_flags, False, 0)
         probe = probe_reference(problem, reference, settings, request.trials)
         settings = TrialSettings(device, policy, request.seed, default_flags, candidate_flags, probe.uses_tf32,
                                  poison_reserve_for(probe), request.call_checks)
-        if request.float64 == "auto" and reference64 is None and probe.uses_tf32:
-            reference64 = float64_model(reference, rebuild)
+        wants64 = _wants_float64(request, policy) or (request.float64 == "auto" and probe.uses_tf32)
+        reference64, where64 = _float64_reference(out, reference, rebuild, probe, device) if wants64 else (None, None)
         out.set(probe={"flops": probe.flops, "min_bytes": probe.min_bytes, "output_bytes": probe.output_bytes,
-                       "uses_tf32": probe.uses_tf32, "output": probe.output},
-                float64_reference=reference64 is not None)
-        models = Models(reference, candidate, reference64)
+                       "uses_tf32": probe.uses_tf32, "output": probe.output, "peak_bytes": probe.peak_bytes},
+                float64_reference=reference64 is not None,
+                float64_device=None if where64 is None else where64.type)
+        models = Models(reference, candidate, reference64, where64)
 
         out.stage("trials")
         results: list[dict[str, Any]] = []
@@ -316,6 +316,26 @@ def _robust_trials(problem: Any, models: Models, settings: TrialSettings, reques
     return {"ok": not failures, "failures": failures, "distributions": list(ROBUST_INPUTS)}
 
 
+def _float64_reference(out: Outcome, reference: torch.nn.Module, rebuild: Any, probe: Any, device: torch.device
+                       ) -> tuple[torch.nn.Module | None, torch.device | None]:
+    """The float64 reference where it fits (kernelfuse.verify.memory: the device, else the host), or none, with
+    a warning in the verdict saying where it went or that the trials compare with eager only."""
+    state = sum(t.numel() * t.element_size() for t in (*reference.parameters(), *reference.buffers()))
+    placement = place_float64(float64_need(state, probe.peak_bytes), device)
+    if placement.note:
+        out.warn(placement.note)
+    if placement.device is None:
+        return None, None
+    try:
+        return float64_model(reference, rebuild, placement.device), placement.device
+    except torch.OutOfMemoryError:
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        out.warn("the float64 reference did not fit in device memory after all: the trials compare with eager "
+                 "under the policy's tolerance only")
+        return None, None
+
+
 def _wants_float64(request: WorkerRequest, policy: Any) -> bool:
     return request.float64 == "always" or (request.float64 == "auto" and policy.name == "strict")
 
@@ -366,6 +386,8 @@ def main(argv: list[str]) -> int:
         run(request, out)
     except Failed:
         code = 0
+    except torch.OutOfMemoryError as err:  # the judge's own copies beside the models: a verdict, not a judge bug
+        out.fail("out_of_memory", **describe_error(err, request.candidate_path, request.line_offset))
     except BaseException as err:  # noqa: BLE001 - a judge bug must still produce an outcome
         info = describe_error(err, request.candidate_path, request.line_offset)
         kind = "cuda_fault" if is_cuda_fault(info["message"]) else "internal_error"

@@ -27,6 +27,8 @@ from kernelfuse.plan.ir import (
 )
 from kernelfuse.plan.schedule import FLOAT_DTYPES, RESHAPES, build_program, schedule, space_strides
 
+KEPT_REASON = "kept as a torch call: a kernel over it failed to plan or generate (see the fallbacks)"
+
 
 @dataclass(frozen=True)
 class PlanOptions:
@@ -40,27 +42,34 @@ class PlanOptions:
     matmul_tf32: bool = False  # the tf32 policy: matrix products on TF32 tensor cores
     max_fusions: int | None = None
     generated: bool = True  # generated kernels (pointwise chains, reductions, norms) besides anchor epilogues
+    # nodes that stay torch calls: a kernel over them failed to plan or generate (the pipeline's fallback), so the
+    # re-made plan fuses everything else as before
+    keep: tuple[str, ...] = ()
 
 
 def plan_variants(graph: Graph, precision: str = "strict", max_fusions: int | None = None,
-                  conv_layouts: dict[str, str] | None = None, fp32_convs: frozenset[str] = frozenset()) -> list[Plan]:
+                  conv_layouts: dict[str, str] | None = None, fp32_convs: frozenset[str] = frozenset(),
+                  keep: frozenset[str] = frozenset()) -> list[Plan]:
     """The fused plans worth judging, best first. With `conv_layouts` (each convolution's layout, measured on the
     GPU by kernelfuse.bench.layout): the plan they give, then the all-NCHW plan as its fallback. Otherwise one
     plan per layout when the graph has a 2-d or 3-d convolution (channels-last first: cuDNN's faster layout for
     most fp32 convolutions on Hopper).
 
     Under the tf32 policy matrix products may run on TF32 tensor cores (cuDNN convolutions already do by default).
+    The nodes in `keep` stay torch calls in every plan.
     """
     tf32 = precision == "tf32"
+    kept = tuple(sorted(keep))
     if conv_layouts is not None:
         options = PlanOptions(conv_layouts=tuple(sorted(conv_layouts.items())), fp32_convs=tuple(sorted(fp32_convs)),
-                              matmul_tf32=tf32, max_fusions=max_fusions)
+                              matmul_tf32=tf32, max_fusions=max_fusions, keep=kept)
         measured = make_plan(graph, options)
-        fallback = make_plan(graph, PlanOptions(conv_layout="nchw", matmul_tf32=tf32, max_fusions=max_fusions))
+        fallback = make_plan(graph, PlanOptions(conv_layout="nchw", matmul_tf32=tf32, max_fusions=max_fusions,
+                                                keep=kept))
         return [measured] if fallback.summary() == measured.summary() else [measured, fallback]
     has_conv = any(channels_last_ok(graph, n) for n in graph.nodes)
     layouts = ("nhwc", "nchw") if has_conv else ("nchw",)
-    return [make_plan(graph, PlanOptions(conv_layout=layout, matmul_tf32=tf32, max_fusions=max_fusions))
+    return [make_plan(graph, PlanOptions(conv_layout=layout, matmul_tf32=tf32, max_fusions=max_fusions, keep=kept))
             for layout in layouts]
 
 
@@ -68,7 +77,8 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
     """Anchors take their pointwise epilogues; the scheduler turns the rest into generated kernels; an anchor's
     epilogue whose only reader is a reduction kernel moves into that kernel's prologue (one pass, not two)."""
     fused: dict[str, FusedStep] = {}  # output node name -> step
-    absorbed: set[str] = set()
+    kept = set(options.keep)
+    absorbed: set[str] = set(kept)  # a node joins one kernel at most
     for node in graph.nodes:
         if node.name in absorbed or node.op not in ANCHOR_OPS or node.meta is None:
             continue
@@ -77,13 +87,14 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
         ok, _ = anchor_supported(graph, node)
         if not ok:
             continue
-        step = _fuse_behind(graph, node, options, kernel=f"k{len(fused)}")
+        step = _fuse_behind(graph, node, options, f"k{len(fused)}", absorbed)
         if step is None:
             continue
         fused[step.out] = step
         absorbed.update(step.replaces)
     cap = None if options.max_fusions is None else max(options.max_fusions - len(fused), 0)
     gens, reasons = schedule(graph, absorbed, len(fused), cap) if options.generated else ([], {})
+    reasons.update(dict.fromkeys(kept, KEPT_REASON))
     by_out: dict[str, Step] = dict(fused)
     for gen in gens:
         by_out[gen.out] = gen
@@ -197,20 +208,21 @@ def is_conv2d(graph: Graph, node: Node) -> bool:
     return channels_last_ok(graph, node) and len(graph[node.args[1]].meta.shape) == 4 and not node.args[6]
 
 
-def _fuse_behind(graph: Graph, anchor_node: Node, options: PlanOptions, kernel: str) -> FusedStep | None:
+def _fuse_behind(graph: Graph, anchor_node: Node, options: PlanOptions, kernel: str,
+                 taken: set[str]) -> FusedStep | None:
     family = ANCHOR_OPS[anchor_node.op]
     users = graph.users(anchor_node.name)
     conv2d = is_conv2d(graph, anchor_node)
     fused_relu = (
         conv2d and options.cudnn_fused_relu and len(users) == 1 and users[0].op == "relu.default"
-        and not graph.is_output(anchor_node.name)
+        and not graph.is_output(anchor_node.name) and users[0].name not in taken
     )
     inside = {anchor_node.name}
     acc_name = anchor_node.name
     if fused_relu:
         inside.add(users[0].name)
         acc_name = users[0].name
-    members = _grow(graph, anchor_node, inside)
+    members = _grow(graph, anchor_node, inside, taken)
     layout = dict(options.conv_layouts).get(anchor_node.name, options.conv_layout) \
         if channels_last_ok(graph, anchor_node) else "nchw"
     if family == "matmul" and not members:
@@ -223,12 +235,14 @@ def _fuse_behind(graph: Graph, anchor_node: Node, options: PlanOptions, kernel: 
     return FusedStep(kernel, anchor, epilogue, replaces, out_node.name)
 
 
-def _grow(graph: Graph, anchor_node: Node, inside: set[str]) -> list[Node]:
+def _grow(graph: Graph, anchor_node: Node, inside: set[str], taken: set[str]) -> list[Node]:
+    """The pointwise nodes after the anchor that join its epilogue; none already in another kernel (`taken`: two
+    anchors reading one node, as a gated MLP's `silu(x @ W1) * (x @ W2)`, would both take it)."""
     out_meta = anchor_node.meta
     members: list[Node] = []
     start = graph.nodes.index(anchor_node)
     for node in graph.nodes[start + 1:]:
-        if node.name in inside or node.op not in POINTWISE_BY_ATEN or node.meta is None:
+        if node.name in inside or node.name in taken or node.op not in POINTWISE_BY_ATEN or node.meta is None:
             continue
         refs = node.refs
         if not any(r.name in inside for r in refs):

@@ -270,7 +270,9 @@ def _pointwise_kernel(graph: Graph, chain: _Chain, kernel: str) -> GenStep:
     members = _trim_reshapes(chain.members)
     out_meta = members[-1].meta
     source, program = build_program(graph, members, out_meta, out_meta.shape)
-    assert source is not None  # the chain's own space: every operand broadcasts to it
+    if source is None:  # the chain's own space: every operand should broadcast to it
+        raise ValueError(f"pointwise kernel {kernel}: an operand of {members[-1].name} does not broadcast to its "
+                         f"own shape {out_meta.shape}")
     return GenStep(kernel, source, program, None, None, Program((), (), out_meta.shape), out_meta,
                    tuple(m.name for m in members), members[-1].name)
 

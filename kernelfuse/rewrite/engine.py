@@ -82,7 +82,8 @@ class Builder:
 
     def meta(self, ref: Ref) -> TensorMeta:
         value = self._value(ref)
-        assert isinstance(value, torch.Tensor)
+        if not isinstance(value, torch.Tensor):
+            raise NoMatch(f"%{ref.name} is a {type(value).__name__}, not a tensor: no tensor metadata")
         return _meta(value)  # type: ignore[return-value]
 
     def done(self, value: Ref, note: str) -> Replacement:

@@ -15,7 +15,7 @@ from functools import partial
 import torch
 
 from kernelfuse.capture import Graph, Node, Ref
-from kernelfuse.errors import KernelfuseError
+from kernelfuse.errors import Fallback, KernelfuseError, one_line
 from kernelfuse.rewrite.anchors import conv_bias_to_epilogue
 from kernelfuse.rewrite.chains import collapse_clamps, common_subexpressions, double_views, neutral_scalars
 from kernelfuse.rewrite.dropout import dropout_as_on_cuda
@@ -101,6 +101,7 @@ class Rule:
 class RewriteResult:
     graph: Graph
     fired: tuple[RuleFiring, ...]
+    failed: tuple[Fallback, ...] = ()  # rules that raised: skipped from then on, the others still applied
 
     @property
     def rules_fired(self) -> tuple[str, ...]:
@@ -161,15 +162,23 @@ def apply_rules(graph: Graph, disabled: Collection[str] = ()) -> RewriteResult:
         raise UnknownRewriteError(f"unknown rewrite rule {', '.join(unknown)}: the rules are "
                                   f"{', '.join(RULE_NAMES)}")
     fired: list[RuleFiring] = []
+    failed: list[Fallback] = []
+    skip = set(disabled)
     for _ in range(MAX_ROUNDS):
         before = len(fired)
         for rule in RULES:
-            if rule.name not in disabled:
+            if rule.name in skip:
+                continue
+            try:
                 graph, new = rule.run(graph)
-                fired.extend(new)
+            except Exception as err:  # noqa: BLE001 - a rule's bug: the graph stays as it was before that rule
+                skip.add(rule.name)
+                failed.append(Fallback("rewrite", rule.name, one_line(err)))
+                continue
+            fired.extend(new)
         if len(fired) == before:
             break
-    return RewriteResult(graph, tuple(fired))
+    return RewriteResult(graph, tuple(fired), tuple(failed))
 
 
 def rewrite(graph: Graph, disabled: Collection[str] = ()) -> Graph:
@@ -178,7 +187,8 @@ def rewrite(graph: Graph, disabled: Collection[str] = ()) -> Graph:
 
 
 def _resolve(arg: object, rename: dict[str, Ref]) -> Ref:
-    assert isinstance(arg, Ref)
+    if not isinstance(arg, Ref):
+        raise TypeError(f"a graph reference was expected, found {type(arg).__name__} {arg!r}")
     while arg.name in rename:
         arg = rename[arg.name]
     return arg

@@ -46,18 +46,21 @@ class Float64Check:
                 f"{self.ref_scale:.3g} = {bound:.3g}")
 
 
-def float64_model(model: torch.nn.Module, rebuild: Callable[[], torch.nn.Module] | None = None) -> torch.nn.Module:
-    """A float64 copy of `model` (the original is left as it is). With `rebuild` (a fresh construction of the same
-    model), the copy is built by it and given `model`'s state: a deep copy keeps closures over the original's
-    submodules (MiniGPT's `self.mlpf = lambda x: m.c_proj(...)`), so the copy's forward would still call the
-    float32 layers."""
+def float64_model(model: torch.nn.Module, rebuild: Callable[[], torch.nn.Module] | None = None,
+                  device: torch.device | None = None) -> torch.nn.Module:
+    """A float64 copy of `model` (the original is left as it is) on `device` (default: the model's). With
+    `rebuild` (a fresh construction of the same model, on the CPU), the copy is built by it and given `model`'s
+    state: a deep copy keeps closures over the original's submodules (MiniGPT's `self.mlpf = lambda x:
+    m.c_proj(...)`), so the copy's forward would still call the float32 layers. The copy is made double before
+    it moves, so the device holds only the float64 tensors."""
+    if device is None:
+        device = next(model.parameters(), next(model.buffers(), torch.empty(0))).device
     if rebuild is None:
-        return copy.deepcopy(model).double()
+        return copy.deepcopy(model).double().to(device)
     fresh = rebuild()
     fresh.load_state_dict(model.state_dict())
     for copy_module, module in zip(fresh.modules(), model.modules(), strict=False):
         copy_module.training = module.training
-    device = next(model.parameters(), next(model.buffers(), torch.empty(0))).device
     return fresh.double().to(device)
 
 
@@ -73,9 +76,9 @@ def _finite_errors(out: Any, ref64: Any) -> Iterator[torch.Tensor]:
             continue
         if not (o.is_floating_point() and r.is_floating_point()):
             continue
-        o_flat, r_flat = o.detach().reshape(-1), r.detach().reshape(-1).to(o.device)
+        o_flat, r_flat = o.detach().reshape(-1), r.detach().reshape(-1)  # the reference may be on the host
         for start in range(0, o_flat.numel(), CHUNK):
-            oc, rc = o_flat[start:start + CHUNK].double(), r_flat[start:start + CHUNK].double()
+            oc, rc = o_flat[start:start + CHUNK].double(), r_flat[start:start + CHUNK].to(o.device).double()
             yield (oc - rc).abs()[torch.isfinite(oc) & torch.isfinite(rc)]
 
 

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import torch
 
+from kernelfuse.verify.memory import poison_budget
+
 POISON_BYTE = 0xFF
-RESERVE_HEADROOM = 512 << 20  # left free by the reserve, so the judge's own next allocations still fit
+MIN_RESERVE_TRY = 1 << 20  # below this a reserve that did not fit is given up
 
 
 def poison_free_memory(device: torch.device, reserve_bytes: int = 0) -> int:
     """Fill every inactive caching-allocator block on `device` (and `reserve_bytes` more) with 0xFF; return bytes.
 
     The blocks are taken by exact-size allocations (the allocator's best fit returns a block of that size), filled,
-    and released, so they go back to the cache poisoned. The reserve is cut to the device's free memory less
-    RESERVE_HEADROOM: on a problem whose outputs fill the GPU, poisoning what fits beats an out-of-memory verdict
-    against the judge itself. No-op on the CPU.
+    and released, so they go back to the cache poisoned. The reserve is cut to the device's free memory less a
+    headroom (kernelfuse.verify.memory), and halved while it does not fit: on a problem whose outputs fill the GPU,
+    poisoning what fits beats an out-of-memory verdict against the judge itself. No-op on the CPU.
     """
     if device.type != "cuda":
         return 0
@@ -38,9 +40,14 @@ def poison_free_memory(device: torch.device, reserve_bytes: int = 0) -> int:
         for size in sorted(sizes, reverse=True):
             held.append(torch.empty(size, dtype=torch.uint8, device=device).fill_(POISON_BYTE))
             total += size
-        reserve = min(reserve_bytes, torch.cuda.mem_get_info(index)[0] - RESERVE_HEADROOM)
-        if reserve > 0:
-            held.append(torch.empty(reserve, dtype=torch.uint8, device=device).fill_(POISON_BYTE))
+        reserve = poison_budget(reserve_bytes, device)
+        while reserve >= MIN_RESERVE_TRY:
+            try:
+                held.append(torch.empty(reserve, dtype=torch.uint8, device=device).fill_(POISON_BYTE))
+            except torch.OutOfMemoryError:  # fragmented or taken meanwhile: poison less
+                reserve //= 2
+                continue
             total += reserve
+            break
     del held
     return total
