@@ -28,6 +28,7 @@ from kernelfuse.capture import Graph, build_model, capture, draws_random_numbers
 from kernelfuse.codegen import generate
 from kernelfuse.cpucheck import CpuCheck, check_plans
 from kernelfuse.emit import emit_modelnew, emit_reference
+from kernelfuse.errors import Fallback, Unsupported
 from kernelfuse.judge import EvalOptions, Verdict, evaluate
 from kernelfuse.judge.runner import judge_zygote
 from kernelfuse.load import Problem, check_output_path, load_problem
@@ -79,6 +80,7 @@ class OptimizeResult:
     notes: list[str] = field(default_factory=list)
     cold_build_s: float | None = None  # parallel first build of all variants (the judge's build_s is then cached)
     rewrites: tuple[RuleFiring, ...] = ()  # the rewrite rules that fired, in order
+    fallbacks: list[Fallback] = field(default_factory=list)  # parts that run the original ops, and why
 
 
 def optimize_file(problem_path: str | Path, out_path: str | Path, options: OptimizeOptions = OptimizeOptions(),
@@ -98,7 +100,14 @@ def _optimize(problem_path: str | Path, out_path: str | Path, options: OptimizeO
     log(f"[1/5] loaded {problem.path}")
     model = build_model(problem)
     disabled = RULE_NAMES if options.no_rewrites else options.disabled_rewrites
-    rewritten = apply_rules(capture(problem, model), disabled)
+    try:
+        captured = capture(problem, model)
+    except Unsupported as why:  # found before any planning: the original module ships, saying why
+        result = OptimizeResult(out_path, "unfused", [], [], fallbacks=[why.fallback])
+        result.notes.append(f"{why.fallback}: shipping the original module")
+        log(f"[2/5] not compiled: {why.fallback}")
+        return _ship_unfused(problem, result, log, options if use_gpu else None)
+    rewritten = apply_rules(captured, disabled)
     graph = rewritten.graph
     mode = "training" if graph.training else "eval"
     log(f"[2/5] captured {len(graph.nodes)} ATen nodes on fake tensors ({mode} mode); {rewritten.summary()}")

@@ -60,5 +60,6 @@ def optimize_json(result: OptimizeResult, problem_path: str, precision: str) -> 
             "final": result.final.to_json() if result.final is not None else None,
             "cold_build_s": result.cold_build_s,
         },
+        "fallbacks": [{"stage": f.stage, "what": f.what, "reason": f.reason} for f in result.fallbacks],
         "notes": list(result.notes),
     }
