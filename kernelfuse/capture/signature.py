@@ -54,6 +54,7 @@ class Param:
     kind: str  # "positional" | "varargs" (*args) | "kwonly" | "varkw" (**kwargs)
     pattern: Any
     default_none: bool = False  # declared `=None`
+    has_default: bool = False  # declared with any default
 
     @property
     def is_tensor(self) -> bool:
@@ -89,11 +90,12 @@ class CallSpec:
 
     @property
     def plain(self) -> bool:
-        """Positional tensors, then `=None` parameters left None: the emitted forward's simple form."""
-        kinds = [p.kind == "positional" for p in self.params]
-        tensors = [p.is_tensor for p in self.params]
-        n = sum(tensors)
-        return all(kinds) and all(tensors[:n]) and all(p.pattern is None and p.default_none for p in self.params[n:])
+        """Positional tensors without defaults, then `=None` parameters left None: the emitted forward's simple
+        form (a tensor parameter that may be None is checked by `_fits` in the general one)."""
+        n = sum(p.is_tensor for p in self.params)
+        return all(p.kind == "positional" for p in self.params) and \
+            all(p.is_tensor and not p.has_default for p in self.params[:n]) and \
+            all(p.pattern is None and p.default_none for p in self.params[n:])
 
     def tensor_paths(self) -> list[str]:
         """A Python expression per graph input, over the parameter names: `x`, `pair[0]`, `cfg['mask']`."""
@@ -144,7 +146,8 @@ def bind(model: torch.nn.Module, inputs: list[Any], what: str) -> tuple[tuple[Pa
     params, tensors = [], []
     for p in sig.parameters.values():
         value = bound.arguments[p.name]
-        params.append(Param(p.name, KINDS[p.kind], _pattern(value, p.name, tensors), p.default is None))
+        params.append(Param(p.name, KINDS[p.kind], _pattern(value, p.name, tensors), p.default is None,
+                            p.default is not p.empty))
     return tuple(params), tensors
 
 

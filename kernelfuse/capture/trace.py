@@ -28,7 +28,7 @@ from kernelfuse.load import Problem
 PARAM_LIMIT_BYTES = 2 * 1024**3  # larger models are built on the meta device: no host copy of their weights
 # Elements of a tensor forward makes from literals that are written into the emitted file; a larger one is a
 # weight in disguise (register it as a buffer), and the original module ships
-CONSTANT_LIMIT = 4096
+CONSTANT_LIMIT = 1024
 
 # Calls that mean "the forward branches on a tensor's value": make_fx cannot record one graph for them.
 DATA_DEPENDENT = ("_local_scalar_dense", "data-dependent", "Data dependent", "DataDependentOutputException")

@@ -15,7 +15,7 @@ import textwrap
 import torch
 
 from kernelfuse.capture import Node, Ref
-from kernelfuse.capture.signature import Output
+from kernelfuse.capture.signature import Output, literal
 from kernelfuse.codegen import CudaSources
 from kernelfuse.codegen.binding import runtime_source
 from kernelfuse.codegen.common import channels_last_format
@@ -23,7 +23,7 @@ from kernelfuse.codegen.generated import tensor_args
 from kernelfuse.emit.calltext import CallText, call_runtime, call_text, output_classes, output_text
 from kernelfuse.emit.flags import _with_tf32, _without_tf32, source_of
 from kernelfuse.emit.graphed import GRAPH_RUNTIME, graphed_forward_source
-from kernelfuse.emit.hoist import cached_tuple, plan_hoist, step_out, weight_methods
+from kernelfuse.emit.hoist import cached_tuple, plan_hoist, shared_constants, step_out, weight_methods
 from kernelfuse.errors import ProblemError
 from kernelfuse.load import Problem, class_source
 from kernelfuse.load.problem import PROBLEM_MODULE_PREFIX
@@ -93,6 +93,21 @@ def _use_kernels(module, inputs):
     ) and all(p.is_cuda for p in module.parameters())
 '''
 
+# Tensors forward makes from literals, made once per device: a copy from the host in every call would wait for
+# the GPU (a blocking copy) and could not be captured into a CUDA graph.
+CONSTANT_RUNTIME = '''
+_CONSTANTS = {}
+
+
+def _constant(name, values, dtype, shape, device):
+    """A tensor forward makes from literals, made on `device` once and shared by every call (no op writes it and
+    no output returns it: the emitter checks)."""
+    key = (name, device)
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = torch.tensor(values, dtype=dtype, device=device).reshape(shape)
+    return _CONSTANTS[key]
+'''
+
 
 def runtime_text(plan: Plan, sources: CudaSources | None) -> str:
     """The module-level support code a fused forward calls: loader, guard, TF32 helper (as needed)."""
@@ -100,6 +115,8 @@ def runtime_text(plan: Plan, sources: CudaSources | None) -> str:
     parts.append(GUARD)
     if not plan.graph.call_spec.plain:
         parts.append(call_runtime(plan.graph.call_spec))
+    if shared_constants(plan.graph):
+        parts.append(CONSTANT_RUNTIME)
     if any(s.anchor.tf32 for s in plan.fused):
         parts.append(source_of(_with_tf32))  # a matmul under the tf32 policy
     if any(s.anchor.fp32 for s in plan.fused):
@@ -268,6 +285,8 @@ def _step_lines(graph, step: Step, names: dict[str, str]) -> list[str]:
     """One plan step as lines of a method body; `names` gains the variable holding its value."""
     if isinstance(step, TorchStep):
         names[step.node.name] = f"v_{step.node.name}"
+        if step.node.op == "constant" and step.node.name in shared_constants(graph):
+            return [f"    v_{step.node.name} = {_constant_call(step.node, names)}"]
         return [f"    v_{step.node.name} = {_call(step.node, names)}"]
     if isinstance(step, GenStep):
         return _generated_lines(graph, step, names)
@@ -327,10 +346,14 @@ def _generated_lines(graph, step: GenStep, names: dict[str, str]) -> list[str]:
             f"    v_{step.out} = ext.{step.kernel}({args})"]
 
 
+def _constant_call(node: Node, names: dict[str, str]) -> str:
+    """A tensor forward makes from literals, made once per device (see _constant)."""
+    return f"_constant({node.name!r}, {literal(node.args[0])}, {node.meta.dtype}, {list(node.meta.shape)}, _device)"
+
+
 def _call(node: Node, names: dict[str, str]) -> str:
-    if node.op == "constant":  # a tensor forward makes from literals, written out (capture limits its size)
-        dtype = next(a[2] for a in node.args if isinstance(a, tuple) and a[:2] == ("kw", "dtype"))
-        return f"torch.tensor({_py(node.args[0], names)}, dtype={dtype}, device=_device).reshape({list(node.meta.shape)})"
+    if node.op == "constant":  # written to or returned: made in every call (capture limits its size)
+        return f"torch.tensor({_py(node.args[0], names)}, dtype={node.meta.dtype}, device=_device).reshape({list(node.meta.shape)})"
     plain = [a for a in node.args if not (isinstance(a, tuple) and len(a) == 3 and a[0] == "kw")]
     kwargs = [a for a in node.args if isinstance(a, tuple) and len(a) == 3 and a[0] == "kw"]
     if node.op in PY_SPELLING and not kwargs and len(plain) == PY_SPELLING[node.op].count("{"):
