@@ -40,17 +40,17 @@ CASES: dict[str, Callable[[list], list[Call]]] = {
 }
 
 
-def _same(a: object, b: object) -> bool:
+def _same(a: object, b: object, equal: Callable[[torch.Tensor, torch.Tensor], bool] = torch.equal) -> bool:
     """Equal values of the same structure and types (by name: the emitted file defines the problem's classes
-    again), tensors bit for bit."""
+    again), tensors of one dtype and `equal` (bit for bit by default)."""
     if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and equal(a, b)
     if type(a).__qualname__ != type(b).__qualname__:
         return False
     if isinstance(a, dict):
-        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+        return list(a) == list(b) and all(_same(a[k], b[k], equal) for k in a)
     if isinstance(a, (tuple, list)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+        return len(a) == len(b) and all(_same(x, y, equal) for x, y in zip(a, b, strict=True))
     return a == b
 
 
@@ -181,3 +181,48 @@ def test_a_returned_constant_is_a_copy_of_the_shared_one(tmp_path, capsys):
     text = out.read_text()
     assert "v__tensor_constant0 = _constant('_tensor_constant0', (1.0, 2.0), torch.float32, [2], _device)" in text
     assert "= torch.ops.aten.lift_fresh_copy.default(v__tensor_constant0)" in text
+
+
+def test_judge_accepts_the_references_own_container_class_only():
+    """A namedtuple or ModelOutput the model returns is returned by ModelNew too (the file defines the problem's
+    class again): the judge accepts that class where the reference has it, and still rejects any other subclass."""
+    from collections import OrderedDict, namedtuple
+
+    from kernelfuse.judge.outputs import impure_output
+
+    t = torch.ones(2)
+    pair, again = namedtuple("Pair", "a b"), namedtuple("Pair", "a b")
+
+    class Out(OrderedDict):
+        pass
+
+    class Lazy(OrderedDict):
+        def __getitem__(self, key):
+            return torch.zeros(2)
+
+    Lazy.__qualname__ = Out.__qualname__
+    assert impure_output(again(t, t), pair(t, t)) is None and impure_output(Out(a=t), Out(a=t)) is None
+    assert "subclass of OrderedDict" in impure_output(Lazy(a=t), Out(a=t))
+    assert "subclass of tuple" in impure_output(pair(t, t), (t, t))
+    assert "subclass of tuple" in impure_output({"x": pair(t, t)}, {"x": (t, t)})
+
+
+def test_graphed_variant_of_a_dict_output_rebuilds_it_outside_the_graph(tmp_path):
+    """The CUDA-graph replay clones a tensor or a tuple of tensors: for a dict output `_fused_forward` returns its
+    tensors and forward rebuilds the dict, from the replay or from the kernels run one by one."""
+    from kernelfuse.pipeline import emit_file
+
+    problem = load_problem(FIXTURES / "sig_dict_output.py")
+    plan = plan_variants(rewrite(capture(problem)))[0].as_graphed()
+    path = tmp_path / "graphed.py"
+    path.write_text(emit_file(problem, plan, "test"))
+    text = path.read_text()
+    assert "        out = graph.replay((batch['x'], batch['bias']))" in text
+    assert "    return {'logits': out[0], 'parts': [out[1], out[2]], 'count': 8, 'cache': None}" in text
+    assert "def _fused_forward(self, batch_x, batch_bias):" in text
+    model = problem.make_model()
+    new = _import(path).ModelNew(*problem.init_inputs())
+    new.load_state_dict(model.state_dict())
+    inputs = problem.make_inputs(seed=1)
+    with torch.no_grad():
+        assert _same(new(*inputs), model(*inputs))
