@@ -27,7 +27,7 @@ from kernelfuse.bench.layout import LayoutTiming, measure_conv_layouts
 from kernelfuse.capture import Graph, build_model, capture, draws_random_numbers
 from kernelfuse.codegen import generate
 from kernelfuse.cpucheck import CpuCheck, check_plans
-from kernelfuse.emit import emit_modelnew, emit_reference
+from kernelfuse.emit import check_emittable, emit_modelnew, emit_reference
 from kernelfuse.errors import Fallback, Unsupported
 from kernelfuse.judge import EvalOptions, Verdict, evaluate
 from kernelfuse.judge.runner import judge_zygote
@@ -101,6 +101,7 @@ def _optimize(problem_path: str | Path, out_path: str | Path, options: OptimizeO
     model = build_model(problem)
     disabled = RULE_NAMES if options.no_rewrites else options.disabled_rewrites
     try:
+        check_emittable(problem)
         captured = capture(problem, model)
     except Unsupported as why:  # found before any planning: the original module ships, saying why
         result = OptimizeResult(out_path, "unfused", [], [], fallbacks=[why.fallback])

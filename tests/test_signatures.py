@@ -226,3 +226,21 @@ def test_graphed_variant_of_a_dict_output_rebuilds_it_outside_the_graph(tmp_path
     inputs = problem.make_inputs(seed=1)
     with torch.no_grad():
         assert _same(new(*inputs), model(*inputs))
+
+
+@pytest.mark.parametrize("body, what", [
+    ("""
+    def forward(self, x, acc):
+        return torch.relu(x) + acc
+    """, "parameter 'acc' is a name the fused forward uses"),
+    ("""
+    forward = nn.Module.__call__
+    """, "forward is not defined in the class body"),
+])
+def test_what_the_file_cannot_express_is_found_at_load(tmp_path, capsys, body, what):
+    path = write_problem(tmp_path, "odd_forward", body, "[torch.rand(2, 4), torch.rand(2, 4)]")
+    report = tmp_path / "r.json"
+    assert main(["optimize", str(path), "-o", str(tmp_path / "o.py"), "--cpu-only", "--json", str(report)]) == 0
+    (fallback,) = json.loads(report.read_text())["fallbacks"]
+    assert fallback["stage"] == "load" and what in fallback["reason"]
+    assert "[2/5] not compiled: load: Model.forward" in capsys.readouterr().out

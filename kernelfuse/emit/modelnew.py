@@ -24,7 +24,7 @@ from kernelfuse.emit.calltext import CallText, call_runtime, call_text, output_c
 from kernelfuse.emit.flags import _with_tf32, _without_tf32, source_of
 from kernelfuse.emit.graphed import GRAPH_RUNTIME, graphed_forward_source
 from kernelfuse.emit.hoist import cached_tuple, plan_hoist, shared_constants, step_out, weight_methods
-from kernelfuse.errors import ProblemError
+from kernelfuse.errors import Fallback, ProblemError, Unsupported
 from kernelfuse.load import Problem, class_source
 from kernelfuse.load.problem import PROBLEM_MODULE_PREFIX
 from kernelfuse.plan.ir import FusedStep, GenStep, Plan, Step, TorchStep
@@ -124,6 +124,29 @@ def runtime_text(plan: Plan, sources: CudaSources | None) -> str:
     if plan.graphed:
         parts.append(GRAPH_RUNTIME)
     return "\n\n".join(p.strip("\n") + "\n" for p in parts)
+
+
+# Names the emitted forward binds or reads besides its parameters (and `v_<node>` values): a parameter of one of
+# these names would be shadowed or would shadow them
+RESERVED = frozenset({"self", "ext", "acc", "_device", "graph", "out", "torch", "_extension", "_use_kernels", "_fits",
+                      "CALL_PATTERN", "_constant", "_graphed", "_with_tf32", "_without_tf32"})
+
+
+def check_emittable(problem: Problem) -> None:
+    """Before any work, what would stop a fused file being written: no top-level `class Model` to copy is the
+    problem file's error (ProblemError); a forward Model inherits instead of defining, or a parameter named like
+    a value the fused forward uses, is Unsupported (the original module ships, saying why)."""
+    cls = class_source(problem)
+    forward = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "forward"), None)
+    if forward is None:
+        raise Unsupported(Fallback("load", f"{cls.name}.forward", "forward is not defined in the class body (inherited "
+                                   "or assigned): the fused file replaces the forward the class defines"))
+    a = forward.args
+    names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if x is not None][1:]
+    clash = [n for n in names if n in RESERVED or n.startswith("v_")]
+    if clash:
+        raise Unsupported(Fallback("load", f"{cls.name}.forward", f"parameter {clash[0]!r} is a name the fused "
+                                   "forward uses for its own values"))
 
 
 def emit_modelnew(problem: Problem, plan: Plan, sources: CudaSources | None, report: str) -> str:
