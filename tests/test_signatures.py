@@ -89,8 +89,18 @@ def test_signature_fixture_optimizes_checks_and_guards(name, tmp_path, capsys):
 def test_scalar_guard_and_pattern_are_in_the_emitted_text(tmp_path, capsys):
     out, _, _ = _optimize("sig_scalar_float", tmp_path, capsys)
     text = out.read_text()
-    assert "def forward(self, A, s: float):" in text and "CALL_PATTERN = (_TENSOR, 3.5)" in text
+    assert "def forward(self, A, s: float):" in text and "_fits" not in text
+    assert "if not (type(s) is float and s == 3.5) or not _use_kernels(self, (A,)):" in text
     assert "# s: specialised to 3.5 as traced (another value: the original ops)" in text
+
+
+def test_containers_are_matched_against_their_traced_pattern(tmp_path, capsys):
+    out, _, _ = _optimize("sig_kwonly", tmp_path, capsys)
+    text = out.read_text()
+    assert "CALL_PATTERNS = {'extra': (_TENSOR,)}" in text
+    assert ("if not (_fits(extra, CALL_PATTERNS['extra']) and type(alpha) is float and alpha == 0.5 and gelu is True) "
+            "or not _use_kernels(self, (x, extra[0])):") in text
+    assert "return self._reference_forward(x, *extra, alpha=alpha, gelu=gelu)" in text
 
 
 def test_tensor_constants_are_written_into_the_file(tmp_path, capsys):

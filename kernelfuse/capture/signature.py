@@ -160,6 +160,9 @@ def describe_output(value: Any, path: str = "output") -> Output:
     if type(value) in (tuple, list):
         return Output(type(value).__name__, items=tuple(describe_output(v, f"{path}[{i}]")
                                                         for i, v in enumerate(value)))
+    if isinstance(value, (tuple, dict)) and not type(value).__qualname__.isidentifier():
+        raise Unsupported(Fallback("capture", path, f"forward returns a {type(value).__qualname__}, a class the "
+                                   "emitted file cannot name (defined inside a function)"))
     if isinstance(value, tuple) and hasattr(type(value), "_fields"):
         return Output("namedtuple", cls=type(value), items=tuple(describe_output(v, f"{path}.{f}")
                                                                 for f, v in zip(value._fields, value, strict=True)))

@@ -2,16 +2,17 @@
 
 Plain forwards (positional tensors, then `=None` parameters left None) keep the short form: `forward(self, x,
 mask=None)` and `if mask is not None or not _use_kernels(...)`. Any other forward keeps the original's parameter
-list (annotations, defaults, keyword-only, *args, **kwargs) and checks the whole call against CALL_PATTERN, the
-arguments as captured with each tensor replaced by `_TENSOR`: a Python value the graph was traced with (a float,
-an int, a flag, None) is specialised, so another value (or another type, or another container structure) runs
-the original ops. Tensors inside tuples, lists and dicts are read where they sit (`pair[0]`).
+list (annotations, defaults, keyword-only, *args, **kwargs) and tests each argument against the traced one: a
+Python value the graph was traced with (a float, an int, a flag, None) is specialised (`type(s) is float and
+s == 3.5`), so another value or type runs the original ops; a tuple, list or dict must match CALL_PATTERNS, the
+container as traced with each tensor replaced by `_TENSOR` (`_fits`). Tensors inside containers are read where
+they sit (`pair[0]`).
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kernelfuse.capture.signature import CallSpec, Output, Param, literal
@@ -19,7 +20,7 @@ from kernelfuse.capture.signature import CallSpec, Output, Param, literal
 # The run-time support of a specialised call (module level of the emitted file, or of the in-process namespace).
 CALL_RUNTIME = '''
 class _Tensor:
-    """Stands for a tensor in CALL_PATTERN: any tensor fits there (_use_kernels checks its shape and dtype)."""
+    """Stands for a tensor in CALL_PATTERNS: any tensor fits there (_use_kernels checks its shape and dtype)."""
 
 
 _TENSOR = _Tensor()
@@ -77,27 +78,43 @@ def call_text(call: CallSpec, header: str) -> CallText:
         differs = "".join(f"{o} is not None or " for o in optional)
         fits = "".join(f"{o} is None and " for o in optional)
         return CallText(params, tuple(n for n in names if n not in optional), ", ".join(names), differs, fits)
-    values = "(" + ", ".join(p.name for p in call.params) + ("," if len(call.params) == 1 else "") + ")"
+    conditions = [c for c in map(_condition, call.params) if c]
+    test = " and ".join(conditions)
     comments = tuple(f"# {p.name}: {_describe(p)}" for p in call.params if not p.is_tensor)
-    return CallText(header, tuple(call.tensor_paths()),
-                    ", ".join(_passed(p) for p in call.params), f"not _fits({values}, CALL_PATTERN) or ",
-                    f"_fits({values}, CALL_PATTERN) and ", comments)
+    return CallText(header, tuple(call.tensor_paths()), ", ".join(_passed(p) for p in call.params),
+                    f"not ({test}) or " if test else "", f"{test} and " if test else "", comments)
 
 
 def call_runtime(call: CallSpec) -> str:
-    """Module-level support for a specialised call ("" for a plain one)."""
-    if call.plain:
+    """Module-level support for the containers a call was traced with ("" where it had none)."""
+    patterns = {p.name: p.pattern for p in call.params if _container(p)}
+    if not patterns:
         return ""
-    pattern = literal(tuple(p.pattern for p in call.params))
-    note = "# forward's arguments as traced; _TENSOR: any tensor (see _fits)"
-    return f"{CALL_RUNTIME}\n\n{note}\nCALL_PATTERN = {pattern}\n"
+    note = "# container arguments as traced; _TENSOR: any tensor (see _fits)"
+    return f"{CALL_RUNTIME}\n\n{note}\nCALL_PATTERNS = {literal(patterns)}\n"
 
 
-def output_text(out: Output, names: Iterator[str], type_name: Callable[[type], str], top: bool = True) -> str:
+def _condition(p: Param) -> str | None:
+    """The Python test that an argument is the traced one (None: any value serves, a tensor checked later).
+    Scalars are tested inline (a fraction of a microsecond), containers by `_fits`."""
+    if p.is_tensor:
+        return f"isinstance({p.name}, torch.Tensor)" if p.has_default else None
+    if p.pattern is None or type(p.pattern) is bool:
+        return f"{p.name} is {p.pattern!r}"
+    if not _container(p):
+        return f"type({p.name}) is {type(p.pattern).__name__} and {p.name} == {literal(p.pattern)}"
+    return f"_fits({p.name}, CALL_PATTERNS[{p.name!r}])"
+
+
+def _container(p: Param) -> bool:
+    return type(p.pattern) in (tuple, list, dict)
+
+
+def output_text(out: Output, names: Iterator[str], top: bool = True) -> str:
     """The expression rebuilding forward's returned structure from the graph's output values (`names`, in order);
-    `type_name` spells a namedtuple's or a dict subclass's class."""
+    a namedtuple's or dict subclass's class by its name (defined in the emitted file, or imported at its top)."""
     def sub(o: Output) -> str:
-        return output_text(o, names, type_name, top=False)
+        return output_text(o, names, top=False)
 
     if out.kind == "tensor":
         return next(names)
@@ -114,8 +131,9 @@ def output_text(out: Output, names: Iterator[str], type_name: Callable[[type], s
         return "{" + ", ".join(f"{k!r}: {sub(o)}" for k, o in zip(out.keys, out.items, strict=True)) + "}"
     assert out.cls is not None
     if out.kind == "namedtuple":
-        return f"{type_name(out.cls)}(" + ", ".join(sub(o) for o in out.items) + ")"
-    return f"{type_name(out.cls)}(" + ", ".join(f"{k}={sub(o)}" for k, o in zip(out.keys, out.items, strict=True)) + ")"
+        return f"{out.cls.__qualname__}(" + ", ".join(sub(o) for o in out.items) + ")"
+    keywords = ", ".join(f"{k}={sub(o)}" for k, o in zip(out.keys, out.items, strict=True))
+    return f"{out.cls.__qualname__}({keywords})"
 
 
 def output_classes(out: Output) -> list[type]:

@@ -128,8 +128,8 @@ def runtime_text(plan: Plan, sources: CudaSources | None) -> str:
 
 # Names the emitted forward binds or reads besides its parameters (and `v_<node>` values): a parameter of one of
 # these names would be shadowed or would shadow them
-RESERVED = frozenset({"self", "ext", "acc", "_device", "graph", "out", "torch", "_extension", "_use_kernels", "_fits",
-                      "CALL_PATTERN", "_constant", "_graphed", "_with_tf32", "_without_tf32"})
+RESERVED = frozenset({"self", "ext", "acc", "_device", "graph", "out", "torch", "type", "isinstance", "_extension",
+                      "_use_kernels", "_fits", "CALL_PATTERNS", "_constant", "_graphed", "_with_tf32", "_without_tf32"})
 
 
 def check_emittable(problem: Problem) -> None:
@@ -284,10 +284,10 @@ def forward_source(plan: Plan, call: CallText, has_kernels: bool, guarded: bool,
     if flat_out:
         out.append(f"    return ({', '.join(results)}{',' if len(results) == 1 else ''})")
     else:
-        out.append(f"    return {output_text(output, iter(results), _class_name)}")
+        out.append(f"    return {output_text(output, iter(results))}")
     text = "\n".join(out) + "\n"
     if plan.graphed:
-        rebuild = output_text(output, (f"out[{i}]" for i in range(len(results))), _class_name) if flat_out else None
+        rebuild = output_text(output, (f"out[{i}]" for i in range(len(results)))) if flat_out else None
         text = graphed_forward_source(call, "_fused_forward", rebuild) + "\n" + text
     if hoist.cached:
         text += "\n" + weight_methods(hoist, state_names, lambda s, n: _step_lines(graph, s, n), has_kernels)
@@ -299,17 +299,12 @@ def _plain_output(output: Output) -> bool:
     return output.kind == "tensor" or (output.kind == "tuple" and all(o.kind == "tensor" for o in output.items))
 
 
-def _class_name(cls: type) -> str:
-    """A namedtuple's or dict subclass's name in the emitted file (defined there, or imported at its top)."""
-    return cls.__qualname__
-
-
 def _step_lines(graph, step: Step, names: dict[str, str]) -> list[str]:
     """One plan step as lines of a method body; `names` gains the variable holding its value."""
     if isinstance(step, TorchStep):
         names[step.node.name] = f"v_{step.node.name}"
         if step.node.op == "constant" and step.node.name in shared_constants(graph):
-            return [f"    v_{step.node.name} = {_constant_call(step.node, names)}"]
+            return [f"    v_{step.node.name} = {_constant_call(step.node)}"]
         return [f"    v_{step.node.name} = {_call(step.node, names)}"]
     if isinstance(step, GenStep):
         return _generated_lines(graph, step, names)
@@ -369,7 +364,7 @@ def _generated_lines(graph, step: GenStep, names: dict[str, str]) -> list[str]:
             f"    v_{step.out} = ext.{step.kernel}({args})"]
 
 
-def _constant_call(node: Node, names: dict[str, str]) -> str:
+def _constant_call(node: Node) -> str:
     """A tensor forward makes from literals, made once per device (see _constant)."""
     return f"_constant({node.name!r}, {literal(node.args[0])}, {node.meta.dtype}, {list(node.meta.shape)}, _device)"
 
