@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import torch
@@ -9,8 +10,9 @@ import torch
 from kernelfuse.capture import capture_module, module_state
 from kernelfuse.capture.signature import bind
 from kernelfuse.codegen import generate
+from kernelfuse.emit.modelnew import reserved_parameter
 from kernelfuse.emit.module import build_module
-from kernelfuse.errors import Unsupported
+from kernelfuse.errors import Fallback, Unsupported
 from kernelfuse.plan import interpret, plan_variants
 from kernelfuse.rewrite import rewrite
 from kernelfuse.verify.policy import get_policy
@@ -28,6 +30,9 @@ def optimize(model: torch.nn.Module, example_inputs: list | tuple, precision: st
     inputs = list(example_inputs)
     tol = get_policy(precision).atol
     try:
+        clash = reserved_parameter(list(inspect.signature(model.forward).parameters))
+        if clash:
+            raise Unsupported(Fallback("capture", f"{type(model).__name__}.forward", clash))
         graph = rewrite(capture_module(model, inputs))
     except Unsupported as why:
         warnings.warn(f"kernelfuse: {why}; returning the model unchanged", stacklevel=2)

@@ -15,6 +15,7 @@ import pytest
 import torch
 from optimizer_helpers import REPO, write_problem
 
+import kernelfuse
 from kernelfuse.capture import capture, capture_module
 from kernelfuse.cli import main
 from kernelfuse.codegen import generate
@@ -254,3 +255,13 @@ def test_what_the_file_cannot_express_is_found_at_load(tmp_path, capsys, body, w
     (fallback,) = json.loads(report.read_text())["fallbacks"]
     assert fallback["stage"] == "load" and what in fallback["reason"]
     assert "[2/5] not compiled: load: Model.forward" in capsys.readouterr().out
+
+
+def test_api_returns_the_model_for_a_parameter_it_cannot_name():
+    class Shadowing(torch.nn.Module):
+        def forward(self, x, acc):
+            return torch.relu(x) + acc
+
+    model = Shadowing()
+    with pytest.warns(UserWarning, match="parameter 'acc' is a name the fused forward uses"):
+        assert kernelfuse.optimize(model, [torch.rand(2), torch.rand(2)]) is model

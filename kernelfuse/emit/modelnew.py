@@ -142,11 +142,16 @@ def check_emittable(problem: Problem) -> None:
         raise Unsupported(Fallback("load", f"{cls.name}.forward", "forward is not defined in the class body (inherited "
                                    "or assigned): the fused file replaces the forward the class defines"))
     a = forward.args
-    names = [x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if x is not None][1:]
-    clash = [n for n in names if n in RESERVED or n.startswith("v_")]
+    clash = reserved_parameter([x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg)
+                                if x is not None][1:])
     if clash:
-        raise Unsupported(Fallback("load", f"{cls.name}.forward", f"parameter {clash[0]!r} is a name the fused "
-                                   "forward uses for its own values"))
+        raise Unsupported(Fallback("load", f"{cls.name}.forward", clash))
+
+
+def reserved_parameter(names: list[str]) -> str | None:
+    """Why a forward with these parameter names cannot be emitted (one shadows a value of the fused forward)."""
+    clash = [n for n in names if n in RESERVED or n.startswith("v_")]
+    return f"parameter {clash[0]!r} is a name the fused forward uses for its own values" if clash else None
 
 
 def emit_modelnew(problem: Problem, plan: Plan, sources: CudaSources | None, report: str) -> str:
