@@ -39,6 +39,9 @@ WHOLE_OPS = ("gru", "lstm", "rnn_tanh", "rnn_relu")
 # no CUDA kernel (a plan calling it fails on the GPU); whole, it dispatches to flash or memory-efficient attention
 # on the device it runs on, as eager's call does.
 ATTENTION = "scaled_dot_product_attention"
+# ...and its CPU kernel in a trace: attention the source scan missed (transformers calls it through a registry of
+# attention functions), traced again with attention kept whole
+CPU_ATTENTION = "_scaled_dot_product_flash_attention_for_cpu"
 
 
 def build_model(problem: Problem) -> torch.nn.Module:
@@ -121,9 +124,15 @@ def _capture_call(model: torch.nn.Module, params: tuple[Param, ...], tensors: li
         return returned[-1].tensors(out)
 
     what = what or type(model).__name__
+
+    def trace(attention: bool) -> torch.fx.GraphModule:
+        with mode, torch.no_grad(), _quiet(), _composite_ops_whole(model, attention):
+            return make_fx(forward, tracing_mode="real")(*flat)
+
     try:
-        with mode, torch.no_grad(), _quiet(), _composite_ops_whole(model):
-            gm = make_fx(forward, tracing_mode="real")(*flat)
+        gm = trace(False)
+        if any(CPU_ATTENTION in str(n.target) for n in gm.graph.nodes):  # attention reached through a registry
+            gm = trace(True)
     except (ProblemError, Unsupported):
         raise
     except Exception as err:  # noqa: BLE001 - tracing failures of arbitrary models become one clear error
@@ -131,12 +140,14 @@ def _capture_call(model: torch.nn.Module, params: tuple[Param, ...], tensors: li
     return _to_graph(gm, names, kinds, model.training, CallSpec(params, returned[-1]))
 
 
-def _ops_to_keep_whole(model: torch.nn.Module) -> dict:
-    """The composite ops this model's trace records as single nodes, each with the fake rule giving its outputs."""
+def _ops_to_keep_whole(model: torch.nn.Module, attention: bool = False) -> dict:
+    """The composite ops this model's trace records as single nodes, each with the fake rule giving its outputs
+    (`attention`: keep attention whole although no class of the model names it)."""
     keep: dict = {}
     if any(isinstance(m, torch.nn.RNNBase) for m in model.modules()):
         keep.update({getattr(torch.ops.aten, name).input: _recurrent_fake for name in WHOLE_OPS})
-    if any(isinstance(m, torch.nn.MultiheadAttention) for m in model.modules()) or _calls(model, ATTENTION):
+    if attention or any(isinstance(m, torch.nn.MultiheadAttention) for m in model.modules()) or \
+            _calls(model, ATTENTION):
         keep[torch.ops.aten.scaled_dot_product_attention.default] = _attention_fake
     return keep
 
@@ -153,13 +164,13 @@ def _calls(model: torch.nn.Module, name: str) -> bool:
 
 
 @contextmanager
-def _composite_ops_whole(model: torch.nn.Module) -> Iterator[None]:
+def _composite_ops_whole(model: torch.nn.Module, attention: bool = False) -> Iterator[None]:
     """Trace the ops of `_ops_to_keep_whole` (recurrent layers, attention) as single nodes, through torch.export's
     mechanism for preserving a composite op, their outputs' shapes and strides given by our fake rules rather than
     by running their CPU decomposition on fake tensors; other models are traced exactly as before. A torch without
     that mechanism traces the decomposition: recurrent layers unrolled (slower, the same values), attention as its
     CPU kernel (the GPU judge then rejects the plan, and the original ops ship)."""
-    keep = _ops_to_keep_whole(model)
+    keep = _ops_to_keep_whole(model, attention)
     if not keep:
         yield
         return
