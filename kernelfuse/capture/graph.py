@@ -131,7 +131,7 @@ class Graph:
         """`call`, or for a graph built without a capture: positional tensors in, a tensor or a tuple out."""
         if self.call is not None:
             return self.call
-        return plain_call(len(self.inputs), len(self.outputs), len(self.outputs) != 1)
+        return plain_call(len(self.inputs), len(self.outputs))
 
     @property
     def state(self) -> list[Node]:

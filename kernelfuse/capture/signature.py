@@ -91,7 +91,7 @@ class CallSpec:
     @property
     def plain(self) -> bool:
         """Positional tensors without defaults, then `=None` parameters left None: the emitted forward's simple
-        form (a tensor parameter that may be None is checked by `_fits` in the general one)."""
+        form (a tensor parameter with a default, which may be None, is checked to be a tensor in the general one)."""
         n = sum(p.is_tensor for p in self.params)
         return all(p.kind == "positional" for p in self.params) and \
             all(p.is_tensor and not p.has_default for p in self.params[:n]) and \
@@ -124,11 +124,9 @@ class CallSpec:
         return self.output.tensors(model(*args, **kwargs))
 
 
-def plain_call(inputs: int, outputs: int, tuple_output: bool) -> CallSpec:
-    """The call of a graph built without a capture: positional tensors, a tensor or a tuple of tensors back."""
-    out = Output("tensor")
-    if tuple_output or outputs != 1:
-        out = Output("tuple", items=(Output("tensor"),) * outputs)
+def plain_call(inputs: int, outputs: int) -> CallSpec:
+    """The call of a graph built without a capture: positional tensors in, a tensor (one output) or a tuple back."""
+    out = Output("tensor") if outputs == 1 else Output("tuple", items=(Output("tensor"),) * outputs)
     return CallSpec(tuple(Param(f"x{i}", "positional", TENSOR) for i in range(inputs)), out)
 
 
