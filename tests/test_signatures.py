@@ -265,3 +265,12 @@ def test_api_returns_the_model_for_a_parameter_it_cannot_name():
     model = Shadowing()
     with pytest.warns(UserWarning, match="parameter 'acc' is a name the fused forward uses"):
         assert kernelfuse.optimize(model, [torch.rand(2), torch.rand(2)]) is model
+
+
+def test_api_accepts_scalars_and_containers_in_example_inputs():
+    """kernelfuse.optimize takes forward's arguments as get_inputs() gives them; on the CPU it captures and plans
+    them, then returns the model because the inputs are not on a GPU (not because of the signature)."""
+    problem = load_problem(FIXTURES / "sig_tuple_input.py")
+    model = problem.make_model()
+    with pytest.warns(UserWarning, match="not on a CUDA device"):
+        assert kernelfuse.optimize(model, problem.make_inputs(seed=1)) is model
