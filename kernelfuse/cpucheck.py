@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kernelfuse.capture import Graph, capture
+from kernelfuse.capture.signature import CallSpec
 from kernelfuse.capture.trace import module_state
 from kernelfuse.load import Problem
 from kernelfuse.plan import Plan, interpret, make_plan
@@ -119,7 +120,7 @@ def _run_all(model: torch.nn.Module, checkable: list[tuple[Plan, list[torch.Tens
     checks = []
     for ship, (plan, inputs) in zip(shipped, checkable, strict=True):
         if id(inputs) not in expected:
-            expected[id(inputs)] = _run_model(model, inputs, state, before)
+            expected[id(inputs)] = _run_model(model, plan.graph.call_spec, inputs, state, before)
         try:
             with torch.no_grad():
                 torch.manual_seed(0)
@@ -134,7 +135,7 @@ def _run_all(model: torch.nn.Module, checkable: list[tuple[Plan, list[torch.Tens
             continue
         check = compare(ship.variant, expected[id(inputs)], got, inputs)
         if not check.ok and check.max_abs_err is not None and _float64_allowed(model, plan):
-            check = _float64_rule(ship.variant, model, inputs, expected[id(inputs)], got) or check
+            check = _float64_rule(ship.variant, model, plan.graph.call_spec, inputs, expected[id(inputs)], got) or check
         checks.append(check)
     return checks
 
@@ -147,8 +148,8 @@ def _float64_allowed(model: torch.nn.Module, plan: Plan) -> bool:
         any(word in n.op for word in RANDOM_OPS) for n in plan.graph.nodes)
 
 
-def _float64_rule(variant: str, model: torch.nn.Module, inputs: list[torch.Tensor], expected: object,
-                  got: list[torch.Tensor]) -> CpuCheck | None:
+def _float64_rule(variant: str, model: torch.nn.Module, call: CallSpec, inputs: list[torch.Tensor],
+                  expected: object, got: list[torch.Tensor]) -> CpuCheck | None:
     """The judge's rule where eager itself rounds (a reordered reduction, a matmul done in float64 by a rewrite):
     against a float64 run of the model the plan must be no less accurate than eager:
     err(plan) <= 2 x err(eager) + 1e-6 x max|ref|. None when the rule does not pass either."""
@@ -156,7 +157,7 @@ def _float64_rule(variant: str, model: torch.nn.Module, inputs: list[torch.Tenso
         with torch.no_grad():
             ref_model = copy.deepcopy(model).double()
             torch.manual_seed(0)
-            ref = ref_model(*[t.double() if t.is_floating_point() else t for t in inputs])
+            ref = call.run(ref_model, [t.double() if t.is_floating_point() else t for t in inputs])
     except Exception:  # noqa: BLE001 - no float64 run (an op without a float64 kernel): the plain result stands
         return None
     ref = list(ref) if isinstance(ref, (tuple, list)) else [ref]
@@ -171,13 +172,14 @@ def _float64_rule(variant: str, model: torch.nn.Module, inputs: list[torch.Tenso
                     "(no less accurate than eager against a float64 run)")
 
 
-def _run_model(model: torch.nn.Module, inputs: list[torch.Tensor], state: dict[str, torch.Tensor],
+def _run_model(model: torch.nn.Module, call: CallSpec, inputs: list[torch.Tensor], state: dict[str, torch.Tensor],
                before: dict[str, torch.Tensor]) -> object:
-    """The model's own output under seed 0; buffers it updates (BatchNorm statistics) are put back after."""
+    """The model's own output tensors under seed 0, called as captured (`inputs`: the graph's tensors); buffers it
+    updates (BatchNorm statistics) are put back after."""
     try:
         with torch.no_grad():
             torch.manual_seed(0)
-            return model(*inputs)
+            return call.run(model, inputs)
     except Exception as err:  # noqa: BLE001 - the model itself cannot run on the CPU: nothing to compare with
         raise _Skip(f"the model does not run on the CPU at the check's shapes ({type(err).__name__}: "
                     f"{_first_line(err)})") from None

@@ -31,19 +31,31 @@ class UsageError(KernelfuseError):
 
 @dataclass(frozen=True)
 class Fallback:
-    """A part of the model that ships as its original ops because a stage failed on it (a kernelfuse bug or an
-    unsupported construct, not a bad problem file): which stage, what it was working on, and the one-line reason.
-    The run still succeeds; the CLI prints each one and `--json` lists them under `fallbacks`."""
+    """A part of the model that ships as its original ops (a stage failed on it, or capture met something it does not
+    compile): which stage, what it was working on, and the one-line reason. Never a refusal: the run still succeeds;
+    the CLI prints each one and `--json` lists them under `fallbacks`."""
 
-    stage: str  # "capture", "rewrite", "plan", "codegen", "emit" or "compile"
-    what: str  # the rule, kernel, variant or model the stage gave up on
+    stage: str  # "load", "capture", "rewrite", "plan", "codegen", "emit" or "compile"
+    what: str  # the rule, kernel, variant, argument or model the stage gave up on
     reason: str
 
     def describe(self) -> str:
         return f"{self.stage} fell back on {self.what}: {self.reason}"
+
+    def __str__(self) -> str:
+        return self.describe()
 
 
 def one_line(err: BaseException) -> str:
     """`Type: first line of the message` (an AssertionError without a message still says what raised)."""
     text = str(err).strip()
     return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+class Unsupported(CaptureError):
+    """Capture met something it does not compile (an argument or output type, a large tensor made in forward): the
+    original module ships for it, with `fallback` as the reason printed and reported."""
+
+    def __init__(self, fallback: Fallback) -> None:
+        super().__init__(str(fallback))
+        self.fallback = fallback

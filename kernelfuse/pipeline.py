@@ -28,8 +28,8 @@ from kernelfuse.capture import Graph, build_model, capture, draws_random_numbers
 from kernelfuse.codegen import generate
 from kernelfuse.compilecheck import CompileCheck, check_files
 from kernelfuse.cpucheck import CpuCheck, check_plans
-from kernelfuse.emit import emit_modelnew, emit_reference
-from kernelfuse.errors import Fallback, KernelfuseError, one_line
+from kernelfuse.emit import check_emittable, emit_modelnew, emit_reference
+from kernelfuse.errors import Fallback, KernelfuseError, Unsupported, one_line
 from kernelfuse.fallback import plans_with_fallbacks, run_stage
 from kernelfuse.judge import EvalOptions, Verdict, evaluate
 from kernelfuse.judge.runner import judge_zygote
@@ -83,7 +83,7 @@ class OptimizeResult:
     notes: list[str] = field(default_factory=list)
     cold_build_s: float | None = None  # parallel first build of all variants (the judge's build_s is then cached)
     rewrites: tuple[RuleFiring, ...] = ()  # the rewrite rules that fired, in order
-    fallbacks: list[Fallback] = field(default_factory=list)  # parts shipped as the original ops: a stage failed
+    fallbacks: list[Fallback] = field(default_factory=list)  # parts shipped as the original ops, and why
     compile_checks: list[CompileCheck] = field(default_factory=list)  # without a GPU: nvcc on each checked file
 
 
@@ -104,7 +104,13 @@ def _optimize(problem_path: str | Path, out_path: str | Path, options: OptimizeO
     log(f"[1/5] loaded {problem.path}")
     model = build_model(problem)
     try:
+        check_emittable(problem)
         captured = capture(problem, model)
+    except Unsupported as why:  # found before any planning: the original module ships, saying why
+        result = OptimizeResult(out_path, "unfused", [], [])
+        _fall_back(result, why.fallback, log)
+        result.notes.append(f"{why.fallback}: shipping the original module")
+        return _ship_unfused(problem, result, log, options if use_gpu else None)
     except KernelfuseError:  # the forward cannot be traced (a branch on a tensor's value...): exit 3, one line
         raise
     except Exception as err:  # noqa: BLE001 - a capture bug: the original module ships, with the reason

@@ -7,7 +7,7 @@ import torch
 
 import kernelfuse
 from kernelfuse.capture import capture_module
-from kernelfuse.emit.module import forward_arg_names
+from kernelfuse.emit.calltext import call_text
 
 
 class LinearGeluScale(torch.nn.Module):
@@ -36,7 +36,7 @@ def test_sequential_state_paths_are_valid_python() -> None:
 
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU())
     plan = plan_variants(rewrite(capture_module(model, [torch.randn(4, 16)])))[0]
-    text = forward_source(plan, forward_arg_names(model), True, True, state="self.inner")
+    text = forward_source(plan, call_text(plan.graph.call_spec, "input"), True, True, state="self.inner")
     compile(text, "<forward>", "exec")
     assert "get_parameter('0.bias')" in text
 
@@ -80,6 +80,6 @@ def test_in_process_module_without_kernels_guards_and_falls_back_on_cpu() -> Non
     x = torch.randn(2, 3, 8, 8)
     plan = make_plan(rewrite(capture_module(model, [x])), PlanOptions(conv_layout="nchw"))
     assert plan.fused and not plan.fused[0].needs_kernel
-    fused = build_module(model, plan, None, forward_arg_names(model))
+    fused = build_module(model, plan, None)
     with torch.no_grad():
         torch.testing.assert_close(fused(x), model(x), atol=0, rtol=0)

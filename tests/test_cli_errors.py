@@ -91,18 +91,20 @@ def test_version(capsys):
     assert capsys.readouterr().out.startswith(f"kernelfuse {__version__} (torch ")
 
 
-def test_non_tensor_forward_argument(capsys, tmp_path):
-    problem = write_problem(tmp_path, "scalar_arg", """
+def test_inputs_forward_cannot_take_are_one_line(capsys, tmp_path):
+    """A non-tensor input is specialised (tests/test_signatures.py); inputs forward cannot take at all are the
+    problem file's error."""
+    problem = write_problem(tmp_path, "too_many", """
         def __init__(self):
             super().__init__()
 
         def forward(self, x, k):
             return torch.relu(x) * k
-        """, "[torch.rand(4, 8), 3]")
+        """, "[torch.rand(4, 8), 3, 4]")
     code, out, err = run(capsys, "optimize", str(problem), "-o", str(tmp_path / "o.py"), "--cpu-only")
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1
-    assert "get_inputs() item 1 is a int, not a tensor" in err and "constructor argument" in err
+    assert "get_inputs(): forward(x, k) cannot take the 3 inputs given" in err
 
 
 def test_shape_mismatch_is_one_line_without_torch_logs(tmp_path):

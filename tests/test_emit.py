@@ -279,9 +279,9 @@ def test_library_only_fusion_keeps_the_reference_path(tmp_path):
         torch.testing.assert_close(new2(*x), ref(*x), rtol=1e-6, atol=1e-6)
 
 
-def test_forward_signature_errors(tmp_path):
-    from kernelfuse.errors import ProblemError
-
+def test_default_scale_is_specialised_not_refused(tmp_path):
+    """forward(self, x, scale=2.0) with get_inputs() leaving scale out was refused at the end: the emitted forward
+    keeps the parameter list and runs the kernels for scale == 2.0 only."""
     path = write_problem(tmp_path, "kw", """
         def __init__(self):
             super().__init__()
@@ -292,8 +292,9 @@ def test_forward_signature_errors(tmp_path):
         """, "[torch.rand(2, 4)]")
     problem = load_problem(path)
     (plan,) = plan_variants(rewrite(capture(problem)))
-    with pytest.raises(ProblemError, match="forward\\(\\) must take plain positional tensors"):
-        emit_file(problem, plan, "test")
+    text = emit_file(problem, plan, "test")
+    assert "def forward(self, x, scale=2.0):" in text and "CALL_PATTERNS" not in text
+    assert "if not (type(scale) is float and scale == 2.0) or not _use_kernels(self, (x,)):" in text
 
 
 def test_trailing_none_default_is_kept_and_served_by_the_original_ops_when_given(tmp_path):

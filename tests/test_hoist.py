@@ -265,7 +265,7 @@ def test_in_process_module_caches_on_the_wrapper(tmp_path):
     """kernelfuse.optimize's module runs the same forward text, reading the wrapped model's weights."""
     problem, plan = _plan(tmp_path, SMALL_GEMM_SUM, generated=False)
     model = problem.make_model(seed=0)
-    fused = build_module(model, plan, None, ["x"])
+    fused = build_module(model, plan, None)
     type(fused).forward.__globals__["_use_kernels"] = lambda module, inputs: True  # the fused path on the CPU
     x = torch.randn(4, 16)
     with torch.no_grad():

@@ -382,7 +382,8 @@ def test_row_expression_matches_torch_on_the_host(host_library, case):
         y = pool[operands[1]] if isinstance(operands[1], str) else torch.full_like(pool["x"], operands[1])
         bad = [i for i in bad if (pool["x"][i] / y[i]).abs() < 2**24 and y[i].abs() > 1e-38]
     if aten_name.split(".")[0] == "gelu":
-        # torch's vectorised CPU gelu forms x * (1 + erf) before halving: inf past 1.7e38, NaN at inf; CUDA's (and ours) do not
+        # torch's vectorised CPU gelu forms x * (1 + erf) before halving: inf past 1.7e38, NaN at inf; CUDA's
+        # (and ours) do not
         bad = [i for i in bad if pool["x"][i].abs() < 1.0e38]
     assert not bad, [(pool["x"][i].item(), pool["y"][i].item(), out[i].item(), ref[i].item()) for i in bad[:8]]
 

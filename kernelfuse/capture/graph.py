@@ -3,7 +3,8 @@
 It is deliberately tiny (after tinygrad's UOp): a node is (name, op, args, meta). Tensor arguments are `Ref`s to
 earlier nodes; everything else in `args` is a Python constant. Graph inputs are nodes whose op is `"input"`
 (forward arguments) or `"param"` / `"buffer"` (module state, `target` is the attribute path such as
-`"gemm.weight"`).
+`"gemm.weight"`). A tensor forward makes from literals (`torch.tensor([1., 2.])`, `torch.empty(0)`) is a
+`"constant"` node: its values are in `args`, written into the emitted file.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 from functools import cache, cached_property
 
 import torch
+
+from kernelfuse.capture.signature import CallSpec, plain_call
 
 
 @dataclass(frozen=True)
@@ -55,7 +58,7 @@ class TensorMeta:
 @dataclass(frozen=True)
 class Node:
     name: str
-    op: str  # "input" | "param" | "buffer" | an ATen op as "packet.overload", e.g. "addmm.default"
+    op: str  # "input" | "param" | "buffer" | "constant" | an ATen op as "packet.overload", e.g. "addmm.default"
     args: tuple[Arg, ...] = ()
     meta: TensorMeta | None = None
     target: str | int | None = None  # param/buffer attribute path, or the forward argument's position
@@ -79,6 +82,8 @@ class Graph:
     nodes: tuple[Node, ...]
     outputs: tuple[Ref, ...]
     training: bool = True
+    # how forward is called and what it returns (None: a graph built by hand, positional tensors in and out)
+    call: CallSpec | None = field(default=None, compare=False, hash=False, repr=False)
     _index: dict[str, Node] = field(default_factory=dict, compare=False, repr=False)
     _users: dict[str, list[Node]] = field(default_factory=dict, compare=False, repr=False)
     _first: dict[tuple, Node] = field(default_factory=dict, compare=False, repr=False)
@@ -122,6 +127,13 @@ class Graph:
         return [n for n in self.nodes if n.op == "input"]
 
     @property
+    def call_spec(self) -> CallSpec:
+        """`call`, or for a graph built without a capture: positional tensors in, a tensor or a tuple out."""
+        if self.call is not None:
+            return self.call
+        return plain_call(len(self.inputs), len(self.outputs))
+
+    @property
     def state(self) -> list[Node]:
         return [n for n in self.nodes if n.op in ("param", "buffer")]
 
@@ -154,6 +166,13 @@ def draws_random_numbers(graph: Graph) -> bool:
             continue
         return True
     return False
+
+
+def constant_value(node: Node, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The tensor a `"constant"` node holds: its flat values (`args[0]`) in its shape and dtype."""
+    values = node.args[0]
+    assert node.meta is not None and isinstance(values, tuple)
+    return torch.tensor(values, dtype=node.meta.dtype, device=device).reshape(node.meta.shape)
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -21,10 +21,14 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from kernelfuse.capture.graph import Arg, Graph, Node, Ref, TensorMeta
-from kernelfuse.errors import CaptureError, ProblemError
+from kernelfuse.capture.signature import CallSpec, Output, Param, bind, describe_output
+from kernelfuse.errors import CaptureError, Fallback, ProblemError, Unsupported
 from kernelfuse.load import Problem
 
 PARAM_LIMIT_BYTES = 2 * 1024**3  # larger models are built on the meta device: no host copy of their weights
+# Elements of a tensor forward makes from literals that are written into the emitted file; a larger one is a
+# weight in disguise (register it as a buffer), and the original module ships
+CONSTANT_LIMIT = 1024
 
 # Calls that mean "the forward branches on a tensor's value": make_fx cannot record one graph for them.
 DATA_DEPENDENT = ("_local_scalar_dense", "data-dependent", "Data dependent", "DataDependentOutputException")
@@ -35,6 +39,9 @@ WHOLE_OPS = ("gru", "lstm", "rnn_tanh", "rnn_relu")
 # no CUDA kernel (a plan calling it fails on the GPU); whole, it dispatches to flash or memory-efficient attention
 # on the device it runs on, as eager's call does.
 ATTENTION = "scaled_dot_product_attention"
+# ...and its CPU kernel in a trace: attention the source scan missed (transformers calls it through a registry of
+# attention functions), traced again with attention kept whole
+CPU_ATTENTION = "_scaled_dot_product_flash_attention_for_cpu"
 
 
 def build_model(problem: Problem) -> torch.nn.Module:
@@ -73,54 +80,74 @@ def capture(problem: Problem, model: torch.nn.Module | None = None, batch: int |
             min_rank: int = 1) -> Graph:
     """The problem's forward as a Graph of normalised ATen ops, traced on fake inputs and fake copies of the state.
 
-    `model`: an already built model (else `build_model`). `batch`: cut the leading dimension of every input of at
-    least `min_rank` dimensions to at most this (the CPU check re-captures at its own, smaller shapes).
+    `model`: an already built model (else `build_model`). `batch`: cut the leading dimension of every input tensor
+    of at least `min_rank` dimensions to at most this (the CPU check re-captures at its own, smaller shapes).
+    Non-tensor inputs (numbers, None, tuples, lists and dicts of tensors) and forward's defaults are bound as
+    `kernelfuse.capture.signature` describes; one it cannot specialise to raises Unsupported.
     """
     model = build_model(problem) if model is None else model
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     with mode:
         inputs = problem.make_inputs(seed=0)
-    for i, t in enumerate(inputs):
-        if not isinstance(t, torch.Tensor):
-            raise ProblemError(f"{problem.path}: get_inputs() item {i} is a {type(t).__name__}, not a tensor; "
-                               "kernelfuse compiles forwards of tensors only (make it a constructor argument)")
+    params, tensors = bind(model, inputs, f"{problem.path}: get_inputs()")
     if batch is not None:
         with mode:
-            inputs = [_cut_batch(t, batch) if t.dim() >= min_rank else t for t in inputs]
-    return capture_module(model, inputs, mode, str(problem.path))
+            tensors = [_cut_batch(t, batch) if t.dim() >= min_rank else t for t in tensors]
+    return _capture_call(model, params, tensors, mode, str(problem.path))
 
 
-def capture_module(model: torch.nn.Module, example_inputs: list[torch.Tensor], mode: FakeTensorMode | None = None,
+def capture_module(model: torch.nn.Module, example_inputs: list, mode: FakeTensorMode | None = None,
                    what: str | None = None) -> Graph:
-    """A live module's forward as a Graph: its tensors are mirrored as fake tensors, no data is touched."""
+    """A live module's forward as a Graph: its tensors are mirrored as fake tensors, no data is touched.
+    `example_inputs`: forward's positional arguments (tensors, numbers, None, containers of tensors)."""
+    params, tensors = bind(model, list(example_inputs), what or f"{type(model).__name__} example inputs")
+    return _capture_call(model, params, tensors, mode, what)
+
+
+def _capture_call(model: torch.nn.Module, params: tuple[Param, ...], tensors: list[torch.Tensor],
+                  mode: FakeTensorMode | None, what: str | None) -> Graph:
+    """Trace forward called with `params`' patterns, `tensors` (the graph's inputs) in their places."""
     mode = FakeTensorMode(allow_non_fake_inputs=True) if mode is None else mode
     state = module_state(model)
     names = [n for n, _ in state]
     kinds = ["param" if isinstance(t, torch.nn.Parameter) else "buffer" for _, t in state]
-    flat = [_fake(mode, t) for _, t in state] + [_fake(mode, t) for t in example_inputs]
+    flat = [_fake(mode, t) for _, t in state] + [_fake(mode, t) for t in tensors]
     n_state = len(names)
+    call = CallSpec(params, Output("tensor"))
+    returned: list[Output] = []
 
-    def forward(*flat_args: torch.Tensor) -> object:
-        return torch.func.functional_call(model, dict(zip(names, flat_args[:n_state], strict=True)),
-                                          tuple(flat_args[n_state:]))
+    def forward(*flat_args: torch.Tensor) -> list[torch.Tensor]:
+        args, kwargs = call.arguments(list(flat_args[n_state:]))
+        out = torch.func.functional_call(model, dict(zip(names, flat_args[:n_state], strict=True)),
+                                         tuple(args), kwargs)
+        returned.append(describe_output(out))
+        return returned[-1].tensors(out)
 
     what = what or type(model).__name__
+
+    def trace(attention: bool) -> torch.fx.GraphModule:
+        with mode, torch.no_grad(), _quiet(), _composite_ops_whole(model, attention):
+            return make_fx(forward, tracing_mode="real")(*flat)
+
     try:
-        with mode, torch.no_grad(), _quiet(), _composite_ops_whole(model):
-            gm = make_fx(forward, tracing_mode="real")(*flat)
-    except ProblemError:
+        gm = trace(False)
+        if any(CPU_ATTENTION in str(n.target) for n in gm.graph.nodes):  # attention reached through a registry
+            gm = trace(True)
+    except (ProblemError, Unsupported):
         raise
     except Exception as err:  # noqa: BLE001 - tracing failures of arbitrary models become one clear error
         raise _capture_error(err, what) from None
-    return _to_graph(gm, names, kinds, model.training)
+    return _to_graph(gm, names, kinds, model.training, CallSpec(params, returned[-1]))
 
 
-def _ops_to_keep_whole(model: torch.nn.Module) -> dict:
-    """The composite ops this model's trace records as single nodes, each with the fake rule giving its outputs."""
+def _ops_to_keep_whole(model: torch.nn.Module, attention: bool = False) -> dict:
+    """The composite ops this model's trace records as single nodes, each with the fake rule giving its outputs
+    (`attention`: keep attention whole although no class of the model names it)."""
     keep: dict = {}
     if any(isinstance(m, torch.nn.RNNBase) for m in model.modules()):
         keep.update({getattr(torch.ops.aten, name).input: _recurrent_fake for name in WHOLE_OPS})
-    if any(isinstance(m, torch.nn.MultiheadAttention) for m in model.modules()) or _calls(model, ATTENTION):
+    if attention or any(isinstance(m, torch.nn.MultiheadAttention) for m in model.modules()) or \
+            _calls(model, ATTENTION):
         keep[torch.ops.aten.scaled_dot_product_attention.default] = _attention_fake
     return keep
 
@@ -137,13 +164,13 @@ def _calls(model: torch.nn.Module, name: str) -> bool:
 
 
 @contextmanager
-def _composite_ops_whole(model: torch.nn.Module) -> Iterator[None]:
+def _composite_ops_whole(model: torch.nn.Module, attention: bool = False) -> Iterator[None]:
     """Trace the ops of `_ops_to_keep_whole` (recurrent layers, attention) as single nodes, through torch.export's
     mechanism for preserving a composite op, their outputs' shapes and strides given by our fake rules rather than
     by running their CPU decomposition on fake tensors; other models are traced exactly as before. A torch without
     that mechanism traces the decomposition: recurrent layers unrolled (slower, the same values), attention as its
     CPU kernel (the GPU judge then rejects the plan, and the original ops ship)."""
-    keep = _ops_to_keep_whole(model)
+    keep = _ops_to_keep_whole(model, attention)
     if not keep:
         yield
         return
@@ -240,7 +267,8 @@ def _quiet() -> Iterator[None]:
             lg.setLevel(level)
 
 
-def _to_graph(gm: torch.fx.GraphModule, state_names: list[str], kinds: list[str], training: bool) -> Graph:
+def _to_graph(gm: torch.fx.GraphModule, state_names: list[str], kinds: list[str], training: bool,
+              call: CallSpec) -> Graph:
     nodes: list[Node] = []
     outputs: tuple[Ref, ...] = ()
     placeholder = 0
@@ -266,22 +294,27 @@ def _to_graph(gm: torch.fx.GraphModule, state_names: list[str], kinds: list[str]
                 args = args + tuple(("kw", k, _arg(v)) for k, v in fx_node.kwargs.items())
             nodes.append(Node(fx_node.name, op, args, meta))
         elif fx_node.op == "output":
-            result = fx_node.args[0]
-            result = result if isinstance(result, (list, tuple)) else [result]
-            if not all(isinstance(r, torch.fx.Node) for r in result):
-                raise CaptureError("forward must return a tensor or a tuple of tensors")
-            outputs = tuple(Ref(r.name) for r in result)
-    return Graph(tuple(nodes), outputs, training)
+            outputs = tuple(Ref(r.name) for r in fx_node.args[0])  # the returned tensors, flat (see `call`)
+    return Graph(tuple(nodes), outputs, training, call)
 
 
 def _constant(name: str, value: torch.Tensor) -> Node:
-    """A one-element tensor constant becomes `aten.scalar_tensor` (exact: same value, dtype, 0-d shape)."""
-    if value.numel() != 1 or value.dim() != 0:
-        raise CaptureError(f"forward creates a tensor constant of shape {list(value.shape)}: register it in the "
-                           "constructor with self.register_buffer(...) so its value is part of the model")
-    meta = TensorMeta((), value.dtype, ())
-    args = (value.item(), ("kw", "dtype", value.dtype), ("kw", "device", torch.device("cpu")))
-    return Node(name, "scalar_tensor.default", args, meta)
+    """A tensor forward makes from literals. One element of no dimension becomes `aten.scalar_tensor` (exact: same
+    value, dtype, 0-d shape); any other of at most CONSTANT_LIMIT elements (`torch.tensor([1., 2.])`,
+    `torch.empty(0)`) a `"constant"` node holding its values, written into the emitted file. A larger one, or one
+    of a dtype without exact Python literals, is Unsupported: the model's original module ships."""
+    meta = TensorMeta(tuple(value.shape), value.dtype, tuple(value.stride()))
+    if value.numel() == 1 and value.dim() == 0 and not value.is_complex():
+        args = (value.item(), ("kw", "dtype", value.dtype), ("kw", "device", torch.device("cpu")))
+        return Node(name, "scalar_tensor.default", args, meta)
+    if value.numel() > CONSTANT_LIMIT or value.is_complex() or value.is_quantized or not value.is_contiguous():
+        why = (f"{value.numel()} elements, more than the {CONSTANT_LIMIT} written into the emitted file"
+               if value.numel() > CONSTANT_LIMIT else f"a {value.dtype} tensor of strides {list(value.stride())}")
+        raise Unsupported(Fallback("capture", f"tensor constant of shape {list(value.shape)}",
+                                   f"forward makes it from literals ({why}): register it in the constructor with "
+                                   "self.register_buffer(...) to have it compiled"))
+    values = tuple(value.reshape(-1).tolist())
+    return Node(name, "constant", (values, ("kw", "dtype", value.dtype), ("kw", "device", torch.device("cpu"))), meta)
 
 
 def _meta(val: object) -> TensorMeta | None:

@@ -23,6 +23,8 @@ The emitted file's runtime (`GRAPH_RUNTIME`, copied into the file verbatim) keep
 
 from __future__ import annotations
 
+from kernelfuse.emit.calltext import CallText
+
 GRAPH_RUNTIME = '''
 class _CudaGraph:
     """The fused forward captured once as a CUDA graph for one input signature, set of weights and mode."""
@@ -104,23 +106,25 @@ def _graphed(module, forward, inputs):
 '''
 
 
-def graphed_forward_source(arg_names: list[str], optional: list[str] | tuple[str, ...], body: str) -> str:
+def graphed_forward_source(call: CallText, body: str, rebuild: str | None = None) -> str:
     """The `forward` of a graphed plan: a replay where the captured graph serves the call, else the guard, else
-    `_fused_forward` (the plan's forward, `body`'s name) through `_graphed`."""
-    args = ", ".join(arg_names)
-    inputs = f"({args}{',' if len(arg_names) == 1 else ''})"
-    params = ", ".join(["self", *arg_names, *(f"{o}=None" for o in optional)])
-    given = "".join(f"{o} is not None or " for o in optional)
-    absent = "".join(f"{o} is None and " for o in optional)
-    return "\n".join([
-        f"def forward({params}):",
+    `_fused_forward` (the plan's forward, `body`'s name) through `_graphed`. `rebuild`: where forward returns more
+    than a tensor or a tuple of tensors, `_fused_forward` returns its tensors as a tuple `out` and this expression
+    over `out[i]` rebuilds the returned structure (the replay clones plain tensors only)."""
+    inputs = call.inputs
+    header = [
+        f"def forward(self, {call.params}):" if call.params else "def forward(self):",
         '    """The fused kernels replayed from a CUDA graph (see _graphed); the original ops where they cannot serve',
         '    the call (see _use_kernels)."""',
+        *(f"    {c}" for c in call.comments),
         '    graph = self.__dict__.get("_cuda_graph")',
-        f"    if {absent}graph is not None and graph.serves({inputs}):",
-        f"        return graph.replay({inputs})",
-        f"    if {given}not _use_kernels(self, {inputs}):",
-        f"        return self._reference_forward({', '.join([*arg_names, *optional])})",
-        f"    return _graphed(self, self.{body}, {inputs})",
-        "",
-    ])
+        f"    if {call.fits}graph is not None and graph.serves({inputs}):",
+    ]
+    guard = [f"    if {call.differs}not _use_kernels(self, {inputs}):",
+             f"        return self._reference_forward({call.reference})"]
+    if rebuild is None:
+        return "\n".join([*header, f"        return graph.replay({inputs})", *guard,
+                          f"    return _graphed(self, self.{body}, {inputs})", ""])
+    return "\n".join([*header, f"        out = graph.replay({inputs})", "    else:",
+                      *("    " + line for line in guard), f"        out = _graphed(self, self.{body}, {inputs})",
+                      f"    return {rebuild}", ""])

@@ -92,6 +92,14 @@ def weight_only(graph: Graph) -> frozenset[str]:
     return frozenset(constant)
 
 
+def shared_constants(graph: Graph) -> frozenset[str]:
+    """The tensors forward makes from literals that the emitted file may make once per device and hand to every
+    call: no op writes them (or a view of them) and no output shares their storage."""
+    touched = alias_closure(graph, [*(r.name for n in graph.nodes if not pure(n) for r in _written(n)),
+                                    *(r.name for r in graph.outputs)])
+    return frozenset(n.name for n in graph.nodes if n.op == "constant" and n.name not in touched)
+
+
 def alias_closure(graph: Graph, names: Iterable[str]) -> set[str]:
     """`names` and every value whose storage they may share, back through views and aliasing ops."""
     out: set[str] = set()

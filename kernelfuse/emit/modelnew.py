@@ -15,15 +15,18 @@ import textwrap
 import torch
 
 from kernelfuse.capture import Node, Ref
+from kernelfuse.capture.signature import Output, literal
 from kernelfuse.codegen import CudaSources
 from kernelfuse.codegen.binding import runtime_source
 from kernelfuse.codegen.common import channels_last_format
 from kernelfuse.codegen.generated import tensor_args
+from kernelfuse.emit.calltext import CallText, call_runtime, call_text, output_classes, output_text
 from kernelfuse.emit.flags import _with_tf32, _without_tf32, source_of
 from kernelfuse.emit.graphed import GRAPH_RUNTIME, graphed_forward_source
-from kernelfuse.emit.hoist import cached_tuple, plan_hoist, step_out, weight_methods
-from kernelfuse.errors import ProblemError
+from kernelfuse.emit.hoist import cached_tuple, plan_hoist, shared_constants, step_out, weight_methods
+from kernelfuse.errors import Fallback, ProblemError, Unsupported
 from kernelfuse.load import Problem, class_source
+from kernelfuse.load.problem import PROBLEM_MODULE_PREFIX
 from kernelfuse.plan.ir import FusedStep, GenStep, Plan, Step, TorchStep
 
 # Readable spellings for common ATen calls; anything else is written `torch.ops.aten.<op>(...)`.
@@ -90,11 +93,30 @@ def _use_kernels(module, inputs):
     ) and all(p.is_cuda for p in module.parameters())
 '''
 
+# Tensors forward makes from literals, made once per device: a copy from the host in every call would wait for
+# the GPU (a blocking copy) and could not be captured into a CUDA graph.
+CONSTANT_RUNTIME = '''
+_CONSTANTS = {}
+
+
+def _constant(name, values, dtype, shape, device):
+    """A tensor forward makes from literals, made on `device` once and shared by every call (no op writes it and
+    no output returns it: the emitter checks)."""
+    key = (name, device)
+    if key not in _CONSTANTS:
+        _CONSTANTS[key] = torch.tensor(values, dtype=dtype, device=device).reshape(shape)
+    return _CONSTANTS[key]
+'''
+
 
 def runtime_text(plan: Plan, sources: CudaSources | None) -> str:
     """The module-level support code a fused forward calls: loader, guard, TF32 helper (as needed)."""
     parts = [LOADER, runtime_source(), sources.binding] if sources is not None else []
     parts.append(GUARD)
+    if not plan.graph.call_spec.plain:
+        parts.append(call_runtime(plan.graph.call_spec))
+    if shared_constants(plan.graph):
+        parts.append(CONSTANT_RUNTIME)
     if any(s.anchor.tf32 for s in plan.fused):
         parts.append(source_of(_with_tf32))  # a matmul under the tf32 policy
     if any(s.anchor.fp32 for s in plan.fused):
@@ -104,16 +126,46 @@ def runtime_text(plan: Plan, sources: CudaSources | None) -> str:
     return "\n\n".join(p.strip("\n") + "\n" for p in parts)
 
 
+# Names the emitted forward binds or reads besides its parameters (and `v_<node>` values): a parameter of one of
+# these names would be shadowed or would shadow them
+RESERVED = frozenset({"self", "ext", "acc", "_device", "graph", "out", "torch", "type", "isinstance", "_extension",
+                      "_use_kernels", "_fits", "CALL_PATTERNS", "_constant", "_graphed", "_with_tf32", "_without_tf32"})
+
+
+def check_emittable(problem: Problem) -> None:
+    """Before any work, what would stop a fused file being written: no top-level `class Model` to copy is the
+    problem file's error (ProblemError); a forward Model inherits instead of defining, or a parameter named like
+    a value the fused forward uses, is Unsupported (the original module ships, saying why)."""
+    cls = class_source(problem)
+    forward = next((n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "forward"), None)
+    if forward is None:
+        raise Unsupported(Fallback("load", f"{cls.name}.forward", "forward is not defined in the class body (inherited "
+                                   "or assigned): the fused file replaces the forward the class defines"))
+    a = forward.args
+    clash = reserved_parameter([x.arg for x in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg)
+                                if x is not None][1:])
+    if clash:
+        raise Unsupported(Fallback("load", f"{cls.name}.forward", clash))
+
+
+def reserved_parameter(names: list[str]) -> str | None:
+    """Why a forward with these parameter names cannot be emitted (one shadows a value of the fused forward)."""
+    clash = [n for n in names if n in RESERVED or n.startswith("v_")]
+    return f"parameter {clash[0]!r} is a name the fused forward uses for its own values" if clash else None
+
+
 def emit_modelnew(problem: Problem, plan: Plan, sources: CudaSources | None, report: str) -> str:
     """The text of the ModelNew file for `plan` (`sources` None: the plan needs no custom kernel)."""
     cls = class_source(problem)
     forward = _find_method(cls, "forward", problem)
-    arg_names, optional = _forward_args(forward, problem, len(plan.graph.inputs))
+    call = call_text(plan.graph.call_spec, _header(forward))
     prelude = _problem_without_model(problem, cls)
     header = _docstring(problem, plan, report)
-    guarded = sources is not None or bool(plan.fused) or bool(optional) or plan.graphed
-    body = _model_new_class(problem, cls, forward, plan, arg_names, sources is not None, guarded, optional)
+    guarded = sources is not None or bool(plan.fused) or bool(call.differs) or plan.graphed
+    body = _model_new_class(problem, cls, forward, plan, call, sources is not None, guarded)
     imports = "import ctypes\nimport hashlib\nimport inspect\n" if sources is not None else "import hashlib\nimport inspect\n"
+    imports += "".join(f"from {c.__module__} import {c.__qualname__}\n" for c in output_classes(plan.graph.call_spec.output)
+                       if not c.__module__.startswith(PROBLEM_MODULE_PREFIX))  # a ModelOutput, say
     parts = [header, imports, prelude.rstrip() + "\n", body]
     specs = ", ".join(f"({tuple(n.meta.shape)}, {n.meta.dtype})" for n in plan.graph.inputs)
     if guarded:
@@ -166,23 +218,18 @@ def _find_method(cls: ast.ClassDef, name: str, problem: Problem) -> ast.Function
     raise ProblemError(f"{problem.path}: Model has no {name}() method")
 
 
-def _forward_args(forward: ast.FunctionDef, problem: Problem, captured: int) -> tuple[list[str], list[str]]:
-    """(the positional tensor arguments the graph was captured with, trailing `=None` arguments it was captured
-    without: the fused path serves calls that leave them None)."""
-    a = forward.args
-    names = [arg.arg for arg in a.args[1:]]
-    optional = names[len(names) - len(a.defaults):] if a.defaults else []
-    plain_defaults = all(isinstance(d, ast.Constant) and d.value is None for d in a.defaults)
-    if a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or not plain_defaults \
-            or len(names) - len(optional) != captured:
-        raise ProblemError(f"{problem.path}:{forward.lineno}: forward() must take plain positional tensors "
-                           "(no *args, **kwargs, keyword-only arguments, or defaults other than trailing "
-                           "=None ones get_inputs() leaves out) to be compiled")
-    return names[:len(names) - len(optional)], optional
+def _header(forward: ast.FunctionDef) -> str:
+    """forward's parameter list after `self`, as its source writes it (annotations and defaults included: the
+    emitted forward is defined in the same class body, so its defaults are the original's)."""
+    args = ast.arguments(posonlyargs=forward.args.posonlyargs[1:], args=forward.args.args[1:] if not
+                         forward.args.posonlyargs else forward.args.args, vararg=forward.args.vararg,
+                         kwonlyargs=forward.args.kwonlyargs, kw_defaults=forward.args.kw_defaults,
+                         kwarg=forward.args.kwarg, defaults=forward.args.defaults)
+    return ast.unparse(args)
 
 
 def _model_new_class(problem: Problem, cls: ast.ClassDef, forward: ast.FunctionDef, plan: Plan,
-                     arg_names: list[str], has_kernels: bool, guarded: bool, optional: list[str]) -> str:
+                     call: CallText, has_kernels: bool, guarded: bool) -> str:
     lines = problem.source.splitlines()
     text_lines = lines[cls.lineno - 1: cls.end_lineno]
     # forward -> _reference_forward (kept verbatim: it is the path for autograd and unsupported inputs)
@@ -200,37 +247,37 @@ def _model_new_class(problem: Problem, cls: ast.ClassDef, forward: ast.FunctionD
     text = "\n".join(text_lines)
     text = _rename_class(text, cls.name)
     indent = " " * (forward.col_offset)
-    new_forward = forward_source(plan, arg_names, has_kernels, guarded, optional=optional)
+    new_forward = forward_source(plan, call, has_kernels, guarded)
     return text + "\n\n" + textwrap.indent(new_forward, indent)
 
 
-def forward_source(plan: Plan, arg_names: list[str], has_kernels: bool, guarded: bool, state: str = "self",
-                   optional: list[str] | tuple[str, ...] = ()) -> str:
+def forward_source(plan: Plan, call: CallText, has_kernels: bool, guarded: bool, state: str = "self") -> str:
     """The text of the fused `forward` method, and of the weight cache methods it calls (kernelfuse.emit.hoist)
     where the plan computes values from the weights alone; module state is read as `{state}.<attribute path>`.
-    `optional`: trailing `=None` arguments the graph was captured without (given, the original ops run)."""
+    `call`: the forward's parameters, where its tensors are, and what its graph was specialised to."""
     graph = plan.graph
     hoist = plan_hoist(plan)
     state_names = {n.name: _state_expr(state, str(n.target), n.op) for n in graph.state}
     names = dict(state_names)
+    tensors = call.identifiers() if plan.graphed else list(call.tensors)
     for node in graph.inputs:
-        names[node.name] = arg_names[int(node.target)]  # type: ignore[arg-type]
-    args = ", ".join(arg_names)
-    params = ", ".join(["self", *arg_names, *(f"{o}=None" for o in optional)])
+        names[node.name] = tensors[int(node.target)]  # type: ignore[arg-type]
+    output = graph.call_spec.output
+    flat_out = plan.graphed and not _plain_output(output)  # the graph returns its tensors; forward rebuilds
     if plan.graphed:  # forward replays the graph; the plan's kernels run from _fused_forward, guard checked before
-        out = [f"def _fused_forward(self, {args}):" if args else "def _fused_forward(self):",
+        out = [f"def _fused_forward(self, {', '.join(tensors)}):" if tensors else "def _fused_forward(self):",
                '    """The plan\'s kernels one by one: what the CUDA graph captures."""']
     else:
-        out = [f"def forward({params}):",
+        out = [f"def forward(self, {call.params}):" if call.params else "def forward(self):",
                '    """Fused kernels on the captured shapes; the original ops otherwise (see _use_kernels)."""']
     if guarded and not plan.graphed:
-        given = "".join(f"{o} is not None or " for o in optional)
-        out.append(f"    if {given}not _use_kernels(self, ({args}{',' if len(arg_names) == 1 else ''})):")
-        out.append(f"        return self._reference_forward({', '.join([*arg_names, *optional])})")
+        out += [f"    {c}" for c in call.comments]
+        out.append(f"    if {call.differs}not _use_kernels(self, {call.inputs}):")
+        out.append(f"        return self._reference_forward({call.reference})")
     if has_kernels:
         out.append("    ext = _extension()")
     if any(isinstance(a, torch.device) for n in graph.nodes for a in _flat(n.args)):
-        first = arg_names[0] if arg_names else "next(self.parameters())"
+        first = tensors[0] if tensors else "next(self.parameters())"
         out.append(f"    _device = {first}.device")
     if hoist.cached:
         out.append(f"    {cached_tuple(hoist)} = self._weights()  # computed once per weight version")
@@ -238,20 +285,31 @@ def forward_source(plan: Plan, arg_names: list[str], has_kernels: bool, guarded:
     for step in plan.steps:
         if step_out(step) not in hoist.skipped:
             out += _step_lines(graph, step, names)
-    results = ", ".join(names[r.name] for r in graph.outputs)
-    out.append(f"    return {results}")
+    results = [names[r.name] for r in graph.outputs]
+    if flat_out:
+        out.append(f"    return ({', '.join(results)}{',' if len(results) == 1 else ''})")
+    else:
+        out.append(f"    return {output_text(output, iter(results))}")
     text = "\n".join(out) + "\n"
     if plan.graphed:
-        text = graphed_forward_source(arg_names, optional, "_fused_forward") + "\n" + text
+        rebuild = output_text(output, (f"out[{i}]" for i in range(len(results)))) if flat_out else None
+        text = graphed_forward_source(call, "_fused_forward", rebuild) + "\n" + text
     if hoist.cached:
         text += "\n" + weight_methods(hoist, state_names, lambda s, n: _step_lines(graph, s, n), has_kernels)
     return text
+
+
+def _plain_output(output: Output) -> bool:
+    """A tensor, or a tuple of tensors: what the graph replay returns as it is."""
+    return output.kind == "tensor" or (output.kind == "tuple" and all(o.kind == "tensor" for o in output.items))
 
 
 def _step_lines(graph, step: Step, names: dict[str, str]) -> list[str]:
     """One plan step as lines of a method body; `names` gains the variable holding its value."""
     if isinstance(step, TorchStep):
         names[step.node.name] = f"v_{step.node.name}"
+        if step.node.op == "constant" and step.node.name in shared_constants(graph):
+            return [f"    v_{step.node.name} = {_constant_call(step.node)}"]
         return [f"    v_{step.node.name} = {_call(step.node, names)}"]
     if isinstance(step, GenStep):
         return _generated_lines(graph, step, names)
@@ -311,7 +369,14 @@ def _generated_lines(graph, step: GenStep, names: dict[str, str]) -> list[str]:
             f"    v_{step.out} = ext.{step.kernel}({args})"]
 
 
+def _constant_call(node: Node) -> str:
+    """A tensor forward makes from literals, made once per device (see _constant)."""
+    return f"_constant({node.name!r}, {literal(node.args[0])}, {node.meta.dtype}, {list(node.meta.shape)}, _device)"
+
+
 def _call(node: Node, names: dict[str, str]) -> str:
+    if node.op == "constant":  # written to or returned: made in every call (capture limits its size)
+        return f"torch.tensor({_py(node.args[0], names)}, dtype={node.meta.dtype}, device=_device).reshape({list(node.meta.shape)})"
     plain = [a for a in node.args if not (isinstance(a, tuple) and len(a) == 3 and a[0] == "kw")]
     kwargs = [a for a in node.args if isinstance(a, tuple) and len(a) == 3 and a[0] == "kw"]
     if node.op in PY_SPELLING and not kwargs and len(plain) == PY_SPELLING[node.op].count("{"):

@@ -15,6 +15,7 @@ import torch
 
 from kernelfuse.codegen import CudaSources
 from kernelfuse.codegen.binding import runtime_source
+from kernelfuse.emit.calltext import call_text, output_classes
 from kernelfuse.emit.modelnew import LOADER, forward_source, runtime_text
 from kernelfuse.plan.ir import Plan
 
@@ -26,22 +27,25 @@ class FusedModule(torch.nn.Module):
         super().__init__()
         self.inner = inner
 
-    def _reference_forward(self, *args):
-        return self.inner(*args)
+    def _reference_forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
 
 {forward}
 '''
 
 
-def build_module(model: torch.nn.Module, plan: Plan, sources: CudaSources | None,
-                 arg_names: list[str]) -> torch.nn.Module:
-    """A module whose forward runs `plan` (its kernels built now), falling back to `model` like a ModelNew."""
+def build_module(model: torch.nn.Module, plan: Plan, sources: CudaSources | None) -> torch.nn.Module:
+    """A module whose forward runs `plan` (its kernels built now), falling back to `model` like a ModelNew; its
+    forward takes the arguments `model.forward` takes, with the same defaults."""
     specs = [(tuple(n.meta.shape), n.meta.dtype) for n in plan.graph.inputs]
-    namespace = _namespace(INPUT_SPECS=specs, CAPTURED_TRAINING=plan.graph.training)
+    call = plan.graph.call_spec
+    header, defaults = _header(model)
+    namespace = _namespace(INPUT_SPECS=specs, CAPTURED_TRAINING=plan.graph.training, _DEFAULTS=defaults,
+                           **{c.__qualname__: c for c in output_classes(call.output)})
     if sources is not None:
         namespace.update(NAME=type(model).__name__.lower(), CUDA_SRC=sources.cuda)
     exec(compile(runtime_text(plan, sources), "<kernelfuse runtime>", "exec"), namespace)  # noqa: S102 - our own generated code
-    forward = forward_source(plan, arg_names, sources is not None, True, state="self.inner")
+    forward = forward_source(plan, call_text(call, header), sources is not None, True, state="self.inner")
     doc = plan.summary().replace('"""', "'''").replace("\n", "\n    ")
     code = WRAPPER.format(doc=doc, forward=textwrap.indent(forward, "    "))
     exec(compile(code, f"<kernelfuse {type(model).__name__}>", "exec"), namespace)  # noqa: S102
@@ -63,9 +67,26 @@ def _namespace(**constants: object) -> dict[str, object]:
     return {"torch": torch, "ctypes": ctypes, "hashlib": hashlib, "inspect": inspect, **constants}
 
 
-def forward_arg_names(model: torch.nn.Module) -> list[str]:
-    """Positional argument names of `model.forward` (plain positional tensors only)."""
+def _header(model: torch.nn.Module) -> tuple[str, dict[str, object]]:
+    """`model.forward`'s parameter list as text, each default read from `_DEFAULTS` (the same objects), and those
+    defaults by name."""
+    parts: list[str] = []
+    defaults: dict[str, object] = {}
+    star = False  # a bare `*` or *args written: later parameters are keyword-only
     params = list(inspect.signature(model.forward).parameters.values())
-    if any(p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) or p.default is not p.empty for p in params):
-        raise ValueError(f"{type(model).__name__}.forward must take plain positional tensors to be compiled")
-    return [p.name for p in params]
+    for i, p in enumerate(params):
+        if p.kind is p.VAR_POSITIONAL:
+            parts.append(f"*{p.name}")
+            star = True
+        elif p.kind is p.VAR_KEYWORD:
+            parts.append(f"**{p.name}")
+        else:
+            if p.kind is p.KEYWORD_ONLY and not star:
+                parts.append("*")
+                star = True
+            if p.default is not p.empty:
+                defaults[p.name] = p.default
+            parts.append(p.name if p.default is p.empty else f"{p.name}=_DEFAULTS[{p.name!r}]")
+        if p.kind is p.POSITIONAL_ONLY and (i + 1 == len(params) or params[i + 1].kind is not p.POSITIONAL_ONLY):
+            parts.append("/")
+    return ", ".join(parts), defaults

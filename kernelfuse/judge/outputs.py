@@ -9,6 +9,7 @@ reason, unless the reference's own output does the same (an in-place model retur
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import zip_longest
 from typing import Any
 
 import torch
@@ -20,7 +21,7 @@ PLAIN_CONTAINERS = (tuple, list, dict)
 
 def impure_output(out: Any, ref: Any) -> str | None:
     """Why `out` is not a plain output like `ref` (exact tensor type, plain containers, same device), or None."""
-    problem = _impure_container(out)
+    problem = _impure_container(out, ref)
     if problem:
         return problem
     for i, (o, r) in enumerate(zip(flatten_outputs(out), flatten_outputs(ref), strict=False)):
@@ -39,14 +40,32 @@ def impure_output(out: Any, ref: Any) -> str | None:
     return None
 
 
-def _impure_container(out: Any) -> str | None:
-    if isinstance(out, PLAIN_CONTAINERS) and type(out) not in PLAIN_CONTAINERS:
+def _impure_container(out: Any, ref: Any) -> str | None:
+    """A container subclass is accepted only where the reference returns that same class at that place (a
+    namedtuple or transformers' ModelOutput of the model's own); `ref` is the reference's value there."""
+    subclass = isinstance(out, PLAIN_CONTAINERS) and type(out) not in PLAIN_CONTAINERS
+    if subclass and not _same_class(type(out), type(ref)):
         return (f"the output is a {type(out).__qualname__} (a subclass of {type(out).__mro__[1].__name__}): "
-                "outputs must be plain tensors, tuples, lists or dicts")
-    if type(out) in PLAIN_CONTAINERS:
+                "outputs must be plain tensors, tuples, lists or dicts, or the reference's own container class")
+    if isinstance(out, PLAIN_CONTAINERS):
+        refs = (list(ref.values()) if isinstance(ref, dict) else list(ref)) if isinstance(ref, PLAIN_CONTAINERS) else []
         items = out.values() if isinstance(out, dict) else out
-        return next((p for p in (_impure_container(x) for x in items) if p), None)
+        return next((p for p in (_impure_container(x, r) for x, r in zip_longest(items, refs)) if p), None)
     return None
+
+
+def _same_class(a: type, b: type) -> bool:
+    """`a` is `b`, or `b` defined again (the candidate's file repeats the problem's code, so its namedtuple is
+    another class object): the same names along the MRO and the same attributes, methods of the same bytecode."""
+    if a is b:
+        return True
+    if [c.__qualname__ for c in a.__mro__] != [c.__qualname__ for c in b.__mro__] or vars(a).keys() != vars(b).keys():
+        return False
+    for name, value in vars(a).items():
+        code, other = getattr(value, "__code__", None), getattr(vars(b)[name], "__code__", None)
+        if (code is None) != (other is None) or (code is not None and code.co_code != other.co_code):
+            return False
+    return True
 
 
 def _overrides(cls: type, hook: str) -> bool:

@@ -25,6 +25,7 @@ from kernelfuse.load.paths import read_source
 
 REQUIRED_NAMES = ("Model", "get_inputs", "get_init_inputs")
 DEFAULT_SEED = 42
+PROBLEM_MODULE_PREFIX = "kernelfuse_problem_"  # a problem file's module name: its classes are in the emitted file
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ def load_problem(path: str | Path) -> Problem:
         code = compile_source(source, str(path))
     except SyntaxError as err:
         raise ProblemError(f"{path}:{err.lineno}: syntax error: {err.msg}") from None
-    module = types.ModuleType(f"kernelfuse_problem_{path.stem}")
+    module = types.ModuleType(f"{PROBLEM_MODULE_PREFIX}{path.stem}")
     module.__file__ = str(path)
     # Register the text so tracebacks (and inspect.getsource on the classes) can show the problem's own lines.
     linecache.cache[str(path)] = (len(source), None, source.splitlines(True), str(path))

@@ -291,6 +291,8 @@ def _epilogue(graph: Graph, members: list[Node], acc_name: str, out: TensorMeta)
 def _unfused_reason(graph: Graph, node: Node) -> str:
     if node.op in VIEW_OPS:
         return "view"
+    if node.op == "constant":
+        return "a tensor forward makes from literals, written into the file"
     family = family_of(node.op)
     if node.op in ANCHOR_OPS:
         ok, why = anchor_supported(graph, node)

@@ -11,12 +11,14 @@ from collections.abc import Sequence
 import torch
 
 from kernelfuse.capture import Graph, Node, Ref
+from kernelfuse.capture.graph import constant_value
 from kernelfuse.ops import POINTWISE_BY_ATEN
 from kernelfuse.plan.ir import Epilogue, FusedStep, GenStep, Plan, Program, TorchStep
 
 
 def interpret(plan: Plan, state: dict[str, torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Run `plan` on `state` (parameters and buffers by attribute path) and the forward `inputs`."""
+    """Run `plan` on `state` (parameters and buffers by attribute path) and the graph's input tensors (flat, as
+    `plan.graph.call_spec` orders them); the output tensors come back flat too."""
     env: dict[str, object] = {}
     for node in plan.graph.nodes:
         if node.op == "input":
@@ -37,6 +39,8 @@ def call_aten(node: Node, env: dict[str, object]) -> object:
     """Call the node's ATen overload with its arguments looked up in `env`."""
     if node.op == "getitem":
         return env[node.args[0].name][node.args[1]]  # type: ignore[index,union-attr]
+    if node.op == "constant":
+        return constant_value(node)
     packet, overload = node.op.split(".")
     fn = getattr(getattr(torch.ops.aten, packet), overload)
     args, kwargs = [], {}
