@@ -109,6 +109,8 @@ class TrialResult:
     err64_ours: float | None
     err64_eager: float | None
     err64_base: float | None
+    err64_scale: float | None = None  # max |float64 reference|: the rule's relative slack is taken of it
+    err64_bound: float | None = None  # the rule's bound (float64.Float64Check.bound); ours/bound > 1 fails
     by_accuracy: bool = False  # passed on the float64 accuracy rule, eager being TF32 (not within 1e-4 of eager)
     float64_skipped: str | None = None  # why the float64 reference gave no output: compared with eager only
 
@@ -275,7 +277,8 @@ def run_trial(problem: Problem, models: Models, settings: TrialSettings, index: 
     worst = max((c for _, c in comps), key=lambda c: c.max_abs)
     errors = dict(max_abs=worst.max_abs, max_rel=worst.max_rel, mean_abs=worst.mean_abs,
                   err64_ours=f64.ours_err if f64 else None, err64_eager=f64.eager_err if f64 else None,
-                  err64_base=f64.base_err if f64 else None)
+                  err64_base=f64.base_err if f64 else None, err64_scale=f64.ref_scale if f64 else None,
+                  err64_bound=f64.bound if f64 else None)
     print_b = fingerprint(out_b)
     stale_of = next((i for i, fp in enumerate(earlier) if fp == print_b), None)
     earlier.append(print_b)
