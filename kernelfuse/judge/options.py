@@ -28,7 +28,7 @@ def parse_baselines(text: str) -> tuple[str, ...]:
     names = tuple(b.strip() for b in text.split(",") if b.strip())
     unknown = [b for b in names if b not in BASELINES]
     if unknown:
-        raise ValueError(f"--baselines: unknown {','.join(unknown)}; choose from {','.join(BASELINES)}")
+        raise ValueError(f"--baselines: unknown baseline(s) {','.join(unknown)}; choose from {','.join(BASELINES)}")
     return names
 
 

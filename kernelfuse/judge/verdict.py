@@ -210,9 +210,13 @@ def _headline(v: Verdict) -> str:
 
 def _timing_rows(v: Verdict) -> list[str]:
     rows = []
+    baselines = v.baselines or {  # a verdict built before the per-baseline field (eager and default compile only)
+        "eager": {"stats": v.eager_stats, "ms": v.eager_ms, "speedup": v.speedup_eager},
+        "compile": {"stats": v.compile_stats, "ms": v.compile_ms, "speedup": v.speedup_compile,
+                    "compile_s": v.compile_s}}
     versions = [("ours (ModelNew)", v.ours_stats, v.runtime_ms, None, None)]
     versions += [(BASELINE_LABELS.get(name, name), b.get("stats"), b.get("ms"), b.get("speedup"), b.get("compile_s"))
-                 for name, b in v.baselines.items()]
+                 for name, b in baselines.items()]
     for label, stats, ms, speed, compile_s in versions:
         if ms is None or stats is None:
             continue
