@@ -100,7 +100,7 @@ def judge(spec: JobSpec) -> dict[str, Any]:
         result = optimize_file(spec.problem, spec.output, options, log=log)
         return {"verdict": result.final.to_json() if result.final is not None else None, "shipped": result.shipped,
                 "notes": result.notes, "cold_build_s": result.cold_build_s, "output": str(result.output),
-                "plans": [plan_report(p) for p in result.plans]}
+                "plans": [plan_report(p) for p in result.plans], "precision": spec.precision}
     from kernelfuse.judge import EvalOptions, evaluate
 
     options = EvalOptions(precision=spec.precision, timeout_s=spec.timeout_s, baselines=spec.baselines,
