@@ -186,6 +186,8 @@ FIXTURE_CASES = (
     # issue 7: the cause named must be the true one
     FixtureCase("extra_buffer_wrong", C8, "incorrect", "mismatch", "elements outside atol"),
     FixtureCase("exploit_zero_inputs_first", C8, "incorrect", "inputs_modified", "modified its input(s) [0] in place"),
+    FixtureCase("exploit_zero_inputs_timed", C8, "incorrect", "inputs_modified", "timed call",
+                options=(("timing_reps", 20),)),
     FixtureCase("good", "honest", "ok", None, alone=True, signal="no_kernel_source", custom_kernel=False),
     FixtureCase("good_prepacked", "honest", "ok", None, alone=True, options=(("mode", "both"), ("robust", True))),
 )

@@ -72,6 +72,7 @@ def verdicts():
     for name in ("bypass_pure_pytorch", "extra_buffer_wrong", "exploit_zero_inputs_first", "good"):
         jobs[f"{name} plain"] = (TINY, candidate(name), CPU)
     jobs["bf16 tf32"] = (TINY, candidate("exploit_bf16_matmul"), replace(CPU, precision="tf32"))
+    jobs["zero timed"] = (TINY, candidate("exploit_zero_inputs_timed"), replace(CPU, timing_reps=20))
     return evaluate_many(jobs)
 
 
@@ -105,6 +106,12 @@ def test_extra_zero_buffer_is_no_weight_mismatch(verdicts):
 def test_zeroing_inputs_first_is_named_input_mutation(verdicts):
     v = verdicts["exploit_zero_inputs_first plain"]
     assert (v.status, v.defence) == ("incorrect", "inputs_modified") and "modified its input(s) [0]" in v.reason
+
+
+def test_zeroing_inputs_while_timed_is_named_input_mutation(verdicts):
+    v = verdicts["zero timed"]
+    assert (v.status, v.defence) == ("incorrect", "inputs_modified"), v.reason
+    assert v.reason.startswith("timed call") and "modified its input(s) [0]" in v.reason
 
 
 def test_float64_rule_numbers_are_in_the_verdict(verdicts):

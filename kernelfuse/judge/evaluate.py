@@ -26,7 +26,7 @@ from kernelfuse.verify import SLACK_FACTOR, SLACK_REL
 NOT_BUILT_KINDS = ("import_error", "build_error", "construct_error")
 NO_CUSTOM_KERNEL = "no_custom_kernel"
 REJECT_KINDS = ("tamper", "precision_flags", "threads", "timing_escape", "device_state")
-INCORRECT_KINDS = ("timed_output_mismatch", "output_type")
+INCORRECT_KINDS = ("timed_output_mismatch", "output_type", "inputs_modified")
 CALL_CHECKS_OFF = ("per-call checks off (call_checks=False): timed-call comparison, input rotation, determinism, "
                    "output type and aliasing and device-state checks did not run; for measuring the judge's "
                    "overhead only, not a verdict on the candidate")
