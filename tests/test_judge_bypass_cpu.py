@@ -24,6 +24,7 @@ from kernelfuse.judge.options import parse_baselines
 CPU = EvalOptions(device="cpu", baselines=("eager",), timing_reps=3, warmup=1, trials=3, timeout_s=120)
 SIGNALLED = [c for c in FIXTURE_CASES if c.signal]
 BYPASS = [c for c in FIXTURE_CASES if c.cls.startswith("7 ")]
+NO_CACHE = "TORCHINDUCTOR_FORCE_DISABLE_CACHES"
 
 
 def signal_codes(path) -> set[str]:
@@ -69,11 +70,18 @@ def test_signal_details():
 @pytest.fixture(scope="module")
 def verdicts():
     jobs = {c.label: (TINY, c.path, replace(CPU, **dict(c.options))) for c in BYPASS}
-    for name in ("bypass_pure_pytorch", "extra_buffer_wrong", "exploit_zero_inputs_first", "good"):
+    for name in ("bypass_pure_pytorch", "bypass_compile_in_forward", "extra_buffer_wrong", "exploit_zero_inputs_first",
+                 "good"):
         jobs[f"{name} plain"] = (TINY, candidate(name), CPU)
     jobs["bf16 tf32"] = (TINY, candidate("exploit_bf16_matmul"), replace(CPU, precision="tf32"))
     jobs["zero timed"] = (TINY, candidate("exploit_zero_inputs_timed"), replace(CPU, timing_reps=20))
-    return evaluate_many(jobs)
+    # Inductor compiles cold (its cache would skip the compile workers whose threads are to be named)
+    previous = os.environ.get(NO_CACHE)
+    os.environ[NO_CACHE] = "1"
+    try:
+        return evaluate_many(jobs)
+    finally:
+        os.environ.pop(NO_CACHE) if previous is None else os.environ.update({NO_CACHE: previous})
 
 
 @pytest.mark.parametrize("case", BYPASS, ids=lambda c: c.label)
@@ -89,6 +97,14 @@ def test_without_the_flag_a_bypass_is_correct_and_flagged(verdicts):
     assert v.correct and [s["code"] for s in v.signals] == ["no_kernel_source"]
     assert v.custom_kernel_share is None  # no GPU profiled it
     assert "signal      no_kernel_source" in v.format_table()
+
+
+def test_torch_compile_in_forward_is_named_not_rejected_for_its_threads(verdicts):
+    v = verdicts["bypass_compile_in_forward plain"]  # Inductor compiles on the CPU too (about 45 s here)
+    assert v.correct, v.reason
+    assert "compiler" in {s["code"] for s in v.signals}
+    assert v.details.get("compiler_threads"), v.warnings  # its compile-worker pool started threads ...
+    assert any("are torch.compile's (Inductor's compile workers)" in w for w in v.warnings)  # ... named as such
 
 
 def test_honest_candidate_is_unchanged(verdicts):

@@ -119,7 +119,8 @@ def _verdict(run: ChildRun, cand: Candidate, opts: EvalOptions, base: dict[str, 
     fields["torch_version"] = out.get("torch", "")
     fields["log_tail"] = tail(run.log_path, opts.log_tail_lines)
     fields["details"] = {k: out.get(k) for k in ("device_type", "stage", "extensions", "params", "probe", "streams",
-                                                 "flags_changed", "patched", "float64_reference", "failure")
+                                                 "flags_changed", "patched", "float64_reference", "failure",
+                                                 "compiler_threads")
                          if out.get(k) is not None}
     fields["details"]["trials"] = trials
     fields["details"]["stage_s"] = _stage_seconds(out)
