@@ -40,6 +40,12 @@ def test_custom_library_and_compiler_time_are_told_apart():
     assert account.to_dict()["custom_kernel_share"] == 0.25
 
 
+def test_a_dsl_kernel_named_after_its_function_is_custom():
+    source = "import cutlass.cute as cute\n@cute.kernel\ndef softmax_rows(x):\n    pass\n"
+    account = account_kernels([("kernel_cutlass_softmax_rows_0_tensor_ptr", "kernel", 1.0)], [], source, [])
+    assert account.share == 1.0
+
+
 def test_a_pytorch_program_has_no_custom_time_whatever_its_names():
     # a candidate that mentions ATen's kernel names in its text still runs ATen's kernels
     source = "# vectorized_elementwise_kernel gemm reduce_kernel\nimport torch\n"

@@ -5,9 +5,10 @@ correct and may be fast, yet runs no kernel of its own. The judge profiles one f
 each GPU activity into one of three kinds:
 - compiler: Inductor's generated Triton kernels (`triton_poi_fused_...`, `triton_red_...`): torch.compile's work;
 - custom: a kernel whose base name (`void ns::name<T>(...)` -> `name`) is defined by the candidate: it appears as a
-  word in the candidate's source (CUDA in load_inline strings, a Triton or CuTe function) or inside a shared object
-  the candidate loaded (a cpp_extension build, a library opened through ctypes), and it is neither a kernel the
-  reference's own forward ran nor in a library namespace (at::, cub::, cutlass::, cudnn::...);
+  word in the candidate's source (CUDA in load_inline strings, a Triton function) or inside a shared object the
+  candidate loaded (a cpp_extension build, a library opened through ctypes), or it contains the name of a function
+  the source decorates as a kernel (CuTe names its kernels `kernel_cutlass_<name>_...`); and it is neither a
+  kernel the reference's own forward ran nor in a library namespace (at::, cub::, cutlass::, cudnn::...);
 - library: everything else (ATen, cuBLAS, cuDNN, copies and memsets).
 A name is only custom with positive evidence from the candidate's own files, so a PyTorch program never counts as
 custom, whatever its kernels are called.
@@ -15,11 +16,14 @@ custom, whatever its kernels are called.
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
+
+from kernelfuse.judge.bypass import kernel_functions
 
 COMPILER_NAME = re.compile(r"^triton_(poi|red|per|tem|for|mm|bmm|spl)_")
 LIBRARY_NAMESPACES = ("at::", "c10::", "cub::", "thrust::", "cutlass::", "cudnn::", "cublas", "cask", "xmma",
@@ -75,12 +79,16 @@ def account_kernels(work: Iterable[tuple[str, str, float]], reference_names: Ite
     `reference_names` are the kernels the reference ran, `libraries` the shared objects the candidate loaded."""
     reference = set(reference_names)
     blobs = [_read(p) for p in libraries]
+    try:
+        decorated = {n for n in kernel_functions(ast.parse(source)) if len(n) > MIN_NAME}
+    except SyntaxError:
+        decorated = set()
     totals = {"custom": 0.0, "library": 0.0, "compiler": 0.0}
     names: dict[str, dict[str, float]] = {k: {} for k in totals}
     cache: dict[str, str] = {}
     for name, category, ms in work:
         if name not in cache:
-            cache[name] = _kind(name, category, reference, source, blobs)
+            cache[name] = _kind(name, category, reference, source, blobs, decorated)
         kind = cache[name]
         totals[kind] += ms
         names[kind][name] = names[kind].get(name, 0.0) + ms
@@ -92,7 +100,8 @@ def account_kernels(work: Iterable[tuple[str, str, float]], reference_names: Ite
                          top("compiler"))
 
 
-def _kind(name: str, category: str, reference: set[str], source: str, blobs: list[bytes]) -> str:
+def _kind(name: str, category: str, reference: set[str], source: str, blobs: list[bytes],
+          decorated: set[str]) -> str:
     if category != "kernel" or name in reference or in_library_namespace(name):
         return "library"
     base = base_name(name)
@@ -101,6 +110,8 @@ def _kind(name: str, category: str, reference: set[str], source: str, blobs: lis
     if len(base) < MIN_NAME or not re.fullmatch(r"\w+", base):
         return "library"
     if re.search(rf"\b{re.escape(base)}\b", source) or any(base.encode() in blob for blob in blobs):
+        return "custom"
+    if any(fn in base for fn in decorated):
         return "custom"
     return "library"
 

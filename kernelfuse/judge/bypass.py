@@ -122,6 +122,18 @@ def _is_build_call(call: ast.Call) -> bool:
     return last in BUILD_CALLS or name.endswith("cpp_extension.load")
 
 
+def _is_kernel_decorator(deco: ast.AST) -> bool:
+    name = dotted(deco)
+    return name in KERNEL_DECORATORS or any(name.endswith("." + d) for d in KERNEL_DECORATORS)
+
+
+def kernel_functions(tree: ast.Module) -> set[str]:
+    """Names of the functions decorated as GPU kernels (Triton, CuTe, Numba): a DSL may decorate the name it gives
+    the compiled kernel (CuTe's `kernel_cutlass_<name>_...`)."""
+    return {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and any(_is_kernel_decorator(d) for d in n.decorator_list)}
+
+
 def _has_kernel_source(tree: ast.Module) -> bool:
     builders = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
                 and (n.module or "").endswith("cpp_extension") for a in n.names}
@@ -130,8 +142,6 @@ def _has_kernel_source(tree: ast.Module) -> bool:
             return True
         if isinstance(node, ast.Call) and (_is_build_call(node) or dotted(node.func) in builders):
             return True
-        for deco in getattr(node, "decorator_list", []):
-            name = dotted(deco)
-            if name in KERNEL_DECORATORS or any(name.endswith("." + d) for d in KERNEL_DECORATORS):
-                return True
+        if any(_is_kernel_decorator(d) for d in getattr(node, "decorator_list", [])):
+            return True
     return False
