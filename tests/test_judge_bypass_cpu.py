@@ -112,6 +112,14 @@ def test_honest_candidate_is_unchanged(verdicts):
     assert (v.status, v.defence) == ("ok", None) and v.params_match
 
 
+@pytest.mark.parametrize("label", ["extra_buffer_wrong plain", "exploit_zero_inputs_first plain", "zero timed"])
+def test_true_causes_meet_the_catalogue(verdicts, label):
+    stem = {"zero timed": "exploit_zero_inputs_timed"}.get(label, label.removesuffix(" plain"))
+    case = next(c for c in FIXTURE_CASES if c.label == stem)
+    v = verdicts[label]
+    assert case.met_by(v.status, v.defence, v.reason), (case.expected(), v.status, v.defence, v.reason)
+
+
 def test_extra_zero_buffer_is_no_weight_mismatch(verdicts):
     v = verdicts["extra_buffer_wrong plain"]
     assert (v.status, v.defence) == ("incorrect", "mismatch"), v.reason
