@@ -99,6 +99,8 @@ def _summary_table(summary: Summary) -> str:
 
 
 def _problem_table(records: list[dict[str, Any]], baselines: list[str], base: Path | None) -> str:
+    """One row per problem; the timing columns only where something was timed (a CPU-only run has none)."""
+    timed = any(r.get("runtime_ms") is not None for r in records)
     names = baselines or ["eager", "compile"]
     rows = []
     for r in sorted(records, key=lambda r: (level_name(r), r.get("problem_id") or 0, r["key"])):
@@ -107,7 +109,7 @@ def _problem_table(records: list[dict[str, Any]], baselines: list[str], base: Pa
         ratios = speedups(r) if r.get("correctness") else {}
         cells = ([_ms(r.get("runtime_ms"))] + [_ms((times.get(n) or {}).get("ms")) for n in names]
                  + [_ms(r.get("floor_ms"))] + [_x(ratios.get(n)) for n in names]
-                 + [_share(r.get("custom_kernel_share"))])
+                 + [_share(r.get("custom_kernel_share"))]) if timed else []
         reason = "" if r.get("correctness") else failure_cause(r) + ": " + str(r.get("reason") or "")
         status = html.escape(str(r.get("status")))
         plan = shipped_plan(r)
@@ -117,7 +119,7 @@ def _problem_table(records: list[dict[str, Any]], baselines: list[str], base: Pa
                     + f"<td class='l'>{anchors_cell(plan)}</td><td class='l'>{_file_link(r, base)}</td>"
                     + f"<td class='l'>{html.escape(reason[:300])}</td></tr>")
     head = ("<th>ours ms</th>" + "".join(f"<th>{html.escape(n)} ms</th>" for n in names) + "<th>floor ms</th>"
-            + "".join(f"<th>vs {html.escape(n)}</th>" for n in names) + "<th>custom kernel share</th>")
+            + "".join(f"<th>vs {html.escape(n)}</th>" for n in names) + "<th>custom kernel share</th>") if timed else ""
     return (f"<table class='problems'><tr><th>problem</th><th>status</th>{head}<th>shipped</th>"
             "<th>library anchors</th><th>file</th><th>why not correct</th></tr>" + "".join(rows) + "</table>")
 
