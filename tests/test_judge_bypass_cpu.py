@@ -142,6 +142,7 @@ def test_float64_rule_numbers_are_in_the_verdict(verdicts):
     ok = verdicts["good plain"].to_json()["float64_rule"]
     assert ok["passed"] and 0 <= ok["ratio"] <= 1 and ok["bound"] >= ok["ours_err"]
     assert ok["bound"] == pytest.approx(ok["slack_factor"] * ok["base_err"] + ok["slack_rel"] * ok["ref_scale"])
+    assert 0 < ok["mean_ours_err"] <= ok["ours_err"] and 0 < ok["mean_base_err"] <= ok["base_err"]
     v = verdicts["bf16 tf32"]
     rule = v.float64_rule
     assert v.defence == "precision" and not rule["passed"] and rule["ratio"] > 1
