@@ -27,6 +27,7 @@ def test_base_names():
     assert base_name(ELEMENTWISE) == "vectorized_elementwise_kernel"
     assert base_name("void row_softmax<float>(float*)") == "row_softmax"
     assert base_name("kf_bias_relu") == "kf_bias_relu"
+    assert base_name("void (anonymous namespace)::row_softmax<float>(float*)") == "row_softmax"
 
 
 def test_custom_library_and_compiler_time_are_told_apart():

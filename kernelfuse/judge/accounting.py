@@ -30,6 +30,7 @@ LIBRARY_NAMESPACES = ("at::", "c10::", "cub::", "thrust::", "cutlass::", "cudnn:
                       "flash::", "pytorch_flash::", "fmha", "cutlass_", "internal::", "native::")
 SYSTEM_DIRS = ("/usr/lib", "/lib", "/usr/local/cuda", "/opt/conda/lib", "/usr/local/lib/python")
 MIN_NAME = 3
+ANONYMOUS = "(anonymous namespace)::"
 TOP = 8
 
 
@@ -61,7 +62,7 @@ class KernelAccount:
 
 def base_name(kernel: str) -> str:
     """`void at::native::foo<float, 4>(float*, int)` -> `foo`; a plain name (extern "C", Triton) as it is."""
-    name = kernel.strip()
+    name = kernel.strip().replace(ANONYMOUS, "")
     if name.startswith("void "):
         name = name[5:]
     name = re.split(r"[(<]", name, maxsplit=1)[0]
@@ -69,7 +70,7 @@ def base_name(kernel: str) -> str:
 
 
 def in_library_namespace(kernel: str) -> bool:
-    qualified = re.split(r"[(<]", kernel.removeprefix("void "), maxsplit=1)[0]
+    qualified = re.split(r"[(<]", kernel.replace(ANONYMOUS, "").removeprefix("void "), maxsplit=1)[0]
     return "::" in qualified and qualified.startswith(LIBRARY_NAMESPACES) or kernel.startswith(LIBRARY_NAMESPACES)
 
 
