@@ -232,7 +232,7 @@ def _no_custom_kernel(fields: dict[str, Any]) -> str | None:
     signals = fields.get("signals") or ()
     if not signals:
         return None
-    return "no custom kernel ran (static signals; no GPU ran the candidate): " + "; ".join(
+    return "no custom kernel ran (static signals; no kernel profile of the candidate): " + "; ".join(
         s["message"] for s in signals)
 
 
