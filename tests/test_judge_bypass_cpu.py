@@ -180,3 +180,28 @@ def test_baseline_names():
     assert parse_baselines("eager, compile-ro,compile-max") == ("eager", "compile-ro", "compile-max")
     with pytest.raises(ValueError, match="choose from eager,compile,compile-ro,compile-max"):
         parse_baselines("eager,jit")
+
+
+def test_parameter_check_compares_what_the_seed_produces():
+    import torch
+
+    from kernelfuse.verify import compare_state
+
+    class Net(torch.nn.Module):
+        def __init__(self, extra: bool = False, mask: bool = True, stat: bool = True) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(3))
+            if mask:
+                self.register_buffer("mask", torch.ones(3), persistent=False)
+            if stat:
+                self.register_buffer("stat", torch.zeros(3))
+            if extra:
+                self.register_buffer("offset", torch.zeros(3), persistent=False)
+
+    torch.manual_seed(0)
+    ref = Net()
+    for kwargs, ok in (({"extra": True}, True), ({"mask": False}, True), ({"stat": False}, False)):
+        torch.manual_seed(0)
+        check = compare_state(ref, Net(**kwargs))
+        assert check.ok is ok, (kwargs, check)
+        assert ("the output decides" in check.summary()) is ok
