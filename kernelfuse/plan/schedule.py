@@ -242,7 +242,7 @@ def _broadcast_consumer(graph: Graph, spec: ReduceSpec, reduced: str, value: str
         return None
     if not can_fuse_pointwise(graph, consumer, consumer.meta)[0]:
         return None
-    members = _trim_reshapes(_grow(graph, [consumer], consumer.meta, used).members)
+    members = _trim_reshapes(graph, _grow(graph, [consumer], consumer.meta, used).members)
     _, program = build_program(graph, members, consumer.meta, spec.space, acc=value)
     return (members, program) if program.statements else None  # none: an operand cannot follow the space
 
@@ -267,7 +267,7 @@ def _result_value(graph: Graph, node: Node, spec: ReduceSpec) -> tuple[str | Non
 
 
 def _pointwise_kernel(graph: Graph, chain: _Chain, kernel: str) -> GenStep:
-    members = _trim_reshapes(chain.members)
+    members = _trim_reshapes(graph, chain.members)
     out_meta = members[-1].meta
     source, program = build_program(graph, members, out_meta, out_meta.shape)
     assert source is not None  # the chain's own space: every operand broadcasts to it
@@ -275,9 +275,13 @@ def _pointwise_kernel(graph: Graph, chain: _Chain, kernel: str) -> GenStep:
                    tuple(m.name for m in members), members[-1].name)
 
 
-def _trim_reshapes(members: list[Node]) -> list[Node]:
-    """A kernel neither starts nor ends with a reshape: those stay free views outside it."""
-    while len(members) > 1 and members[-1].op in RESHAPES:
+def _trim_reshapes(graph: Graph, members: list[Node]) -> list[Node]:
+    """A kernel does not end with a reshape: those stay free views outside it. A trimmed view may read a value
+    inside the chain (x / w -> log2 with a view of x / w read by a matmul): that value escapes now, so the chain
+    shrinks until only its last value does, or the view's reader would find nothing stored."""
+    inside = {m.name for m in members}
+    while len(members) > 1 and (members[-1].op in RESHAPES or _escaping(graph, members, inside)):
+        inside.discard(members[-1].name)
         members = members[:-1]
     return members
 
