@@ -97,11 +97,24 @@ def _kernel_from(graph: Graph, seed: Node, used: set[str], kernel: str, reasons:
     last = chain.members[-1]
     readers = graph.users(last.name)
     if len(readers) == 1 and readers[0].op in REDUCTION_BY_ATEN and not graph.is_output(last.name) \
-            and readers[0].args and readers[0].args[0] == Ref(last.name):
+            and readers[0].name not in used and readers[0].args and readers[0].args[0] == Ref(last.name):
         step = _reduction_kernel(graph, readers[0], chain, used, kernel, reasons)
         if step is not None:
             return step
-    return _pointwise_kernel(graph, chain, kernel)
+    return _pointwise_kernel(graph, _buildable(graph, chain), kernel)
+
+
+def _buildable(graph: Graph, chain: _Chain) -> _Chain:
+    """The chain cut back until its operands follow its output's flat order. It may have grown through a reshape
+    that regroups a value whose strides cannot be regrouped (a transposed input, a clone, a flatten): the members
+    cut off are left to later kernels."""
+    members = list(chain.members)
+    while len(members) > 1:
+        trimmed = _trim_reshapes(graph, members)
+        if build_program(graph, trimmed, trimmed[-1].meta, trimmed[-1].meta.shape)[0] is not None:
+            break
+        members = trimmed[:-1]
+    return _Chain(members, {m.name for m in members})
 
 
 def _grow(graph: Graph, members: list[Node], space: TensorMeta, used: set[str]) -> _Chain:
