@@ -120,8 +120,9 @@ def test_a_failure_is_shrunk_written_and_fails_the_run(tmp_path, capsys, monkeyp
     out = capsys.readouterr().out.strip().splitlines()
     crashes = int(out[-1].split(", ")[2].split()[0])
     assert code == 1 and crashes >= 1 and out[-1].startswith("40 models, 0 mismatches")
-    written = list(tmp_path.glob("*_crash.py"))
-    assert len(written) == 1  # one distinct failure, one file
+    assert len(list(tmp_path.glob("*_crash.py"))) == crashes  # each failing model as generated, when found
+    written = list(tmp_path.glob("*_crash_min.py"))
+    assert len(written) == 1  # one distinct failure, one shrunk file
     text = written[0].read_text()
     assert "FAILURE (crash at plan): ValueError: planted" in text
     assert text.count(" = ") - text.count("self.") <= 2  # forward: the softmax (plus its input line)
@@ -167,3 +168,20 @@ def test_nvcc_compiles_a_sample_of_random_models(monkeypatch):
     errors = device.compile_all(sources, nvcc)
     assert len(list(device.CACHE.glob("*.ok"))) == len(set(sources)) - len(errors)
     _expect_compiled(errors)
+
+
+def test_gpu_pool_answers_every_task_and_replaces_a_dead_worker(tmp_path):
+    """The pool's protocol, runnable without a GPU: one answer per task, in order; a model that kills its worker
+    costs only its own answer (here: no CUDA, so every other answer says what raised)."""
+    dies = tmp_path / "dies.py"
+    dies.write_text("import os\nos._exit(3)\n")
+    fine = _write(tmp_path, generate(0, 0))
+    pool = device.GpuPool(tmp_path, jobs=1)
+    try:
+        answers = pool.check_all([(fine, fine), (dies, fine), (fine, fine)])
+    finally:
+        pool.close()
+    assert len(answers) == 3 and all(answers)
+    assert "worker died" in answers[1] and "exit 3" in answers[1]
+    if not torch.cuda.is_available():
+        assert answers[0].startswith("the emitted file raised on the GPU") and answers[2] == answers[0]

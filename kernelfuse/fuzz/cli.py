@@ -1,8 +1,9 @@
 """`kernelfuse fuzz`: random models through the whole pipeline, differential checks, shrunk failures on disk.
 
-Models run in chunks: each chunk through the CPU stages, then its kernels through nvcc (unless --cpu-only or no
-nvcc), then on the GPU where there is one. The last line is always `N models, M mismatches, K crashes`; the
-exit code is 0 only when M and K are 0.
+Models run in chunks: each chunk through the CPU stages, then its kernels through nvcc (no GPU) or built and run
+on the GPU (parallel workers); a progress line follows every chunk and a failing model is written to --out as
+soon as it is found. After the run the failures are shrunk (within --shrink-time) and written again, minimal.
+The last line is always `N models, M mismatches, K crashes`; the exit code is 0 only when M and K are 0.
 """
 
 from __future__ import annotations
@@ -12,19 +13,19 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from kernelfuse.fuzz.device import compile_all, find_nvcc, gpu_check, prebuild_all
+from kernelfuse.errors import UsageError
+from kernelfuse.fuzz.device import GpuPool, compile_all, find_nvcc
 from kernelfuse.fuzz.generate import ModelSpec, generate, render
 from kernelfuse.fuzz.run import ModelRun, Outcome, run_problem
-from kernelfuse.fuzz.shrink import shrink
+from kernelfuse.fuzz.shrink import SHRINK_BUDGET_S, shrink
 
-CHUNK = 64  # models per CPU -> nvcc -> GPU round: progress, and --time, act between rounds
-PROGRESS_EVERY_S = 10.0
-MAX_SHRINKS = 10  # distinct failures shrunk per run (each up to SHRINK_BUDGET_S)
+CHUNK = 32  # models per CPU -> nvcc/GPU round: a progress line after each; --time acts between models too
 
 
 def add_fuzz_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,9 +34,10 @@ def add_fuzz_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-only", action="store_true",
                         help="CPU checks only: no nvcc compile, no GPU run even where available")
     parser.add_argument("--out", type=Path, default=Path("fuzz_failures"),
-                        help="where shrunk failing problem files go (default fuzz_failures/)")
-    parser.add_argument("--time", type=float, default=None, metavar="S", help="stop after S seconds")
-    parser.add_argument("--no-shrink", action="store_true", help="write failing models as generated")
+                        help="where failing problem files go (default fuzz_failures/)")
+    parser.add_argument("--time", type=float, default=None, metavar="S", help="stop generating after S seconds")
+    parser.add_argument("--shrink-time", type=float, default=120.0, metavar="S",
+                        help="seconds spent shrinking failures after the run, in all (default 120; 0: none)")
 
 
 @dataclass
@@ -64,41 +66,55 @@ class Tally:
 
 def run_fuzz(args: argparse.Namespace) -> int:
     if args.count < 0:
-        from kernelfuse.errors import UsageError
-
         raise UsageError("--count must be 0 or more")
     nvcc = None if args.cpu_only else find_nvcc()
     gpu = not args.cpu_only and torch.cuda.is_available()
     print(f"kernelfuse fuzz: {args.count} models from seed {args.seed}; checks: CPU interpreter and emitted file"
-          f"{', nvcc compile' if nvcc else ''}{', GPU forward' if gpu else ''}", flush=True)
-    workdir = Path(tempfile.mkdtemp(prefix="kernelfuse_fuzz_"))
-    checker = _Checker(workdir, nvcc, gpu)
+          f"{', GPU build and forward' if gpu else ', nvcc compile' if nvcc else ''}", flush=True)
+    checker = _Checker(Path(tempfile.mkdtemp(prefix="kernelfuse_fuzz_")), nvcc, gpu)
     tally = Tally()
-    started = last = time.monotonic()
-    for lo in range(0, args.count, CHUNK):
-        if args.time is not None and time.monotonic() - started >= args.time:
-            print(f"stopped after {time.monotonic() - started:.0f} s (--time {args.time:g})", flush=True)
-            break
-        deadline = None if args.time is None else started + args.time
-        for spec, outcome in checker.run_chunk([generate(args.seed, i) for i in range(lo, min(lo + CHUNK,
-                                                                                                args.count))],
-                                               deadline):
-            tally.add(spec, outcome)
-            if outcome.failed:
-                print(f"FAIL {spec.name}: {outcome.describe()}", flush=True)
-        if time.monotonic() - last >= PROGRESS_EVERY_S:
-            last = time.monotonic()
-            print(f"[{last - started:.0f} s] {tally.line()}, {tally.counts['unsupported']} unsupported", flush=True)
-    _summary(tally, checker, args)
+    started = time.monotonic()
+    deadline = None if args.time is None else started + args.time
+    try:
+        for lo in range(0, args.count, CHUNK):
+            if deadline is not None and time.monotonic() >= deadline:
+                print(f"stopped after {time.monotonic() - started:.0f} s (--time {args.time:g})", flush=True)
+                break
+            specs = [generate(args.seed, i) for i in range(lo, min(lo + CHUNK, args.count))]
+            for spec, outcome in checker.run_chunk(specs, deadline):
+                tally.add(spec, outcome)
+                if outcome.failed:
+                    path = _write_failure(args.out, spec, spec, outcome)
+                    print(f"FAIL {spec.name}: {outcome.describe()} -> {path}", flush=True)
+            print(f"[{time.monotonic() - started:.0f} s] {tally.line()}, {tally.counts['unsupported']} unsupported",
+                  flush=True)
+        _summary(tally, checker, args)
+    finally:
+        checker.close()
     print(tally.line(), flush=True)
     return 1 if tally.counts["mismatch"] or tally.counts["crash"] else 0
+
+
+def _write_failure(out: Path, spec: ModelSpec, small: ModelSpec, outcome: Outcome) -> Path:
+    """The failing model (`small`: its shrunk form) as a problem file whose docstring says the failure and how
+    to reproduce it."""
+    out.mkdir(parents=True, exist_ok=True)
+    shrunk = small is not spec
+    header = (f"\nFAILURE ({outcome.status} at {outcome.stage}): {outcome.reason}\n"
+              f"Reproduce: kernelfuse fuzz --count {spec.index + 1} --seed {spec.seed} (model {spec.index})"
+              + (f"; shrunk from {len(spec.ops)} to {len(small.ops)} ops." if shrunk else "."))
+    path = out / f"{spec.name}_{outcome.status}{'_min' if shrunk else ''}.py"
+    path.write_text(render(small, header.replace('"""', "'''").replace("\\", "/")))
+    return path
 
 
 class _Checker:
     """Runs specs through every check this machine can do; also the shrinker's oracle."""
 
     def __init__(self, workdir: Path, nvcc: str | None, gpu: bool) -> None:
-        self.workdir, self.nvcc, self.gpu = workdir, nvcc, gpu
+        self.workdir, self.gpu = workdir, gpu
+        self.nvcc = None if gpu else nvcc  # on a GPU each file is built (and so compiled) by the GPU check
+        self.pool = GpuPool(workdir) if gpu else None
 
     def write(self, spec: ModelSpec) -> Path:
         path = self.workdir / f"{spec.name}.py"
@@ -124,21 +140,23 @@ class _Checker:
         return [(spec, run.outcome) for spec, _, run in runs]
 
     def _gpu(self, runs: list[tuple[ModelSpec, Path, ModelRun]]) -> None:
-        files = []
+        tasks, owners = [], []
         for spec, path, run in runs:
             if run.outcome.status == "ok":
                 for e in run.emitted:
                     emitted = self.workdir / f"{spec.name}_{e.variant.replace('-', '_')}_new.py"
                     emitted.write_text(e.text)
-                    files.append((path, emitted, run, e.variant))
-        prebuild_all([f for _, f, _, _ in files])
-        for path, emitted, run, variant in files:
-            if run.outcome.status == "ok":
-                wrong = gpu_check(path, emitted)
-                if wrong:
-                    run.outcome = Outcome("mismatch", "gpu", f"{variant}: {wrong}")
+                    tasks.append((path, emitted))
+                    owners.append((run, e.variant))
+        for (run, variant), wrong in zip(owners, self.pool.check_all(tasks), strict=True):
+            if wrong and run.outcome.status == "ok":
+                run.outcome = Outcome("mismatch", "gpu", f"{variant}: {wrong}")
 
-    def still_fails(self, outcome: Outcome) -> callable:
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+    def still_fails(self, outcome: Outcome) -> Callable[[ModelSpec], bool]:
         def check(spec: ModelSpec) -> bool:
             try:
                 got = self.run_chunk([spec])[0][1]
@@ -161,23 +179,18 @@ def _summary(tally: Tally, checker: _Checker, args: argparse.Namespace) -> None:
             print(f"  {n:5d}  {reason}")
     if not tally.failures:
         return
-    args.out.mkdir(parents=True, exist_ok=True)
-    seen: dict[tuple[str, str, str], Path] = {}
-    print(f"failures ({len(tally.failures)}), written to {args.out}/:")
+    print(f"failures ({len(tally.failures)}), in {args.out}/:")
+    shrink_until = time.monotonic() + args.shrink_time
+    seen: dict[tuple[str, str, str], str] = {}
     for spec, outcome in tally.failures:
         if outcome.signature in seen:
-            print(f"  {spec.name}: same failure as {seen[outcome.signature].name}")
+            print(f"  {spec.name}: {outcome.describe()[:150]} (as {seen[outcome.signature]})")
             continue
-        small = spec
-        if not args.no_shrink and len(seen) < MAX_SHRINKS:
-            small = shrink(spec, checker.still_fails(outcome))
-        header = f"\nFAILURE ({outcome.status} at {outcome.stage}): {outcome.reason}\n" \
-                 f"Reproduce: kernelfuse fuzz --count {spec.index + 1} --seed {spec.seed} (model {spec.index}); " \
-                 f"shrunk from {len(spec.ops)} to {len(small.ops)} ops."
-        path = args.out / f"{spec.name}_{outcome.status}.py"
-        path.write_text(render(small, header.replace('"""', "'''")))
-        seen[outcome.signature] = path
-        print(f"  {path}: {outcome.describe()}")
+        seen[outcome.signature] = spec.name
+        left = shrink_until - time.monotonic()
+        small = shrink(spec, checker.still_fails(outcome), min(left, SHRINK_BUDGET_S)) if left > 0 else spec
+        path = _write_failure(args.out, spec, small, outcome) if small != spec else None
+        print(f"  {spec.name}: {outcome.describe()[:150]}" + (f" -> shrunk: {path}" if path else ""), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -132,6 +132,8 @@ def _render_reduce(p: Params, shapes: list[Shape]) -> tuple[list[str], str]:
     if p["all"] and fn in ("sum", "mean", "amax", "amin", "prod"):
         return [], f"torch.{fn}({{a0}})"
     dims = sorted({_dim({"d": d}, "d", rank) for d in p["dims"]})  # type: ignore[arg-type]
+    if fn in ("var", "std") and math.prod(shapes[0][d] for d in dims) < 2:
+        raise Invalid("variance of one element (torch warns: no degrees of freedom)")
     if fn in ONE_DIM:
         call = f"torch.{fn}({{a0}}, dim={dims[0]}, keepdim={keep})"
         return [], call + ("[0]" if fn in ("max", "min") else "")

@@ -14,7 +14,7 @@ from dataclasses import replace
 from kernelfuse.fuzz.generate import InputSpec, ModelSpec, OpSpec, leaves, materialize
 from kernelfuse.fuzz.ops import Invalid
 
-SHRINK_BUDGET_S = 60.0
+SHRINK_BUDGET_S = 30.0  # per failure
 
 
 def shrink(spec: ModelSpec, still_fails: Callable[[ModelSpec], bool], budget_s: float = SHRINK_BUDGET_S
