@@ -213,7 +213,7 @@ def _reduction_kernel(graph: Graph, node: Node, prologue: _Chain | None, used: s
     epi_members = epi_chain.members[1:] if epi_chain else []
     if epi_members and (graph.is_output(value) or len(graph.users(value)) > 1):
         epi_members = []  # the reduction's value is needed as it is elsewhere
-    _, epilogue = build_program(graph, epi_members, out_meta, out_meta.shape, acc=value)
+    epi_members, epilogue = _epilogue(graph, epi_members, out_meta, value)
     out = epi_members[-1].name if epi_members else value
     replaces += [m.name for m in epi_members]
     mapped = _broadcast_consumer(graph, spec, value, out, src_meta, used | set(replaces))
@@ -223,6 +223,18 @@ def _reduction_kernel(graph: Graph, node: Node, prologue: _Chain | None, used: s
         return GenStep(kernel, source, program, node, spec, epilogue, members[-1].meta, tuple(replaces),
                        members[-1].name, mapped=consumer)
     return GenStep(kernel, source, program, node, spec, epilogue, graph[out].meta, tuple(replaces), out)
+
+
+def _epilogue(graph: Graph, members: list[Node], out_meta: TensorMeta, value: str) -> tuple[list[Node], Program]:
+    """The longest prefix of a reduction's epilogue chain whose operands follow the reduction's output space, and
+    its program. A reshape in the chain may regroup that space so that an operand cannot follow it (a norm over
+    (1, 8, 5) viewed as (4, 2, 5) and divided by a (4, 1, 1) tensor): the members cut off are left to later
+    kernels, never claimed by a kernel that does not compute them."""
+    while True:
+        _, program = build_program(graph, members, out_meta, out_meta.shape, acc=value)
+        if not members or program.statements:
+            return members, program
+        members = _trim_reshapes(graph, [graph[value], *members[:-1]])[1:]
 
 
 MAPPED_KINDS = ("sum", "mean", "amax", "amin")  # plain reductions whose value a broadcast consumer may read
