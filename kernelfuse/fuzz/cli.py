@@ -25,7 +25,8 @@ from kernelfuse.fuzz.generate import ModelSpec, generate, render
 from kernelfuse.fuzz.run import ModelRun, Outcome, run_problem
 from kernelfuse.fuzz.shrink import SHRINK_BUDGET_S, shrink
 
-CHUNK = 32  # models per CPU -> nvcc/GPU round: a progress line after each; --time acts between models too
+CHUNK = 32  # models per CPU -> nvcc round: a progress line after each; --time acts between models too
+GPU_CHUNK = 64  # per CPU -> GPU round: more models, fewer idle workers while the round's slowest build ends
 
 
 def add_fuzz_arguments(parser: argparse.ArgumentParser) -> None:
@@ -76,11 +77,12 @@ def run_fuzz(args: argparse.Namespace) -> int:
     started = time.monotonic()
     deadline = None if args.time is None else started + args.time
     try:
-        for lo in range(0, args.count, CHUNK):
+        chunk = GPU_CHUNK if gpu else CHUNK
+        for lo in range(0, args.count, chunk):
             if deadline is not None and time.monotonic() >= deadline:
                 print(f"stopped after {time.monotonic() - started:.0f} s (--time {args.time:g})", flush=True)
                 break
-            specs = [generate(args.seed, i) for i in range(lo, min(lo + CHUNK, args.count))]
+            specs = [generate(args.seed, i) for i in range(lo, min(lo + chunk, args.count))]
             for spec, outcome in checker.run_chunk(specs, deadline):
                 tally.add(spec, outcome)
                 if outcome.failed:
