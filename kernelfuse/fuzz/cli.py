@@ -72,7 +72,7 @@ def run_fuzz(args: argparse.Namespace) -> int:
     gpu = not args.cpu_only and torch.cuda.is_available()
     print(f"kernelfuse fuzz: {args.count} models from seed {args.seed}; checks: CPU interpreter and emitted file"
           f"{', GPU build and forward' if gpu else ', nvcc compile' if nvcc else ''}", flush=True)
-    checker = _Checker(Path(tempfile.mkdtemp(prefix="kernelfuse_fuzz_")), nvcc, gpu)
+    checker = _Checker(Path(tempfile.mkdtemp(prefix="kernelfuse_fuzz_")), nvcc, gpu, args.out / "gpu_logs")
     tally = Tally()
     started = time.monotonic()
     deadline = None if args.time is None else started + args.time
@@ -113,10 +113,10 @@ def _write_failure(out: Path, spec: ModelSpec, small: ModelSpec, outcome: Outcom
 class _Checker:
     """Runs specs through every check this machine can do; also the shrinker's oracle."""
 
-    def __init__(self, workdir: Path, nvcc: str | None, gpu: bool) -> None:
+    def __init__(self, workdir: Path, nvcc: str | None, gpu: bool, logs: Path | None = None) -> None:
         self.workdir, self.gpu = workdir, gpu
         self.nvcc = None if gpu else nvcc  # on a GPU each file is built (and so compiled) by the GPU check
-        self.pool = GpuPool(workdir) if gpu else None
+        self.pool = GpuPool(logs or workdir) if gpu else None
 
     def write(self, spec: ModelSpec) -> Path:
         path = self.workdir / f"{spec.name}.py"

@@ -113,6 +113,7 @@ class GpuPool:
     def _ask(self, k: int, problem: Path, emitted: Path) -> str:
         proc = self.procs[k]
         if proc is None or proc.poll() is not None:
+            self.logs.mkdir(parents=True, exist_ok=True)
             log = open(self.logs / f"gpu_worker_{k}.log", "a")  # noqa: SIM115 - the child's stderr, kept open
             proc = self.procs[k] = subprocess.Popen(
                 [sys.executable, "-m", "kernelfuse.fuzz.gpuworker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -148,7 +149,8 @@ def gpu_check(problem_path: Path, emitted_path: Path) -> str:
         torch.manual_seed(DEFAULT_SEED)
         candidate = scope["ModelNew"](*init).cuda()  # builds the extension (torch's cache, keyed by source hash)
         candidate.load_state_dict(reference.state_dict())
-        fused = scope["_use_kernels"](candidate, problem.make_inputs(1, "cuda"))
+        guard = scope.get("_use_kernels")  # absent from a file with no kernels
+        fused = bool(guard and guard(candidate, problem.make_inputs(1, "cuda")))
         with torch.no_grad():
             torch.manual_seed(0)
             expected = reference(*problem.make_inputs(1, "cuda"))
