@@ -101,10 +101,13 @@ def _draw_inputs(rng: random.Random) -> tuple[InputSpec, ...]:
         shape: list[int] = []
         for _ in range(rank):
             shape.append(rng.choice([s for s in SIZES if math.prod(shape) * s <= 1024] or [1]))
+        if inputs and rng.random() < 0.5:  # broadcasts against the first input: fewer dims, some of them 1
+            first = inputs[0].shape
+            shape = [1 if rng.random() < 0.4 else s for s in first[rng.randrange(len(first) + 1):]]
         layout = rng.choice(LAYOUTS)
-        if rank < 2 and layout != "sliced":
+        if len(shape) < 2 and (layout != "sliced" or not shape):
             layout = "contiguous"
-        if rank < 3 and layout == "permuted":
+        if len(shape) < 3 and layout == "permuted":
             layout = "transposed"
         inputs.append(InputSpec(tuple(shape), layout, rng.choice(SPECIALS)))
     return tuple(inputs)
@@ -208,7 +211,7 @@ def _input_lines(spec: InputSpec, dtype: torch.dtype, name: str, gen: str = "") 
     elif spec.layout == "permuted":
         shape = shape[1:] + shape[:1]
         view = f".permute({len(shape) - 1}, " + ", ".join(str(i) for i in range(len(shape) - 1)) + ")"
-    lines = [f"{name} = torch.randn({', '.join(map(str, shape))}, {gen}dtype={dtype})"]
+    lines = [f"{name} = torch.randn({tuple(shape)!r}, {gen}dtype={dtype})"]
     if spec.special == "nan":
         lines.append(f"{name}.view(-1)[::7] = float('nan')")
     elif spec.special == "inf":
