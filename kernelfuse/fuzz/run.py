@@ -12,7 +12,9 @@ exception inside kernelfuse that is not a KernelfuseError); unsupported (a clean
 from __future__ import annotations
 
 import copy
+import linecache
 import re
+import sys
 import traceback
 import warnings
 from dataclasses import dataclass, field
@@ -77,6 +79,9 @@ def run_problem(path: Path) -> ModelRun:
             return _run(path)
         except _Decided as decided:
             return ModelRun(decided.outcome)
+        finally:  # what loading registered for tracebacks: thousands of models would keep every one
+            sys.modules.pop(f"kernelfuse_problem_{path.stem}", None)
+            linecache.cache.pop(str(path), None)
 
 
 class _Decided(Exception):
