@@ -185,3 +185,13 @@ def test_gpu_pool_answers_every_task_and_replaces_a_dead_worker(tmp_path):
     assert "worker died" in answers[1] and "exit 3" in answers[1]
     if not torch.cuda.is_available():
         assert answers[0].startswith("the emitted file raised on the GPU") and answers[2] == answers[0]
+
+
+@pytest.mark.gpu
+def test_random_models_match_eager_on_the_gpu(tmp_path, capsys):
+    """64 random models built and run on the GPU against eager (the judge's tolerance or its float64 rule)."""
+    code = fuzz_cli.main(["--count", "64", "--seed", "0", "--shrink-time", "0", "--out", str(tmp_path)])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "GPU build and forward" in lines[0]
+    assert lines[-1] == "64 models, 0 mismatches, 0 crashes", "\n".join(lines[-20:])
+    assert code == 0
