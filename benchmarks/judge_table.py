@@ -156,6 +156,11 @@ def fixture_row(case: FixtureCase, verdict: Verdict | None, wall_s: float, error
     if verdict is None:
         return {**row, "passed": False}
     passed = case.met_by(verdict.status, verdict.defence, verdict.reason)
+    share = verdict.custom_kernel_share
+    if passed and case.custom_kernel is not None and share is not None and (share > 0) != case.custom_kernel:
+        passed, row["note"] = False, f"custom_kernel_share {share}: expected {'> 0' if case.custom_kernel else '0'}"
+    if passed and case.signal and case.signal not in {s["code"] for s in verdict.signals}:
+        passed, row["note"] = False, f"static signal {case.signal} not raised"
     if passed and verdict.status == "ok" and speed_warnings(verdict.warnings):  # honest speed: no floor warning either
         passed, row["note"] = False, speed_warnings(verdict.warnings)[0][:200]
     if not passed and case.label == "state_l2_persist" and verdict.status == "ok" and not persisting_l2_settable():
@@ -286,15 +291,16 @@ def render(run: Run) -> str:
         lines.append(f"| {r['case']} | {r['cls']} | {r['expected']} | {r['status']} | {r.get('defence') or '-'} | "
                      f"{mark} | {r['wall_s']:.1f} | {_cell(r.get('note') or r.get('reason'))} |")
     lines += ["", "## Honest candidates (per-call checks on; the judge's defaults)", "",
-              "| candidate | status | ours ms | eager ms | compile ms | vs eager | vs compile | input sets | "
-              "checked timed calls | reason / warnings |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "| candidate | status | ours ms | eager ms | compile ms | vs eager | vs compile | custom kernel share | "
+              "input sets | checked timed calls | reason / warnings |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in honest:
         if not r["call_checks"]:
             continue
         v = r.get("verdict") or {}
         lines.append(f"| {r['case']} | {r['status']} | {_f(v.get('runtime_ms'))} | {_f(v.get('eager_ms'))} | "
                      f"{_f(v.get('compile_ms'))} | {_f(v.get('speedup_eager'), '.3f', 'x')} | "
-                     f"{_f(v.get('speedup_compile'), '.3f', 'x')} | {_f(v.get('input_sets'), 'd')} | "
+                     f"{_f(v.get('speedup_compile'), '.3f', 'x')} | {_f(v.get('custom_kernel_share'), '.3f')} | "
+                     f"{_f(v.get('input_sets'), 'd')} | "
                      f"{_f(v.get('checked_timed_calls'), 'd')} | "
                      f"{_cell(r.get('reason') or '; '.join(speed_warnings(v.get('warnings', []))))} |")
     lines += ["", "## The judge's wall time per candidate: per-call checks on vs off", "",

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from kernelfuse import __version__
 from kernelfuse.errors import KernelfuseError, UsageError
+from kernelfuse.judge.options import BASELINES_HELP, DEFAULT_BASELINES, parse_baselines
 
 EPILOG = """exit codes (optimize): 0 file written; 2 bad problem file; 3 forward could not be traced;
   4 the shipped file failed verification on the GPU. See `kernelfuse eval --help` for eval's codes."""
@@ -35,6 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="numerics policy used to verify (default strict: fp32, atol=rtol=1e-4)")
     opt.add_argument("--trials", type=int, default=5, help="verification trials with fresh inputs (default 5)")
     opt.add_argument("--no-compile-baseline", action="store_true", help="skip timing torch.compile in the report")
+    opt.add_argument("--baselines", default=None, help=BASELINES_HELP)
+    opt.add_argument("--require-custom-kernel", action="store_true",
+                     help="the shipped file fails verification (exit 4) when its forward runs no kernel of its own")
     opt.add_argument("--cpu-only", action="store_true", help="do not use a GPU even if one is present")
     opt.add_argument("--json", type=Path, default=None, metavar="REPORT.json",
                      help="also write a machine-readable report (schema: README, 'optimize --json')")
@@ -121,6 +125,16 @@ def _torch_version() -> str:
         return "not installed"
 
 
+def _final_baselines(args: argparse.Namespace) -> tuple[str, ...]:
+    """--baselines, else eager and torch.compile (eager alone with --no-compile-baseline)."""
+    if args.baselines is None:
+        return ("eager",) if args.no_compile_baseline else DEFAULT_BASELINES
+    try:
+        return parse_baselines(args.baselines)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
 def _optimize(args: argparse.Namespace) -> int:
     from kernelfuse.pipeline import OptimizeOptions, describe_verdict, optimize_file
 
@@ -135,7 +149,8 @@ def _optimize(args: argparse.Namespace) -> int:
         no_rewrites=args.no_rewrites,
         max_fusions=args.max_fusions,
         disabled_rewrites=tuple(args.no_rewrite),
-        final_baselines=("eager",) if args.no_compile_baseline else ("eager", "compile"),
+        final_baselines=_final_baselines(args),
+        require_custom_kernel=args.require_custom_kernel,
     )
     result = optimize_file(args.problem, args.output, options, log=lambda s: print(s, flush=True))
     if args.json is not None:

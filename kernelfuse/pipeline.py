@@ -60,6 +60,7 @@ class OptimizeOptions:
     # False: the variants are not built in parallel first (kernelfuse bench: its build phase built them on other
     # cores; the judge builds whatever it does not find in the cache)
     prebuild: bool = True
+    require_custom_kernel: bool = False  # --require-custom-kernel: a shipped file running no kernel of its own fails
 
 
 @dataclass(frozen=True)
@@ -290,7 +291,8 @@ def judge_options(options: OptimizeOptions, baselines: tuple[str, ...]) -> EvalO
     """The judge's options for the optimizer: its trials and policy, more timing repetitions than the minimum
     because the GEMM problems' gain (one pass over the output, ~1%) is close to run-to-run noise."""
     return EvalOptions(trials=options.trials, precision=options.precision, timeout_s=options.timeout_s,
-                       baselines=baselines, timing_reps=options.timing_reps)
+                       baselines=baselines, timing_reps=options.timing_reps,
+                       require_custom_kernel=options.require_custom_kernel)
 
 
 def _ship_unfused(problem: Problem, result: OptimizeResult, log: Callable[[str], None],

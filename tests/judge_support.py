@@ -70,7 +70,9 @@ class FixtureCase:
     its tiny copy on the CPU). `label` names the case (the fixture's stem unless `fixture` is given); `options`
     overrides EvalOptions fields; `also` lists other acceptable (status, defence) pairs with why in the fixture's
     docstring; `alone`: timing-sensitive (a floor or host-time check decides), judged with nothing else running;
-    `words` must appear in the reason."""
+    `words` must appear in the reason; `signal`: the static bypass signal its source must raise (judge.bypass);
+    `custom_kernel`: whether the GPU's kernel accounting must find kernels of its own (True: share > 0, False:
+    share 0; None: not asserted)."""
 
     label: str
     cls: str
@@ -82,6 +84,8 @@ class FixtureCase:
     options: tuple[tuple[str, Any], ...] = ()
     also: tuple[tuple[str, str], ...] = ()
     alone: bool = False
+    signal: str | None = None
+    custom_kernel: bool | None = None
 
     @property
     def path(self) -> Path:
@@ -103,6 +107,9 @@ class FixtureCase:
 
 
 C1, C2, C3, C5, C6 = "1 timed calls", "2 plain outputs", "3 rotating inputs", "5 determinism", "6 device state"
+C7, C8 = "7 no custom kernel", "8 true causes"
+REQUIRE = (("require_custom_kernel", True),)
+NO_KERNEL = "no custom kernel ran"
 UNCHECKED = (("call_checks", False),)
 TIMED = "correct while checked, wrong while timed"
 DIFFER = "two runs of the candidate on the same inputs differ"
@@ -166,7 +173,22 @@ FIXTURE_CASES = (
     FixtureCase("crash_illegal_address", "fault", "cuda_fault", None, "illegal memory access", CUDA_ONLY),
     FixtureCase("hang_kernel", "fault", "timeout", None, "timed out after 45 s during the correctness trials",
                 CUDA_ONLY, options=(("timeout_s", 45.0),), alone=True),
-    FixtureCase("good", "honest", "ok", None, alone=True),
+    # issue 7: correct candidates that run no kernel of their own, judged with --require-custom-kernel (without it
+    # they stay CORRECT, flagged by their signal and, on a GPU, custom_kernel_share 0: tests/test_judge_gpu.py)
+    FixtureCase("bypass_subclass_reference", C7, "incorrect", "no_custom_kernel", NO_KERNEL, options=REQUIRE,
+                signal="subclasses_reference", custom_kernel=False),
+    FixtureCase("bypass_try_fallback", C7, "incorrect", "no_custom_kernel", NO_KERNEL, options=REQUIRE,
+                signal="fallback_to_torch", custom_kernel=False),
+    FixtureCase("bypass_compile_in_forward", C7, "incorrect", "no_custom_kernel", NO_KERNEL, options=REQUIRE,
+                signal="compiler", custom_kernel=False),
+    FixtureCase("bypass_pure_pytorch", C7, "incorrect", "no_custom_kernel", NO_KERNEL, options=REQUIRE,
+                signal="no_kernel_source", custom_kernel=False),
+    # issue 7: the cause named must be the true one
+    FixtureCase("extra_buffer_wrong", C8, "incorrect", "mismatch", "elements outside atol"),
+    FixtureCase("exploit_zero_inputs_first", C8, "incorrect", "inputs_modified", "modified its input(s) [0] in place"),
+    FixtureCase("exploit_zero_inputs_timed", C8, "incorrect", "inputs_modified", "timed call",
+                options=(("timing_reps", 20),)),
+    FixtureCase("good", "honest", "ok", None, alone=True, signal="no_kernel_source", custom_kernel=False),
     FixtureCase("good_prepacked", "honest", "ok", None, alone=True, options=(("mode", "both"), ("robust", True))),
 )
 

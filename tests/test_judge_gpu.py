@@ -124,6 +124,10 @@ def test_exploit_fixture_is_caught_by_its_defence(batch, case):
     assert escaped or case.met_by(v.status, v.defence, v.reason), (case.expected(), v.status, v.defence, v.reason)
     assert not v.correct and v.exit_code == EXIT_INCORRECT and v.speedup_eager is None
     assert v.to_json()["correctness"] is False and v.to_json()["runtime"] == -1.0
+    if case.signal:
+        assert case.signal in {s["code"] for s in v.signals}
+    if case.custom_kernel is False:  # the profile decided, not the static signals
+        assert v.custom_kernel_share == 0 and "0 of the profiled forward's GPU time" in v.reason
 
 
 def test_lowered_precision_is_caught_by_the_float64_rule(batch):
@@ -145,6 +149,8 @@ def test_seed_002_builds_correct_about_eager_speed(batch):
     assert 0.85 < v.speedup_eager < 1.15
     assert v.compile_ms is not None and v.speedup_compile is not None and v.compile_s > 0
     assert v.err64_ours is not None and v.err64_ours <= 2 * v.err64_eager + 1e-5
+    assert v.custom_kernel_share > 0 and v.kernels["custom"] and v.signals == ()
+    assert v.float64_rule["ratio"] <= 1 and v.float64_rule["bound"] > 0
 
 
 def test_seed_004_builds_correct_and_is_judged_against_float64(batch):
@@ -178,6 +184,28 @@ def test_honest_pure_torch_candidate_is_correct_at_eager_speed():
     v = judged("good (pure torch)", GEMM, candidate("good"), FIXTURE)
     assert v.correct and 0.9 < v.speedup_eager < 1.1 and not any("suspicious" in w for w in v.warnings)
     assert v.err64_ours == v.err64_eager and v.input_sets == 4 and v.status != "implausible"
+
+
+@pytest.mark.parametrize("case", [c for c in FIXTURE_CASES if c.cls.startswith("7 ")], ids=lambda c: c.label)
+def test_bypass_is_correct_without_the_flag_and_runs_no_kernel_of_its_own(case):
+    v = judged(f"{case.label} (no --require-custom-kernel)", GEMM, case.path, FIXTURE)
+    assert v.correct, v.reason
+    assert v.custom_kernel_share == 0 and v.kernels["custom"] == []
+    assert any(w.startswith("no custom kernel ran") for w in v.warnings), v.warnings
+    if case.signal == "compiler":  # Inductor's kernels are the compiler's; its threads are named, not rejected
+        assert v.kernels["compiler_ms"] > 0, v.kernels
+        assert not any("escaping the timed region" in w for w in v.warnings)
+
+
+def test_every_compile_mode_is_a_baseline_side_by_side():
+    v = judged("good (all four baselines)", GEMM, candidate("good"),
+               replace(FIXTURE, baselines=("eager", "compile", "compile-ro", "compile-max"), timeout_s=900))
+    assert v.correct, v.reason
+    assert list(v.baselines) == ["eager", "compile", "compile-ro", "compile-max"]
+    assert all(b["ms"] > 0 and b["speedup"] > 0 for b in v.baselines.values())
+    assert all(v.baselines[n]["compile_s"] > 0 for n in ("compile", "compile-ro", "compile-max"))
+    table = v.format_table()
+    assert "compile r-o" in table and "compile max-at" in table
 
 
 # --- faults: reported, and the next evaluation runs normally -----------------------------------------------------

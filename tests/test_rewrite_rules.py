@@ -126,6 +126,13 @@ def test_size1_reduction_returned_is_kept():
     lambda m, x: (x / m.scale).mean((1, 2), keepdim=True),
     lambda m, x: nn.functional.avg_pool2d(x.unsqueeze(0) * m.scale, 2),
     lambda m, x: nn.functional.avg_pool2d(x.unsqueeze(0) * 3.0, 2, padding=1),  # zero padding scales to zero
+    lambda m, x: (x * m.scale).sum(2),  # keepdim=False: the per-channel tensor loses the reduced dim too
+    lambda m, x: (x / m.scale[0]).mean(2),  # a per-row tensor of lower rank
+    lambda m, x: (x + m.scale).sum(2, keepdim=True),  # an added tensor broadcast along the sum: n * c
+    lambda m, x: (x - m.scale).mean((1, 2)),  # mean of a broadcast tensor: itself
+    lambda m, x: (x - x[0]).sum(0),  # a tensor broadcast along the reduced dim, of lower rank: 3 * c
+    lambda m, x: (x + x[0, 0]).sum(2),  # a tensor that varies along the reduced dim: its own sum
+    lambda m, x: (x - x[0, 0]).mean((0, 2), keepdim=True),
 ])
 def test_reduce_before_affine(fn):
     r = prove(fn, signed(3, 4, 5), rule="reduce_before_affine", rtol=1e-10)
@@ -136,10 +143,9 @@ def test_reduce_before_affine(fn):
 
 @pytest.mark.parametrize("fn", [
     lambda m, x: (x * 0.0).sum(2),  # x*0 is NaN at Inf: left alone
-    lambda m, x: (x * m.scale).sum(2),  # keepdim=False: the per-channel tensor would broadcast against other dims
     lambda m, x: (x * m.scale).sum(0, keepdim=True),  # the tensor varies along the reduced dim
     lambda m, x: nn.functional.avg_pool2d(x.unsqueeze(0) + 1.0, 2, padding=1),  # padding would count the 1.0
-    lambda m, x: (x + m.scale).sum(2, keepdim=True),  # adding a tensor: not handled (needs n * c)
+    lambda m, x: (x[:, :1] - x).sum(1),  # the broadcast operand is the minuend: x would be broadcast
     lambda m, x: (x * 2.0).amax(2),  # not a linear reduction (the monotonic rule's business, not this one's)
     lambda m, x: ((x * 2.0).sum(2), x * 2.0),  # the scaled value has another reader
 ])
@@ -156,6 +162,8 @@ def test_reduce_before_affine_negative(fn):
     lambda m, x: m.lin(x).mean(1, keepdim=True),
     lambda m, x: (m.lin(x) / 2.0).sum(1, keepdim=True) * 1.5,  # through a scaling (the Gemm-Divide-Sum pattern)
     lambda m, x: (m.lin(x) - 1.0).mean(1),
+    lambda m, x: (m.lin(x) - x[0, :6]).mean(1),  # a per-feature vector subtracted before the mean
+    lambda m, x: ((m.lin(x) + x[1, 2:]) * 0.5).sum(1, keepdim=True),
 ])
 def test_reduce_linear_output(fn, bias):
     r = prove(fn, signed(5, 8), rule="reduce_linear_output", bias=bias, rtol=1e-10)

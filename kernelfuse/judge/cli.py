@@ -14,7 +14,7 @@ from pathlib import Path
 
 from kernelfuse.errors import KernelfuseError
 from kernelfuse.judge.evaluate import evaluate
-from kernelfuse.judge.options import BASELINES, EvalOptions
+from kernelfuse.judge.options import BASELINES_HELP, DEFAULT_BASELINES, EvalOptions, parse_baselines
 from kernelfuse.judge.verdict import EXIT_USAGE
 from kernelfuse.verify import POLICIES
 
@@ -38,8 +38,10 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
                         help="wall-clock limit for building, checking and timing (default 900 s)")
     parser.add_argument("--reps", type=int, default=20, help="timed runs per version (default 20; median reported)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed warm-up calls per version (default 3)")
-    parser.add_argument("--baselines", default=",".join(BASELINES),
-                        help="comma-separated baselines to time: eager,compile (default both; '' for none)")
+    parser.add_argument("--baselines", default=",".join(DEFAULT_BASELINES), help=BASELINES_HELP)
+    parser.add_argument("--require-custom-kernel", action="store_true",
+                        help="fail (exit 1, 'no custom kernel ran') a candidate whose forward runs no kernel of its "
+                             "own: the profiler's kernel accounting on a GPU, the static bypass signals without one")
     parser.add_argument("--seed", type=int, default=42, help="seed for weights and inputs (default 42)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
                         help="cuda (default) or cpu (pure-torch candidates; for testing the judge)")
@@ -65,12 +67,12 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
 
 def options_from_args(args: argparse.Namespace) -> EvalOptions:
     """EvalOptions from parsed arguments; ValueError for inconsistent values."""
-    baselines = tuple(b.strip() for b in args.baselines.split(",") if b.strip())
+    baselines = parse_baselines(args.baselines)
     return EvalOptions(trials=args.trials, precision=args.precision, timeout_s=args.timeout, baselines=baselines,
                        seed=args.seed, timing_reps=args.reps, warmup=args.warmup, device=args.device,
                        float64=args.float64, keep_workdir=args.keep_workdir, mode=args.mode, robust=args.robust,
                        input_sets=args.input_sets, implausible_margin=args.implausible_margin,
-                       call_checks=args.call_checks)
+                       call_checks=args.call_checks, require_custom_kernel=args.require_custom_kernel)
 
 
 def run_eval(args: argparse.Namespace) -> int:

@@ -21,10 +21,12 @@ from kernelfuse.judge.runner import ChildRun, run_worker
 from kernelfuse.judge.static import static_check
 from kernelfuse.judge.verdict import Verdict
 from kernelfuse.load import load_problem
+from kernelfuse.verify import SLACK_FACTOR, SLACK_REL
 
 NOT_BUILT_KINDS = ("import_error", "build_error", "construct_error")
+NO_CUSTOM_KERNEL = "no_custom_kernel"
 REJECT_KINDS = ("tamper", "precision_flags", "threads", "timing_escape", "device_state")
-INCORRECT_KINDS = ("timed_output_mismatch", "output_type")
+INCORRECT_KINDS = ("timed_output_mismatch", "output_type", "inputs_modified")
 CALL_CHECKS_OFF = ("per-call checks off (call_checks=False): timed-call comparison, input rotation, determinism, "
                    "output type and aliasing and device-state checks did not run; for measuring the judge's "
                    "overhead only, not a verdict on the candidate")
@@ -51,9 +53,13 @@ def evaluate(problem_path: str | Path, candidate: str | Path, opts: EvalOptions 
     base["code_from"] = cand.describe()
     static = static_check(cand.source, problem, cand.line_offset)
     warnings = list(static.warnings)
+    base["signals"] = tuple(s.to_dict() for s in static.signals)
     if not static.ok:
         return Verdict(status="not_built", built=False, correct=False, reason=static.errors[0],
                        warnings=tuple(warnings), **base)
+    if opts.require_custom_kernel and opts.device == "cpu" and static.signals:  # no kernel of its own can run here
+        return Verdict(status="incorrect", built=False, correct=False, defence=NO_CUSTOM_KERNEL,
+                       reason=_no_custom_kernel({"signals": base["signals"]}), **base)
     workdir = Path(tempfile.mkdtemp(prefix="kernelfuse-eval-"))
     try:
         run = _run(workdir, problem.path, cand, opts)
@@ -113,7 +119,8 @@ def _verdict(run: ChildRun, cand: Candidate, opts: EvalOptions, base: dict[str, 
     fields["torch_version"] = out.get("torch", "")
     fields["log_tail"] = tail(run.log_path, opts.log_tail_lines)
     fields["details"] = {k: out.get(k) for k in ("device_type", "stage", "extensions", "params", "probe", "streams",
-                                                 "flags_changed", "patched", "float64_reference", "failure")
+                                                 "flags_changed", "patched", "float64_reference", "failure",
+                                                 "compiler_threads")
                          if out.get(k) is not None}
     fields["details"]["trials"] = trials
     fields["details"]["stage_s"] = _stage_seconds(out)
@@ -145,14 +152,24 @@ def _verdict(run: ChildRun, cand: Candidate, opts: EvalOptions, base: dict[str, 
     if out.get("timing") and opts.timing_reps < MIN_REPS_ADVISED:
         warnings.append(f"{opts.timing_reps} timed runs per version: fewer than the {MIN_REPS_ADVISED} the method asks")
     status, reason, defence = _status(run, out, failure, cand, opts, fields, built, trials)
-    correct = status == "ok"
     if status == "no_device":  # the import ran against stubs: that time is no build time
         fields["build_s"] = None
     elif fields["build_s"] is None:  # a failed build: the seconds its extension builds took before failing
         spent = [e["seconds"] for e in out.get("extensions") or [] if not e.get("stubbed")]
         fields["build_s"] = round(sum(spent), 3) if spent else None
+    if fields["custom_kernel_share"] == 0:
+        warnings.append("no custom kernel ran: the profiled forward spent none of its GPU time in kernels of the "
+                        "candidate's own (library: " + ", ".join((fields["kernels"] or {}).get("library", [])[:3])
+                        + (f"; compiler: {', '.join(fields['kernels']['compiler'][:3])}"
+                           if (fields["kernels"] or {}).get("compiler") else "") + ")")
+    if opts.require_custom_kernel and status in ("ok", "no_device"):
+        missing = _no_custom_kernel(fields)
+        if missing:
+            status, reason, defence = "incorrect", missing, NO_CUSTOM_KERNEL
+    correct = status == "ok"
     if not correct:  # timings of a failed candidate stay in the record, but no speedup is claimed for it
         fields["speedup_eager"] = fields["speedup_compile"] = None
+        fields["baselines"] = {k: {**b, "speedup": None} for k, b in fields["baselines"].items()}
     return Verdict(status=status, built=built and status != "no_device", correct=correct, reason=reason,
                    defence=defence, warnings=tuple(warnings), **fields)
 
@@ -165,6 +182,10 @@ def _measurements(out: dict[str, Any], trials: list[dict[str, Any]]) -> dict[str
     timing = out.get("timing") or {}
     stats = timing.get("stats") or {}
     ours, eager, comp = stats.get("candidate"), stats.get("eager"), stats.get("compile")
+    compile_seconds = timing.get("compile_seconds") or {}
+    baselines = {name: {"ms": s["median"], "stats": s, "speedup": speedup(s["median"], ours and ours["median"]),
+                        "compile_s": compile_seconds.get(name)} for name, s in stats.items() if name != "candidate"}
+    kernels = out.get("kernels")
     floor = timing.get("floor") or {}
     probe = out.get("probe") or {}
     params = out.get("params") or {}
@@ -178,8 +199,41 @@ def _measurements(out: dict[str, Any], trials: list[dict[str, Any]]) -> dict[str
         "compile_stats": comp, "compile_s": timing.get("compile_s"),
         "speedup_eager": speedup(eager and eager["median"], ours and ours["median"]),
         "speedup_compile": speedup(comp and comp["median"], ours and ours["median"]),
-        "floor_ms": floor.get("ms"),
+        "floor_ms": floor.get("ms"), "baselines": baselines, "kernels": kernels,
+        "custom_kernel_share": kernels["custom_kernel_share"] if kernels else None,
+        "float64_rule": _float64_rule(trials),
     }
+
+
+def _float64_rule(trials: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The float64 rule's numbers in the trial closest to (or furthest past) its bound: what measuring the rule's
+    false rejections needs (both errors, the scale, the bound, ours over the bound, and the mean errors a rule on
+    averages would use)."""
+    rows = [t for t in trials if t.get("err64_bound") is not None and t.get("err64_ours") is not None]
+    if not rows:
+        return None
+    worst = max(rows, key=lambda t: t["err64_ours"] / t["err64_bound"] if t["err64_bound"] else float("inf"))
+    bound = worst["err64_bound"]
+    return {"trial": worst["index"], "ours_err": worst["err64_ours"], "base_err": worst["err64_base"],
+            "eager_err": worst["err64_eager"], "ref_scale": worst["err64_scale"], "bound": bound,
+            "mean_ours_err": worst.get("err64_mean_ours"), "mean_base_err": worst.get("err64_mean_base"),
+            "ratio": worst["err64_ours"] / bound if bound else None, "slack_factor": SLACK_FACTOR,
+            "slack_rel": SLACK_REL, "passed": bool(worst.get("passed"))}
+
+
+def _no_custom_kernel(fields: dict[str, Any]) -> str | None:
+    """Why the candidate ran no kernel of its own (the GPU's accounting, else the static signals), or None."""
+    share = fields.get("custom_kernel_share")
+    if share is not None:
+        if share > 0:
+            return None
+        library = ", ".join(((fields.get("kernels") or {}).get("library") or [])[:3]) or "none"
+        return f"no custom kernel ran: 0 of the profiled forward's GPU time was in kernels of its own (top: {library})"
+    signals = fields.get("signals") or ()
+    if not signals:
+        return None
+    return "no custom kernel ran (static signals; no kernel profile of the candidate): " + "; ".join(
+        s["message"] for s in signals)
 
 
 def _status(run: ChildRun, out: dict[str, Any], failure: dict[str, Any] | None, cand: Candidate,

@@ -4,13 +4,19 @@ Before the candidate is imported the judge records the identity of every public 
 the places a patch would go (torch, torch.nn.functional, torch.Tensor, torch.cuda and its Event/Stream, every
 nn module class, time, the judge's own verify/bench modules). After import, construction and each call, any
 attribute that is no longer the same object is a patch: the candidate is rejected with the names. New Python
-threads still alive after a candidate call are work escaping the timed region.
+threads still alive after a candidate call are work escaping the timed region, except torch's own: a thread started
+from torch.compile's code (Inductor's compile workers and their pool threads, when the candidate calls
+torch.compile itself) is named as such instead (`compiler_threads`). Where a thread was started is recorded by
+`record_thread_origins` (the code file of the first frame outside threading and concurrent.futures); a candidate
+that runs its own code under a file name inside torch's package is out of scope (README, Limits).
 """
 
 from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
 import threading
 import time
 import types
@@ -102,6 +108,37 @@ class _Missing:
 _MISSING = _Missing()
 
 
+TORCH_DIR = os.path.dirname(torch.__file__)
+COMPILER_DIRS = tuple(os.path.join(TORCH_DIR, d) + os.sep for d in ("_inductor", "_dynamo", "_functorch", "compiler"))
+THREADING_FILES = (threading.__file__, os.path.dirname(importlib.import_module("concurrent.futures").__file__))
+
+
+def record_thread_origins() -> None:
+    """From now on every started thread remembers the code file that started it (see `compiler_threads`)."""
+    original = threading.Thread.start
+    if getattr(original, "kernelfuse_origin", False):
+        return
+
+    def start(self: threading.Thread) -> None:
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename.startswith(THREADING_FILES):
+            frame = frame.f_back
+        self.kernelfuse_origin = frame.f_code.co_filename if frame is not None else ""
+        original(self)
+
+    start.kernelfuse_origin = True  # type: ignore[attr-defined]
+    threading.Thread.start = start  # type: ignore[method-assign]
+
+
+def _compiler_thread(thread: threading.Thread) -> bool:
+    return str(getattr(thread, "kernelfuse_origin", "")).startswith(COMPILER_DIRS)
+
+
+def compiler_threads(before: frozenset[int]) -> list[str]:
+    """Names of live threads, new since `before`, that torch.compile's own code started."""
+    return [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive() and _compiler_thread(t)]
+
+
 def python_threads() -> frozenset[int]:
     """Idents of the live Python threads."""
     return frozenset(t.ident for t in threading.enumerate() if t.ident is not None)
@@ -109,7 +146,8 @@ def python_threads() -> frozenset[int]:
 
 def new_threads(before: frozenset[int]) -> list[str]:
     """Names of live threads that were not running in `before` (torch's own, for the judge's baseline, aside)."""
-    return [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive() and not _torch_own(t)]
+    return [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive() and not _torch_own(t)
+            and not _compiler_thread(t)]
 
 
 def _torch_own(thread: threading.Thread) -> bool:

@@ -1,7 +1,9 @@
 """Static checks of a candidate before anything runs: it parses, defines ModelNew, fits Model's constructor.
 
 These need neither a GPU nor a child process, so a CI machine can still say what is wrong with a candidate. Errors
-stop the evaluation (nothing could run); warnings are reported alongside the verdict.
+stop the evaluation (nothing could run); warnings are reported alongside the verdict; signals name the ways a
+candidate can pass while running no kernel of its own (kernelfuse.judge.bypass), which the GPU's kernel accounting
+confirms or clears and which `--require-custom-kernel` acts on where no GPU ran.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import re
 import sys
 from dataclasses import dataclass
 
+from kernelfuse.judge.bypass import Signal, bypass_signals
 from kernelfuse.load import Problem
 from kernelfuse.load.parsing import parse_source
 
@@ -26,6 +29,7 @@ class StaticReport:
     errors: tuple[str, ...]
     warnings: tuple[str, ...]
     init_params: tuple[str, ...] | None
+    signals: tuple[Signal, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -57,7 +61,7 @@ def static_check(source: str, problem: Problem, line_offset: int = 0) -> StaticR
     ignored = sorted(defined & {"get_inputs", "get_init_inputs"})
     if ignored:
         warnings.append(f"the candidate's own {' and '.join(ignored)} are ignored: the problem's are used")
-    return StaticReport(tuple(errors), tuple(warnings), init_params)
+    return StaticReport(tuple(errors), tuple(warnings), init_params, bypass_signals(tree, line_offset))
 
 
 def _find_model_new(tree: ast.Module) -> ast.AST | None:

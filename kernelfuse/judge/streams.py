@@ -28,6 +28,7 @@ class GpuActivity:
     streams: frozenset[int]  # CUDA stream ids its kernels and copies ran on
     count: int  # kernels, copies and memsets
     busy_ms: float  # their summed durations (overlapping work counted twice)
+    work: tuple[tuple[str, str, float], ...] = ()  # each one's (name, category, ms): the kernel accounting's input
 
 
 def kernel_streams(fn: Callable[[], Any]) -> GpuActivity:
@@ -47,13 +48,11 @@ def kernel_streams(fn: Callable[[], Any]) -> GpuActivity:
     finally:
         os.unlink(path)
     streams: set[int] = set()
-    count = 0
-    busy_us = 0.0
+    work: list[tuple[str, str, float]] = []
     for event in trace.get("traceEvents", []):
         if event.get("cat") in GPU_CATEGORIES:
             stream = (event.get("args") or {}).get("stream")
             if stream is not None:
                 streams.add(int(stream))
-                count += 1
-                busy_us += float(event.get("dur") or 0.0)
-    return GpuActivity(frozenset(streams), count, busy_us / 1000)
+                work.append((str(event.get("name", "")), event["cat"], float(event.get("dur") or 0.0) / 1000))
+    return GpuActivity(frozenset(streams), len(work), sum(ms for *_, ms in work), tuple(work))

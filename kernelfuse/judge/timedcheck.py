@@ -9,7 +9,8 @@ contents and be free while timed. So, around every timed call (outside the timed
 - every output must be a plain tensor like the reference's (judge.outputs), and the device state (precision flags,
   stream, L2 settings) must be as before the call (judge.devicestate);
 - a random sample of the timed calls, drawn from the OS's entropy after the candidate is loaded and always including
-  the last call, is compared with the reference run on the same inputs (every call on the CPU path).
+  the last call, is compared with the reference run on the same inputs (every call on the CPU path), and so are
+  the candidate's inputs after the call: modified in place where the reference leaves them is input mutation.
 A candidate cannot tell a checked call from an unchecked one without reading the judge's own frames (out of scope:
 README, Limits). Instances hold the loop's counters, so this class is mutable by design. With
 `settings.call_checks` off (measuring the judge's overhead only) the loop times one input set as it was, unchecked.
@@ -27,7 +28,7 @@ from kernelfuse.judge.devicestate import DeviceState
 from kernelfuse.judge.outputs import impure_output
 from kernelfuse.judge.trials import Models, TrialSettings, as_accurate_as_tf32_eager, call_reference
 from kernelfuse.load import Problem
-from kernelfuse.verify import Comparison, compare_outputs, inputs_to, to_float64
+from kernelfuse.verify import Comparison, changed_inputs, compare_outputs, inputs_to, to_float64
 
 POOL_MEMORY_FRACTION = 0.25  # of the free device memory, for the input pool of all versions together
 CHECK_ALL_UP_TO = 8  # timed calls: up to this many, every call is checked
@@ -72,6 +73,7 @@ class TimedInputs:
         self.generator = torch.Generator(device=device)
         self.generator.manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
         self.current: list[Any] = []
+        self.given: list[Any] = []  # the candidate's own input buffers of its current call
         self.state: DeviceState | None = None
         self.call_seed = settings.seed
         self.template, _ = call_reference(models.reference, self.pool[0], settings, settings.seed)
@@ -87,6 +89,8 @@ class TimedInputs:
         k = self.calls[name] % len(self.pool)
         self.calls[name] += 1
         own = self.own[name][k]
+        if name == "candidate":
+            self.given = own
         if name == "candidate" and self.settings.call_checks:
             self.current = [self._rolled(x) for x in self.pool[k]]
             for dst, src in zip(own, self.current, strict=True):
@@ -128,7 +132,12 @@ class TimedInputs:
         if index not in self.checked:
             return
         self.n_checked += 1
-        ref, _ = call_reference(self.models.reference, self.current, self.settings, self.call_seed)
+        ref, ref_in = call_reference(self.models.reference, self.current, self.settings, self.call_seed)
+        mutated = changed_inputs(ref_in, self.given)
+        if mutated:
+            self.failure = ("inputs_modified", f"timed call {index}: the candidate modified its input(s) {mutated} in "
+                            "place where the reference leaves them as they were")
+            return
         policy = self.settings.policy
         comp = compare_outputs(ref, out, policy.atol, policy.rtol)
         if not comp.ok and self.models.reference64 is not None:  # as in the trials: the exact answer counts

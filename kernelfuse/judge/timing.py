@@ -1,6 +1,7 @@
 """The timing phase inside the worker: candidate, eager and torch.compile alternating over a pool of input sets.
 
-torch.compile is compiled first (its compile time measured), then every version gets warm-up calls, then rounds of
+Each requested torch.compile baseline (default mode, reduce-overhead, max-autotune-no-cudagraphs) is compiled first
+(its compile time measured), then every version gets warm-up calls, then rounds of
 timed calls with the order rotated each round. The candidate's timed calls are checked as they happen
 (judge.timedcheck: fresh inputs, plain outputs, device state, sampled comparison with the reference). Afterwards:
 the host-time cross-check and the floor estimate; a runtime below `implausible_margin` x the floor is a verdict.
@@ -27,6 +28,7 @@ from kernelfuse.bench import (
     time_alternating,
 )
 from kernelfuse.judge.guard import Snapshot, new_threads, python_threads
+from kernelfuse.judge.options import COMPILE_MODES
 from kernelfuse.judge.timedcheck import TimedInputs
 from kernelfuse.judge.trials import Models, Probe, TrialSettings
 from kernelfuse.load import Problem
@@ -49,19 +51,20 @@ class TimingReport:
     failure: tuple[str, str] | None = None
     implausible: str | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # where the stage's time went: compile, samples, floor
+    compile_seconds: dict[str, float] = field(default_factory=dict)  # first-call seconds of each compile baseline
 
     def to_dict(self) -> dict[str, Any]:
         return {"stats": self.stats, "compile_s": self.compile_s, "compile_error": self.compile_error,
                 "escape": self.escape, "threads": list(self.threads), "patched": list(self.patched),
                 "floor": self.floor, "warnings": list(self.warnings), "input_sets": self.input_sets,
                 "checked_calls": self.checked_calls, "failure": list(self.failure) if self.failure else None,
-                "implausible": self.implausible, "seconds": self.seconds}
+                "implausible": self.implausible, "seconds": self.seconds, "compile_seconds": self.compile_seconds}
 
 
 def run_timing(problem: Problem, models: Models, settings: TrialSettings, probe: Probe, timer: Timer,
                baselines: tuple[str, ...], reps: int, warmup: int, input_sets: int = 4,
                implausible_margin: float = 0.5) -> TimingReport:
-    """Time the candidate and the requested baselines ("eager", "compile") alternating, then cross-check."""
+    """Time the candidate and the requested baselines (options.BASELINES) alternating, then cross-check."""
     device = settings.device
     clock = time.perf_counter()
     seconds: dict[str, float] = {}
@@ -73,20 +76,22 @@ def run_timing(problem: Problem, models: Models, settings: TrialSettings, probe:
     if "eager" in baselines:
         runners["eager"] = lambda: models.reference(*own["eager"])
         flags["eager"] = settings.default_flags
-    compile_s = compile_error = None
-    if "compile" in baselines:
+    compile_error = None
+    compile_seconds: dict[str, float] = {}
+    for name in (b for b in baselines if b in COMPILE_MODES):
         settings.default_flags.apply()
-        compiled = torch.compile(models.reference)
+        compiled = torch.compile(models.reference, mode=COMPILE_MODES[name])
         try:
             start = time.perf_counter()
-            compiled(*own["compile"])
+            compiled(*own[name])
             timer.clock.synchronize()
-            compile_s = time.perf_counter() - start
-            runners["compile"] = lambda: compiled(*own["compile"])
-            flags["compile"] = settings.default_flags
+            compile_seconds[name] = round(time.perf_counter() - start, 3)
+            runners[name] = lambda compiled=compiled, name=name: compiled(*own[name])
+            flags[name] = settings.default_flags
         except Exception as err:  # noqa: BLE001 - a baseline that fails is reported, not fatal
-            compile_error = f"{type(err).__name__}: {str(err)[:500]}"
-            warnings.append(f"torch.compile baseline failed: {compile_error}")
+            error = f"{type(err).__name__}: {str(err)[:500]}"
+            compile_error = compile_error or f"{name}: {error}"
+            warnings.append(f"torch.compile baseline {name} (mode {COMPILE_MODES[name] or 'default'}) failed: {error}")
 
     seconds["inputs_and_compile"] = round(time.perf_counter() - clock, 3)
     clock = time.perf_counter()
@@ -126,7 +131,7 @@ def run_timing(problem: Problem, models: Models, settings: TrialSettings, probe:
             settings.policy.name, "fp32")
         try:
             floor = floor_estimate(probe.flops, probe.min_bytes, measure_ceilings(timer, kind))
-            for name in ("eager", "compile"):
+            for name in ("eager", *COMPILE_MODES):
                 if name in stats:
                     floor = capped_by(floor, stats[name]["median"])
         except Exception as err:  # noqa: BLE001 - no floor is a missing number, not a failure
@@ -138,6 +143,6 @@ def run_timing(problem: Problem, models: Models, settings: TrialSettings, probe:
         slow = None if implausible else below_floor(stats["candidate"]["median"], floor)
         if slow:
             warnings.append(slow)
-    return TimingReport(stats, compile_s, compile_error, escape, tuple(threads_seen), patched,
+    return TimingReport(stats, compile_seconds.get("compile"), compile_error, escape, tuple(threads_seen), patched,
                         floor.to_dict() if floor else None, tuple(warnings), pool.sets, pool.n_checked,
-                        pool.failure, implausible, seconds)
+                        pool.failure, implausible, seconds, compile_seconds)

@@ -39,6 +39,7 @@ from kernelfuse.verify import (
     flags_applied,
     flatten_outputs,
     inputs_to,
+    mean_abs_error,
     no_tf32_flags,
     poison_free_memory,
     same_bits,
@@ -109,6 +110,10 @@ class TrialResult:
     err64_ours: float | None
     err64_eager: float | None
     err64_base: float | None
+    err64_scale: float | None = None  # max |float64 reference|: the rule's relative slack is taken of it
+    err64_bound: float | None = None  # the rule's bound (float64.Float64Check.bound); ours/bound > 1 fails
+    err64_mean_ours: float | None = None  # mean abs errors vs float64 of the candidate and the policy baseline: a
+    err64_mean_base: float | None = None  # mean-based rule's false rejections can be measured from these
     by_accuracy: bool = False  # passed on the float64 accuracy rule, eager being TF32 (not within 1e-4 of eager)
     float64_skipped: str | None = None  # why the float64 reference gave no output: compared with eager only
 
@@ -245,6 +250,7 @@ def run_trial(problem: Problem, models: Models, settings: TrialSettings, index: 
     del in_a, in_b, ref_in
 
     f64 = None
+    means: tuple[float | None, float | None] = (None, None)
     ref64_out, float64_skipped = (_reference64(models.reference64, pristine, device, rng)
                                   if models.reference64 is not None else (None, None))
     if ref64_out is not None:
@@ -258,6 +264,7 @@ def run_trial(problem: Problem, models: Models, settings: TrialSettings, index: 
         f64_a = check_float64(out_a, base, ref_out, ref64_out, label)
         f64_b = check_float64(out_b, base, ref_out, ref64_out, label)
         f64 = f64_a if f64_a.ours_err >= f64_b.ours_err else f64_b
+        means = (mean_abs_error(out_a if f64 is f64_a else out_b, ref64_out), mean_abs_error(base, ref64_out))
         del base
 
     comps = []
@@ -275,7 +282,8 @@ def run_trial(problem: Problem, models: Models, settings: TrialSettings, index: 
     worst = max((c for _, c in comps), key=lambda c: c.max_abs)
     errors = dict(max_abs=worst.max_abs, max_rel=worst.max_rel, mean_abs=worst.mean_abs,
                   err64_ours=f64.ours_err if f64 else None, err64_eager=f64.eager_err if f64 else None,
-                  err64_base=f64.base_err if f64 else None)
+                  err64_base=f64.base_err if f64 else None, err64_scale=f64.ref_scale if f64 else None,
+                  err64_bound=f64.bound if f64 else None, err64_mean_ours=means[0], err64_mean_base=means[1])
     print_b = fingerprint(out_b)
     stale_of = next((i for i, fp in enumerate(earlier) if fp == print_b), None)
     earlier.append(print_b)

@@ -23,6 +23,8 @@ STATUS_EXIT = {
     "implausible": EXIT_INCORRECT,
 }
 ROBUST_NOTE = "correct only on the problem's input distribution"
+BASELINE_LABELS = {"eager": "eager", "compile": "torch.compile", "compile-ro": "compile r-o",
+                   "compile-max": "compile max-at"}
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,11 @@ class Verdict:
     speedup_eager: float | None = None
     speedup_compile: float | None = None
     floor_ms: float | None = None
+    baselines: dict[str, dict[str, Any]] = field(default_factory=dict)  # per baseline: ms, stats, speedup, compile_s
+    custom_kernel_share: float | None = None  # of the forward's GPU time, in kernels the candidate built (GPU only)
+    kernels: dict[str, Any] | None = None  # the kernel accounting behind it (kernelfuse.judge.accounting)
+    signals: tuple[dict[str, Any], ...] = ()  # static bypass signals (kernelfuse.judge.bypass)
+    float64_rule: dict[str, Any] | None = None  # the worst trial's numbers of the float64 rule (bound, ratio...)
     input_sets: int | None = None
     checked_timed_calls: int | None = None
     mode: str = "train"
@@ -83,6 +90,7 @@ class Verdict:
         data["build_errors"] = list(self.build_errors)
         data["warnings"] = list(self.warnings)
         data["robust_failures"] = list(self.robust_failures)
+        data["signals"] = list(self.signals)
         data["exit_code"] = self.exit_code
         data = _finite(data)
         data.update(self._kernelbench())
@@ -147,8 +155,18 @@ class Verdict:
                          f"(vs eager)")
         if self.err64_ours is not None:
             base = "" if self.err64_base in (None, self.err64_eager) else f", policy baseline {_num(self.err64_base)}"
+            rule = self.float64_rule or {}
+            bound = f"; bound {_num(rule['bound'])}, ours at {rule['ratio']:.3f} of it" if rule.get("ratio") else ""
             lines.append(f"  vs float64  ours {_num(self.err64_ours)} · eager {_num(self.err64_eager)}{base} "
-                         f"(rule: ours <= {SLACK_FACTOR:g} x baseline + {SLACK_REL:g} x max|ref|)")
+                         f"(rule: ours <= {SLACK_FACTOR:g} x baseline + {SLACK_REL:g} x max|ref|{bound})")
+        if self.custom_kernel_share is not None:
+            k = self.kernels or {}
+            lines.append(f"  kernels     custom {self.custom_kernel_share:.1%} of the forward's GPU time "
+                         f"(custom {k.get('custom_ms', 0):.3f} ms · library {k.get('library_ms', 0):.3f} ms · "
+                         f"compiler {k.get('compiler_ms', 0):.3f} ms)")
+        for signal in self.signals:
+            where = f"line {signal['line']}: " if signal.get("line") else ""
+            lines.append(f"  signal      {signal['code']}: {where}{signal['message']}")
         if self.mode != "train":
             lines.append(f"  mode        {self.mode} (.eval() {'on both models' if self.mode == 'eval' else 'also'})")
         if self.robust is not None:
@@ -192,17 +210,20 @@ def _headline(v: Verdict) -> str:
 
 def _timing_rows(v: Verdict) -> list[str]:
     rows = []
-    for label, stats, ms, speed in (
-        ("ours (ModelNew)", v.ours_stats, v.runtime_ms, None),
-        ("eager", v.eager_stats, v.eager_ms, v.speedup_eager),
-        ("torch.compile", v.compile_stats, v.compile_ms, v.speedup_compile),
-    ):
+    baselines = v.baselines or {  # a verdict built before the per-baseline field (eager and default compile only)
+        "eager": {"stats": v.eager_stats, "ms": v.eager_ms, "speedup": v.speedup_eager},
+        "compile": {"stats": v.compile_stats, "ms": v.compile_ms, "speedup": v.speedup_compile,
+                    "compile_s": v.compile_s}}
+    versions = [("ours (ModelNew)", v.ours_stats, v.runtime_ms, None, None)]
+    versions += [(BASELINE_LABELS.get(name, name), b.get("stats"), b.get("ms"), b.get("speedup"), b.get("compile_s"))
+                 for name, b in baselines.items()]
+    for label, stats, ms, speed, compile_s in versions:
         if ms is None or stats is None:
             continue
         iqr = f"{stats['p25']:.3f}-{stats['p75']:.3f}"
         extra = f"{speed:.3f}x" if speed is not None else ""
-        if label == "torch.compile" and v.compile_s is not None:
-            extra += f"  (compile {v.compile_s:.1f} s)"
+        if compile_s is not None:
+            extra += f"  (compile {compile_s:.1f} s)"
         rows.append(f"  {label:<16} {ms:>9.3f}   {iqr:<17} {stats['min']:>7.3f}   {extra}")
     if v.floor_ms is not None and rows:
         floor = v.details.get("floor") or {}

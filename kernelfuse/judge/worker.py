@@ -21,9 +21,10 @@ from typing import Any
 import torch
 
 from kernelfuse.bench import Timer
+from kernelfuse.judge.accounting import account_kernels, candidate_libraries, mapped_libraries
 from kernelfuse.judge.buildwatch import ExtensionBuild, watch_builds
 from kernelfuse.judge.diagnose import is_cuda_fault
-from kernelfuse.judge.guard import Snapshot, new_threads, python_threads
+from kernelfuse.judge.guard import Snapshot, compiler_threads, new_threads, python_threads, record_thread_origins
 from kernelfuse.judge.protocol import WorkerRequest, write_outcome
 from kernelfuse.judge.streams import kernel_streams
 from kernelfuse.judge.timing import run_timing
@@ -139,6 +140,7 @@ def run(request: WorkerRequest, out: Outcome) -> None:
     policy = get_policy(request.precision)
     problem = load_problem(request.problem_path)
     init_inputs = problem.init_inputs()
+    record_thread_origins()
     out.stage("compiler_import")
     _prewarm_compiler()
     out.stage("timer")
@@ -146,6 +148,7 @@ def run(request: WorkerRequest, out: Outcome) -> None:
     default_flags = NumericsFlags.capture()
     snapshot = Snapshot.take()
     threads_before = python_threads()
+    libraries_before = mapped_libraries()
 
     out.stage("reference")
     reference = problem.make_model(request.seed, init_inputs)
@@ -256,6 +259,7 @@ def run(request: WorkerRequest, out: Outcome) -> None:
             passed = all(t.passed for t in trials) and len(trials) == request.trials
             if not passed:
                 break
+        _note_compiler_threads(out, threads_before)  # before the judge's own torch.compile baseline starts any
         if passed and request.robust:
             out.set(robust=_robust_trials(problem, models, settings, request))
         for model in (reference, candidate, reference64):
@@ -266,7 +270,7 @@ def run(request: WorkerRequest, out: Outcome) -> None:
 
         if device.type == "cuda":
             out.stage("streams")
-            _check_streams(out, models, problem, settings)
+            _check_streams(out, models, problem, settings, request, libraries_before)
 
         out.stage("timing")
         try:
@@ -293,6 +297,16 @@ def run(request: WorkerRequest, out: Outcome) -> None:
             raise out.fail("implausible", report.implausible + f" (verdict below {request.implausible_margin:g} x "
                            "the floor: --implausible-margin)")
     out.stage("done")
+
+
+def _note_compiler_threads(out: Outcome, before: frozenset[int]) -> None:
+    """torch.compile's worker threads started by the candidate: named for what they are (not work escaping the
+    timed region: the compiled forward waits for its compilation)."""
+    names = compiler_threads(before)
+    if names:
+        out.set(compiler_threads=names)
+        out.warn(f"the candidate calls torch.compile itself: its thread(s) {', '.join(names[:6])} are torch.compile's "
+                 "(Inductor's compile workers), not work escaping the timed region; its kernels are the compiler's")
 
 
 def _in_mode(when: str, mode: str, request: WorkerRequest) -> str:
@@ -325,8 +339,10 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _check_streams(out: Outcome, models: Models, problem: Any, settings: TrialSettings) -> None:
-    """Record the CUDA streams the candidate's kernels use beyond the reference's."""
+def _check_streams(out: Outcome, models: Models, problem: Any, settings: TrialSettings, request: WorkerRequest,
+                   libraries_before: frozenset[str]) -> None:
+    """Record the CUDA streams the candidate's kernels use beyond the reference's, and the share of its GPU time
+    in kernels of its own (kernelfuse.judge.accounting)."""
     pristine = problem.make_inputs(settings.seed, settings.device)
     try:
         settings.default_flags.apply()
@@ -343,6 +359,9 @@ def _check_streams(out: Outcome, models: Models, problem: Any, settings: TrialSe
     out.set(streams={"reference": sorted(ref.streams), "candidate": sorted(cand.streams), "extra": extra,
                      "gpu_activities": cand.count, "reference_busy_ms": round(ref.busy_ms, 4),
                      "candidate_busy_ms": round(cand.busy_ms, 4)})
+    account = account_kernels(cand.work, {name for name, *_ in ref.work}, Path(request.candidate_path).read_text(),
+                              candidate_libraries(libraries_before))
+    out.set(kernels=account.to_dict())
     if extra:
         out.warn(f"the candidate's kernels ran on CUDA stream(s) {extra} besides the current stream "
                  f"{sorted(ref.streams)}: fine if joined before returning; the timing cross-check decides")

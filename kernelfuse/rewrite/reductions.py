@@ -93,29 +93,42 @@ AFFINE_OPS = frozenset({"mul.Tensor", "div.Tensor", "add.Tensor", "sub.Tensor"})
 AVG_POOLS = {"avg_pool2d.default": 2, "avg_pool3d.default": 3}  # op -> pooled trailing dims
 
 
+def broadcasts_into(graph: Graph, operand: object, out: TensorMeta) -> TensorMeta | None:
+    """The operand's metadata when it is a tensor of `out`'s dtype that broadcasts into `out` without growing it."""
+    meta = graph[operand].meta if isinstance(operand, Ref) else None
+    if meta is None or meta.dtype != out.dtype or len(meta.shape) > len(out.shape):
+        return None
+    offset = len(out.shape) - len(meta.shape)
+    return meta if all(d in (1, out.shape[i + offset]) for i, d in enumerate(meta.shape)) else None
+
+
 def constant_along(graph: Graph, operand: object, out: TensorMeta, dims: tuple[int, ...]) -> bool:
     """`operand` is a tensor that broadcasts into `out` without growing it and has size 1 (or no dim) at every
     dim in `dims`: the same value for every element a reduction over `dims` combines."""
-    meta = graph[operand].meta if isinstance(operand, Ref) else None
-    if meta is None or meta.dtype != out.dtype or len(meta.shape) > len(out.shape):
+    meta = broadcasts_into(graph, operand, out)
+    if meta is None:
         return False
     offset = len(out.shape) - len(meta.shape)
-    return all(d in (1, out.shape[i + offset]) for i, d in enumerate(meta.shape)) \
-        and all(d < offset or meta.shape[d - offset] == 1 for d in dims)
+    return all(d < offset or meta.shape[d - offset] == 1 for d in dims)
 
 
 def reduce_before_affine(graph: Graph, node: Node) -> Replacement | None:
-    """sum/mean of (x * c), (x / c), (x + c) or (x - c) for a finite Python scalar c moves the scalar op after the
-    reduction, which then runs on the smaller tensor and may meet a Linear (see `reduce_linear_output`); so do
-    x * c and x / c for a tensor c constant along the reduced dims (a per-channel scale before a spatial mean
-    or an average pooling; the reduction must keep the rank so c broadcasts as before).
+    """sum/mean of (x * c), (x / c), (x + c) or (x - c) moves the op after the reduction, which then runs on the
+    smaller tensor and may meet a Linear (see `reduce_linear_output`: `mean(x @ W.T + b - s, 1)` becomes a
+    matrix-vector product). c is a finite Python scalar, or a tensor that broadcasts into x without growing it:
+    for * and / one constant along the reduced dims (a per-channel scale before a spatial mean or an average
+    pooling), for + and - any such tensor (a per-feature vector subtracted before a mean over the features).
 
     sum(x*c) = sum(x)*c and mean(x*c) = mean(x)*c, division likewise (a scalar c = 0 is left alone: x*0 is NaN
-    at Inf and 0 elsewhere); avg_pool(x*c) = avg_pool(x)*c (zero padding scales to zero); sum(x+c) = sum(x) + n*c
-    with n the number of reduced elements, but mean(x+c) = mean(x) + c; likewise for subtraction (not for
-    pooling: padding would count c). Exact in real arithmetic; in fp32 the rounding of the scalar step moves
-    (one rounding instead of n), NaN/Inf propagate the same way, and an intermediate sum that overflows can
-    differ. The op must be the reduction's only reader, keep x's dtype (no promotion) and not broadcast x.
+    at Inf and 0 elsewhere); avg_pool(x*c) = avg_pool(x)*c (zero padding scales to zero); sum(x+c) = sum(x) +
+    sum(c broadcast), which is n*c for a scalar and, for a tensor, its own sum over the reduced dims it has
+    times the sizes of the reduced dims it is broadcast along; mean(x+c) = mean(x) + mean(c) over the reduced
+    dims c has (not for pooling: padding would count c); subtraction likewise. Without keepdim the reduced
+    dims are dropped from c too, so it broadcasts against the reduced value as it did against x (its dims
+    are a suffix of x's). Exact in real arithmetic; in fp32 the rounding moves (one rounding of the scalar
+    step instead of n), NaN/Inf propagate the same way for finite x (an Inf in x meeting an Inf in c at
+    another position can differ), and an intermediate sum that overflows can differ. The op must be the
+    reduction's only reader, keep x's dtype (no promotion) and not broadcast x.
     """
     if node.op in AVG_POOLS:
         x_meta = graph[node.args[0]].meta
@@ -137,18 +150,41 @@ def reduce_before_affine(graph: Graph, node: Node) -> Replacement | None:
         return None
     value = scalar(c)
     scaling = inner.op in ("mul.Tensor", "div.Tensor")
+    b = Builder(graph, node)
     if value is None:
-        if not (scaling and keeps_rank and constant_along(graph, c, inner.meta, dims)):
+        if scaling and not constant_along(graph, c, inner.meta, dims):
+            return None
+        if not scaling and (node.op in AVG_POOLS or broadcasts_into(graph, c, inner.meta) is None):
             return None
     elif not math.isfinite(value) or (scaling and value == 0) or (node.op in AVG_POOLS and not scaling):
         return None
     elif not scaling and node.op == "sum.dim_IntList":
         value *= math.prod(inner.meta.shape[d] for d in dims)
-    b = Builder(graph, node)
     reduced = b.add(node.op, a, *node.args[1:])
+    if value is None:
+        c = _reduced_operand(b, node.op, c, inner.meta, dims, keeps_rank, summed=not scaling)
     out = b.add(inner.op, reduced, c if value is None else value)
     what, op = node.op.split(".")[0], inner.op.split(".")[0]
-    return b.done(out, f"{what}({op}(x, c)) = {op}({what}(x), {'c' if value is None else repr(value)})")
+    return b.done(out, f"{what}({op}(x, c)) = {op}({what}(x), {f'{what}(c)' if value is None else repr(value)})")
+
+
+def _reduced_operand(b: Builder, op: str, c: Ref, out: TensorMeta, dims: tuple[int, ...], keepdim: bool,
+                     summed: bool) -> Ref:
+    """The tensor operand c of an affine op, as it enters after the reduction `op` over `dims` of `out`:
+    reduced itself over those dims where it has them (`summed`: an added c; a scaling c has size 1 there), a
+    sum multiplied by the number of times c repeats along the reduced dims it is broadcast over, and those dims
+    dropped without keepdim."""
+    shape = b.meta(c).shape
+    offset = len(out.shape) - len(shape)
+    own = tuple(d - offset for d in dims if d >= offset and shape[d - offset] != 1)
+    if summed and own:
+        c = b.add(op, c, own, True)
+    repeats = math.prod(out.shape[d] for d in dims if d < offset or shape[d - offset] == 1)
+    if summed and op == "sum.dim_IntList" and repeats != 1:
+        c = b.add("mul.Tensor", c, float(repeats))
+    if not keepdim:
+        c = b.add("view.default", c, tuple(s for i, s in enumerate(b.meta(c).shape) if i + offset not in dims))
+    return c
 
 
 def reduce_linear_output(graph: Graph, node: Node) -> Replacement | None:

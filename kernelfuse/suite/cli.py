@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kernelfuse.judge.options import BASELINES
+from kernelfuse.judge.options import BASELINES_HELP, DEFAULT_BASELINES, parse_baselines
 from kernelfuse.suite.discover import SuiteError
 from kernelfuse.suite.run import SuiteOptions, run_suite
 from kernelfuse.verify import POLICIES
@@ -35,8 +35,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run as Ray tasks, one GPU each; ADDRESS of a running cluster (default: a local one)")
     parser.add_argument("--resume", action="store_true", help="continue OUT.jsonl, skipping recorded problems")
     parser.add_argument("--precision", choices=list(POLICIES), default="strict", help="tolerance policy")
-    parser.add_argument("--baselines", default=",".join(BASELINES),
-                        help="baselines to time: eager,compile (default both; '' for none)")
+    parser.add_argument("--baselines", default=",".join(DEFAULT_BASELINES), help=BASELINES_HELP)
+    parser.add_argument("--require-custom-kernel", action="store_true",
+                        help="a candidate (or shipped file) that runs no kernel of its own is not correct: 'no "
+                             "custom kernel ran'")
     parser.add_argument("--levels", default="", metavar="1,2,3", help="only these KernelBench levels")
     parser.add_argument("--cpu-only", action="store_true",
                         help="no GPU: optimize without GPU verification, judge candidates on the CPU")
@@ -46,10 +48,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def options_from_args(args: argparse.Namespace) -> SuiteOptions:
     """SuiteOptions from parsed arguments; SuiteError (exit code 2) for values that cannot work."""
-    baselines = tuple(b.strip() for b in args.baselines.split(",") if b.strip())
-    unknown = [b for b in baselines if b not in BASELINES]
-    if unknown:
-        raise SuiteError(f"--baselines: unknown {','.join(unknown)}; choose from {','.join(BASELINES)}")
+    try:
+        baselines = parse_baselines(args.baselines)
+    except ValueError as err:
+        raise SuiteError(str(err)) from None
     try:
         levels = tuple(int(x) for x in args.levels.split(",") if x.strip())
     except ValueError:
@@ -61,7 +63,7 @@ def options_from_args(args: argparse.Namespace) -> SuiteOptions:
     return SuiteOptions(jsonl=args.jsonl, candidates=args.candidates, report=args.report, out_dir=args.out_dir,
                         gpus=args.gpus, ray=args.ray is not None, ray_address=args.ray or None, resume=args.resume,
                         precision=args.precision, baselines=baselines, levels=levels, cpu_only=args.cpu_only,
-                        limit=args.limit, timeout_s=args.timeout)
+                        limit=args.limit, timeout_s=args.timeout, require_custom_kernel=args.require_custom_kernel)
 
 
 def run_bench(args: argparse.Namespace) -> int:

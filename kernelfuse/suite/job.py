@@ -35,6 +35,7 @@ class JobSpec:
     baselines: tuple[str, ...] = ("eager", "compile")
     cpu_only: bool = False
     timeout_s: float = 900.0
+    require_custom_kernel: bool = False
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self)))
@@ -84,10 +85,12 @@ def judge(spec: JobSpec) -> dict[str, Any]:
     """The verdict on this problem: the optimizer's shipped file, or the given candidate."""
     if spec.candidate is None:
         from kernelfuse.pipeline import OptimizeOptions, optimize_file
+        from kernelfuse.suite.plans import plan_report
 
         options = OptimizeOptions(precision=spec.precision, timeout_s=spec.timeout_s,
                                   use_gpu=False if spec.cpu_only else None, final_baselines=spec.baselines,
-                                  cpu_check=spec.cpu_only, prebuild=False)  # the build phase built; the judge
+                                  cpu_check=spec.cpu_only, prebuild=False,
+                                  require_custom_kernel=spec.require_custom_kernel)  # the build phase built; the judge
         # verifies: the GPU worker's path carries neither the CPU check nor a second round of build processes
         started = time.perf_counter()  # each line stamped: where a problem's seconds go on the GPU worker's path
 
@@ -96,11 +99,12 @@ def judge(spec: JobSpec) -> dict[str, Any]:
 
         result = optimize_file(spec.problem, spec.output, options, log=log)
         return {"verdict": result.final.to_json() if result.final is not None else None, "shipped": result.shipped,
-                "notes": result.notes, "cold_build_s": result.cold_build_s, "output": str(result.output)}
+                "notes": result.notes, "cold_build_s": result.cold_build_s, "output": str(result.output),
+                "plans": [plan_report(p) for p in result.plans], "precision": spec.precision}
     from kernelfuse.judge import EvalOptions, evaluate
 
     options = EvalOptions(precision=spec.precision, timeout_s=spec.timeout_s, baselines=spec.baselines,
-                          device="cpu" if spec.cpu_only else "cuda")
+                          device="cpu" if spec.cpu_only else "cuda", require_custom_kernel=spec.require_custom_kernel)
     return {"verdict": evaluate(spec.problem, spec.candidate, options).to_json()}
 
 

@@ -1,6 +1,10 @@
-"""`bench --report OUT.html`: one self-contained HTML file (plots embedded as base64 PNGs, no scripts, no links)
-that shows a suite at a glance: the summary table, the speedup distributions over eager and torch.compile per
-level, every problem's speedup sorted, achieved time against the floor estimate, failures and a per-problem table.
+"""`bench --report OUT.html`: one self-contained HTML file (plots embedded as base64 PNGs, no scripts; the only
+links are to the emitted ModelNew files, relative to the report) that shows a suite at a glance: the summary table
+with a geometric mean per baseline, the speedup distributions over eager and torch.compile per level, every
+problem's speedup sorted over each baseline timed, achieved time against the floor estimate, failures, a
+per-problem table (the shipped variant, the library anchors' implementation, the share of GPU time in kernels of
+its own, the file) and the plans: kernels, what stayed unfused and why, estimated bytes moved eager against fused.
+A run without a GPU has no timings: its report leaves the plots out and shows the plans.
 
 matplotlib is optional (`pip install 'kernelfuse[report]'`) and imported only here, with the Agg backend.
 """
@@ -11,11 +15,13 @@ import base64
 import html
 import io
 import math
+import os
 from pathlib import Path
 from typing import Any
 
 from kernelfuse.suite.discover import SuiteError
-from kernelfuse.suite.summary import FAST_P, Summary, failure_cause, level_name
+from kernelfuse.suite.plan_html import anchors_cell, plans_section, shipped_plan
+from kernelfuse.suite.summary import FAST_P, Summary, failure_cause, level_name, speedups
 
 INSTALL = "pip install 'kernelfuse[report]'  (or: pip install matplotlib)"
 OK_COLOR, SLOW_COLOR, FAIL_COLOR = "#2a9d8f", "#e9c46a", "#b0b0b0"
@@ -33,59 +39,103 @@ def require_matplotlib() -> None:
         raise SuiteError(f"--report needs matplotlib, which is not installed: {INSTALL}") from None
 
 
+BASELINE_TITLES = {"eager": "eager", "compile": "torch.compile", "compile-ro": "torch.compile reduce-overhead",
+                   "compile-max": "torch.compile max-autotune-no-cudagraphs"}
+
+
 def write_report(records: list[dict[str, Any]], summary: Summary, path: Path) -> None:
-    """Write the HTML report of `records` to `path`."""
+    """Write the HTML report of `records` to `path` (links to emitted files are relative to its folder)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render_report(records, summary), encoding="utf-8")
+    path.write_text(render_report(records, summary, path.parent), encoding="utf-8")
 
 
-def render_report(records: list[dict[str, Any]], summary: Summary) -> str:
-    """The report's HTML text."""
+def render_report(records: list[dict[str, Any]], summary: Summary, base: Path | None = None) -> str:
+    """The report's HTML text; `base` is the report's folder, for the links to emitted files."""
     require_matplotlib()
     import matplotlib
 
     matplotlib.use("Agg")
-    devices = sorted({str(r.get("device")) for r in records if r.get("device") not in (None, "unknown")})
+    devices = sorted({str(r.get("device")) for r in records if r.get("device") not in (None, "unknown", "cpu")})
+    precisions = sorted({str(r["precision"]) for r in records if r.get("precision")})
+    baselines = _baselines(records)
     parts = [f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>kernelfuse bench</title><style>{STYLE}"
              f"</style></head><body><h1>kernelfuse bench: {len(records)} problem(s)</h1>",
-             f"<p>device: {html.escape(', '.join(devices) or 'none')} · precision: "
-             f"{html.escape(', '.join(sorted({str(r['precision']) for r in records if r.get('precision')})))}</p>",
-             "<h2 id='summary'>Summary</h2>", _summary_table(summary),
-             "<h2 id='distribution'>Speedup distribution</h2>", _img(_distribution(records)),
-             "<h2 id='per-problem'>Per-problem speedup over eager</h2>", _img(_bars(records)),
-             "<h2 id='floor'>Achieved time vs floor estimate</h2>", _img(_floor(records)),
-             "<h2 id='problems'>Problems</h2>", _problem_table(records), "</body></html>"]
+             f"<p>device: {html.escape(', '.join(devices) or 'no GPU (nothing timed)')} · precision: "
+             f"{html.escape(', '.join(precisions) or 'not recorded')} · baselines timed: "
+             f"{html.escape(', '.join(baselines) or 'none')}</p>",
+             "<h2 id='summary'>Summary</h2>", _summary_table(summary)]
+    if any(r.get("correctness") and r.get("runtime_ms") for r in records):
+        parts += ["<h2 id='distribution'>Speedup distribution</h2>", _img(_distribution(records))]
+        parts += ["<h2 id='per-problem'>Per-problem speedup</h2>"]
+        parts += [f"<h3 id='per-problem-{name}'>over {html.escape(BASELINE_TITLES.get(name, name))}</h3>"
+                  + _img(_bars(records, name)) for name in baselines]
+        parts += ["<h2 id='floor'>Achieved time vs floor estimate</h2>", _img(_floor(records))]
+    else:
+        parts.append("<p class='note'>No problem was timed (no GPU ran): the plots are left out; the plans below "
+                     "show what each problem's fusion does and the traffic it saves by estimate.</p>")
+    parts += ["<h2 id='problems'>Problems</h2>", _problem_table(records, baselines, base),
+              plans_section(records), "</body></html>"]
     return "\n".join(parts)
 
 
+def _baselines(records: list[dict[str, Any]]) -> list[str]:
+    """Baselines any correct record was timed against, in the order timed."""
+    return list(dict.fromkeys(n for r in records if r.get("correctness") for n in speedups(r)))
+
+
 def _summary_table(summary: Summary) -> str:
+    names = summary.baselines or ["eager", "compile"]
     head = "".join(f"<th>fast_{p:g}</th>" for p in FAST_P)
+    head += "".join(f"<th>geomean vs {html.escape(BASELINE_TITLES.get(n, n))}</th>" for n in names)
     rows = "".join(
         f"<tr><td class='l'>{s.level}</td><td>{s.problems}</td><td>{s.correct}</td>"
         + "".join(f"<td>{s.fast_p[p]:.2f}</td>" for p in FAST_P)
-        + f"<td>{_x(s.geomean_eager)}</td><td>{_x(s.geomean_compile)}</td></tr>" for s in summary.levels)
-    table = (f"<table class='summary'><tr><th>level</th><th>problems</th><th>correct</th>{head}"
-             f"<th>geomean vs eager</th><th>geomean vs torch.compile</th></tr>{rows}</table>")
+        + "".join(f"<td>{_x(s.geomeans.get(n))}</td>" for n in names) + "</tr>" for s in summary.levels)
+    table = f"<table class='summary'><tr><th>level</th><th>problems</th><th>correct</th>{head}</tr>{rows}</table>"
     failures = "".join(f"<tr><td class='l'>{html.escape(c)}</td><td>{n}</td></tr>"
                        for c, n in sorted(summary.failures.items(), key=lambda kv: -kv[1]))
     return table + (f"<table class='failures'><tr><th>failure cause</th><th>problems</th></tr>{failures}</table>"
                     if failures else "<p>no failures</p>")
 
 
-def _problem_table(records: list[dict[str, Any]]) -> str:
+def _problem_table(records: list[dict[str, Any]], baselines: list[str], base: Path | None) -> str:
+    """One row per problem; the timing columns only where something was timed (a CPU-only run has none)."""
+    timed = any(r.get("runtime_ms") is not None for r in records)
+    names = baselines or ["eager", "compile"]
     rows = []
     for r in sorted(records, key=lambda r: (level_name(r), r.get("problem_id") or 0, r["key"])):
         cls = "" if r.get("correctness") else " class='fail'"
-        cells = [_ms(r.get("runtime_ms")), _ms(r.get("eager_ms")), _ms(r.get("compile_ms")), _ms(r.get("floor_ms")),
-                 _x(r.get("speedup_eager")), _x(r.get("speedup_compile"))]
+        times = r.get("baselines") or {"eager": {"ms": r.get("eager_ms")}, "compile": {"ms": r.get("compile_ms")}}
+        ratios = speedups(r) if r.get("correctness") else {}
+        cells = ([_ms(r.get("runtime_ms"))] + [_ms((times.get(n) or {}).get("ms")) for n in names]
+                 + [_ms(r.get("floor_ms"))] + [_x(ratios.get(n)) for n in names]
+                 + [_share(r.get("custom_kernel_share"))]) if timed else []
         reason = "" if r.get("correctness") else failure_cause(r) + ": " + str(r.get("reason") or "")
         status = html.escape(str(r.get("status")))
+        plan = shipped_plan(r)
         rows.append(f"<tr{cls}><td class='l'>{html.escape(r['key'])}</td><td class='l'>{status}</td>"
                     + "".join(f"<td>{c}</td>" for c in cells)
+                    + f"<td class='l'>{html.escape(str(r.get('shipped') or '-'))}</td>"
+                    + f"<td class='l'>{anchors_cell(plan)}</td><td class='l'>{_file_link(r, base)}</td>"
                     + f"<td class='l'>{html.escape(reason[:300])}</td></tr>")
-    return ("<table class='problems'><tr><th>problem</th><th>status</th><th>ours ms</th><th>eager ms</th>"
-            "<th>compile ms</th><th>floor ms</th><th>vs eager</th><th>vs compile</th><th>why not correct</th></tr>"
-            + "".join(rows) + "</table>")
+    head = ("<th>ours ms</th>" + "".join(f"<th>{html.escape(n)} ms</th>" for n in names) + "<th>floor ms</th>"
+            + "".join(f"<th>vs {html.escape(n)}</th>" for n in names) + "<th>custom kernel share</th>") if timed else ""
+    return (f"<table class='problems'><tr><th>problem</th><th>status</th>{head}<th>shipped</th>"
+            "<th>library anchors</th><th>file</th><th>why not correct</th></tr>" + "".join(rows) + "</table>")
+
+
+def _file_link(record: dict[str, Any], base: Path | None) -> str:
+    """A link to the emitted file, relative to the report's folder (absolute without one)."""
+    output = record.get("output")
+    if not output:
+        return "-"
+    target = Path(output)
+    href = os.path.relpath(target, base) if base is not None else target.as_posix()
+    return f"<a href='{html.escape(Path(href).as_posix(), quote=True)}'>{html.escape(target.name)}</a>"
+
+
+def _share(value: Any) -> str:
+    return f"{value:.0%}" if isinstance(value, (int, float)) and math.isfinite(value) else "-"
 
 
 def _distribution(records: list[dict[str, Any]]) -> Any:
@@ -112,11 +162,14 @@ def _distribution(records: list[dict[str, Any]]) -> Any:
     return fig
 
 
-def _bars(records: list[dict[str, Any]]) -> Any:
+def _bars(records: list[dict[str, Any]], baseline: str) -> Any:
     import matplotlib.pyplot as plt
 
-    ranked = sorted(records, key=lambda r: -(r.get("speedup_eager") or 0.0) if r.get("correctness") else 1.0)
-    values = [r.get("speedup_eager") or 0.0 if r.get("correctness") else 0.0 for r in ranked]
+    def value(r: dict[str, Any]) -> float:
+        return speedups(r).get(baseline, 0.0) if r.get("correctness") else 0.0
+
+    ranked = sorted(records, key=lambda r: -value(r) if r.get("correctness") else 1.0)
+    values = [value(r) for r in ranked]
     colors = [FAIL_COLOR if not r.get("correctness") else OK_COLOR if v > 1.0 else SLOW_COLOR
               for r, v in zip(ranked, values, strict=True)]
     fig, ax = plt.subplots(figsize=(max(8.0, 0.22 * len(ranked) + 2), 4.5))
@@ -128,8 +181,9 @@ def _bars(records: list[dict[str, Any]]) -> Any:
     ax.axhline(1.0, color="#333", linestyle="--", linewidth=1)
     ax.set_xticks(list(xs))
     ax.set_xticklabels([r["key"].split("/")[-1][:28] for r in ranked], rotation=90, fontsize=6)
-    ax.set_ylabel("speedup over eager (x)")
-    ax.set_title("green: faster than eager · yellow: correct, not faster · grey: not correct (cause)", fontsize=9)
+    title = BASELINE_TITLES.get(baseline, baseline)
+    ax.set_ylabel(f"speedup over {title} (x)")
+    ax.set_title(f"green: faster than {title} · yellow: correct, not faster · grey: not correct (cause)", fontsize=9)
     fig.tight_layout()
     return fig
 

@@ -28,7 +28,7 @@ def make_record(problem: SuiteProblem, candidate: Path | None, build: ChildResul
         "judge_started": judged.started,  # the job process forked warm from the zygote, or spawned
         "build_phase": _phase_note(build),
     })
-    for name in ("shipped", "notes", "cold_build_s", "output"):
+    for name in ("shipped", "notes", "cold_build_s", "output", "plans", "precision"):
         if name in judged.result:
             record[name] = judged.result[name]
     return record

@@ -45,6 +45,7 @@ class SuiteOptions:
     cpu_only: bool = False
     limit: int | None = None
     timeout_s: float = 900.0
+    require_custom_kernel: bool = False
 
     @property
     def files_dir(self) -> Path:
@@ -142,7 +143,8 @@ def _spec(problem: SuiteProblem, candidate: Path | None, options: SuiteOptions) 
     output = options.files_dir / (re.sub(r"[^\w.-]", "_", problem.key) + "_new.py")
     return JobSpec(problem=str(problem.path.resolve()), candidate=str(candidate.resolve()) if candidate else None,
                    output=str(output.resolve()), precision=options.precision, baselines=options.baselines,
-                   cpu_only=options.cpu_only, timeout_s=options.timeout_s)
+                   cpu_only=options.cpu_only, timeout_s=options.timeout_s,
+                   require_custom_kernel=options.require_custom_kernel)
 
 
 def _record(store: RecordStore, progress: Progress, finished: Finished, options: SuiteOptions) -> None:

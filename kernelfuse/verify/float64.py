@@ -37,13 +37,23 @@ class Float64Check:
     baseline: str = "eager"
 
     @property
+    def bound(self) -> float:
+        """The most error vs float64 the rule allows."""
+        return SLACK_FACTOR * self.base_err + SLACK_REL * self.ref_scale
+
+    @property
+    def ratio(self) -> float:
+        """ours_err over the bound: above 1 fails; how far past (or short of) the margin a verdict fell."""
+        return self.ours_err / self.bound if self.bound > 0 else (0.0 if self.ours_err == 0 else float("inf"))
+
+    @property
     def reason(self) -> str | None:
         if self.ok:
             return None
-        bound = SLACK_FACTOR * self.base_err + SLACK_REL * self.ref_scale
+        eager = "" if self.eager_err == self.base_err else f"; eager's own {self.eager_err:.3g}"
         return (f"less accurate than the policy allows: max abs error vs float64 {self.ours_err:.3g} > "
                 f"{SLACK_FACTOR:g} x that of {self.baseline} ({self.base_err:.3g}) + {SLACK_REL:g} x max|ref| "
-                f"{self.ref_scale:.3g} = {bound:.3g}")
+                f"{self.ref_scale:.3g} = {self.bound:.3g} (ours at {self.ratio:.3f} of the bound{eager})")
 
 
 def float64_model(model: torch.nn.Module, rebuild: Callable[[], torch.nn.Module] | None = None) -> torch.nn.Module:

@@ -1,0 +1,33 @@
+"""`torch.compile(model, backend="kernelfuse")`: Dynamo captures the Python, kernelfuse fuses each graph it finds.
+
+Registered through torch's `torch_dynamo_backends` entry point (pyproject.toml), so the name works once kernelfuse
+is installed, without an import. Each FX graph Dynamo hands over goes through `kernelfuse.api.optimize`: captured,
+planned, built, and checked against the graph itself on the example inputs; a graph that cannot be fused, or whose
+fused module does not match, runs as Dynamo captured it (with a warning saying why). Options:
+`torch.compile(model, backend="kernelfuse", options={"precision": "tf32"})`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from kernelfuse.api import optimize
+
+
+def kernelfuse_backend(gm: torch.fx.GraphModule, example_inputs: list[object],
+                       options: dict[str, object] | None = None) -> Callable[..., object]:
+    """A Dynamo backend: the graph's forward with fused kernels where they verify, else the graph as captured."""
+    precision = str((options or {}).get("precision", "strict"))
+    if any(not isinstance(x, torch.Tensor) for x in example_inputs):  # symbolic sizes: a dynamic-shape graph
+        warnings.warn("kernelfuse: the graph takes symbolic sizes (dynamic shapes); running it as captured. "
+                      "Compile with dynamic=False to get fused kernels per shape", stacklevel=2)
+        return gm.forward
+    if any(isinstance(x, torch._subclasses.fake_tensor.FakeTensor) for x in example_inputs):
+        warnings.warn("kernelfuse: the backend was given fake example inputs; running the graph as captured",
+                      stacklevel=2)
+        return gm.forward
+    fused = optimize(gm, list(example_inputs), precision)
+    return gm.forward if fused is gm else fused

@@ -1,0 +1,59 @@
+"""torch.compile(model, backend="kernelfuse"): the name resolves through the installed entry point, the compiled
+model computes what eager does, and on a GPU the backend returns fused kernels for a graph it can fuse."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from kernelfuse.dynamo import kernelfuse_backend
+
+
+class LinearReLU(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x)) * 2.0
+
+
+def test_backend_name_resolves_to_kernelfuse():
+    from torch._dynamo.backends.registry import lookup_backend
+
+    assert lookup_backend("kernelfuse") is kernelfuse_backend
+
+
+def test_compiled_model_matches_eager_on_the_cpu_and_says_why_it_did_not_fuse():
+    torch.manual_seed(0)
+    model, x = LinearReLU(), torch.randn(4, 16)
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        out = torch.compile(model, backend="kernelfuse")(x)
+    assert torch.equal(out, model(x))
+    assert any("not on a CUDA device" in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
+def test_symbolic_sizes_run_the_graph_as_captured():
+    gm = torch.fx.symbolic_trace(LinearReLU())
+    with pytest.warns(UserWarning, match="dynamic shapes"):
+        assert kernelfuse_backend(gm, [4, torch.randn(4, 16)]) == gm.forward
+
+
+@pytest.mark.gpu
+def test_backend_returns_fused_kernels_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(0)
+    model = LinearReLU().cuda()
+    x = torch.randn(64, 16, device="cuda")
+    gm = torch.fx.symbolic_trace(model)
+    with torch.no_grad():
+        compiled = kernelfuse_backend(gm, [x])
+        assert compiled != gm.forward and hasattr(compiled, "inner"), "the backend kept the captured graph"
+        torch.testing.assert_close(compiled(x), gm(x), atol=1e-4, rtol=1e-4)
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(model, backend="kernelfuse")(x), model(x), atol=1e-4, rtol=1e-4)
