@@ -35,7 +35,7 @@ CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kernel
 TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 1e-2}  # the judge's strict policy: 1e-4 otherwise
 STRICT = 1e-4
 GPU_JOBS = 16  # GPU check workers at most (each its own CUDA context, ~0.5 GB)
-GPU_TIMEOUT_S = 300.0  # one model's build and run
+GPU_TIMEOUT_S = 120.0  # one model's build and run (a first one: torch imported, CUDA started, ~15 s)
 
 
 def find_nvcc() -> str | None:
