@@ -195,3 +195,14 @@ def test_random_models_match_eager_on_the_gpu(tmp_path, capsys):
     assert "GPU build and forward" in lines[0]
     assert lines[-1] == "64 models, 0 mismatches, 0 crashes", "\n".join(lines[-20:])
     assert code == 0
+
+
+def test_a_clean_refusal_is_unsupported_not_a_crash(tmp_path):
+    """Data-dependent control flow cannot be captured: kernelfuse says so (a KernelfuseError), which the fuzzer
+    counts apart from failures."""
+    path = tmp_path / "branchy.py"
+    path.write_text("import torch\nimport torch.nn as nn\n\n\nclass Model(nn.Module):\n    def forward(self, x):\n"
+                    "        return x * 2 if x.sum() > 0 else x\n\n\ndef get_inputs():\n"
+                    "    return [torch.randn(4)]\n\n\ndef get_init_inputs():\n    return []\n")
+    outcome = run_problem(path).outcome
+    assert (outcome.status, outcome.stage) == ("unsupported", "capture") and not outcome.failed, outcome.describe()
