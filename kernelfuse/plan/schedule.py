@@ -133,6 +133,10 @@ def _grow(graph: Graph, members: list[Node], space: TensorMeta, used: set[str]) 
                 inside.add(producer.name)
             members.append(node)
             inside.add(node.name)
+    # in graph order: a producer pulled in for a later node may be what an earlier member read (x > m joined the
+    # chain reading m from outside, then where(x > m, m, x) pulled m in; m must be computed before x > m)
+    order = {n.name: i for i, n in enumerate(graph.nodes)}
+    members.sort(key=lambda n: order[n.name])
     while len(members) > 1 and (_escaping(graph, members, inside) or _is_comparison(members[-1])):
         inside.discard(members.pop().name)
     return _Chain(members, inside)
