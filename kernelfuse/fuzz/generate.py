@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernelfuse.fuzz.ops import KINDS, Invalid, Kind, Params, Shape
+from kernelfuse.fuzz.ops import KINDS, STEP_FUNCTIONS, Invalid, Kind, Params, Shape
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SIZES = (1, 1, 2, 3, 4, 5, 7, 8, 9, 12, 16)
@@ -149,6 +149,8 @@ class _Replay:
             return False
         inits = [line.replace("{m}", m) for line in inits]
         expr = expr.replace("{m}", m)
+        if self.dtype != torch.float32 and any(f in expr for f in STEP_FUNCTIONS):
+            return False
         names = {f"a{i}": f"_v[{a}]" for i, a in enumerate(op.args)}
         try:
             with torch.no_grad(), warnings.catch_warnings():
