@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kernelfuse.suite.cli import add_bench_arguments
 
     add_bench_arguments(sub.add_parser("bench", help="optimize or judge a whole suite (KernelBench levels, folders)"))
+    from kernelfuse.fuzz.cli import add_fuzz_arguments
+
+    add_fuzz_arguments(sub.add_parser("fuzz", help="differential fuzzing: random models through the whole pipeline"))
     return parser
 
 
@@ -70,6 +73,10 @@ def main(argv: list[str] | None = None) -> int:
         check_paths(args)
         if args.command == "optimize":
             return _optimize(args)
+        if args.command == "fuzz":
+            from kernelfuse.fuzz.cli import run_fuzz
+
+            return run_fuzz(args)
         if args.command == "bench":
             from kernelfuse.suite.cli import run_bench
 

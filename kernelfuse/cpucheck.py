@@ -76,6 +76,12 @@ def check_plans(problem: Problem, model: torch.nn.Module, graph: Graph, plans: l
                          skipped=True) for p in plans]
 
 
+def check_plans_on(model: torch.nn.Module, plans: list[Plan], inputs: list[torch.Tensor]) -> list[CpuCheck]:
+    """Each plan interpreted on these very inputs (the problem's own, with their strides and any NaN or Inf)
+    against the model, at the plans' captured shapes; the fuzzer's check."""
+    return _run_all(model, [(p, inputs) for p in plans], plans)
+
+
 def _checkable(problem: Problem, model: torch.nn.Module, graph: Graph, plans: list[Plan],
                prepare: Callable[[Graph], Graph]) -> list[tuple[Plan, list[torch.Tensor]]]:
     """For each plan, the plan to interpret and its inputs: a re-planned small-batch twin, or itself at full shape."""

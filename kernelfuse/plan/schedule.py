@@ -97,11 +97,24 @@ def _kernel_from(graph: Graph, seed: Node, used: set[str], kernel: str, reasons:
     last = chain.members[-1]
     readers = graph.users(last.name)
     if len(readers) == 1 and readers[0].op in REDUCTION_BY_ATEN and not graph.is_output(last.name) \
-            and readers[0].args and readers[0].args[0] == Ref(last.name):
+            and readers[0].name not in used and readers[0].args and readers[0].args[0] == Ref(last.name):
         step = _reduction_kernel(graph, readers[0], chain, used, kernel, reasons)
         if step is not None:
             return step
-    return _pointwise_kernel(graph, chain, kernel)
+    return _pointwise_kernel(graph, _buildable(graph, chain), kernel)
+
+
+def _buildable(graph: Graph, chain: _Chain) -> _Chain:
+    """The chain cut back until its operands follow its output's flat order. It may have grown through a reshape
+    that regroups a value whose strides cannot be regrouped (a transposed input, a clone, a flatten): the members
+    cut off are left to later kernels."""
+    members = list(chain.members)
+    while len(members) > 1:
+        trimmed = _trim_reshapes(graph, members)
+        if build_program(graph, trimmed, trimmed[-1].meta, trimmed[-1].meta.shape)[0] is not None:
+            break
+        members = trimmed[:-1]
+    return _Chain(members, {m.name for m in members})
 
 
 def _grow(graph: Graph, members: list[Node], space: TensorMeta, used: set[str]) -> _Chain:
@@ -120,6 +133,10 @@ def _grow(graph: Graph, members: list[Node], space: TensorMeta, used: set[str]) 
                 inside.add(producer.name)
             members.append(node)
             inside.add(node.name)
+    # in graph order: a producer pulled in for a later node may be what an earlier member read (x > m joined the
+    # chain reading m from outside, then where(x > m, m, x) pulled m in; m must be computed before x > m)
+    order = {n.name: i for i, n in enumerate(graph.nodes)}
+    members.sort(key=lambda n: order[n.name])
     while len(members) > 1 and (_escaping(graph, members, inside) or _is_comparison(members[-1])):
         inside.discard(members.pop().name)
     return _Chain(members, inside)
@@ -200,7 +217,7 @@ def _reduction_kernel(graph: Graph, node: Node, prologue: _Chain | None, used: s
     epi_members = epi_chain.members[1:] if epi_chain else []
     if epi_members and (graph.is_output(value) or len(graph.users(value)) > 1):
         epi_members = []  # the reduction's value is needed as it is elsewhere
-    _, epilogue = build_program(graph, epi_members, out_meta, out_meta.shape, acc=value)
+    epi_members, epilogue = _epilogue(graph, epi_members, out_meta, value)
     out = epi_members[-1].name if epi_members else value
     replaces += [m.name for m in epi_members]
     mapped = _broadcast_consumer(graph, spec, value, out, src_meta, used | set(replaces))
@@ -210,6 +227,18 @@ def _reduction_kernel(graph: Graph, node: Node, prologue: _Chain | None, used: s
         return GenStep(kernel, source, program, node, spec, epilogue, members[-1].meta, tuple(replaces),
                        members[-1].name, mapped=consumer)
     return GenStep(kernel, source, program, node, spec, epilogue, graph[out].meta, tuple(replaces), out)
+
+
+def _epilogue(graph: Graph, members: list[Node], out_meta: TensorMeta, value: str) -> tuple[list[Node], Program]:
+    """The longest prefix of a reduction's epilogue chain whose operands follow the reduction's output space, and
+    its program. A reshape in the chain may regroup that space so that an operand cannot follow it (a norm over
+    (1, 8, 5) viewed as (4, 2, 5) and divided by a (4, 1, 1) tensor): the members cut off are left to later
+    kernels, never claimed by a kernel that does not compute them."""
+    while True:
+        _, program = build_program(graph, members, out_meta, out_meta.shape, acc=value)
+        if not members or program.statements:
+            return members, program
+        members = _trim_reshapes(graph, [graph[value], *members[:-1]])[1:]
 
 
 MAPPED_KINDS = ("sum", "mean", "amax", "amin")  # plain reductions whose value a broadcast consumer may read
@@ -242,7 +271,7 @@ def _broadcast_consumer(graph: Graph, spec: ReduceSpec, reduced: str, value: str
         return None
     if not can_fuse_pointwise(graph, consumer, consumer.meta)[0]:
         return None
-    members = _trim_reshapes(_grow(graph, [consumer], consumer.meta, used).members)
+    members = _trim_reshapes(graph, _grow(graph, [consumer], consumer.meta, used).members)
     _, program = build_program(graph, members, consumer.meta, spec.space, acc=value)
     return (members, program) if program.statements else None  # none: an operand cannot follow the space
 
@@ -267,7 +296,7 @@ def _result_value(graph: Graph, node: Node, spec: ReduceSpec) -> tuple[str | Non
 
 
 def _pointwise_kernel(graph: Graph, chain: _Chain, kernel: str) -> GenStep:
-    members = _trim_reshapes(chain.members)
+    members = _trim_reshapes(graph, chain.members)
     out_meta = members[-1].meta
     source, program = build_program(graph, members, out_meta, out_meta.shape)
     if source is None:  # the chain's own space: every operand should broadcast to it
@@ -277,9 +306,13 @@ def _pointwise_kernel(graph: Graph, chain: _Chain, kernel: str) -> GenStep:
                    tuple(m.name for m in members), members[-1].name)
 
 
-def _trim_reshapes(members: list[Node]) -> list[Node]:
-    """A kernel neither starts nor ends with a reshape: those stay free views outside it."""
-    while len(members) > 1 and members[-1].op in RESHAPES:
+def _trim_reshapes(graph: Graph, members: list[Node]) -> list[Node]:
+    """A kernel does not end with a reshape: those stay free views outside it. A trimmed view may read a value
+    inside the chain (x / w -> log2 with a view of x / w read by a matmul): that value escapes now, so the chain
+    shrinks until only its last value does, or the view's reader would find nothing stored."""
+    inside = {m.name for m in members}
+    while len(members) > 1 and (members[-1].op in RESHAPES or _escaping(graph, members, inside)):
+        inside.discard(members[-1].name)
         members = members[:-1]
     return members
 

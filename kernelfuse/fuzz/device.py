@@ -1,0 +1,179 @@
+"""The fuzzer's checks that need CUDA tools: nvcc compiles of the emitted kernels (cached by source hash, in
+parallel) and, on a GPU, each emitted ModelNew built and its fused forward compared with eager's, in parallel
+worker processes (`GpuPool`): one model's build, hang or poisoned CUDA context never blocks the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import queue
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from kernelfuse.fuzz.run import load_emitted
+from kernelfuse.judge.runner import child_env, kill_group
+from kernelfuse.load import DEFAULT_SEED, load_problem
+from kernelfuse.verify.compare import compare_outputs
+from kernelfuse.verify.float64 import check_float64, float64_model, to_float64
+
+NVCC_PLACES = ("/usr/local/cuda/bin/nvcc", "/usr/local/bin/nvcc")
+NVCC_FLAGS = ("-std=c++17", "-arch=sm_90", "-c")  # tests/test_nvcc_compile.py's flags
+NVCC_TIMEOUT_S = 300
+CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kernelfuse" / "fuzz_nvcc"
+TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 1e-2}  # the judge's strict policy: 1e-4 otherwise
+STRICT = 1e-4
+GPU_JOBS = 16  # GPU check workers at most (each its own CUDA context, ~0.5 GB)
+GPU_TIMEOUT_S = 120.0  # one model's build and run (a first one: torch imported, CUDA started, ~15 s)
+
+
+def find_nvcc() -> str | None:
+    return shutil.which("nvcc") or next((p for p in NVCC_PLACES if os.path.exists(p)), None)
+
+
+def compile_all(sources: Iterable[str], nvcc: str, jobs: int | None = None) -> dict[str, str]:
+    """nvcc's first error line for each source that does not compile (the ones that do are absent); a source
+    that compiled once is remembered by its hash and not compiled again."""
+    distinct = list(dict.fromkeys(sources))
+    with ThreadPoolExecutor(max_workers=jobs or os.cpu_count() or 1) as pool:
+        errors = dict(zip(distinct, pool.map(lambda s: _compile(s, nvcc), distinct), strict=True))
+    return {s: e for s, e in errors.items() if e}
+
+
+def _compile(source: str, nvcc: str) -> str:
+    digest = hashlib.sha256((" ".join(NVCC_FLAGS) + source).encode()).hexdigest()[:24]
+    stamp = CACHE / f"{digest}.ok"
+    if stamp.exists():
+        return ""
+    with tempfile.TemporaryDirectory(prefix="kernelfuse_fuzz_nvcc_") as tmp:
+        cu = Path(tmp) / "kernels.cu"
+        cu.write_text(source)
+        try:
+            result = subprocess.run([nvcc, *NVCC_FLAGS, str(cu), "-o", str(Path(tmp) / "kernels.o")],
+                                    capture_output=True, text=True, timeout=NVCC_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            return f"nvcc ran past {NVCC_TIMEOUT_S} s"
+    if result.returncode:
+        lines = [line for line in result.stderr.splitlines() if "error" in line] or result.stderr.splitlines()
+        return "nvcc: " + (lines[0].split("kernels.cu")[-1].strip(": ") if lines else f"exit {result.returncode}")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    stamp.touch()
+    return ""
+
+
+class GpuPool:
+    """Long-lived GPU check workers (`kernelfuse.fuzz.gpuworker`), one thread each feeding it: extensions build
+    and models run on every core at once, torch imported once per worker. A worker that dies, hangs past
+    GPU_TIMEOUT_S or poisons its CUDA context costs only its model's answer: it is replaced."""
+
+    def __init__(self, logs: Path, jobs: int | None = None) -> None:
+        self.logs, self.jobs = logs, jobs or min(os.cpu_count() or 1, GPU_JOBS)
+        self.procs: list[subprocess.Popen | None] = [None] * self.jobs
+
+    def check_all(self, tasks: list[tuple[Path, Path]]) -> list[str]:
+        """For each (problem file, emitted file): '' if the emitted forward matches eager on the GPU, else why."""
+        results = [""] * len(tasks)
+        todo: queue.Queue = queue.Queue()
+        for item in enumerate(tasks):
+            todo.put(item)
+        threads = [threading.Thread(target=self._serve, args=(k, todo, results)) for k in range(self.jobs)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results
+
+    def close(self) -> None:
+        for k, proc in enumerate(self.procs):
+            if proc is not None:
+                proc.stdin.close()
+                kill_group(proc.pid)
+                proc.wait()
+                self.procs[k] = None
+
+    def _serve(self, k: int, todo: queue.Queue, results: list[str]) -> None:
+        while True:
+            try:
+                i, (problem, emitted) = todo.get_nowait()
+            except queue.Empty:
+                return
+            results[i] = self._ask(k, problem, emitted)
+
+    def _ask(self, k: int, problem: Path, emitted: Path) -> str:
+        proc = self.procs[k]
+        if proc is None or proc.poll() is not None:
+            self.logs.mkdir(parents=True, exist_ok=True)
+            log = open(self.logs / f"gpu_worker_{k}.log", "a")  # noqa: SIM115 - the child's stderr, kept open
+            proc = self.procs[k] = subprocess.Popen(
+                [sys.executable, "-m", "kernelfuse.fuzz.gpuworker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=log, text=True, env=child_env(), start_new_session=True)
+        ready = True
+        try:
+            proc.stdin.write(json.dumps({"problem": str(problem), "emitted": str(emitted)}) + "\n")
+            proc.stdin.flush()
+            ready = bool(select.select([proc.stdout], [], [], GPU_TIMEOUT_S)[0])
+            line = proc.stdout.readline() if ready else ""
+        except (BrokenPipeError, OSError):
+            line = ""
+        if line:
+            return json.loads(line)["wrong"]
+        if ready:  # the worker closed its end: it is exiting, let it say how
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+        kill_group(proc.pid)
+        proc.wait()
+        self.procs[k] = None
+        what = f"exit {proc.returncode}" if ready else f"no answer within {GPU_TIMEOUT_S:.0f} s"
+        return f"the GPU check's worker died on this model ({what}; log {self.logs}/gpu_worker_{k}.log)"
+
+
+def gpu_check(problem_path: Path, emitted_path: Path) -> str:
+    """'' when the emitted file's forward on the GPU matches eager's (the judge's strict tolerance, or the float64
+    rule where eager itself rounds); else what differs, or what raised."""
+    try:
+        problem = load_problem(problem_path)
+        init = problem.init_inputs()
+        reference = problem.make_model(DEFAULT_SEED, init).cuda()
+        scope = load_emitted(emitted_path.read_text(), emitted_path.stem)
+        torch.manual_seed(DEFAULT_SEED)
+        candidate = scope["ModelNew"](*init).cuda()  # builds the extension (torch's cache, keyed by source hash)
+        candidate.load_state_dict(reference.state_dict())
+        guard = scope.get("_use_kernels")  # absent from a file with no kernels
+        fused = bool(guard and guard(candidate, problem.make_inputs(1, "cuda")))
+        with torch.no_grad():
+            torch.manual_seed(0)
+            expected = reference(*problem.make_inputs(1, "cuda"))
+            torch.manual_seed(0)
+            got = candidate(*problem.make_inputs(1, "cuda"))
+        torch.cuda.synchronize()
+    except Exception as err:  # noqa: BLE001 - the emitted file does not build or run on the GPU
+        return f"the emitted file raised on the GPU: {type(err).__name__}: {str(err).strip()[:300]}"
+    dtype = next((t.dtype for t in _leaves(expected)), torch.float32)
+    tol = TOLERANCE.get(dtype, STRICT)
+    verdict = compare_outputs(expected, got, tol, tol)
+    if verdict.ok:
+        return ""
+    if verdict.reason and ("shape" in verdict.reason or "dtype" in verdict.reason or "structure" in verdict.reason):
+        return verdict.reason
+    with torch.no_grad():
+        ref64 = float64_model(reference)(*to_float64(problem.make_inputs(1, "cuda")))
+    rule = check_float64(got, expected, expected, ref64)
+    path = "fused" if fused else "original ops (the fused path's guard declined)"
+    return "" if rule.ok else f"{path}: {verdict.reason}; {rule.reason}"
+
+
+def _leaves(out: object) -> list[torch.Tensor]:
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _leaves(o)]
+    return [out] if isinstance(out, torch.Tensor) and out.is_floating_point() else []

@@ -1,0 +1,191 @@
+"""One problem file through the pipeline's public stages, checked on the CPU, and classified.
+
+load -> capture -> rewrite -> plan (every variant) -> codegen -> emit, then: every plan interpreted on the problem's
+own inputs (strides, NaN, Inf) against eager; every emitted file executed: its ModelNew built under the same seed
+must hold the same state and (on the CPU: its original ops) compute the same outputs.
+
+Classes: ok; mismatch (wrong numbers, shape or dtype; an emitted file that does not build or run); crash (an
+exception inside kernelfuse that is not a KernelfuseError); unsupported (a clean KernelfuseError refusal); invalid
+(eager itself cannot run the model: a generator bug, reported but never counted as a kernelfuse failure).
+"""
+
+from __future__ import annotations
+
+import copy
+import linecache
+import re
+import sys
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from kernelfuse.capture import build_model, capture
+from kernelfuse.codegen import generate
+from kernelfuse.cpucheck import DEFAULT_TOLERANCE, TOLERANCE, CpuCheck, check_plans_on
+from kernelfuse.emit import emit_modelnew
+from kernelfuse.errors import KernelfuseError
+from kernelfuse.load import DEFAULT_SEED, Problem, load_problem
+from kernelfuse.plan import Plan, plan_variants
+from kernelfuse.rewrite import apply_rules
+from kernelfuse.verify.compare import compare_outputs, flatten_outputs
+from kernelfuse.verify.params import compare_state
+
+FAILURES = ("mismatch", "crash")
+STATUSES = ("ok", "mismatch", "crash", "unsupported", "invalid")
+
+
+@dataclass(frozen=True)
+class Outcome:
+    status: str  # one of STATUSES
+    stage: str  # where it was decided: load, eager, capture, rewrite, plan, codegen, check, file, nvcc, gpu
+    reason: str = ""
+
+    @property
+    def failed(self) -> bool:
+        return self.status in FAILURES
+
+    @property
+    def signature(self) -> tuple[str, str, str]:
+        """What a shrunk model must keep failing with: class, stage and the reason's wording without numbers."""
+        return self.status, self.stage, _generic(self.reason)
+
+    def describe(self) -> str:
+        return f"{self.status} at {self.stage}: {self.reason}" if self.reason else f"{self.status} at {self.stage}"
+
+
+@dataclass(frozen=True)
+class Emitted:
+    """One plan's product: the ModelNew file's text and the CUDA source inside it (None: no custom kernel)."""
+
+    variant: str
+    text: str
+    cuda: str | None
+
+
+@dataclass
+class ModelRun:
+    outcome: Outcome
+    emitted: list[Emitted] = field(default_factory=list)
+
+
+def run_problem(path: Path) -> ModelRun:
+    """Classify one problem file (see the module docstring); never raises for a kernelfuse failure."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return _run(path)
+        except _Decided as decided:
+            return ModelRun(decided.outcome)
+        finally:  # what loading registered for tracebacks: thousands of models would keep every one
+            sys.modules.pop(f"kernelfuse_problem_{path.stem}", None)
+            linecache.cache.pop(str(path), None)
+
+
+class _Decided(Exception):
+    def __init__(self, outcome: Outcome) -> None:
+        super().__init__(outcome.describe())
+        self.outcome = outcome
+
+
+def _stage(stage: str, fn, *args):  # noqa: ANN001, ANN202 - a thin guard around one stage's call
+    try:
+        return fn(*args)
+    except KernelfuseError as err:
+        raise _Decided(Outcome("unsupported", stage, _first_line(err))) from None
+    except Exception as err:  # noqa: BLE001 - a failure of kernelfuse itself: the fuzzer's catch
+        raise _Decided(Outcome("crash", stage, _crash_reason(err))) from None
+
+
+def _run(path: Path) -> ModelRun:
+    problem = _stage("load", load_problem, path)
+    model = _stage("load", build_model, problem)
+    inputs = _stage("load", problem.make_inputs, 0)
+    try:
+        with torch.no_grad():
+            torch.manual_seed(0)
+            expected = copy.deepcopy(model)(*inputs)
+    except Exception as err:  # noqa: BLE001 - eager cannot run it: the model is not a valid test
+        return ModelRun(Outcome("invalid", "eager", _first_line(err)))
+    graph = _stage("capture", capture, problem, model)
+    graph = _stage("rewrite", apply_rules, graph).graph
+    plans: list[Plan] = _stage("plan", plan_variants, graph)
+    emitted = [Emitted(p.variant, *_stage("codegen", _emit, problem, p)) for p in plans]
+    checks: list[CpuCheck] = _stage("check", check_plans_on, model, plans, inputs)
+    run = ModelRun(Outcome("ok", "check"), emitted)
+    for check in checks:
+        if check.note.startswith("interpreter raised"):
+            run.outcome = Outcome("crash", "interpret", f"{check.variant}: {check.note}")
+            return run
+        if check.skipped:
+            run.outcome = Outcome("unsupported", "check", check.note)
+            return run
+        if not check.ok:
+            run.outcome = Outcome("mismatch", "check", f"{check.variant}: {check.note}")
+            return run
+    for e in emitted:
+        problem_text = _check_file(problem, e, expected)
+        if problem_text:
+            run.outcome = Outcome("mismatch", "file", f"{e.variant}: {problem_text}")
+            return run
+    return run
+
+
+def _emit(problem: Problem, plan: Plan) -> tuple[str, str | None]:
+    sources = generate(plan)
+    text = emit_modelnew(problem, plan, sources, f"kernelfuse fuzz: variant {plan.variant}")
+    return text, None if sources is None else sources.cuda
+
+
+def _check_file(problem: Problem, emitted: Emitted, expected: object) -> str:
+    """'' if the emitted file runs as its problem does on the CPU: it executes, ModelNew takes the same constructor
+    arguments, the same seed gives the same state, and its forward (the original ops here) gives eager's outputs."""
+    try:
+        scope = load_emitted(emitted.text, f"{problem.name}_{emitted.variant}")
+        init = problem.init_inputs()
+        torch.manual_seed(DEFAULT_SEED)
+        new = scope["ModelNew"](*init)
+        state = compare_state(problem.make_model(), new)
+        if not state.ok:
+            return f"under the same seed, ModelNew's {state.summary()}"
+        with torch.no_grad():
+            torch.manual_seed(0)
+            got = new(*problem.make_inputs(0))
+    except Exception as err:  # noqa: BLE001 - the emitted file itself is broken
+        return f"the emitted file raised {_crash_reason(err)}"
+    # the same ops, yet not always the same bits: a BLAS path may depend on a copy's alignment (1 ulp seen)
+    dtype = next((t.dtype for t in flatten_outputs(expected) if isinstance(t, torch.Tensor)), torch.float32)
+    tol = TOLERANCE.get(dtype, DEFAULT_TOLERANCE)
+    verdict = compare_outputs(expected, got, tol, tol)
+    return "" if verdict.ok else f"ModelNew's CPU forward differs from eager: {verdict.reason}"
+
+
+def load_emitted(text: str, name: str) -> dict:
+    """Execute an emitted ModelNew file's text as a module; its namespace."""
+    scope: dict = {"__name__": f"kernelfuse_fuzz_{name}"}
+    exec(compile(text, f"<{name}>", "exec"), scope)  # noqa: S102 - kernelfuse's own emitted file, under test
+    return scope
+
+
+def _crash_reason(err: BaseException) -> str:
+    """`Type: message (at file.py:line in function)`, naming the deepest frame inside kernelfuse."""
+    where = ""
+    for frame in reversed(traceback.extract_tb(err.__traceback__)):
+        if "kernelfuse" in frame.filename and "/fuzz/" not in frame.filename:
+            where = f" (at {Path(frame.filename).name}:{frame.lineno} in {frame.name})"
+            break
+    return f"{type(err).__name__}: {_first_line(err)[:200]}{where}"
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def _generic(reason: str) -> str:
+    """The reason with paths, numbers and quoted names blanked: one bug, one wording."""
+    reason = re.sub(r"\S*fuzz_s\d+_i\d+\S*", "<file>", reason)
+    reason = re.sub(r"'[^']*'", "'_'", reason)
+    return re.sub(r"\d+(\.\d+)?(e-?\d+)?", "N", reason)[:120]
