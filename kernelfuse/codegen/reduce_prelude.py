@@ -8,6 +8,10 @@ struct kf_sum_op { __device__ __forceinline__ float operator()(float a, float b)
 struct kf_prod_op { __device__ __forceinline__ float operator()(float a, float b) const { return a * b; } };
 struct kf_max_op { __device__ __forceinline__ float operator()(float a, float b) const { return (a != a || b != b) ? NAN : fmaxf(a, b); } };
 struct kf_min_op { __device__ __forceinline__ float operator()(float a, float b) const { return (a != a || b != b) ? NAN : fminf(a, b); } };
+// log(exp(a) + exp(b)) as ATen's logcumsumexp combines: NaN propagates, equal infinities return a
+struct kf_logaddexp_op { __device__ __forceinline__ float operator()(float a, float b) const {
+  const float lo = b != b ? b : (b < a ? b : a), hi = b != b ? b : (a < b ? b : a);
+  return (lo != hi || isfinite(lo)) ? hi + log1pf(expf(lo - hi)) : a; } };
 
 // Combine `v` across the TPR threads of a row (TPR 1: the thread owns the row; 32: a warp; else the block).
 template <int TPR, typename Op>

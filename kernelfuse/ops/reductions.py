@@ -57,6 +57,12 @@ class ReduceSpec:
     momentum: float = 0.0
     out_index: int | None = None
     window: PoolWindow | None = None
+    # scans (kernelfuse.ops.scans): in reverse order (flip, scan, flip back) and/or exclusive (the identity first,
+    # then the scan of all but the last element: eager's cat of zeros with a cumsum of a narrowed input)
+    reverse: bool = False
+    exclusive: bool = False
+    result: str | None = None  # the node carrying the value where it is not the op's own (the cat, the flip back)
+    absorbs: tuple[str, ...] = ()  # further nodes the kernel computes (the cat's zeros, the flips)
 
     @property
     def broadcast(self) -> bool:

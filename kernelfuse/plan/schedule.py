@@ -15,7 +15,8 @@ import torch
 
 from kernelfuse.capture import Graph, Node, Ref, TensorMeta
 from kernelfuse.ops import POINTWISE_BY_ATEN
-from kernelfuse.ops.reductions import REDUCTION_BY_ATEN, ReduceSpec
+from kernelfuse.ops.reductions import ReduceSpec
+from kernelfuse.ops.scans import GENERATED_BY_ATEN
 from kernelfuse.plan.ir import EArg, GenStep, Operand, Program, Statement
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -42,7 +43,7 @@ def schedule(graph: Graph, taken: set[str], first_kernel: int, max_kernels: int 
         if node.name in used or node.op in ("input", "param", "buffer"):
             continue
         if max_kernels is not None and len(steps) >= max_kernels:
-            if node.op in POINTWISE_BY_ATEN or node.op in REDUCTION_BY_ATEN:
+            if node.op in POINTWISE_BY_ATEN or node.op in GENERATED_BY_ATEN:
                 reasons.setdefault(node.name, "fusion cap (--max-fusions) reached")
             continue
         step = _kernel_from(graph, node, used, f"k{first_kernel + len(steps)}", reasons)
@@ -78,7 +79,7 @@ def can_fuse_pointwise(graph: Graph, node: Node, space: TensorMeta) -> tuple[boo
 
 
 def _kernel_from(graph: Graph, seed: Node, used: set[str], kernel: str, reasons: dict[str, str]) -> GenStep | None:
-    if seed.op in REDUCTION_BY_ATEN:
+    if seed.op in GENERATED_BY_ATEN:
         return _reduction_kernel(graph, seed, None, used, kernel, reasons)
     ok, why = can_fuse_pointwise(graph, seed, seed.meta) if seed.op in POINTWISE_BY_ATEN else (False, "")
     if ok and _is_comparison(seed):
@@ -96,7 +97,7 @@ def _kernel_from(graph: Graph, seed: Node, used: set[str], kernel: str, reasons:
         return None
     last = chain.members[-1]
     readers = graph.users(last.name)
-    if len(readers) == 1 and readers[0].op in REDUCTION_BY_ATEN and not graph.is_output(last.name) \
+    if len(readers) == 1 and readers[0].op in GENERATED_BY_ATEN and not graph.is_output(last.name) \
             and readers[0].args and readers[0].args[0] == Ref(last.name):
         step = _reduction_kernel(graph, readers[0], chain, used, kernel, reasons)
         if step is not None:
@@ -176,7 +177,7 @@ def _escaping(graph: Graph, members: list[Node], inside: set[str]) -> bool:
 
 def _reduction_kernel(graph: Graph, node: Node, prologue: _Chain | None, used: set[str], kernel: str,
                       reasons: dict[str, str]) -> GenStep | None:
-    spec = REDUCTION_BY_ATEN[node.op].parse(graph, node)
+    spec = GENERATED_BY_ATEN[node.op].parse(graph, node)
     if isinstance(spec, str):
         reasons[node.name] = spec
         return None
@@ -249,6 +250,8 @@ def _broadcast_consumer(graph: Graph, spec: ReduceSpec, reduced: str, value: str
 
 def _result_value(graph: Graph, node: Node, spec: ReduceSpec) -> tuple[str | None, list[str] | str]:
     """The node carrying the reduction's value, and the getitems the kernel absorbs (all others must be unused)."""
+    if spec.result is not None:  # a scan's reverse or exclusive form: the kernel writes the flip back or the cat
+        return spec.result, [*spec.absorbs, spec.result]
     if spec.out_index is None:
         return node.name, []
     value, extra = None, []

@@ -19,7 +19,7 @@ from kernelfuse.errors import KernelfuseError
 from kernelfuse.rewrite.anchors import conv_bias_to_epilogue
 from kernelfuse.rewrite.chains import collapse_clamps, common_subexpressions, double_views, neutral_scalars
 from kernelfuse.rewrite.dropout import dropout_as_on_cuda
-from kernelfuse.rewrite.engine import Match, RuleFiring, rebuild, rewire, run_local
+from kernelfuse.rewrite.engine import Match, RuleFiring, drop_dead, rebuild, rewire, run_local
 from kernelfuse.rewrite.inplace import inplace_to_functional
 from kernelfuse.rewrite.losses import losses_as_pointwise
 from kernelfuse.rewrite.monotonic import reduce_before_monotonic
@@ -155,11 +155,13 @@ RULE_NAMES: tuple[str, ...] = tuple(r.name for r in RULES)
 
 
 def apply_rules(graph: Graph, disabled: Collection[str] = ()) -> RewriteResult:
-    """Apply every rule not in `disabled`, in order, until none fires; the result records each firing."""
+    """Apply every rule not in `disabled`, in order, until none fires; the result records each firing. Values
+    nothing reads are dropped first, whatever rules run: the trace keeps them (a pool's indices, squeezed)."""
     unknown = sorted(set(disabled) - set(RULE_NAMES))
     if unknown:
         raise UnknownRewriteError(f"unknown rewrite rule {', '.join(unknown)}: the rules are "
                                   f"{', '.join(RULE_NAMES)}")
+    graph = drop_dead(graph)
     fired: list[RuleFiring] = []
     for _ in range(MAX_ROUNDS):
         before = len(fired)
