@@ -34,7 +34,7 @@ def test_report_is_self_contained_with_plots_summary_and_every_problem(tmp_path:
     text = path.read_text()
     assert text.startswith("<!DOCTYPE html>") and text.rstrip().endswith("</html>")
     images = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", text)
-    assert len(images) == 3 and all(base64.b64decode(b)[:8] == b"\x89PNG\r\n\x1a\n" for b in images)
+    assert len(images) == 4 and all(base64.b64decode(b)[:8] == b"\x89PNG\r\n\x1a\n" for b in images)
     assert not re.search(r"(src|href)=['\"](?!data:)", text) and "<script" not in text  # nothing to fetch or run
     for anchor in ("summary", "distribution", "per-problem", "floor", "problems"):
         assert f"id='{anchor}'" in text
@@ -50,4 +50,4 @@ def test_report_is_self_contained_with_plots_summary_and_every_problem(tmp_path:
 def test_report_without_timings_still_renders() -> None:
     records = [{"key": "x", "level": None, "status": "not_verified", "correctness": False, "reason": "no GPU"}]
     text = render_report(records, summarize_records(records))
-    assert text.count("data:image/png;base64,") == 3 and "not_verified" in text
+    assert text.count("data:image/png;base64,") == 4 and "not_verified" in text

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kernelfuse.suite.discover import SuiteError
+from kernelfuse.suite.roofline import roofline_figure
 from kernelfuse.suite.summary import FAST_P, Summary, failure_cause, level_name
 
 INSTALL = "pip install 'kernelfuse[report]'  (or: pip install matplotlib)"
@@ -54,6 +55,7 @@ def render_report(records: list[dict[str, Any]], summary: Summary) -> str:
              "<h2 id='distribution'>Speedup distribution</h2>", _img(_distribution(records)),
              "<h2 id='per-problem'>Per-problem speedup over eager</h2>", _img(_bars(records)),
              "<h2 id='floor'>Achieved time vs floor estimate</h2>", _img(_floor(records)),
+             "<h2 id='roofline'>Time over the floor: ours, eager, torch.compile</h2>", _img(roofline_figure(records)),
              "<h2 id='problems'>Problems</h2>", _problem_table(records), "</body></html>"]
     return "\n".join(parts)
 
