@@ -29,6 +29,7 @@ from kernelfuse.rewrite.reductions import (
     reduce_linear_output,
     size1_reductions,
 )
+from kernelfuse.rewrite.vector_norms import vector_norm_as_reduction
 
 # Ops that return their input's value unchanged; in a traced, non-mutating graph they can be bypassed.
 IDENTITY_OPS = frozenset({"alias.default", "detach.default", "clone.default", "lift_fresh_copy.default"})
@@ -140,6 +141,7 @@ RULES: tuple[Rule, ...] = (
     _whole(drop_identities),
     _whole(div_by_scalar_to_mul),
     _local(losses_as_pointwise),
+    _local(vector_norm_as_reduction),
     _local(common_subexpressions),
     _local(neutral_scalars),
     _local(double_views),
