@@ -17,7 +17,7 @@ from test_nvcc_compile import _nvcc
 
 from kernelfuse.codegen import generate
 from kernelfuse.codegen.scan import TILE, scan_strategy
-from kernelfuse.ops.scans import SCAN_KINDS
+from kernelfuse.ops.scans import ONE_ROW_MAX, SCAN_KINDS
 
 SCANS = """
 def forward(self, x, w, y):
@@ -61,6 +61,19 @@ def test_every_scan_is_one_generated_kernel(scan_plan):
     assert len(scans[7].prologue.statements) == 1  # x * w
     assert not [s for s in plan.unfused if s.node.op.split(".")[0] in ("cumsum", "cat", "flip", "zeros_like")]
     assert 2500 > TILE  # the carry between tiles is exercised
+
+
+def test_one_long_row_stays_atens_device_scan(tmp_path):
+    """A single row longer than ONE_ROW_MAX keeps ATen's scan, with the decision as its reason; a shorter one and
+    many long rows are kernels."""
+    path = write_problem(tmp_path, "one_row", """
+def forward(self, x, y):
+    return torch.cumsum(x, 0), torch.cumsum(x[:ONE_ROW_MAX], 0), torch.cumsum(y, 1)
+""".replace("ONE_ROW_MAX", str(ONE_ROW_MAX)), f"[torch.randn({ONE_ROW_MAX + 1}), torch.randn(2, {ONE_ROW_MAX + 1})]")
+    _, _, (plan,) = pipeline(path)
+    (kept,) = plan.unfused
+    assert kept.node.op == "cumsum.default" and kept.reason.startswith("library at the floor: one row of")
+    assert len(_scans(plan)) == 2
 
 
 def test_interpreter_equals_the_model(scan_plan):

@@ -21,6 +21,7 @@ SCAN_COMBINE = {"cumsum": ("kf_sum_op", "0.0f"), "cumprod": ("kf_prod_op", "1.0f
                 "logcumsumexp": ("kf_logaddexp_op", "(-INFINITY)")}
 SCAN_KINDS = frozenset(SCAN_COMBINE)
 IDENTITY = {"cumsum": 0.0, "cumprod": 1.0}  # the kinds with an exclusive form in eager's graphs
+ONE_ROW_MAX = 16384  # a single row longer than this stays ATen's scan (CUB's decoupled look-back over the GPU)
 FILLS = {"zeros_like.default": 0.0, "zeros.default": 0.0, "new_zeros.default": 0.0, "ones_like.default": 1.0,
          "ones.default": 1.0, "new_ones.default": 1.0}
 
@@ -37,6 +38,9 @@ def _scan(kind: str, out_index: int | None = None):
             return "scan with a dtype argument"
         dim = int(node.args[1]) % len(meta.shape)  # type: ignore[call-overload]
         spec = ReduceSpec(kind, src, meta.shape, (dim,), meta.stride, out_index=out_index)
+        if spec.rows == 1 and spec.row_size > ONE_ROW_MAX:
+            return (f"library at the floor: one row of {spec.row_size} is ATen's single-pass device scan; a block "
+                    "per row would run on one multiprocessor")
         return _reverse(graph, node, spec) or _exclusive(graph, node, spec) or spec
 
     return parse
