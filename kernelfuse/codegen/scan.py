@@ -88,18 +88,29 @@ def _column_body(length: int, exclusive: bool) -> list[str]:
 
 
 def _tile_body(length: int, exclusive: bool) -> list[str]:
-    """One tile: a coalesced load into shared memory, each thread's ITEMS scanned in registers, the warp's
-    inclusive scan of the thread totals, the warps' totals combined in order with the carry, a coalesced store."""
+    """One tile: its elements (loaded coalesced during the previous tile) into shared memory, the next tile's
+    loads issued, each thread's ITEMS scanned in registers, the warp's inclusive scan of the thread totals, the
+    warps' totals combined in order with the carry, a coalesced store."""
     result = "(j == 0 ? prefix : op(prefix, v[j - 1]))" if exclusive else "op(prefix, v[j])"
+    def load(first: str, ind: str) -> list[str]:
+        return ["#pragma unroll",
+                f"{ind}for (int j = 0; j < {ITEMS}; ++j) {{",
+                f"{ind}  const int q = j * {BLOCK} + t;",
+                f"{ind}  const INDEX i = {first} + q;",
+                f"{ind}  next[j] = i < (INDEX){length} ? value(KF_POS(i)) : IDENT;",
+                f"{ind}}}"]
+
     return [
+        f"    float next[{ITEMS}];  // the next tile's elements, loaded while this one is scanned",
+        *load("0", "    "),
         f"    for (INDEX start = 0; start < (INDEX){length}; start += {TILE}) {{",
         "#pragma unroll",
         f"      for (int j = 0; j < {ITEMS}; ++j) {{",
         f"        const int q = j * {BLOCK} + t;",
-        "        const INDEX i = start + q;",
-        f"        tile[q + q / 32] = i < (INDEX){length} ? value(KF_POS(i)) : IDENT;",
+        "        tile[q + q / 32] = next[j];",
         "      }",
         "      __syncthreads();",
+        *load(f"start + {TILE}", "      "),
         f"      float v[{ITEMS}];",
         "#pragma unroll",
         f"      for (int j = 0; j < {ITEMS}; ++j) {{",
