@@ -1,7 +1,7 @@
 """Pooling of every shape as generated kernels: a 1-d max pool (traced as a 2-d pool whose indices are squeezed
 and dropped) is one kernel, not the original op; 1-, 2- and 3-d max and average pools with padding, dilation,
-ceil_mode, count_include_pad and a divisor override, computed several outputs per thread, agree with the
-interpreter in a CPU emulation of the CUDA (max pools bit for bit)."""
+ceil_mode, count_include_pad and a divisor override, computed several outputs per thread, and adaptive 1-3-d pools
+agree with the interpreter in a CPU emulation of the CUDA (max pools bit for bit)."""
 
 from __future__ import annotations
 
@@ -30,10 +30,16 @@ def forward(self, x, x2, x3):
         F.avg_pool2d(x2, 3, stride=1, padding=1, divisor_override=5),
         F.max_pool3d(x3, 3, stride=2, padding=1, dilation=2),
         F.avg_pool3d(x3, (2, 3, 3), stride=(1, 2, 1), padding=(1, 1, 0), count_include_pad=True),
+        F.adaptive_avg_pool2d(x2, (3, 5)),
+        F.adaptive_max_pool2d(x2, 4),
+        F.adaptive_avg_pool1d(x, 7),
+        F.adaptive_avg_pool3d(x3, (2, 4, 5)),
+        F.adaptive_max_pool3d(x3, (3, 2, 6)),
     )
 """
 INPUTS = "[torch.randn(3, 5, 101), torch.randn(2, 3, 17, 23), torch.randn(2, 2, 9, 11, 13)]"
-KINDS = ["max_pool", "max_pool", "avg_pool", "max_pool", "max_pool", "avg_pool", "max_pool", "avg_pool"]
+KINDS = ["max_pool", "max_pool", "avg_pool", "max_pool", "max_pool", "avg_pool", "max_pool", "avg_pool",
+         "avg_pool", "max_pool", "avg_pool", "avg_pool", "max_pool"]
 
 
 @pytest.fixture(scope="module")

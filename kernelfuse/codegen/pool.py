@@ -44,12 +44,13 @@ def pool_kernel(step: GenStep, ctype: str) -> str:
     isz, osz = shape_numel(in_shape[-nd:]), shape_numel(out_shape[-nd:])
     max_pool = spec.kind == "max_pool"  # type: ignore[attr-defined]
     channels_last = reads_channels_last(step) and len(lead_in) == 2  # (N, C) before the pooled dims
-    per_thread = 1 if channels_last else row_outputs(win, out_shape[-1])
+    per_thread = 1 if channels_last or win.adaptive else row_outputs(win, out_shape[-1])
     if per_thread > 1:
         return _row_pool_kernel(step, ctype, per_thread)
     order = "channel fastest (channels-last source)" if channels_last else "output order"
-    lines = [f"// pooling: kernel {list(win.kernel)}, stride {list(win.stride)}, padding {list(win.padding)}, "
-             f"dilation {list(win.dilation)}; threads in {order}",
+    geometry = f"adaptive to {list(out_shape[-nd:])}" if win.adaptive else \
+        f"kernel {list(win.kernel)}, stride {list(win.stride)}, padding {list(win.padding)}, dilation {list(win.dilation)}"
+    lines = [f"// pooling: {geometry}; threads in {order}",
              f"__global__ void __launch_bounds__({BLOCK}) {k}_kernel({pointer_params(step, ctype)}) {{",
              f"  typedef {index_t} INDEX;",
              f"  for (INDEX t = (INDEX)blockIdx.x * {BLOCK} + threadIdx.x; t < (INDEX){numel}; "
@@ -67,12 +68,22 @@ def pool_kernel(step: GenStep, ctype: str) -> str:
         lines.append(f"    INDEX rest = i % {osz};")
     for d in reversed(range(nd)):
         lines.append(f"    const int q{d} = (int)(rest % {out_shape[-nd + d]}); rest /= {out_shape[-nd + d]};")
-    for d in range(nd):
-        lines.append(f"    const int s{d} = q{d} * {win.stride[d]} - {win.padding[d]};")
+    if win.adaptive:  # [q * n / m, ceil((q + 1) * n / m)) as ATen's adaptive pools compute it
+        for d in range(nd):
+            n, m = in_shape[-nd + d], out_shape[-nd + d]
+            lines.append(f"    const int s{d} = (int)((long long)q{d} * {n} / {m}), "
+                         f"e{d} = (int)((((long long)q{d} + 1) * {n} + {m - 1}) / {m});")
+    else:
+        for d in range(nd):
+            lines.append(f"    const int s{d} = q{d} * {win.stride[d]} - {win.padding[d]};")
     lines.append("    float acc = -INFINITY;" if max_pool else "    float acc = 0.0f;")
     ind = "    "
     for d in range(nd):
         size = in_shape[-nd + d]
+        if win.adaptive:
+            lines.append(f"{ind}for (int p{d} = s{d}; p{d} < e{d}; ++p{d}) {{")
+            ind += "  "
+            continue
         lines.append(f"{ind}for (int w{d} = 0; w{d} < {win.kernel[d]}; ++w{d}) {{")
         ind += "  "
         lines.append(f"{ind}const int p{d} = s{d} + w{d} * {win.dilation[d]};")
@@ -104,6 +115,8 @@ def reads_channels_last(step: GenStep) -> bool:
 def _avg_divisor(win, sizes: tuple[int, ...]) -> list[str]:
     """ATen's avg_pool divisor: the override, else the window clipped to input + padding (count_include_pad),
     else the number of positions inside the input."""
+    if win.adaptive:  # ATen divides by each dim's window length in turn (sum / kH / kW)
+        return [f"    acc = acc / (float)(e{d} - s{d});" for d in range(len(sizes))]
     if win.divisor is not None:
         return [f"    acc = acc / {float_literal(float(win.divisor))};"]
     pad_terms, in_terms = [], []
