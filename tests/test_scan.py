@@ -76,6 +76,28 @@ def forward(self, x, y):
     assert len(_scans(plan)) == 2
 
 
+EDGES = """
+def forward(self, x, y):
+    return (
+        torch.cumsum(x, 0),                                  # one row: no kept dim
+        torch.logcumsumexp(y.flip(1), 1).flip(1),            # reverse over a strided middle dim
+        torch.cumprod(y.transpose(1, 2), 2),                 # a transposed source: the scanned dim strided
+        torch.cummin(y, 2)[0] + torch.cumsum(y, 1),          # values of cummin, an epilogue reading another scan
+    )
+"""
+
+
+def test_scan_edge_shapes_run_in_a_cpu_emulation(tmp_path):
+    path = write_problem(tmp_path, "edges", EDGES, "[torch.randn(3000), torch.randn(3, 70, 5)]")
+    _, _, (plan,) = pipeline(path)
+    assert len(_scans(plan)) == 5
+    emu = emulated(plan, tmp_path)
+    for g in _scans(plan):
+        out, expected = emulated_and_interpreted(emu, plan, g)
+        torch.testing.assert_close(out, expected, atol=2e-4, rtol=1e-4, equal_nan=True,
+                                   msg=lambda m, k=g.kernel: f"{k}: {m}")
+
+
 def test_interpreter_equals_the_model(scan_plan):
     problem, plan = scan_plan
     assert_interpreter_matches(problem, plan, atol=1e-5, rtol=1e-5)

@@ -38,6 +38,8 @@ def _scan(kind: str, out_index: int | None = None):
             return "scan with a dtype argument"
         dim = int(node.args[1]) % len(meta.shape)  # type: ignore[call-overload]
         spec = ReduceSpec(kind, src, meta.shape, (dim,), meta.stride, out_index=out_index)
+        if meta.shape[dim] == 1:
+            return "a scan over a size-1 dim is a copy of its input: nothing to compute"
         if spec.rows == 1 and spec.row_size > ONE_ROW_MAX:
             return (f"library at the floor: one row of {spec.row_size} is ATen's single-pass device scan; a block "
                     "per row would run on one multiprocessor")
