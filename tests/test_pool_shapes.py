@@ -82,3 +82,26 @@ def test_pool_kernels_compile_with_nvcc(pool_plan, tmp_path):
     cmd = [nvcc, "-c", "-O1", "-std=c++17", "-arch=sm_90", str(cu), "-o", str(cu.with_suffix(".o"))]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inputs", [INPUTS, "[torch.rand(16, 32, 8192), torch.rand(8, 16, 130, 150), "
+                                            "torch.rand(2, 8, 20, 34, 40)]"], ids=["small", "large"])
+def test_pools_match_eager_on_the_gpu(tmp_path, inputs):
+    """Every pool's emitted ModelNew against eager's CUDA pools: max pools exactly, averages at 1e-5."""
+    import runpy
+
+    from kernelfuse.emit import emit_modelnew
+
+    path = write_problem(tmp_path, "pools_gpu", POOLS, inputs, header="import torch.nn.functional as F")
+    problem, _, (plan,) = pipeline(path)
+    emitted = tmp_path / "pools_gpu_new.py"
+    emitted.write_text(emit_modelnew(problem, plan, generate(plan), "GPU test"))
+    ns = runpy.run_path(str(emitted))
+    torch.manual_seed(1)
+    xs = [t.cuda() for t in ns["get_inputs"]()]
+    with torch.no_grad():
+        expected, got = problem.make_model().cuda()(*xs), ns["ModelNew"]().cuda()(*xs)
+    for kind, e, g in zip(KINDS, expected, got, strict=True):
+        tol = 0.0 if kind == "max_pool" else 1e-5
+        torch.testing.assert_close(g, e, atol=tol, rtol=tol)
