@@ -7,6 +7,8 @@ pooling in kernelfuse.codegen.pool, scans in kernelfuse.codegen.scan; the shared
 
 from __future__ import annotations
 
+import torch
+
 from kernelfuse.capture import contiguous_strides
 from kernelfuse.codegen.binding import Binding, pointer_launcher, py_tuple
 from kernelfuse.codegen.common import C_TYPES
@@ -167,7 +169,7 @@ def _binding(plan: Plan, step: GenStep) -> Binding:
     for name, ref in args:
         meta = metas[name]
         lines.append(f'    _check({name}, "{k} {name} (%{ref.name})", {py_tuple(meta.shape)}, {py_tuple(meta.stride)}, '  # type: ignore[attr-defined]
-                     f"{dtype})")
+                     f"{dtype if meta.dtype != torch.bool else torch.bool})")  # type: ignore[attr-defined]
     strides = permuted_out(step)
     if strides:  # eager's permuted layout, which later views and kernels were captured against
         lines.append(f"    out = src.new_empty_strided({py_tuple(step.out_meta.shape)}, {py_tuple(strides)})")

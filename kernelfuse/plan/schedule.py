@@ -55,10 +55,11 @@ def schedule(graph: Graph, taken: set[str], first_kernel: int, max_kernels: int 
 
 def can_fuse_pointwise(graph: Graph, node: Node, space: TensorMeta) -> tuple[bool, str]:
     """Can `node` join a pointwise chain over `space`? As many elements (a reshape keeps the flat order), the same
-    float dtype, and every tensor it reads broadcasts to its own shape. A comparison of such values (a bool
-    result) may join as well, and a where/masked_fill may read one as its condition: inside a kernel the
-    condition is a 1.0f/0.0f float that is never stored (the chain checks that it is computed inside,
-    `_conditions_inside`)."""
+    float dtype, and every tensor it reads broadcasts to its own shape. A bool tensor in memory may be an operand
+    (`x * mask`: loaded as 1.0f or 0.0f, ATen's promotion), beside at least one operand of the kernel's dtype.
+    A comparison of such values (a bool result) may join as well, and a where/masked_fill may read one as its
+    condition: inside a kernel the condition is a 1.0f/0.0f float that is never stored (the chain checks that it
+    is computed inside, `_conditions_inside`)."""
     if node.op not in POINTWISE_BY_ATEN and node.op not in RESHAPES:
         return False, "not a pointwise op of the table"
     if node.meta is None or not (node.meta.dtype in FLOAT_DTYPES or _is_comparison(node)):
@@ -71,8 +72,11 @@ def can_fuse_pointwise(graph: Graph, node: Node, space: TensorMeta) -> tuple[boo
     for ref in node.refs:
         meta = graph[ref].meta
         in_kernel_bool = ref in conditions and _is_comparison(graph[ref])
-        if meta is None or (meta.dtype != space.dtype and not in_kernel_bool):
+        promoted = meta is not None and meta.dtype == torch.bool and ref not in conditions  # loaded as 1.0f/0.0f
+        if meta is None or (meta.dtype != space.dtype and not in_kernel_bool and not promoted):
             return False, f"operand %{ref.name} has another dtype"
+    if not any(graph[r].meta.dtype == space.dtype for r in node.refs if graph[r].meta is not None):
+        return False, "no operand of the kernel's dtype (a bool tensor in memory is an operand, never the source)"
         if not _broadcasts(meta.shape, node.meta.shape):
             return False, f"operand %{ref.name} does not broadcast to the output"
     return True, ""
@@ -307,7 +311,7 @@ def build_program(graph: Graph, members: list[Node], meta: TensorMeta, space: tu
             ok = False
             strides = (0,) * len(space)
         operand = Operand(arg, node.meta, strides)
-        if not source and acc is None:
+        if not source and acc is None and node.meta.dtype != torch.bool:  # a bool mask is read as an operand
             source.append(operand)
             names[arg.name] = "acc"
         else:
