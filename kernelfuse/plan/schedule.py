@@ -201,6 +201,9 @@ def _reduction_kernel(graph: Graph, node: Node, prologue: _Chain | None, used: s
         source = Operand(spec.source, src_meta, spec.source_strides)
         program = Program((), (), spec.space)
     replaces += [node.name, *extra]
+    if spec.result is not None:  # a scan's absorbed flip precedes it: the chain reads in graph order
+        order = {n.name: i for i, n in enumerate(graph.nodes)}
+        replaces.sort(key=order.__getitem__)
     epi_chain = _grow(graph, [graph[value]], out_meta, used | set(replaces)) if graph.users(value) else None
     epi_members = epi_chain.members[1:] if epi_chain else []
     if epi_members and (graph.is_output(value) or len(graph.users(value)) > 1):
