@@ -40,6 +40,8 @@ def scan_strategy(step: GenStep) -> str:
 
 
 def scan_kernel(step: GenStep, ctype: str) -> str:
+    """The scan kernel and its launcher: rows from the kept dims, each scanned along the reduced dim (from its
+    end for a reverse scan; the identity first for an exclusive one), prologue on every element read."""
     spec = step.spec
     space = space_of(step)
     rows, length = space.count("k"), space.count("r")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from kernelfuse.capture import Graph, Node, Ref
-from kernelfuse.ops.reductions import REDUCTION_BY_ATEN, ReduceSpec, ReductionOp
+from kernelfuse.ops.reductions import REDUCTION_BY_ATEN, Parse, ReduceSpec, ReductionOp
 
 # kind -> (CUDA combine functor, identity): the identity combined with x is exactly x
 SCAN_COMBINE = {"cumsum": ("kf_sum_op", "0.0f"), "cumprod": ("kf_prod_op", "1.0f"),
@@ -26,7 +26,9 @@ FILLS = {"zeros_like.default": 0.0, "zeros.default": 0.0, "new_zeros.default": 0
          "ones.default": 1.0, "new_ones.default": 1.0}
 
 
-def _scan(kind: str, out_index: int | None = None):
+def _scan(kind: str, out_index: int | None = None) -> Parse:
+    """A scan along its dim argument of a float tensor; a reverse or exclusive form around it is absorbed."""
+
     def parse(graph: Graph, node: Node) -> ReduceSpec | str:
         src = node.args[0]
         if not isinstance(src, Ref) or graph[src].meta is None:
