@@ -35,11 +35,12 @@ def forward(self, x, x2, x3):
         F.adaptive_avg_pool1d(x, 7),
         F.adaptive_avg_pool3d(x3, (2, 4, 5)),
         F.adaptive_max_pool3d(x3, (3, 2, 6)),
+        F.avg_pool1d(x, 8, stride=1, padding=4),  # dev level-1 44's form: 4 outputs per thread
     )
 """
 INPUTS = "[torch.randn(3, 5, 101), torch.randn(2, 3, 17, 23), torch.randn(2, 2, 9, 11, 13)]"
 KINDS = ["max_pool", "max_pool", "avg_pool", "max_pool", "max_pool", "avg_pool", "max_pool", "avg_pool",
-         "avg_pool", "max_pool", "avg_pool", "avg_pool", "max_pool"]
+         "avg_pool", "max_pool", "avg_pool", "avg_pool", "max_pool", "avg_pool"]
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +56,8 @@ def test_unused_pool_indices_are_dropped_even_without_rewrites(pool_plan):
     also with every rewrite rule switched off, so the pool's value alone is read and the kernel takes it."""
     problem, plan = pool_plan
     assert [g.spec.kind for g in plan.generated] == KINDS
+    cuda = generate(plan).cuda
+    assert cuda.count("a thread per 4 neighbouring outputs along the last dim") == 4  # stride and dilation 1
     assert plan.unfused == []
     bare = apply_rules(capture(load_problem(problem.path)), RULE_NAMES).graph
     assert not [n for n in bare.nodes if n.op == "getitem" and n.args[1] == 1]

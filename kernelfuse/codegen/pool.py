@@ -133,8 +133,13 @@ MAX_SPAN = 32  # input elements of their joint span it loads per window row (reg
 
 
 def row_outputs(win, out_last: int) -> int:
-    """Outputs per thread along the last pooled dim: ROW_OUTPUTS, fewer where the span would exceed MAX_SPAN or
-    the dim is shorter."""
+    """Outputs per thread along the last pooled dim: ROW_OUTPUTS where neighbouring windows overlap densely
+    (stride and dilation 1 along it), fewer where the span would exceed MAX_SPAN or the dim is shorter; else 1.
+    A thread's loads are V elements apart from its neighbour's, so a warp's load touches about V cache lines
+    instead of one or two: that pays only where each element then serves several windows. A dilated window
+    (the lead's probe: a 1-d max pool, kernel 8, dilation 3) keeps one output per thread."""
+    if win.stride[-1] != 1 or win.dilation[-1] != 1 or win.kernel[-1] < 2:
+        return 1
     v = ROW_OUTPUTS
     while v > 1 and (v > out_last or _span(win, v) > MAX_SPAN):
         v //= 2
