@@ -119,7 +119,8 @@ def emulated_run(emu: Emulated, plan: Plan, step: GenStep, seed: int = 0, src_of
             continue
         meta = step.source.meta if name == "src" else plan.graph[ref].meta
         value = torch.randn(meta.shape) + (src_offset if name == "src" else 0.0)
-        env[ref.name] = torch.empty_strided(meta.shape, meta.stride).copy_(value)
+        value = value > 0 if meta.dtype == torch.bool else value  # a mask read as an operand
+        env[ref.name] = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype).copy_(value)
         tensors.append(env[ref.name].clone())
     # the binding allocates out and the workspace: NaN-filled here, so an element the kernel skips shows
     previous = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory

@@ -50,7 +50,7 @@ def test_channels_last_sources_take_channel_fastest_threads(plans):
     assert [reads_channels_last(g) for g in _pools(by_variant["fused-nchw"])] == [False, False, False]
     cuda = generate(by_variant["fused-nhwc"]).cuda
     assert cuda.count("threads in channel fastest (channels-last source)") == 2
-    assert cuda.count("threads in output order") == 1
+    assert cuda.count("threads in output order") == 1  # the NCHW input (stride 2: a thread per output)
 
 
 def test_both_layouts_compute_what_the_model_computes(plans):

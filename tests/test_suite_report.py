@@ -40,7 +40,7 @@ def test_report_is_self_contained_with_plots_summary_and_every_problem(tmp_path:
     text = path.read_text()
     assert text.startswith("<!DOCTYPE html>") and text.rstrip().endswith("</html>")
     images = re.findall(r"src='data:image/png;base64,([A-Za-z0-9+/=]+)'", text)
-    assert len(images) == 4 and all(base64.b64decode(b)[:8] == b"\x89PNG\r\n\x1a\n" for b in images)
+    assert len(images) == 5 and all(base64.b64decode(b)[:8] == b"\x89PNG\r\n\x1a\n" for b in images)
     assert not re.search(r"(src|href)=['\"](?!data:)", text) and "<script" not in text  # nothing to fetch or run
     for anchor in ("summary", "distribution", "per-problem", "per-problem-eager", "per-problem-compile", "floor",
                    "problems"):
@@ -74,7 +74,7 @@ def test_every_baseline_gets_bars_a_column_and_a_geomean() -> None:
         math.exp(sum(math.log(0.9 + 0.01 * i) for i in range(12) if i % 4 != 3) / 9))
     assert "geomean/compile-ro" in summary.format_table()
     text = render_report(records, summary)
-    assert "id='per-problem-compile-ro'" in text and text.count("data:image/png;base64,") == 5
+    assert "id='per-problem-compile-ro'" in text and text.count("data:image/png;base64,") == 6
     assert "geomean vs torch.compile reduce-overhead" in text and "<th>vs compile-ro</th>" in text
     assert "<td>25%</td>" in text
 

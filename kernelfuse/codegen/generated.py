@@ -2,10 +2,12 @@
 
 Pointwise kernels move 16 bytes per access where the source is contiguous over the space; reductions, softmax and
 norms are in kernelfuse.codegen.reduce (their split form over a few long rows in kernelfuse.codegen.split),
-pooling in kernelfuse.codegen.pool; the shared iteration machinery in kernelfuse.codegen.iteration.
+pooling in kernelfuse.codegen.pool, scans in kernelfuse.codegen.scan; the shared iteration machinery in kernelfuse.codegen.iteration.
 """
 
 from __future__ import annotations
+
+import torch
 
 from kernelfuse.capture import contiguous_strides
 from kernelfuse.codegen.binding import Binding, pointer_launcher, py_tuple
@@ -26,8 +28,10 @@ from kernelfuse.codegen.iteration import (
 from kernelfuse.codegen.pool import pool_kernel
 from kernelfuse.codegen.reduce import row_kernel, row_strategy, row_workspace
 from kernelfuse.codegen.reduce_prelude import REDUCE_PRELUDE
+from kernelfuse.codegen.scan import scan_kernel
 from kernelfuse.codegen.split import split_chunks, split_kernel, split_workspace
 from kernelfuse.ops import float_literal
+from kernelfuse.ops.scans import SCAN_KINDS
 from kernelfuse.plan.ir import GenStep, Plan
 
 __all__ = ["REDUCE_PRELUDE", "render_generated", "tensor_args"]  # tensor_args: the emitted call passes them
@@ -41,6 +45,8 @@ def render_generated(plan: Plan, step: GenStep) -> tuple[str, Binding]:
         body = _flat_kernel(step, ctype)
     elif family == "pool":
         body = pool_kernel(step, ctype)
+    elif family == "scan":
+        body = scan_kernel(step, ctype)
     elif family == "split":
         body = split_kernel(step, ctype, split_chunks(step))
     else:
@@ -49,12 +55,14 @@ def render_generated(plan: Plan, step: GenStep) -> tuple[str, Binding]:
 
 
 def _family(step: GenStep) -> str:
-    """The kernel family a step renders to: flat (pointwise, eval-mode batch norm), pool, split or row."""
+    """The kernel family a step renders to: flat (pointwise, eval-mode batch norm), pool, scan, split or row."""
     spec = step.spec
     if spec is None or spec.kind == "affine_norm":  # type: ignore[attr-defined]
         return "flat"
     if spec.window is not None:  # type: ignore[attr-defined]
         return "pool"
+    if spec.kind in SCAN_KINDS:  # type: ignore[attr-defined]
+        return "scan"
     return "split" if split_chunks(step) > 1 else "row"
 
 
@@ -161,7 +169,7 @@ def _binding(plan: Plan, step: GenStep) -> Binding:
     for name, ref in args:
         meta = metas[name]
         lines.append(f'    _check({name}, "{k} {name} (%{ref.name})", {py_tuple(meta.shape)}, {py_tuple(meta.stride)}, '  # type: ignore[attr-defined]
-                     f"{dtype})")
+                     f"{dtype if meta.dtype != torch.bool else torch.bool})")  # type: ignore[attr-defined]
     strides = permuted_out(step)
     if strides:  # eager's permuted layout, which later views and kernels were captured against
         lines.append(f"    out = src.new_empty_strided({py_tuple(step.out_meta.shape)}, {py_tuple(strides)})")

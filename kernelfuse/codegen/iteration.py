@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from kernelfuse.capture import contiguous_strides
 from kernelfuse.codegen.common import INT32_LIMIT, offset_expr, program_lines
 from kernelfuse.plan.ir import GenStep
@@ -162,9 +164,19 @@ def epilogue_lines(step: GenStep, index: str, ind: str) -> list[str]:
     return program_lines(step.epilogue, "y", offsets, "e_", ind)
 
 
+def operand_ctype(step: GenStep, name: str, ctype: str) -> str:
+    """The C type of tensor `name` of tensor_args: the kernel's, or bool for a mask read as an operand."""
+    programs = {"in": step.prologue, "ep": step.epilogue, "m": step.mapped}
+    for prefix, program in programs.items():
+        if program is not None and name.startswith(prefix) and name[len(prefix):].isdigit():
+            return "bool" if program.operands[int(name[len(prefix):])].meta.dtype == torch.bool else ctype
+    return ctype
+
+
 def pointer_params(step: GenStep, ctype: str) -> str:
     params = [f"const {ctype}* __restrict__ src"]
-    params += [f"const {ctype}* __restrict__ p_in{i}_p" for i in range(len(step.prologue.operands))]
+    params += [f"const {operand_ctype(step, f'in{i}', ctype)}* __restrict__ p_in{i}_p"
+               for i in range(len(step.prologue.operands))]
     spec = step.spec
     if spec is not None:
         if spec.weight is not None:  # type: ignore[attr-defined]
@@ -173,9 +185,11 @@ def pointer_params(step: GenStep, ctype: str) -> str:
             params.append(f"const {ctype}* __restrict__ bias")
         if spec.running is not None:  # type: ignore[attr-defined]
             params += [f"{ctype}* __restrict__ run_mean", f"{ctype}* __restrict__ run_var"]
-    params += [f"const {ctype}* __restrict__ e_in{i}_p" for i in range(len(step.epilogue.operands))]
+    params += [f"const {operand_ctype(step, f'ep{i}', ctype)}* __restrict__ e_in{i}_p"
+               for i in range(len(step.epilogue.operands))]
     if step.mapped is not None:
-        params += [f"const {ctype}* __restrict__ m_in{i}_p" for i in range(len(step.mapped.operands))]
+        params += [f"const {operand_ctype(step, f'm{i}', ctype)}* __restrict__ m_in{i}_p"
+                   for i in range(len(step.mapped.operands))]
     params.append(f"{ctype}* __restrict__ out")
     return ", ".join(params)
 
@@ -199,7 +213,7 @@ def launch_params(step: GenStep, ctype: str) -> tuple[str, str]:
     """The launcher's pointer parameters and the casts that pass them to the kernel."""
     const = {name: "" if name in ("run_mean", "run_var") else "const " for name, _ in tensor_args(step)}
     params = ", ".join(f"{const[name]}void* {name}" for name in const)
-    args = ", ".join(f"({const[name]}{ctype}*){name}" for name in const)
+    args = ", ".join(f"({const[name]}{operand_ctype(step, name, ctype)}*){name}" for name in const)
     return params, args
 
 

@@ -4,6 +4,11 @@ Threads take output elements in the order of the source's memory: NCHW order for
 for a channels-last source (a channels-last convolution's output), so that a warp reads neighbouring channels,
 which lie next to each other, instead of reading one float from each of 32 sectors C floats apart. The NCHW
 output is then written with a stride; an output is a window's size smaller than what is read.
+
+For an NCHW source a thread computes up to ROW_OUTPUTS neighbouring outputs along the last pooled dim: each input
+element of their joint span is loaded once and combined into every window that holds it (a 4x4 stride-1 window:
+28 loads for 4 outputs instead of 64), in each window's own order, so the results are bitwise those of one
+thread per output.
 """
 
 from __future__ import annotations
@@ -41,9 +46,13 @@ def pool_kernel(step: GenStep, ctype: str) -> str:
     isz, osz = shape_numel(in_shape[-nd:]), shape_numel(out_shape[-nd:])
     max_pool = spec.kind == "max_pool"  # type: ignore[attr-defined]
     channels_last = reads_channels_last(step) and len(lead_in) == 2  # (N, C) before the pooled dims
+    per_thread = 1 if channels_last or win.adaptive else row_outputs(win, out_shape[-1])
+    if per_thread > 1:
+        return _row_pool_kernel(step, ctype, per_thread)
     order = "channel fastest (channels-last source)" if channels_last else "output order"
-    lines = [f"// pooling: kernel {list(win.kernel)}, stride {list(win.stride)}, padding {list(win.padding)}, "
-             f"dilation {list(win.dilation)}; threads in {order}",
+    geometry = f"adaptive to {list(out_shape[-nd:])}" if win.adaptive else \
+        f"kernel {list(win.kernel)}, stride {list(win.stride)}, padding {list(win.padding)}, dilation {list(win.dilation)}"
+    lines = [f"// pooling: {geometry}; threads in {order}",
              f"__global__ void __launch_bounds__({BLOCK}) {k}_kernel({pointer_params(step, ctype)}) {{",
              f"  typedef {index_t} INDEX;",
              f"  for (INDEX t = (INDEX)blockIdx.x * {BLOCK} + threadIdx.x; t < (INDEX){numel}; "
@@ -61,12 +70,22 @@ def pool_kernel(step: GenStep, ctype: str) -> str:
         lines.append(f"    INDEX rest = i % {osz};")
     for d in reversed(range(nd)):
         lines.append(f"    const int q{d} = (int)(rest % {out_shape[-nd + d]}); rest /= {out_shape[-nd + d]};")
-    for d in range(nd):
-        lines.append(f"    const int s{d} = q{d} * {win.stride[d]} - {win.padding[d]};")
+    if win.adaptive:  # [q * n / m, ceil((q + 1) * n / m)) as ATen's adaptive pools compute it
+        for d in range(nd):
+            n, m = in_shape[-nd + d], out_shape[-nd + d]
+            lines.append(f"    const int s{d} = (int)((long long)q{d} * {n} / {m}), "
+                         f"e{d} = (int)((((long long)q{d} + 1) * {n} + {m - 1}) / {m});")
+    else:
+        for d in range(nd):
+            lines.append(f"    const int s{d} = q{d} * {win.stride[d]} - {win.padding[d]};")
     lines.append("    float acc = -INFINITY;" if max_pool else "    float acc = 0.0f;")
     ind = "    "
     for d in range(nd):
         size = in_shape[-nd + d]
+        if win.adaptive:
+            lines.append(f"{ind}for (int p{d} = s{d}; p{d} < e{d}; ++p{d}) {{")
+            ind += "  "
+            continue
         lines.append(f"{ind}for (int w{d} = 0; w{d} < {win.kernel[d]}; ++w{d}) {{")
         ind += "  "
         lines.append(f"{ind}const int p{d} = s{d} + w{d} * {win.dilation[d]};")
@@ -98,6 +117,8 @@ def reads_channels_last(step: GenStep) -> bool:
 def _avg_divisor(win, sizes: tuple[int, ...]) -> list[str]:
     """ATen's avg_pool divisor: the override, else the window clipped to input + padding (count_include_pad),
     else the number of positions inside the input."""
+    if win.adaptive:  # ATen divides by each dim's window length in turn (sum / kH / kW)
+        return [f"    acc = acc / (float)(e{d} - s{d});" for d in range(len(sizes))]
     if win.divisor is not None:
         return [f"    acc = acc / {float_literal(float(win.divisor))};"]
     pad_terms, in_terms = [], []
@@ -107,3 +128,94 @@ def _avg_divisor(win, sizes: tuple[int, ...]) -> list[str]:
         in_terms.append(f"(min({end}, {size}) - max(s{d}, 0))")
     count = " * ".join(pad_terms if win.count_include_pad else in_terms)
     return [f"    acc = acc / (float)({count});"]
+
+
+ROW_OUTPUTS = 4  # neighbouring outputs a thread computes along the last pooled dim
+MAX_SPAN = 32  # input elements of their joint span it loads per window row (registers)
+
+
+def row_outputs(win, out_last: int) -> int:
+    """Outputs per thread along the last pooled dim: ROW_OUTPUTS where neighbouring windows overlap densely
+    (stride and dilation 1 along it), fewer where the span would exceed MAX_SPAN or the dim is shorter; else 1.
+    A thread's loads are V elements apart from its neighbour's, so a warp's load touches about V cache lines
+    instead of one or two: that pays only where each element then serves several windows. A dilated window
+    (the lead's probe: a 1-d max pool, kernel 8, dilation 3) keeps one output per thread."""
+    if win.stride[-1] != 1 or win.dilation[-1] != 1 or win.kernel[-1] < 2:
+        return 1
+    v = ROW_OUTPUTS
+    while v > 1 and (v > out_last or _span(win, v) > MAX_SPAN):
+        v //= 2
+    return v
+
+
+def _span(win, v: int) -> int:
+    return (v - 1) * win.stride[-1] + (win.kernel[-1] - 1) * win.dilation[-1] + 1
+
+
+def _row_pool_kernel(step: GenStep, ctype: str, v: int) -> str:
+    """A thread per V neighbouring outputs along the last pooled dim: window loops over the other pooled dims as
+    in the one-output kernel, then the span of the last dim loaded once, each element combined into every window
+    holding it (in increasing window position, each output's own order)."""
+    spec = step.spec
+    win = spec.window  # type: ignore[attr-defined]
+    k = step.kernel
+    in_shape, out_shape = step.prologue.space, step.epilogue.space
+    nd = len(win.kernel)
+    last = nd - 1
+    out_last, size_last = out_shape[-1], in_shape[-1]
+    groups = -(-out_last // v)
+    rows = shape_numel(out_shape) // out_last
+    isz, osz_rest = shape_numel(in_shape[-nd:]), shape_numel(out_shape[-nd:-1])
+    max_pool = spec.kind == "max_pool"  # type: ignore[attr-defined]
+    combine = "kf_max_op()(acc{o}, x)" if max_pool else "acc{o} + x"
+    lines = [f"// pooling: kernel {list(win.kernel)}, stride {list(win.stride)}, padding {list(win.padding)}, "
+             f"dilation {list(win.dilation)}; a thread per {v} neighbouring outputs along the last dim",
+             f"__global__ void __launch_bounds__({BLOCK}) {k}_kernel({pointer_params(step, ctype)}) {{",
+             f"  typedef {index_type(step)} INDEX;",
+             f"  for (INDEX t = (INDEX)blockIdx.x * {BLOCK} + threadIdx.x; t < (INDEX){rows * groups}; "
+             f"t += (INDEX)gridDim.x * {BLOCK}) {{"]
+    lines += value_lambda(step, space_of(step), "k", None)
+    lines += [f"    const INDEX row = t / {groups};",
+              f"    const int first = (int)(t % {groups}) * {v};",
+              f"    const INDEX lead = row / {osz_rest};",
+              f"    INDEX rest = row % {osz_rest};"]
+    for d in reversed(range(last)):
+        lines.append(f"    const int q{d} = (int)(rest % {out_shape[-nd + d]}); rest /= {out_shape[-nd + d]};")
+    for d in range(last):
+        lines.append(f"    const int s{d} = q{d} * {win.stride[d]} - {win.padding[d]};")
+    lines.append(f"    const int base = first * {win.stride[-1]} - {win.padding[-1]};")
+    init = "-INFINITY" if max_pool else "0.0f"
+    lines.append("    float " + ", ".join(f"acc{o} = {init}" for o in range(v)) + ";")
+    ind = "    "
+    for d in range(last):
+        lines.append(f"{ind}for (int w{d} = 0; w{d} < {win.kernel[d]}; ++w{d}) {{")
+        ind += "  "
+        lines.append(f"{ind}const int p{d} = s{d} + w{d} * {win.dilation[d]};")
+        lines.append(f"{ind}if (p{d} < 0 || p{d} >= {in_shape[-nd + d]}) continue;")
+    flat = ""  # the input offset of the window row, before the last dim's position
+    if last:
+        rows_index = "p0"
+        for d in range(1, last):
+            rows_index = f"({rows_index}) * {in_shape[-nd + d]} + p{d}"
+        flat = f"({rows_index}) * {size_last} + "
+    for j in range(_span(win, v)):
+        users = [o for o in range(v) for w in range(win.kernel[-1]) if o * win.stride[-1] + w * win.dilation[-1] == j]
+        if not users:
+            continue
+        lines.append(f"{ind}if (base + {j} >= 0 && base + {j} < {size_last}) {{")
+        lines.append(f"{ind}  const float x = value(lead * {isz} + {flat}base + {j});")
+        lines += [f"{ind}  acc{o} = {combine.format(o=o)};" for o in users]
+        lines.append(f"{ind}}}")
+    for _ in range(last):
+        ind = ind[:-2]
+        lines.append(f"{ind}}}")
+    for o in range(v):
+        lines += [f"    if (first + {o} < {out_last}) {{", f"      float acc = acc{o};"]
+        if not max_pool:  # the divisor of this output's window
+            lines.append(f"      const int s{last} = (first + {o}) * {win.stride[-1]} - {win.padding[-1]};")
+            lines += ["  " + ln for ln in _avg_divisor(win, in_shape[-nd:])]
+        lines += [f"      const INDEX i = row * {out_last} + first + {o};", "      const float y = acc;"]
+        lines += epilogue_lines(step, "i", "      ")
+        lines += [f"      out[i] = kf_store<{ctype}>(e_result);", "    }"]
+    lines += ["  }", "}", ""]
+    return "\n".join(lines) + launcher(step, ctype, f"kf_blocks({rows * groups}LL, {BLOCK})")

@@ -6,8 +6,25 @@ deviations with Chan's merge."""
 REDUCE_PRELUDE = r"""
 struct kf_sum_op { __device__ __forceinline__ float operator()(float a, float b) const { return a + b; } };
 struct kf_prod_op { __device__ __forceinline__ float operator()(float a, float b) const { return a * b; } };
-struct kf_max_op { __device__ __forceinline__ float operator()(float a, float b) const { return (a != a || b != b) ? NAN : fmaxf(a, b); } };
-struct kf_min_op { __device__ __forceinline__ float operator()(float a, float b) const { return (a != a || b != b) ? NAN : fminf(a, b); } };
+// NaN-propagating max/min: one max.NaN/min.NaN instruction on sm_80+ (the comparisons otherwise: four)
+struct kf_max_op { __device__ __forceinline__ float operator()(float a, float b) const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r; asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
+#else
+  return (a != a || b != b) ? NAN : fmaxf(a, b);
+#endif
+} };
+struct kf_min_op { __device__ __forceinline__ float operator()(float a, float b) const {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  float r; asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b)); return r;
+#else
+  return (a != a || b != b) ? NAN : fminf(a, b);
+#endif
+} };
+// log(exp(a) + exp(b)) as ATen's logcumsumexp combines: NaN propagates, equal infinities return a
+struct kf_logaddexp_op { __device__ __forceinline__ float operator()(float a, float b) const {
+  const float lo = b != b ? b : (b < a ? b : a), hi = b != b ? b : (a < b ? b : a);
+  return (lo != hi || isfinite(lo)) ? hi + log1pf(expf(lo - hi)) : a; } };
 
 // Combine `v` across the TPR threads of a row (TPR 1: the thread owns the row; 32: a warp; else the block).
 template <int TPR, typename Op>

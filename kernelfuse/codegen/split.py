@@ -41,6 +41,9 @@ SPLIT_MIN_CHUNK = 4096
 STRIDED_SPLIT_MAX_ROWS = 32768  # from here one thread per strided row keeps the GPU busy
 STRIDED_TILE = 32  # neighbouring rows a split-strided block reads side by side (fewer rows: a power of two above)
 STRIDED_MIN_CHUNK = 256  # elements of a row per split-strided block: 32 per warp
+# iterations of a thread's loop over a contiguous chunk issued together: one 4-byte load in flight per thread
+# (2048 per SM, 8 KB) is too few to cover memory latency on an H100; the results are bitwise the same
+UNROLL = 4
 
 
 def split_chunks(step: GenStep) -> int:
@@ -176,7 +179,8 @@ def _split_partial(step: GenStep, ctype: str, chunks: int, name: str, reduce: tu
                   "  if (lane != 0 || !active) return;",
                   f"  for (int j = 1; j < TPR; ++j) s = {op}()(s, part[j][tx]);  // in a fixed order"]
     else:
-        lines += [f"  for (INDEX r = begin + lane; r < end; r += TPR) s = {op}()(s, value(r));",
+        lines += [f"#pragma unroll {UNROLL}",
+                  f"  for (INDEX r = begin + lane; r < end; r += TPR) s = {op}()(s, value(r));",
                   f"  s = kf_row_reduce<TPR>(s, {op}());",
                   "  if (lane != 0) return;"]
     return lines + [f"  work[row * {chunks} + blockIdx.x] = s;", "}", ""]
@@ -196,7 +200,8 @@ def _welford_partial(strided: bool, rows: int, chunks: int) -> list[str]:
                   "  for (int j = 1; j < TPR; ++j) kf_welford_merge(n, mean, m2, part[0][j][tx], part[1][j][tx], "
                   "part[2][j][tx]);  // in a fixed order"]
     else:
-        lines += ["  for (INDEX r = begin + lane; r < end; r += TPR) kf_welford_add(n, mean, m2, value(r));",
+        lines += [f"#pragma unroll {UNROLL}  // independent loads in flight: the chain of adds keeps its order",
+                  "  for (INDEX r = begin + lane; r < end; r += TPR) kf_welford_add(n, mean, m2, value(r));",
                   "  kf_row_reduce_welford<TPR>(n, mean, m2);",
                   "  if (lane != 0) return;"]
     return lines + [f"  work[row * {chunks} + blockIdx.x] = mean;",
@@ -258,7 +263,7 @@ def _split_normalise(step: GenStep, ctype: str, space: Space, stats: int) -> lis
             f"  typedef {index_type(step)} INDEX;"]
     if ds is None:
         flat = Space(space.sizes, ("t",) * len(space.sizes), strides)
-        lines = [*head, "  {", *value_lambda(step, flat, "t", None),
+        lines = [*head, "  {", *value_lambda(step, flat, "t", None), f"#pragma unroll {UNROLL}",
                  f"    for (INDEX r = (INDEX)blockIdx.x * blockDim.x + threadIdx.x; r < (INDEX){shape_numel(space.sizes)}; "
                  "r += (INDEX)gridDim.x * blockDim.x) {"]
         lines += _normalise_element(step, flat, stats, space.count("k"), lambda n: f"a_{n}")

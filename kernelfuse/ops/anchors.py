@@ -16,7 +16,8 @@ ANCHOR_OPS: dict[str, str] = {
 # Free views: never worth a kernel and never reported as unfused.
 VIEW_OPS: frozenset[str] = frozenset(
     {"t.default", "view.default", "_unsafe_view.default", "reshape.default", "permute.default", "expand.default",
-     "unsqueeze.default", "squeeze.dim", "alias.default", "detach.default", "transpose.int", "getitem"}
+     "unsqueeze.default", "squeeze.dim", "alias.default", "detach.default", "transpose.int", "getitem",
+     "slice.Tensor", "select.int", "narrow.default"}
 )
 
 # Families recognised for reporting; they are planned as torch calls until their kernels exist.

@@ -36,6 +36,9 @@ class PoolWindow:
     dilation: tuple[int, ...]
     count_include_pad: bool = True
     divisor: int | None = None
+    # adaptive pooling: output q of a dim of n inputs and m outputs pools [q * n // m, ceil((q + 1) * n / m));
+    # `kernel` then holds the longest such window per dim, stride and padding are unused
+    adaptive: bool = False
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,12 @@ class ReduceSpec:
     momentum: float = 0.0
     out_index: int | None = None
     window: PoolWindow | None = None
+    # scans (kernelfuse.ops.scans): in reverse order (flip, scan, flip back) and/or exclusive (the identity first,
+    # then the scan of all but the last element: eager's cat of zeros with a cumsum of a narrowed input)
+    reverse: bool = False
+    exclusive: bool = False
+    result: str | None = None  # the node carrying the value where it is not the op's own (the cat, the flip back)
+    absorbs: tuple[str, ...] = ()  # further nodes the kernel computes (the cat's zeros, the flips)
 
     @property
     def broadcast(self) -> bool:
@@ -271,6 +280,24 @@ def _pool(kind: str, dims: int) -> Parse:
     return parse
 
 
+def _adaptive_pool(kind: str, dims: int) -> Parse:
+    """_adaptive_avg_pool{d}d and adaptive_max_pool{d}d (indices unused): each output pools its own window."""
+
+    def parse(graph: Graph, node: Node) -> ReduceSpec | str:
+        src = _source(graph, node)
+        if isinstance(src, str):
+            return src
+        ref, shape, stride = src
+        if len(shape) < dims + 1:
+            return "pooling input without a batch or channel dim"
+        sizes = tuple(int(o) for o in node.args[1])  # type: ignore[union-attr]
+        longest = tuple(-(-n // m) + (1 if n % m else 0) for n, m in zip(shape[-dims:], sizes, strict=True))
+        window = PoolWindow(longest, (0,) * dims, (0,) * dims, (1,) * dims, adaptive=True)
+        return ReduceSpec(kind, ref, shape, (), stride, out_index=0 if kind == "max_pool" else None, window=window)
+
+    return parse
+
+
 def _contiguous(shape: tuple[int, ...]) -> list[int]:
     strides, acc = [], 1
     for d in reversed(shape):
@@ -301,6 +328,10 @@ REDUCTION_OPS: tuple[ReductionOp, ...] = (
     ReductionOp("avg_pool1d.default", "avg_pool", _pool("avg_pool", 1)),
     ReductionOp("avg_pool2d.default", "avg_pool", _pool("avg_pool", 2)),
     ReductionOp("avg_pool3d.default", "avg_pool", _pool("avg_pool", 3)),
+    ReductionOp("_adaptive_avg_pool2d.default", "avg_pool", _adaptive_pool("avg_pool", 2)),
+    ReductionOp("_adaptive_avg_pool3d.default", "avg_pool", _adaptive_pool("avg_pool", 3)),
+    ReductionOp("adaptive_max_pool2d.default", "max_pool", _adaptive_pool("max_pool", 2)),
+    ReductionOp("adaptive_max_pool3d.default", "max_pool", _adaptive_pool("max_pool", 3)),
 )
 
 REDUCTION_BY_ATEN: dict[str, ReductionOp] = {row.aten: row for row in REDUCTION_OPS}

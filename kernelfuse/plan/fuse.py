@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from kernelfuse.capture import Graph, Node, Ref, TensorMeta, contiguous_strides
 from kernelfuse.ops import ANCHOR_OPS, POINTWISE_BY_ATEN, VIEW_OPS
 from kernelfuse.ops.anchors import family_of
+from kernelfuse.ops.kept import KEPT_AS_TORCH
 from kernelfuse.plan.ir import (
     Anchor,
     Epilogue,
@@ -299,4 +300,4 @@ def _unfused_reason(graph: Graph, node: Node) -> str:
         return "library call, nothing to fuse behind it" if ok else f"library call: {why}"
     if node.op in POINTWISE_BY_ATEN:
         return "pointwise op not fused: no library call before it, or its input is needed elsewhere"
-    return f"{family}: no kernel yet"
+    return KEPT_AS_TORCH.get(node.op) or f"{family}: no kernel yet"

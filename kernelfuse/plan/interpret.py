@@ -13,6 +13,7 @@ import torch
 from kernelfuse.capture import Graph, Node, Ref
 from kernelfuse.capture.graph import constant_value
 from kernelfuse.ops import POINTWISE_BY_ATEN
+from kernelfuse.ops.scans import SCAN_KINDS, scan_reference
 from kernelfuse.plan.ir import Epilogue, FusedStep, GenStep, Plan, Program, TorchStep
 
 
@@ -63,7 +64,9 @@ def _run_generated(step: GenStep, env: dict[str, object]) -> torch.Tensor:
     """Prologue on the source, the reduction node's own ATen call on its result, then the epilogue (and the
     broadcast consumer reading it, for a reduce-then-broadcast kernel)."""
     value = _run_program(step.prologue, env[step.source.ref.name], env)
-    if step.reduce_node is not None:
+    if step.spec is not None and step.spec.kind in SCAN_KINDS:  # type: ignore[attr-defined]
+        value = scan_reference(step.spec, value)  # type: ignore[arg-type]  # its reverse/exclusive form too
+    elif step.reduce_node is not None:
         node = step.reduce_node
         local = {**env, "__kf_reduce_input": value}
         args = (Ref("__kf_reduce_input"),) + node.args[1:]

@@ -15,7 +15,8 @@ import torch
 
 from kernelfuse.capture import Graph, Node, Ref, TensorMeta
 from kernelfuse.ops import POINTWISE_BY_ATEN
-from kernelfuse.ops.reductions import REDUCTION_BY_ATEN, ReduceSpec
+from kernelfuse.ops.reductions import ReduceSpec
+from kernelfuse.ops.scans import GENERATED_BY_ATEN
 from kernelfuse.plan.ir import EArg, GenStep, Operand, Program, Statement
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -42,7 +43,7 @@ def schedule(graph: Graph, taken: set[str], first_kernel: int, max_kernels: int 
         if node.name in used or node.op in ("input", "param", "buffer"):
             continue
         if max_kernels is not None and len(steps) >= max_kernels:
-            if node.op in POINTWISE_BY_ATEN or node.op in REDUCTION_BY_ATEN:
+            if node.op in POINTWISE_BY_ATEN or node.op in GENERATED_BY_ATEN:
                 reasons.setdefault(node.name, "fusion cap (--max-fusions) reached")
             continue
         step = _kernel_from(graph, node, used, f"k{first_kernel + len(steps)}", reasons)
@@ -54,10 +55,11 @@ def schedule(graph: Graph, taken: set[str], first_kernel: int, max_kernels: int 
 
 def can_fuse_pointwise(graph: Graph, node: Node, space: TensorMeta) -> tuple[bool, str]:
     """Can `node` join a pointwise chain over `space`? As many elements (a reshape keeps the flat order), the same
-    float dtype, and every tensor it reads broadcasts to its own shape. A comparison of such values (a bool
-    result) may join as well, and a where/masked_fill may read one as its condition: inside a kernel the
-    condition is a 1.0f/0.0f float that is never stored (the chain checks that it is computed inside,
-    `_conditions_inside`)."""
+    float dtype, and every tensor it reads broadcasts to its own shape. A bool tensor in memory may be an operand
+    (`x * mask`: loaded as 1.0f or 0.0f, ATen's promotion), beside at least one operand of the kernel's dtype.
+    A comparison of such values (a bool result) may join as well, and a where/masked_fill may read one as its
+    condition: inside a kernel the condition is a 1.0f/0.0f float that is never stored (the chain checks that it
+    is computed inside, `_conditions_inside`)."""
     if node.op not in POINTWISE_BY_ATEN and node.op not in RESHAPES:
         return False, "not a pointwise op of the table"
     if node.meta is None or not (node.meta.dtype in FLOAT_DTYPES or _is_comparison(node)):
@@ -70,15 +72,18 @@ def can_fuse_pointwise(graph: Graph, node: Node, space: TensorMeta) -> tuple[boo
     for ref in node.refs:
         meta = graph[ref].meta
         in_kernel_bool = ref in conditions and _is_comparison(graph[ref])
-        if meta is None or (meta.dtype != space.dtype and not in_kernel_bool):
+        promoted = meta is not None and meta.dtype == torch.bool and ref not in conditions  # loaded as 1.0f/0.0f
+        if meta is None or (meta.dtype != space.dtype and not in_kernel_bool and not promoted):
             return False, f"operand %{ref.name} has another dtype"
+    if not any(graph[r].meta.dtype == space.dtype for r in node.refs if graph[r].meta is not None):
+        return False, "no operand of the kernel's dtype (a bool tensor in memory is an operand, never the source)"
         if not _broadcasts(meta.shape, node.meta.shape):
             return False, f"operand %{ref.name} does not broadcast to the output"
     return True, ""
 
 
 def _kernel_from(graph: Graph, seed: Node, used: set[str], kernel: str, reasons: dict[str, str]) -> GenStep | None:
-    if seed.op in REDUCTION_BY_ATEN:
+    if seed.op in GENERATED_BY_ATEN:
         return _reduction_kernel(graph, seed, None, used, kernel, reasons)
     ok, why = can_fuse_pointwise(graph, seed, seed.meta) if seed.op in POINTWISE_BY_ATEN else (False, "")
     if ok and _is_comparison(seed):
@@ -96,7 +101,7 @@ def _kernel_from(graph: Graph, seed: Node, used: set[str], kernel: str, reasons:
         return None
     last = chain.members[-1]
     readers = graph.users(last.name)
-    if len(readers) == 1 and readers[0].op in REDUCTION_BY_ATEN and not graph.is_output(last.name) \
+    if len(readers) == 1 and readers[0].op in GENERATED_BY_ATEN and not graph.is_output(last.name) \
             and readers[0].name not in used and readers[0].args and readers[0].args[0] == Ref(last.name):
         step = _reduction_kernel(graph, readers[0], chain, used, kernel, reasons)
         if step is not None:
@@ -193,7 +198,7 @@ def _escaping(graph: Graph, members: list[Node], inside: set[str]) -> bool:
 
 def _reduction_kernel(graph: Graph, node: Node, prologue: _Chain | None, used: set[str], kernel: str,
                       reasons: dict[str, str]) -> GenStep | None:
-    spec = REDUCTION_BY_ATEN[node.op].parse(graph, node)
+    spec = GENERATED_BY_ATEN[node.op].parse(graph, node)
     if isinstance(spec, str):
         reasons[node.name] = spec
         return None
@@ -213,6 +218,9 @@ def _reduction_kernel(graph: Graph, node: Node, prologue: _Chain | None, used: s
         source = Operand(spec.source, src_meta, spec.source_strides)
         program = Program((), (), spec.space)
     replaces += [node.name, *extra]
+    if spec.result is not None:  # a scan's absorbed flip precedes it: the chain reads in graph order
+        order = {n.name: i for i, n in enumerate(graph.nodes)}
+        replaces.sort(key=order.__getitem__)
     epi_chain = _grow(graph, [graph[value]], out_meta, used | set(replaces)) if graph.users(value) else None
     epi_members = epi_chain.members[1:] if epi_chain else []
     if epi_members and (graph.is_output(value) or len(graph.users(value)) > 1):
@@ -278,6 +286,8 @@ def _broadcast_consumer(graph: Graph, spec: ReduceSpec, reduced: str, value: str
 
 def _result_value(graph: Graph, node: Node, spec: ReduceSpec) -> tuple[str | None, list[str] | str]:
     """The node carrying the reduction's value, and the getitems the kernel absorbs (all others must be unused)."""
+    if spec.result is not None:  # a scan's reverse or exclusive form: the kernel writes the flip back or the cat
+        return spec.result, [*spec.absorbs, spec.result]
     if spec.out_index is None:
         return node.name, []
     value, extra = None, []
@@ -339,7 +349,7 @@ def build_program(graph: Graph, members: list[Node], meta: TensorMeta, space: tu
             ok = False
             strides = (0,) * len(space)
         operand = Operand(arg, node.meta, strides)
-        if not source and acc is None:
+        if not source and acc is None and node.meta.dtype != torch.bool:  # a bool mask is read as an operand
             source.append(operand)
             names[arg.name] = "acc"
         else:

@@ -145,9 +145,14 @@ def splice(graph: Graph, node: Node, rep: Replacement) -> Graph:
         else:
             nodes.append(rewire(n, rename))
     outputs = tuple(rename.get(r.name, r) for r in graph.outputs)
-    out = rebuild(graph, nodes, outputs)
-    live = _live(out)
-    return rebuild(out, [n for n in out.nodes if n.name in live or not pure(n)], outputs)
+    return drop_dead(rebuild(graph, nodes, outputs))
+
+
+def drop_dead(graph: Graph) -> Graph:
+    """The graph without the pure nodes no output or impure node depends on (a pool's unused indices, squeezed:
+    a reader that is itself dead must not keep them alive)."""
+    live = _live(graph)
+    return rebuild(graph, [n for n in graph.nodes if n.name in live or not pure(n)], graph.outputs)
 
 
 def rebuild(graph: Graph, nodes: list[Node] | tuple[Node, ...], outputs: tuple[Ref, ...]) -> Graph:

@@ -19,7 +19,7 @@ from kernelfuse.errors import Fallback, KernelfuseError, one_line
 from kernelfuse.rewrite.anchors import conv_bias_to_epilogue
 from kernelfuse.rewrite.chains import collapse_clamps, common_subexpressions, double_views, neutral_scalars
 from kernelfuse.rewrite.dropout import dropout_as_on_cuda
-from kernelfuse.rewrite.engine import Match, RuleFiring, rebuild, rewire, run_local
+from kernelfuse.rewrite.engine import Match, RuleFiring, drop_dead, rebuild, rewire, run_local
 from kernelfuse.rewrite.inplace import inplace_to_functional
 from kernelfuse.rewrite.losses import losses_as_pointwise
 from kernelfuse.rewrite.monotonic import reduce_before_monotonic
@@ -29,6 +29,7 @@ from kernelfuse.rewrite.reductions import (
     reduce_linear_output,
     size1_reductions,
 )
+from kernelfuse.rewrite.vector_norms import vector_norm_as_reduction
 
 # Ops that return their input's value unchanged; in a traced, non-mutating graph they can be bypassed.
 IDENTITY_OPS = frozenset({"alias.default", "detach.default", "clone.default", "lift_fresh_copy.default"})
@@ -141,6 +142,7 @@ RULES: tuple[Rule, ...] = (
     _whole(drop_identities),
     _whole(div_by_scalar_to_mul),
     _local(losses_as_pointwise),
+    _local(vector_norm_as_reduction),
     _local(common_subexpressions),
     _local(neutral_scalars),
     _local(double_views),
@@ -156,11 +158,13 @@ RULE_NAMES: tuple[str, ...] = tuple(r.name for r in RULES)
 
 
 def apply_rules(graph: Graph, disabled: Collection[str] = ()) -> RewriteResult:
-    """Apply every rule not in `disabled`, in order, until none fires; the result records each firing."""
+    """Apply every rule not in `disabled`, in order, until none fires; the result records each firing. Values
+    nothing reads are dropped first, whatever rules run: the trace keeps them (a pool's indices, squeezed)."""
     unknown = sorted(set(disabled) - set(RULE_NAMES))
     if unknown:
         raise UnknownRewriteError(f"unknown rewrite rule {', '.join(unknown)}: the rules are "
                                   f"{', '.join(RULE_NAMES)}")
+    graph = drop_dead(graph)
     fired: list[RuleFiring] = []
     failed: list[Fallback] = []
     skip = set(disabled)

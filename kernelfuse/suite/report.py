@@ -21,6 +21,7 @@ from typing import Any
 
 from kernelfuse.suite.discover import SuiteError
 from kernelfuse.suite.plan_html import anchors_cell, plans_section, shipped_plan
+from kernelfuse.suite.roofline import roofline_figure
 from kernelfuse.suite.summary import FAST_P, Summary, failure_cause, level_name, speedups
 
 INSTALL = "pip install 'kernelfuse[report]'  (or: pip install matplotlib)"
@@ -70,6 +71,8 @@ def render_report(records: list[dict[str, Any]], summary: Summary, base: Path | 
         parts += [f"<h3 id='per-problem-{name}'>over {html.escape(BASELINE_TITLES.get(name, name))}</h3>"
                   + _img(_bars(records, name)) for name in baselines]
         parts += ["<h2 id='floor'>Achieved time vs floor estimate</h2>", _img(_floor(records))]
+        parts += ["<h2 id='roofline'>Time over the floor: ours, eager, torch.compile</h2>",
+                  _img(roofline_figure(records))]
     else:
         parts.append("<p class='note'>No problem was timed (no GPU ran): the plots are left out; the plans below "
                      "show what each problem's fusion does and the traffic it saves by estimate.</p>")
