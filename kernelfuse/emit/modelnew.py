@@ -24,7 +24,7 @@ from kernelfuse.emit.graphed import GRAPH_RUNTIME, graphed_forward_source
 from kernelfuse.emit.hoist import cached_tuple, plan_hoist, step_out, weight_methods
 from kernelfuse.errors import ProblemError
 from kernelfuse.load import Problem, class_source
-from kernelfuse.plan.ir import FusedStep, GenStep, Plan, Step, TorchStep
+from kernelfuse.plan.ir import AttnStep, FusedStep, GenStep, Plan, Step, TorchStep
 
 # Readable spellings for common ATen calls; anything else is written `torch.ops.aten.<op>(...)`.
 PY_SPELLING = {
@@ -255,6 +255,8 @@ def _step_lines(graph, step: Step, names: dict[str, str]) -> list[str]:
         return [f"    v_{step.node.name} = {_call(step.node, names)}"]
     if isinstance(step, GenStep):
         return _generated_lines(graph, step, names)
+    if isinstance(step, AttnStep):
+        return _attention_lines(graph, step, names)
     return _fused_lines(graph, step, names)
 
 
@@ -308,6 +310,14 @@ def _generated_lines(graph, step: GenStep, names: dict[str, str]) -> list[str]:
     args = ", ".join(_py(ref, names) for _, ref in tensor_args(step))
     names[step.out] = f"v_{step.out}"
     return [f"    # {step.kernel}: {step.chain(graph)}  ({step.family} kernel)",
+            f"    v_{step.out} = ext.{step.kernel}({args})"]
+
+
+def _attention_lines(graph, step: AttnStep, names: dict[str, str]) -> list[str]:
+    """One call of a flash-attention kernel: it reads q, k, v (and the mask) through their strides."""
+    args = ", ".join(names[i.ref.name] for i in step.inputs)
+    names[step.out] = f"v_{step.out}"
+    return [f"    # {step.kernel}: {step.chain(graph)}  (flash-attention kernel, {step.origin})",
             f"    v_{step.out} = ext.{step.kernel}({args})"]
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from kernelfuse.capture import Graph, Node, Ref, TensorMeta, contiguous_strides
 from kernelfuse.ops import ANCHOR_OPS, POINTWISE_BY_ATEN, VIEW_OPS
 from kernelfuse.ops.anchors import family_of
+from kernelfuse.plan.attention import attention_steps
 from kernelfuse.plan.ir import (
     Anchor,
     Epilogue,
@@ -40,6 +41,7 @@ class PlanOptions:
     matmul_tf32: bool = False  # the tf32 policy: matrix products on TF32 tensor cores
     max_fusions: int | None = None
     generated: bool = True  # generated kernels (pointwise chains, reductions, norms) besides anchor epilogues
+    attention: bool = True  # flash-attention kernels for SDPA and hand-written attention (kernelfuse.plan.attention)
 
 
 def plan_variants(graph: Graph, precision: str = "strict", max_fusions: int | None = None,
@@ -68,11 +70,13 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
     """Anchors take their pointwise epilogues; the scheduler turns the rest into generated kernels; an anchor's
     epilogue whose only reader is a reduction kernel moves into that kernel's prologue (one pass, not two)."""
     fused: dict[str, FusedStep] = {}  # output node name -> step
-    absorbed: set[str] = set()
+    attention, reasons = attention_steps(graph, 0) if options.generated and options.attention else ([], {})
+    attention = attention[:options.max_fusions]  # attention first: its bmms are no anchors of their own
+    absorbed: set[str] = {name for step in attention for name in step.replaces}
     for node in graph.nodes:
         if node.name in absorbed or node.op not in ANCHOR_OPS or node.meta is None:
             continue
-        if options.max_fusions is not None and len(fused) >= options.max_fusions:
+        if options.max_fusions is not None and len(fused) + len(attention) >= options.max_fusions:
             break
         ok, _ = anchor_supported(graph, node)
         if not ok:
@@ -82,9 +86,11 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
             continue
         fused[step.out] = step
         absorbed.update(step.replaces)
-    cap = None if options.max_fusions is None else max(options.max_fusions - len(fused), 0)
-    gens, reasons = schedule(graph, absorbed, len(fused), cap) if options.generated else ([], {})
+    cap = None if options.max_fusions is None else max(options.max_fusions - len(fused) - len(attention), 0)
+    gens, gen_reasons = schedule(graph, absorbed, len(fused), cap) if options.generated else ([], {})
+    reasons.update(gen_reasons)
     by_out: dict[str, Step] = dict(fused)
+    by_out.update((step.out, step) for step in attention)
     for gen in gens:
         by_out[gen.out] = gen
     _merge_into_reductions(graph, by_out)

@@ -1,0 +1,258 @@
+"""The flash-attention kernel family (plan AttnSteps): softmax(q kᵀ * scale + mask) v without the scores in memory.
+
+A block of 128 threads takes 64 queries (32 for head dims over 128) of one (batch, head): the query tile sits in
+shared memory, K and then V tiles stream through one shared buffer, and each query row keeps a running maximum and
+sum (online softmax), rescaling its output accumulator (registers, D / 16 floats per row per thread) when the
+maximum grows. Scores and probabilities are fp32 FMAs in exact fp32 (no TF32): the strict policy's numerics,
+faster than eager's unfused form because the S x L scores make no round trip through memory. Tiles whose every
+key is masked (causal, or a bool mask such as minGPT's lower-triangular buffer) are skipped before their scores
+are computed. Inputs and the output are read and written through the strides the plan gives, so the transposes
+and copies around attention cost nothing; grouped-query attention reads kv head `head / group`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernelfuse.codegen.binding import Binding, pointer_launcher, py_tuple
+from kernelfuse.codegen.common import C_TYPES
+from kernelfuse.ops import float_literal
+from kernelfuse.plan.attention import logical_view, mask_view, strides_of
+from kernelfuse.plan.ir import AttnStep, Plan
+
+MASK_KINDS = {"none": 0, "keep": 1, "drop": 2, "add": 3}  # the kernel's MASK template argument
+
+ATTENTION_PRELUDE = r"""
+// ---- flash attention (kernelfuse.codegen.attention) ----
+#ifndef KF_DYNAMIC_SHARED
+#define KF_DYNAMIC_SHARED(name) extern __shared__ __align__(16) float name[]
+#endif
+
+struct kf_attn_params {
+  const void* q; const void* k; const void* v; const void* mask; void* out;
+  int heads, group, S, L;  // group: query heads per kv head
+  long long sq[4], sk[4], sv[4], sm[4], so[4];  // element strides over (batch, head, row, col)
+  float scale;
+};
+
+// Tile geometry: 128 threads as 8 row groups x 16 lanes; a thread owns RQ query rows, CK keys of a tile and
+// DJ output columns (d = lane + 16 j). Rows of the transposed shared tiles are padded by 4 floats: fewer bank
+// conflicts on the transposing stores, and every row stays 16-byte aligned for the vector loads.
+template <int D, int BQ, int BK>
+struct kf_attn_tile {
+  static constexpr int TX = 16, RQ = BQ / 8, CK = BK / TX, DJ = (D + TX - 1) / TX;
+  static constexpr int QP = BQ + 4, KP = BK + 4;
+  static constexpr int KV = D * KP > BK * D ? D * KP : BK * D;  // K transposed, then V, in one buffer
+  static constexpr int FLOATS = D * QP + KV + BK * QP;
+};
+
+// N consecutive floats of shared memory in 16- or 8-byte loads (the callers' addresses are aligned so).
+template <int N>
+__device__ __forceinline__ void kf_attn_load(const float* src, float (&dst)[N]) {
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) {
+      const float4 t = *reinterpret_cast<const float4*>(src + i);
+      dst[i] = t.x; dst[i + 1] = t.y; dst[i + 2] = t.z; dst[i + 3] = t.w;
+    }
+  } else if constexpr (N % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < N; i += 2) {
+      const float2 t = *reinterpret_cast<const float2*>(src + i);
+      dst[i] = t.x; dst[i + 1] = t.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) dst[i] = src[i];
+  }
+}
+
+// MASK: 0 none, 1 bool (true attends, SDPA), 2 bool (true masked, masked_fill), 3 additive (the query's dtype).
+template <typename T, typename M, int D, int BQ, int BK, int MASK, bool CAUSAL, bool EMPTY_NAN>
+__global__ void __launch_bounds__(128) kf_attention_kernel(const kf_attn_params p, int tiles) {
+  typedef kf_attn_tile<D, BQ, BK> Tile;
+  constexpr int TX = Tile::TX, RQ = Tile::RQ, CK = Tile::CK, DJ = Tile::DJ, QP = Tile::QP, KP = Tile::KP;
+  KF_DYNAMIC_SHARED(kf_attn_smem);
+  float* qt = kf_attn_smem;  // [D][QP]: the query tile, transposed
+  float* kv = qt + D * QP;   // [D][KP]: the key tile, transposed; then [BK][D]: the value tile
+  float* pt = kv + Tile::KV; // [BK][QP]: the tile's probabilities, transposed
+  const int tid = threadIdx.x, tx = tid % TX, r0 = tid / TX * RQ, c0 = tx * CK;
+  const int bh = blockIdx.x / tiles, b = bh / p.heads, h = bh % p.heads, hk = h / p.group;
+  const int q0 = (blockIdx.x % tiles) * BQ;  // a head's query tiles run side by side: its K and V stay in L2
+  const T* Q = (const T*)p.q + b * p.sq[0] + h * p.sq[1];
+  const T* K = (const T*)p.k + b * p.sk[0] + hk * p.sk[1];
+  const T* V = (const T*)p.v + b * p.sv[0] + hk * p.sv[1];
+  const M* mask = (const M*)p.mask + (MASK ? b * p.sm[0] + h * p.sm[1] : 0);
+  for (int i = tid; i < BQ * D; i += 128) {
+    const int r = i / D, d = i % D;
+    qt[d * QP + r] = q0 + r < p.S ? kf_load(Q[(q0 + r) * p.sq[2] + d * p.sq[3]]) : 0.0f;
+  }
+  float o[RQ][DJ], m[RQ], l[RQ];
+#pragma unroll
+  for (int r = 0; r < RQ; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < DJ; ++j) o[r][j] = 0.0f;
+  }
+  const int kend = CAUSAL ? min(p.L, q0 + BQ) : p.L;  // causal: no key after the tile's last query
+  for (int k0 = 0; k0 < kend; k0 += BK) {
+    unsigned int valid = 0;  // bit r * CK + c: the score of (query q0 + r0 + r, key k0 + c0 + c) takes part
+#pragma unroll
+    for (int r = 0; r < RQ; ++r)
+#pragma unroll
+      for (int c = 0; c < CK; ++c) {
+        const int row = q0 + r0 + r, col = k0 + c0 + c;
+        bool ok = row < p.S && col < p.L && (!CAUSAL || col <= row);
+        if ((MASK == 1 || MASK == 2) && ok) ok = (mask[row * p.sm[2] + col * p.sm[3]] != 0) == (MASK == 1);
+        valid |= (unsigned int)ok << (r * CK + c);
+      }
+    // also the barrier after the previous tile's reads of kv and pt
+    if (!__syncthreads_or(valid != 0)) continue;  // every key of the tile masked for every query: skip it
+    for (int i = tid; i < BK * D; i += 128) {
+      const int c = i / D, d = i % D;
+      kv[d * KP + c] = k0 + c < p.L ? kf_load(K[(k0 + c) * p.sk[2] + d * p.sk[3]]) : 0.0f;
+    }
+    __syncthreads();
+    float s[RQ][CK];
+#pragma unroll
+    for (int r = 0; r < RQ; ++r)
+#pragma unroll
+      for (int c = 0; c < CK; ++c) s[r][c] = 0.0f;
+#pragma unroll 4
+    for (int d = 0; d < D; ++d) {
+      float qv[RQ], kk[CK];
+      kf_attn_load(&qt[d * QP + r0], qv);
+      kf_attn_load(&kv[d * KP + c0], kk);
+#pragma unroll
+      for (int r = 0; r < RQ; ++r)
+#pragma unroll
+        for (int c = 0; c < CK; ++c) s[r][c] = fmaf(qv[r], kk[c], s[r][c]);
+    }
+#pragma unroll
+    for (int r = 0; r < RQ; ++r) {  // online softmax: the row's 16 lanes share its maximum and sum
+      const int row = q0 + r0 + r;
+      float mx = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < CK; ++c) {
+        float x = s[r][c] * p.scale;
+        if (MASK == 3 && row < p.S && k0 + c0 + c < p.L) x += kf_load(mask[row * p.sm[2] + (k0 + c0 + c) * p.sm[3]]);
+        s[r][c] = (valid >> (r * CK + c) & 1u) ? x : -INFINITY;
+        mx = fmaxf(mx, s[r][c]);
+      }
+#pragma unroll
+      for (int off = TX / 2; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float mnew = fmaxf(m[r], mx);
+      const float base = mnew == -INFINITY ? 0.0f : mnew;  // a row masked so far: its terms are all zero
+      const float corr = expf(m[r] - base);
+      float sum = 0.0f;
+#pragma unroll
+      for (int c = 0; c < CK; ++c) {
+        s[r][c] = expf(s[r][c] - base);
+        sum += s[r][c];
+      }
+#pragma unroll
+      for (int off = TX / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      l[r] = l[r] * corr + sum;
+      m[r] = mnew;
+#pragma unroll
+      for (int j = 0; j < DJ; ++j) o[r][j] *= corr;
+#pragma unroll
+      for (int c = 0; c < CK; ++c) pt[(c0 + c) * QP + r0 + r] = s[r][c];
+    }
+    __syncthreads();  // every score read from the key tile: the buffer takes the values
+    for (int i = tid; i < BK * D; i += 128) {
+      const int c = i / D, d = i % D;
+      kv[c * D + d] = k0 + c < p.L ? kf_load(V[(k0 + c) * p.sv[2] + d * p.sv[3]]) : 0.0f;
+    }
+    __syncthreads();
+    const int keys = min(BK, p.L - k0);
+    for (int c = 0; c < keys; ++c) {
+      float pv[RQ], vv[DJ];
+      kf_attn_load(&pt[c * QP + r0], pv);
+#pragma unroll
+      for (int j = 0; j < DJ; ++j) vv[j] = (D % TX == 0 || tx + TX * j < D) ? kv[c * D + tx + TX * j] : 0.0f;
+#pragma unroll
+      for (int r = 0; r < RQ; ++r)
+#pragma unroll
+        for (int j = 0; j < DJ; ++j) o[r][j] = fmaf(pv[r], vv[j], o[r][j]);
+    }
+  }
+  T* out = (T*)p.out + b * p.so[0] + h * p.so[1];
+#pragma unroll
+  for (int r = 0; r < RQ; ++r) {
+    const int row = q0 + r0 + r;
+    if (row >= p.S) continue;
+#pragma unroll
+    for (int j = 0; j < DJ; ++j) {
+      const int d = tx + TX * j;
+      if (D % TX == 0 || d < D)
+        out[row * p.so[2] + d * p.so[3]] = kf_store<T>(l[r] > 0.0f ? o[r][j] / l[r] : EMPTY_NAN ? NAN : 0.0f);
+    }
+  }
+}
+
+template <typename T, typename M, int D, int BQ, int BK, int MASK, bool CAUSAL, bool EMPTY_NAN>
+cudaError_t kf_attention(const kf_attn_params& p, int batch, cudaStream_t stream) {
+  auto kernel = kf_attention_kernel<T, M, D, BQ, BK, MASK, CAUSAL, EMPTY_NAN>;
+  const int bytes = kf_attn_tile<D, BQ, BK>::FLOATS * (int)sizeof(float);
+  const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (error != cudaSuccess) return error;
+  const int tiles = (p.S + BQ - 1) / BQ;
+  kernel<<<(unsigned int)(tiles * (long long)batch * p.heads), 128, bytes, stream>>>(p, tiles);
+  return cudaGetLastError();
+}
+"""
+
+
+def tile_shape(head_dim: int) -> tuple[int, int]:
+    """(queries, keys) per tile: 64 x 64 up to head dim 128; 32 x 32 above, so the output accumulator (RQ x D/16
+    floats a thread) and the shared tiles (about 80 KB at D = 256) still fit."""
+    return (64, 64) if head_dim <= 128 else (32, 32)
+
+
+def input_strides(step: AttnStep) -> dict[str, tuple[int, ...]]:
+    """Element strides over (batch, head, row, col) of q, k, v and the mask, as the kernel reads them."""
+    batch = step.dims[0]
+    out = {name: strides_of(inp.meta, lambda t, inp=inp: logical_view(t, inp, batch))
+           for name, inp in (("q", step.q), ("k", step.k), ("v", step.v))}
+    out["mask"] = strides_of(step.mask.meta, lambda t: mask_view(t, step.dims)) if step.mask else (0, 0, 0, 0)
+    return out
+
+
+def render_attention(plan: Plan, step: AttnStep) -> tuple[str, Binding]:
+    """(the step's launcher, its Python binding); the kernel itself is ATTENTION_PRELUDE's template."""
+    b, h, hk, s, length, d = step.dims
+    ctype = C_TYPES[step.out_meta.dtype]
+    mask_type = "unsigned char" if step.mask is None or step.mask.meta.dtype == torch.bool else ctype
+    bq, bk = tile_shape(d)
+    strides = input_strides(step)
+    arrays = ", ".join("{" + ", ".join(str(x) for x in strides[n]) + "}" for n in ("q", "k", "v", "mask")) + \
+        ", {" + ", ".join(str(x) for x in step.out_strides) + "}"
+    args = "const void* q, const void* k, const void* v, " + ("const void* mask, " if step.mask else "")
+    mask = "mask" if step.mask else "nullptr"
+    template = (f"{ctype}, {mask_type}, {d}, {bq}, {bk}, {MASK_KINDS[step.mask_kind]}, "
+                f"{str(step.causal).lower()}, {str(step.empty_nan).lower()}")
+    source = f"""// {step.kernel}: {step.chain(plan.graph)}  (B={b} H={h} KV heads={hk} S={s} L={length} D={d})
+KF_EXPORT cudaError_t {step.kernel}_launch({args}void* out, cudaStream_t stream) {{
+  const kf_attn_params p = {{q, k, v, {mask}, out, {h}, {h // hk}, {s}, {length}, {arrays},
+                            {float_literal(step.scale)}}};
+  return kf_attention<{template}>(p, {b}, stream);
+}}
+"""
+    return source, _binding(plan, step)
+
+
+def _binding(plan: Plan, step: AttnStep) -> Binding:
+    k = step.kernel
+    names = ["q", "k", "v", "mask"][:len(step.inputs)]
+    lines = [f"# {k}: {step.chain(plan.graph)}  (flash attention)", f"def {k}(self, {', '.join(names)}):"]
+    for name, inp in zip(names, step.inputs, strict=True):
+        meta = inp.meta
+        lines.append(f'    _check({name}, "{k} {name} (%{inp.ref.name})", {py_tuple(meta.shape)}, '
+                     f"{py_tuple(meta.stride)}, {meta.dtype})")
+    lines.append(f"    out = q.new_empty_strided({py_tuple(step.out_meta.shape)}, {py_tuple(step.out_meta.stride)})")
+    ptrs = ", ".join(f"{n}.data_ptr()" for n in [*names, "out"])
+    lines.append(f'    self._launch(self._{k}, "{k}", q, {ptrs})')
+    lines.append("    return out")
+    return Binding(pointer_launcher(k, len(names) + 1), "\n".join(lines))
