@@ -109,7 +109,7 @@ def _optimize(problem_path: str | Path, out_path: str | Path, options: OptimizeO
     for plan in plans:
         log("[3/5] " + plan.summary().replace("\n", "\n      "))
     result = OptimizeResult(out_path, plans[0].variant, plans, [], rewrites=rewritten.fired)
-    if not any(p.fused or p.generated for p in plans) and not rewritten.fired:  # a rewritten graph is worth a plan
+    if not any(p.launches_kernels for p in plans) and not rewritten.fired:  # a rewritten graph is worth a plan
         result.notes.append("nothing to fuse (no library call with pointwise ops behind it): "
                             "shipping the unfused model")
         if not use_gpu:

@@ -234,12 +234,11 @@ class Plan:
             lines.append(f"  fused {s.kernel}: {s.chain(self.graph)}  ({lib}{extra}{layout}{kernel})")
         for g in self.generated:
             lines.append(f"  generated {g.kernel}: {g.chain(self.graph)}  ({g.family} kernel)")
-        for a in self.attention:
-            b, h, hk, s, length, d = a.dims
-            shape = f"B={b} H={h}{f' KV={hk}' if hk != h else ''} S={s} L={length} D={d}"
-            extra = (", causal" if a.causal else "") + (f", {a.mask_kind} mask" if a.mask is not None else "")
+        for a in self.attention:  # no batch size: the CPU check compares this with a small-batch twin's summary
+            extra = (", causal" if a.causal else "") + (f", {a.mask_kind} mask" if a.mask is not None else "") + \
+                (", grouped-query" if a.dims[2] != a.dims[1] else "")
             lines.append(f"  attention {a.kernel}: {a.chain(self.graph)}  (flash-attention kernel, {a.origin}, "
-                         f"{shape}{extra})")
+                         f"head dim {a.dims[5]}{extra})")
         for s in self.unfused:
             lines.append(f"  unfused: {s.node.op} ({s.reason})")
         if not self.unfused:

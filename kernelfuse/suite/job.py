@@ -66,7 +66,7 @@ def build(spec: JobSpec) -> dict[str, Any]:
         from kernelfuse.rewrite import rewrite
 
         problem = load_problem(spec.problem)
-        plans = [p for p in plan_variants(rewrite(capture(problem)), spec.precision) if p.fused or p.generated]
+        plans = [p for p in plan_variants(rewrite(capture(problem)), spec.precision) if p.launches_kernels]
         files = [workdir / f"{problem.name}_{p.variant}.py" for p in plans]
         for plan, path in zip(plans, files, strict=True):
             path.write_text(emit_file(problem, plan, f"variant under evaluation: {plan.variant}"))
