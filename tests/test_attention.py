@@ -191,13 +191,11 @@ def test_emulated_kernel_matches_eager(name, tmp_path):
 def test_gpu_kernel_matches_eager(name, dtype, tmp_path):
     """On the GPU, through the emitted file's binding: fp32 within the strict rule, bf16 within 1e-2."""
     from kernelfuse.codegen import generate
-    from kernelfuse.emit.modelnew import runtime_text
+    from kernelfuse.emit.module import load_kernels
 
     model, inputs, graph, plan = _planned(name, dtype)
     step = plan.attention[0]
-    namespace: dict = {}
-    exec(runtime_text(plan, generate(plan)), namespace)  # noqa: S102 - the generated runtime under test
-    kernels = namespace["_extension"]()
+    kernels = load_kernels(generate(plan), f"attention_{name}_{str(dtype)[6:]}")
     model = model.cuda()
     with torch.no_grad():
         env = _values(graph, model, [t.cuda() for t in inputs])
