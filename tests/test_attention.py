@@ -46,11 +46,11 @@ def _handwritten(mask: str, heads: int):
         q, k, v = m.proj(x).split(c, dim=2)
         q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in (q, k, v))
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
-        if mask == "causal":
+        if mask in ("causal", "relu"):
             att = att.masked_fill(m.tril[:, :, :t, :t] == 0, float("-inf"))
         elif mask == "add":
             att = att + m.tril[:, :, :t, :t]
-        att = F.softmax(att, dim=-1)
+        att = F.relu(att) if mask == "relu" else F.softmax(att, dim=-1)
         y = att @ v
         return y.transpose(1, 2).contiguous().view(b, t, c)
     return fn
@@ -90,6 +90,7 @@ CASES = {
                   "sdpa"),
     "handwritten_causal_d96": (_handwritten("causal", 2), [_randn(2, 70, 192)], "hand-written"),
     "handwritten_add_d32": (_handwritten("add", 3), [_randn(1, 37, 96)], "hand-written"),
+    "handwritten_relu_d64": (_handwritten("relu", 2), [_randn(2, 67, 128)], "hand-written"),
     "bmm_bool_mask": (_bmm3d, [_randn(4, 9, 16), _randn(4, 20, 16), _randn(4, 20, 16), _bool_mask(4, 9, 20)],
                       "hand-written"),
 }

@@ -36,10 +36,11 @@ def zoo():
 
 def test_every_attention_of_the_zoo_is_one_kernel(zoo):
     _, plan = zoo
-    kinds = [(a.origin, a.dims[5], a.mask_kind, a.causal, a.dims[1] // a.dims[2]) for a in plan.attention]
-    assert kinds == [("hand-written", 96, "drop", False, 1), ("sdpa", 40, "keep", False, 1),
-                     ("sdpa", 128, "none", False, 4), ("sdpa", 256, "none", True, 1),
-                     ("hand-written", 64, "add", False, 1)]
+    kinds = [(a.origin, a.dims[5], a.mask_kind, a.causal, a.dims[1] // a.dims[2], a.activation)
+             for a in plan.attention]
+    assert kinds == [("hand-written", 96, "drop", False, 1, "softmax"), ("hand-written", 96, "none", False, 1, "relu"),
+                     ("sdpa", 40, "keep", False, 1, "softmax"), ("sdpa", 128, "none", False, 4, "softmax"),
+                     ("sdpa", 256, "none", True, 1, "softmax"), ("hand-written", 64, "add", False, 1, "softmax")]
     assert not {s.node.op for s in plan.unfused} & {"bmm.default", "_softmax.default", "clone.default",
                                                     "scaled_dot_product_attention.default"}
 

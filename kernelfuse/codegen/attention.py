@@ -7,7 +7,8 @@ maximum grows. Scores and probabilities are fp32 FMAs in exact fp32 (no TF32): t
 faster than eager's unfused form because the S x L scores make no round trip through memory. Tiles whose every
 key is masked (causal, or a bool mask such as minGPT's lower-triangular buffer) are skipped before their scores
 are computed. Inputs and the output are read and written through the strides the plan gives, so the transposes
-and copies around attention cost nothing; grouped-query attention reads kv head `head / group`.
+and copies around attention cost nothing; grouped-query attention reads kv head `head / group`. ReLU
+self-attention (relu in the softmax's place) is the same loop without the running statistics.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ __device__ __forceinline__ void kf_attn_load(const float* src, float (&dst)[N]) 
 }
 
 // MASK: 0 none, 1 bool (true attends, SDPA), 2 bool (true masked, masked_fill), 3 additive (the query's dtype).
-template <typename T, typename M, int D, int BQ, int BK, int MASK, bool CAUSAL, bool EMPTY_NAN>
+// RELU: relu(scores) weigh the values as they are (ReLU self-attention): no maximum, no sum, no normalisation.
+template <typename T, typename M, int D, int BQ, int BK, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU>
 __global__ void __launch_bounds__(128) kf_attention_kernel(const kf_attn_params p, int tiles) {
   typedef kf_attn_tile<D, BQ, BK> Tile;
   constexpr int TX = Tile::TX, RQ = Tile::RQ, CK = Tile::CK, DJ = Tile::DJ, QP = Tile::QP, KP = Tile::KP;
@@ -140,6 +142,11 @@ __global__ void __launch_bounds__(128) kf_attention_kernel(const kf_attn_params 
         s[r][c] = (valid >> (r * CK + c) & 1u) ? x : -INFINITY;
         mx = fmaxf(mx, s[r][c]);
       }
+      if (RELU) {
+#pragma unroll
+        for (int c = 0; c < CK; ++c) pt[(c0 + c) * QP + r0 + r] = s[r][c] > 0.0f || s[r][c] != s[r][c] ? s[r][c] : 0.0f;
+        continue;
+      }
 #pragma unroll
       for (int off = TX / 2; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
       const float mnew = fmaxf(m[r], mx);
@@ -187,14 +194,15 @@ __global__ void __launch_bounds__(128) kf_attention_kernel(const kf_attn_params 
     for (int j = 0; j < DJ; ++j) {
       const int d = tx + TX * j;
       if (D % TX == 0 || d < D)
-        out[row * p.so[2] + d * p.so[3]] = kf_store<T>(l[r] > 0.0f ? o[r][j] / l[r] : EMPTY_NAN ? NAN : 0.0f);
+        out[row * p.so[2] + d * p.so[3]] =
+            kf_store<T>(RELU ? o[r][j] : l[r] > 0.0f ? o[r][j] / l[r] : EMPTY_NAN ? NAN : 0.0f);
     }
   }
 }
 
-template <typename T, typename M, int D, int BQ, int BK, int MASK, bool CAUSAL, bool EMPTY_NAN>
+template <typename T, typename M, int D, int BQ, int BK, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU>
 cudaError_t kf_attention(const kf_attn_params& p, int batch, cudaStream_t stream) {
-  auto kernel = kf_attention_kernel<T, M, D, BQ, BK, MASK, CAUSAL, EMPTY_NAN>;
+  auto kernel = kf_attention_kernel<T, M, D, BQ, BK, MASK, CAUSAL, EMPTY_NAN, RELU>;
   const int bytes = kf_attn_tile<D, BQ, BK>::FLOATS * (int)sizeof(float);
   const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (error != cudaSuccess) return error;
@@ -232,7 +240,8 @@ def render_attention(plan: Plan, step: AttnStep) -> tuple[str, Binding]:
     args = "const void* q, const void* k, const void* v, " + ("const void* mask, " if step.mask else "")
     mask = "mask" if step.mask else "nullptr"
     template = (f"{ctype}, {mask_type}, {d}, {bq}, {bk}, {MASK_KINDS[step.mask_kind]}, "
-                f"{str(step.causal).lower()}, {str(step.empty_nan).lower()}")
+                f"{str(step.causal).lower()}, {str(step.empty_nan).lower()}, "
+                f"{str(step.activation == 'relu').lower()}")
     source = f"""// {step.kernel}: {step.chain(plan.graph)}  (B={b} H={h} KV heads={hk} S={s} L={length} D={d})
 KF_EXPORT cudaError_t {step.kernel}_launch({args}void* out, cudaStream_t stream) {{
   const kf_attn_params p = {{q, k, v, {mask}, out, {h}, {h // hk}, {s}, {length}, {arrays},

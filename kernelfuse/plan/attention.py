@@ -1,5 +1,6 @@
 """The planner's attention rule: scaled_dot_product_attention nodes, and their hand-written form (minGPT's
-`softmax((q @ kᵀ) * scale + mask) @ v`), become one flash-attention kernel step (AttnStep).
+`softmax((q @ kᵀ) * scale + mask) @ v`, or with relu in the softmax's place), become one flash-attention kernel
+step (AttnStep).
 
 The hand-written form is matched on the captured ops: `bmm(view(clone(expand(q))), view(clone(expand(kᵀ))))`,
 an optional `_unsafe_view` to (B, H, S, L), an optional `mul` by a Python scalar, an optional mask
@@ -94,6 +95,8 @@ def attention_reference(step: AttnStep, q: torch.Tensor, k: torch.Tensor, v: tor
             scores = scores + m.double()
         else:
             scores = scores.masked_fill(m if step.mask_kind == "drop" else ~m, -math.inf)
+    if step.activation == "relu":
+        return _to_output((torch.relu(scores) @ vf).to(q.dtype), step)
     probs = torch.softmax(scores, dim=-1)
     if not step.empty_nan:
         probs = probs.nan_to_num(0.0)
@@ -143,9 +146,10 @@ def _from_handwritten(graph: Graph, pv: Node, kernel: str) -> AttnStep | str:
     """The attention whose last op is the bmm `pv` (probabilities @ v), or why `pv` is none."""
     chain = {pv.name}
     probs = _peel(graph, pv.args[0], chain)
-    if probs.op != "_softmax.default" or not _private(graph, probs, chain) or probs.args[2] is not False:
-        return "no softmax before the bmm"
-    if probs.args[1] not in (-1, len(probs.meta.shape) - 1):
+    if probs.op not in ("_softmax.default", "relu.default") or not _private(graph, probs, chain):
+        return "no softmax (or relu) before the bmm"
+    if probs.op == "_softmax.default" and (probs.args[1] not in (-1, len(probs.meta.shape) - 1) or
+                                           probs.args[2] is not False):
         return "softmax not over the last dim"
     chain.add(probs.name)
     scores_shape = probs.meta.shape
@@ -202,12 +206,13 @@ def _from_handwritten(graph: Graph, pv: Node, kernel: str) -> AttnStep | str:
         chain.add(after.name)
         out = after
     return _step(graph, kernel, inputs, mask, kind, False, scale, True, (batch, heads, heads, s, length, d), out,
-                 tuple(n.name for n in graph.nodes if n.name in chain), "hand-written")
+                 tuple(n.name for n in graph.nodes if n.name in chain), "hand-written",
+                 "relu" if probs.op == "relu.default" else "softmax")
 
 
 def _step(graph: Graph, kernel: str, inputs: list[AttnInput], mask: AttnInput | None, kind: str, causal: bool,
           scale: float, empty_nan: bool, dims: tuple[int, int, int, int, int, int], out: Node,
-          replaces: tuple[str, ...], origin: str) -> AttnStep | str:
+          replaces: tuple[str, ...], origin: str, activation: str = "softmax") -> AttnStep | str:
     """The step, its output written into the layout of the copy that transposes it back where that copy is the
     result's only reader (`y.transpose(1, 2).contiguous()`: the heads interleaved again, one write)."""
     b, h, hk, s, length, d = dims
@@ -230,7 +235,7 @@ def _step(graph: Graph, kernel: str, inputs: list[AttnInput], mask: AttnInput | 
         names += [transpose.name, clone.name]
         out = clone
     return AttnStep(kernel, inputs[0], inputs[1], inputs[2], mask, kind, causal, scale, empty_nan, dims, out_meta,
-                    out_strides, tuple(names), out.name, origin)
+                    out_strides, tuple(names), out.name, origin, activation)
 
 
 def _transposed_copy(graph: Graph, out: Node) -> tuple[Node, Node] | None:

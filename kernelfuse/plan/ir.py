@@ -165,6 +165,7 @@ class AttnStep:
     replaces: tuple[str, ...]
     out: str
     origin: str  # "sdpa" | "hand-written"
+    activation: str = "softmax"  # or "relu": relu(scores) @ v without normalisation (ReLU self-attention)
 
     @property
     def family(self) -> str:
@@ -173,7 +174,7 @@ class AttnStep:
     def chain(self, graph: Graph) -> str:
         ops = [graph[n].op.split(".")[0] for n in self.replaces]
         kept = [o for o in ops if o in ("scaled_dot_product_attention", "bmm", "mul", "masked_fill", "add",
-                                        "_softmax")]
+                                        "_softmax", "relu")]
         return " -> ".join(kept)
 
     @property
@@ -236,7 +237,7 @@ class Plan:
             lines.append(f"  generated {g.kernel}: {g.chain(self.graph)}  ({g.family} kernel)")
         for a in self.attention:  # no batch size: the CPU check compares this with a small-batch twin's summary
             extra = (", causal" if a.causal else "") + (f", {a.mask_kind} mask" if a.mask is not None else "") + \
-                (", grouped-query" if a.dims[2] != a.dims[1] else "")
+                (", grouped-query" if a.dims[2] != a.dims[1] else "") + (", relu" if a.activation == "relu" else "")
             lines.append(f"  attention {a.kernel}: {a.chain(self.graph)}  (flash-attention kernel, {a.origin}, "
                          f"head dim {a.dims[5]}{extra})")
         for s in self.unfused:
