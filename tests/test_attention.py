@@ -59,7 +59,7 @@ def _handwritten(mask: str, heads: int):
 def _bmm3d(m, q, k, v, mask):
     """Attention over a merged (batch * heads) dim with torch.bmm and a bool mask that empties some rows."""
     att = torch.bmm(q, k.transpose(1, 2)) * 0.3
-    att = att.masked_fill(mask, float("-inf"))
+    att = att.masked_fill(~mask, float("-inf"))  # row 1 of every batch attends to nothing: NaN, as eager gives
     return torch.bmm(torch.softmax(att, -1), v)
 
 
@@ -203,3 +203,27 @@ def test_gpu_kernel_matches_eager(name, dtype, tmp_path):
     got = getattr(kernels, step.kernel)(*(env[i.ref.name] for i in step.inputs))
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got, env[step.out], rtol=tol, atol=tol, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in CASES if "relu" not in n))
+def test_library_variant_forward_matches_eager(name):
+    """The `-sdpa` variant's emitted forward (one torch SDPA call on the same views, its result laid out as the
+    step's output, NaN rows where the hand-written mask empties a row) run on the CPU against the model."""
+    import types
+
+    from kernelfuse.emit.modelnew import forward_source
+    from kernelfuse.plan import PlanOptions
+
+    model, inputs, graph, _ = _planned(name)
+    plan = make_plan(graph, PlanOptions(attention="library"))
+    assert plan.variant.endswith("-sdpa") and [a.impl for a in plan.attention] == ["library"]
+    assert not plan.generated and not plan.fused, plan.summary()  # no kernel of ours: the forward runs on the CPU
+    names = [f"x{i}" for i in range(len(inputs))]
+    namespace: dict = {"torch": torch}
+    exec(forward_source(plan, names, has_kernels=False, guarded=False), namespace)  # noqa: S102 - emitted code
+    for fn in [v for v in namespace.values() if isinstance(v, types.FunctionType)]:
+        setattr(model, fn.__name__, types.MethodType(fn, model))
+    with torch.no_grad():
+        expected, got = Fn.forward(model, *inputs), model.forward(*inputs)
+    assert got.shape == expected.shape and got.stride() == expected.stride()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, equal_nan=True)

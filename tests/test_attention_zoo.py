@@ -30,7 +30,8 @@ GOLDEN = FIXTURES / "golden" / "zoo_attention.cu"
 @pytest.fixture(scope="module")
 def zoo():
     problem = load_problem(ZOO)
-    (plan,) = plan_variants(rewrite(capture(problem, build_model(problem))))
+    plan, library = plan_variants(rewrite(capture(problem, build_model(problem))))
+    assert library.variant == "fused-sdpa" and {a.impl for a in library.attention} == {"library", "kernel"}  # relu
     return problem, plan
 
 

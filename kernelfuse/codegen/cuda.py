@@ -109,14 +109,15 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
     """The kernels for `plan`, or None when the plan launches no custom kernel."""
     steps = [s for s in plan.fused if s.needs_kernel]
     gens = plan.generated
-    if not steps and not gens and not plan.attention:
+    attention = [a for a in plan.attention if a.impl == "kernel"]
+    if not steps and not gens and not attention:
         return None
     cuda = [HEADER, prelude_for(_rows_used(plan))]
     if gens:
         cuda.append(REDUCE_PRELUDE)
     if any(keeps_rows_on_chip(g) for g in gens):
         cuda.append(ONCHIP_PRELUDE)
-    if plan.attention:
+    if attention:
         cuda.append(ATTENTION_PRELUDE)
     bindings: list[Binding] = []
     functions: list[str] = []
@@ -140,7 +141,7 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
         cuda.append(kernel)
         bindings.append(binding)
         functions.append(gen.kernel)
-    for attn in plan.attention:
+    for attn in attention:
         kernel, binding = render_attention(plan, attn)
         cuda.append(kernel)
         bindings.append(binding)

@@ -15,6 +15,7 @@ the step records which.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -30,9 +31,10 @@ _LAYOUT_OPS = frozenset({"_unsafe_view.default", "view.default", "reshape.defaul
 _RESHAPES = frozenset({"_unsafe_view.default", "view.default", "reshape.default"})
 
 
-def attention_steps(graph: Graph, first_kernel: int) -> tuple[list[AttnStep], dict[str, str]]:
+def attention_steps(graph: Graph, first_kernel: int, library: bool = False
+                    ) -> tuple[list[AttnStep], dict[str, str]]:
     """An AttnStep for every SDPA node and hand-written attention the kernel supports, and the reason each SDPA
-    node it does not support stays a torch call."""
+    node it does not support stays a torch call. `library`: each step runs as one torch SDPA call instead."""
     steps: list[AttnStep] = []
     reasons: dict[str, str] = {}
     taken: set[str] = set()
@@ -51,7 +53,7 @@ def attention_steps(graph: Graph, first_kernel: int) -> tuple[list[AttnStep], di
         if isinstance(found, str):
             reasons[node.name] = f"attention: {found}"
             continue
-        steps.append(found)
+        steps.append(replace(found, impl="library") if library and found.activation == "softmax" else found)
         taken.update(found.replaces)
     return steps, reasons
 

@@ -41,7 +41,9 @@ class PlanOptions:
     matmul_tf32: bool = False  # the tf32 policy: matrix products on TF32 tensor cores
     max_fusions: int | None = None
     generated: bool = True  # generated kernels (pointwise chains, reductions, norms) besides anchor epilogues
-    attention: bool = True  # flash-attention kernels for SDPA and hand-written attention (kernelfuse.plan.attention)
+    # attention (SDPA and its hand-written form, kernelfuse.plan.attention): "kernel" (our flash-attention kernel),
+    # "library" (one torch SDPA call on the same strided views: cuDNN/flash/efficient kernels), or "off"
+    attention: str = "kernel"
 
 
 def plan_variants(graph: Graph, precision: str = "strict", max_fusions: int | None = None,
@@ -59,18 +61,29 @@ def plan_variants(graph: Graph, precision: str = "strict", max_fusions: int | No
                               matmul_tf32=tf32, max_fusions=max_fusions)
         measured = make_plan(graph, options)
         fallback = make_plan(graph, PlanOptions(conv_layout="nchw", matmul_tf32=tf32, max_fusions=max_fusions))
-        return [measured] if fallback.summary() == measured.summary() else [measured, fallback]
+        return _with_library_attention(graph, [measured] if fallback.summary() == measured.summary()
+                                       else [measured, fallback])
     has_conv = any(channels_last_ok(graph, n) for n in graph.nodes)
     layouts = ("nhwc", "nchw") if has_conv else ("nchw",)
-    return [make_plan(graph, PlanOptions(conv_layout=layout, matmul_tf32=tf32, max_fusions=max_fusions))
-            for layout in layouts]
+    return _with_library_attention(graph, [make_plan(graph, PlanOptions(conv_layout=layout, matmul_tf32=tf32,
+                                                                        max_fusions=max_fusions))
+                                           for layout in layouts])
+
+
+def _with_library_attention(graph: Graph, plans: list[Plan]) -> list[Plan]:
+    """After the plans, their twins with each attention one torch SDPA call instead of our kernel: torch's
+    backends (tensor cores under bf16, fp32 kernels we may not beat) are a measured variant, the faster ships."""
+    twins = [make_plan(graph, replace(p.options, attention="library")) for p in plans
+             if p.attention and isinstance(p.options, PlanOptions)]
+    return plans + twins
 
 
 def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
     """Anchors take their pointwise epilogues; the scheduler turns the rest into generated kernels; an anchor's
     epilogue whose only reader is a reduction kernel moves into that kernel's prologue (one pass, not two)."""
     fused: dict[str, FusedStep] = {}  # output node name -> step
-    attention, reasons = attention_steps(graph, 0) if options.generated and options.attention else ([], {})
+    attention, reasons = attention_steps(graph, 0, library=options.attention == "library") \
+        if options.generated and options.attention != "off" else ([], {})
     attention = attention[:options.max_fusions]  # attention first: its bmms are no anchors of their own
     absorbed: set[str] = {name for step in attention for name in step.replaces}
     for node in graph.nodes:
@@ -110,6 +123,8 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
     variant = f"fused-{'+'.join(layouts)}" if layouts else "fused"
     if options.matmul_tf32 and any(isinstance(s, FusedStep) and s.anchor.tf32 for s in steps):
         variant += "-tf32"
+    if options.attention == "library" and attention:
+        variant += "-sdpa"
     return Plan(graph, tuple(steps), variant, options)
 
 

@@ -166,6 +166,7 @@ class AttnStep:
     out: str
     origin: str  # "sdpa" | "hand-written"
     activation: str = "softmax"  # or "relu": relu(scores) @ v without normalisation (ReLU self-attention)
+    impl: str = "kernel"  # or "library": one torch SDPA call on the same views (a measured variant; softmax only)
 
     @property
     def family(self) -> str:
@@ -238,8 +239,9 @@ class Plan:
         for a in self.attention:  # no batch size: the CPU check compares this with a small-batch twin's summary
             extra = (", causal" if a.causal else "") + (f", {a.mask_kind} mask" if a.mask is not None else "") + \
                 (", grouped-query" if a.dims[2] != a.dims[1] else "") + (", relu" if a.activation == "relu" else "")
-            lines.append(f"  attention {a.kernel}: {a.chain(self.graph)}  (flash-attention kernel, {a.origin}, "
-                         f"head dim {a.dims[5]}{extra})")
+            how = "flash-attention kernel" if a.impl == "kernel" else "torch SDPA call"
+            lines.append(f"  attention {a.kernel}: {a.chain(self.graph)}  ({how}, {a.origin}, head dim {a.dims[5]}"
+                         f"{extra})")
         for s in self.unfused:
             lines.append(f"  unfused: {s.node.op} ({s.reason})")
         if not self.unfused:
