@@ -160,6 +160,12 @@ def test_dropout_in_training_keeps_attention_unfused():
     assert not sdpa.attention and "dropout" in sdpa.summary()
 
 
+def test_head_dims_over_256_stay_sdpa_calls_with_the_reason():
+    q = torch.randn(1, 2, 8, 320)
+    plan = make_plan(rewrite(capture_module(Fn(_sdpa()), [q, q.clone(), q.clone()])))
+    assert not plan.attention and "attention: head dim 320 over 256" in plan.summary()
+
+
 def test_scores_read_elsewhere_keep_attention_unfused():
     def fn(m, q, k, v):
         att = torch.softmax(q @ k.transpose(-2, -1), -1)

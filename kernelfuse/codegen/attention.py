@@ -80,7 +80,8 @@ __global__ void __launch_bounds__(128) kf_attention_kernel(const kf_attn_params 
   float* pt = kv + Tile::KV; // [BK][QP]: the tile's probabilities, transposed
   const int tid = threadIdx.x, tx = tid % TX, r0 = tid / TX * RQ, c0 = tx * CK;
   const int bh = blockIdx.x / tiles, b = bh / p.heads, h = bh % p.heads, hk = h / p.group;
-  const int q0 = (blockIdx.x % tiles) * BQ;  // a head's query tiles run side by side: its K and V stay in L2
+  // a head's query tiles run side by side (its K and V stay in L2); causal: the longest (last) tiles first
+  const int tile = blockIdx.x % tiles, q0 = (CAUSAL ? tiles - 1 - tile : tile) * BQ;
   const T* Q = (const T*)p.q + b * p.sq[0] + h * p.sq[1];
   const T* K = (const T*)p.k + b * p.sk[0] + hk * p.sk[1];
   const T* V = (const T*)p.v + b * p.sv[0] + hk * p.sv[1];
