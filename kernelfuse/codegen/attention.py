@@ -205,8 +205,14 @@ template <typename T, typename M, int D, int BQ, int BK, int MASK, bool CAUSAL, 
 cudaError_t kf_attention(const kf_attn_params& p, int batch, cudaStream_t stream) {
   auto kernel = kf_attention_kernel<T, M, D, BQ, BK, MASK, CAUSAL, EMPTY_NAN, RELU>;
   const int bytes = kf_attn_tile<D, BQ, BK>::FLOATS * (int)sizeof(float);
-  const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (error != cudaSuccess) return error;
+  static bool ready[16] = {};  // the shared-memory opt-in, once per device (not again inside a graph capture)
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev >= 16 || !ready[dev]) {
+    const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (error != cudaSuccess) return error;
+    if (dev < 16) ready[dev] = true;
+  }
   const int tiles = (p.S + BQ - 1) / BQ;
   kernel<<<(unsigned int)(tiles * (long long)batch * p.heads), 128, bytes, stream>>>(p, tiles);
   return cudaGetLastError();
