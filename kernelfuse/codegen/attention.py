@@ -8,7 +8,9 @@ faster than eager's unfused form because the S x L scores make no round trip thr
 key is masked (causal, or a bool mask such as minGPT's lower-triangular buffer) are skipped before their scores
 are computed. Inputs and the output are read and written through the strides the plan gives, so the transposes
 and copies around attention cost nothing; grouped-query attention reads kv head `head / group`. ReLU
-self-attention (relu in the softmax's place) is the same loop without the running statistics.
+self-attention (relu in the softmax's place) is the same loop without the running statistics. bf16 attention runs
+the same algorithm on tensor cores (mma.sync m16n8k16, fp32 accumulation; 4 warps of 16 query rows, the scores'
+accumulator fragments reused as the probabilities' operand fragments).
 """
 
 from __future__ import annotations
@@ -217,6 +219,177 @@ cudaError_t kf_attention(const kf_attn_params& p, int batch, cudaStream_t stream
   kernel<<<(unsigned int)(tiles * (long long)batch * p.heads), 128, bytes, stream>>>(p, tiles);
   return cudaGetLastError();
 }
+// ---- the same on tensor cores, for bf16 (mma.sync m16n8k16, fp32 accumulation) ----
+// 4 warps x 16 query rows; scores and the output accumulate in fp32 fragments, probabilities are rounded to bf16
+// for the second product (as flash attention does). Elements are raw bf16 bits (unsigned short).
+__device__ __forceinline__ float kf_bf16_float(unsigned short x) { return __uint_as_float((unsigned int)x << 16); }
+__device__ __forceinline__ unsigned short kf_float_bf16(float f) {  // round to nearest even, NaN kept
+  unsigned int u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+  return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+__device__ __forceinline__ unsigned int kf_bf16x2(float lo, float hi) {
+  return (unsigned int)kf_float_bf16(lo) | ((unsigned int)kf_float_bf16(hi) << 16);
+}
+#ifndef KF_EMULATION
+__device__ __forceinline__ void kf_mma_bf16_16816(float (&d)[4], const unsigned int (&a)[4], unsigned int b0,
+                                                  unsigned int b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();  // the launcher only picks this kernel for sm_80 and newer
+#endif
+}
+#endif
+
+template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU>
+__global__ void __launch_bounds__(128) kf_attention_tc_kernel(const kf_attn_params p, int tiles) {
+  constexpr int BQ = 64, BK = 64, DP = D + 8, KP = BK + 8, NT = BK / 8, DT = D / 8, KS = D / 16;
+  KF_DYNAMIC_SHARED(kf_attn_smem);
+  unsigned short* qs = reinterpret_cast<unsigned short*>(kf_attn_smem);  // [BQ][DP]
+  unsigned short* ks = qs + BQ * DP;                                     // [BK][DP]: keys, row-major
+  unsigned short* vt = ks + BK * DP;                                     // [D][KP]: values, transposed
+  const int tid = threadIdx.x, lane = tid % 32, g = lane / 4, t = lane % 4, r0 = tid / 32 * 16;
+  const int bh = blockIdx.x / tiles, b = bh / p.heads, h = bh % p.heads, hk = h / p.group;
+  const int tile = blockIdx.x % tiles, q0 = (CAUSAL ? tiles - 1 - tile : tile) * BQ;
+  const unsigned short* Q = (const unsigned short*)p.q + b * p.sq[0] + h * p.sq[1];
+  const unsigned short* K = (const unsigned short*)p.k + b * p.sk[0] + hk * p.sk[1];
+  const unsigned short* V = (const unsigned short*)p.v + b * p.sv[0] + hk * p.sv[1];
+  const M* mask = (const M*)p.mask + (MASK ? b * p.sm[0] + h * p.sm[1] : 0);
+  for (int i = tid; i < BQ * D; i += 128) {
+    const int r = i / D, d = i % D;
+    qs[r * DP + d] = q0 + r < p.S ? Q[(q0 + r) * p.sq[2] + d * p.sq[3]] : (unsigned short)0;
+  }
+  __syncthreads();
+  unsigned int qa[KS][4];  // the warp's 16 query rows as A fragments
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk) {
+    const unsigned short* row = qs + (r0 + g) * DP + kk * 16 + 2 * t;
+    qa[kk][0] = *reinterpret_cast<const unsigned int*>(row);
+    qa[kk][1] = *reinterpret_cast<const unsigned int*>(row + 8 * DP);
+    qa[kk][2] = *reinterpret_cast<const unsigned int*>(row + 8);
+    qa[kk][3] = *reinterpret_cast<const unsigned int*>(row + 8 * DP + 8);
+  }
+  float o[DT][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows g and g + 8 of the warp
+#pragma unroll
+  for (int j = 0; j < DT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  const int kend = CAUSAL ? min(p.L, q0 + BQ) : p.L;
+  for (int k0 = 0; k0 < kend; k0 += BK) {
+    unsigned int valid = 0;  // bit j * 4 + e: fragment element e of key group j takes part
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = q0 + r0 + g + (e >> 1) * 8, col = k0 + j * 8 + 2 * t + (e & 1);
+        bool ok = row < p.S && col < p.L && (!CAUSAL || col <= row);
+        if ((MASK == 1 || MASK == 2) && ok) ok = (mask[row * p.sm[2] + col * p.sm[3]] != 0) == (MASK == 1);
+        valid |= (unsigned int)ok << (j * 4 + e);
+      }
+    if (!__syncthreads_or(valid != 0)) continue;  // also the barrier after the previous tile's reads
+    for (int i = tid; i < BK * D; i += 128) {
+      const int c = i / D, d = i % D;
+      const bool in = k0 + c < p.L;
+      ks[c * DP + d] = in ? K[(k0 + c) * p.sk[2] + d * p.sk[3]] : (unsigned short)0;
+      vt[d * KP + c] = in ? V[(k0 + c) * p.sv[2] + d * p.sv[3]] : (unsigned short)0;
+    }
+    __syncthreads();
+    float s[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < KS; ++kk) {
+        const unsigned short* key = ks + (j * 8 + g) * DP + kk * 16 + 2 * t;
+        kf_mma_bf16_16816(s[j], qa[kk], *reinterpret_cast<const unsigned int*>(key),
+                          *reinterpret_cast<const unsigned int*>(key + 8));
+      }
+    }
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = q0 + r0 + g + (e >> 1) * 8, col = k0 + j * 8 + 2 * t + (e & 1);
+        float x = s[j][e] * p.scale;
+        if (MASK == 3 && row < p.S && col < p.L) x += kf_bf16_float(mask[row * p.sm[2] + col * p.sm[3]]);
+        s[j][e] = (valid >> (j * 4 + e) & 1u) ? x : -INFINITY;
+        if (RELU) s[j][e] = s[j][e] > 0.0f || s[j][e] != s[j][e] ? s[j][e] : 0.0f;
+        mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+      }
+    if (!RELU) {  // online softmax: a row's 4 lanes share its maximum and sum
+      float corr[2], sum[2] = {0.0f, 0.0f}, base[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
+        mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
+        const float mnew = fmaxf(m[half], mx[half]);
+        base[half] = mnew == -INFINITY ? 0.0f : mnew;
+        corr[half] = expf(m[half] - base[half]);
+        m[half] = mnew;
+      }
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[j][e] = expf(s[j][e] - base[e >> 1]);
+          sum[e >> 1] += s[j][e];
+        }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 1);
+        sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 2);
+        l[half] = l[half] * corr[half] + sum[half];
+      }
+#pragma unroll
+      for (int j = 0; j < DT; ++j) {
+        o[j][0] *= corr[0]; o[j][1] *= corr[0]; o[j][2] *= corr[1]; o[j][3] *= corr[1];
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {  // the scores' C fragments are the probabilities' A fragments
+      const unsigned int a[4] = {kf_bf16x2(s[2 * kk][0], s[2 * kk][1]), kf_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+                                 kf_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                 kf_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int j = 0; j < DT; ++j) {
+        const unsigned short* value = vt + (j * 8 + g) * KP + kk * 16 + 2 * t;
+        kf_mma_bf16_16816(o[j], a, *reinterpret_cast<const unsigned int*>(value),
+                          *reinterpret_cast<const unsigned int*>(value + 8));
+      }
+    }
+  }
+  unsigned short* out = (unsigned short*)p.out + b * p.so[0] + h * p.so[1];
+#pragma unroll
+  for (int j = 0; j < DT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = q0 + r0 + g + (e >> 1) * 8, d = j * 8 + 2 * t + (e & 1);
+      const float sum = l[e >> 1];
+      if (row < p.S)
+        out[row * p.so[2] + d * p.so[3]] =
+            kf_float_bf16(RELU ? o[j][e] : sum > 0.0f ? o[j][e] / sum : EMPTY_NAN ? NAN : 0.0f);
+    }
+}
+
+template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU>
+cudaError_t kf_attention_tc(const kf_attn_params& p, int batch, cudaStream_t stream) {
+  auto kernel = kf_attention_tc_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU>;
+  constexpr int bytes = ((64 + 64) * (D + 8) + D * (64 + 8)) * 2;
+  static bool ready[16] = {};  // the shared-memory opt-in, once per device (not again inside a graph capture)
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev >= 16 || !ready[dev]) {
+    const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (error != cudaSuccess) return error;
+    if (dev < 16) ready[dev] = true;
+  }
+  const int tiles = (p.S + 63) / 64;
+  kernel<<<(unsigned int)(tiles * (long long)batch * p.heads), 128, bytes, stream>>>(p, tiles);
+  return cudaGetLastError();
+}
 """
 
 
@@ -224,6 +397,13 @@ def tile_shape(head_dim: int) -> tuple[int, int]:
     """(queries, keys) per tile: 64 x 64 up to head dim 128; 32 x 32 above, so the output accumulator (RQ x D/16
     floats a thread) and the shared tiles (about 80 KB at D = 256) still fit."""
     return (64, 64) if head_dim <= 128 else (32, 32)
+
+
+def uses_tensor_cores(step: AttnStep) -> bool:
+    """bf16 attention with a head dim of 16..128 in steps of 16 runs on tensor cores (mma.sync m16n8k16); the rest
+    (fp32 under every policy: exact FMA; fp16; other head dims) on the fp32 FMA kernel."""
+    d = step.dims[5]
+    return step.out_meta.dtype == torch.bfloat16 and d % 16 == 0 and d <= 128
 
 
 def input_strides(step: AttnStep) -> dict[str, tuple[int, ...]]:
@@ -239,21 +419,23 @@ def render_attention(plan: Plan, step: AttnStep) -> tuple[str, Binding]:
     """(the step's launcher, its Python binding); the kernel itself is ATTENTION_PRELUDE's template."""
     b, h, hk, s, length, d = step.dims
     ctype = C_TYPES[step.out_meta.dtype]
-    mask_type = "unsigned char" if step.mask is None or step.mask.meta.dtype == torch.bool else ctype
+    tensor_cores = uses_tensor_cores(step)
+    mask_type = "unsigned char" if step.mask is None or step.mask.meta.dtype == torch.bool else \
+        "unsigned short" if tensor_cores else ctype
     bq, bk = tile_shape(d)
     strides = input_strides(step)
     arrays = ", ".join("{" + ", ".join(str(x) for x in strides[n]) + "}" for n in ("q", "k", "v", "mask")) + \
         ", {" + ", ".join(str(x) for x in step.out_strides) + "}"
     args = "const void* q, const void* k, const void* v, " + ("const void* mask, " if step.mask else "")
     mask = "mask" if step.mask else "nullptr"
-    template = (f"{ctype}, {mask_type}, {d}, {bq}, {bk}, {MASK_KINDS[step.mask_kind]}, "
-                f"{str(step.causal).lower()}, {str(step.empty_nan).lower()}, "
-                f"{str(step.activation == 'relu').lower()}")
+    flags = f"{str(step.causal).lower()}, {str(step.empty_nan).lower()}, {str(step.activation == 'relu').lower()}"
+    launch = f"kf_attention_tc<{mask_type}, {d}, {MASK_KINDS[step.mask_kind]}, {flags}>" if tensor_cores else \
+        f"kf_attention<{ctype}, {mask_type}, {d}, {bq}, {bk}, {MASK_KINDS[step.mask_kind]}, {flags}>"
     source = f"""// {step.kernel}: {step.chain(plan.graph)}  (B={b} H={h} KV heads={hk} S={s} L={length} D={d})
 KF_EXPORT cudaError_t {step.kernel}_launch({args}void* out, cudaStream_t stream) {{
   const kf_attn_params p = {{q, k, v, {mask}, out, {h}, {h // hk}, {s}, {length}, {arrays},
                             {float_literal(step.scale)}}};
-  return kf_attention<{template}>(p, {b}, stream);
+  return {launch}(p, {b}, stream);
 }}
 """
     return source, _binding(plan, step)
