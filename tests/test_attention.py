@@ -15,7 +15,7 @@ from torch import nn
 
 from kernelfuse.capture import capture_module
 from kernelfuse.codegen.attention import uses_tensor_cores
-from kernelfuse.plan import interpret, make_plan
+from kernelfuse.plan import PlanOptions, interpret, make_plan
 from kernelfuse.plan.attention import attention_reference
 from kernelfuse.plan.interpret import call_aten
 from kernelfuse.plan.ir import AttnStep
@@ -178,10 +178,12 @@ def test_scores_read_elsewhere_keep_attention_unfused():
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_emulated_kernel_matches_eager(name, tmp_path):
-    """The generated kernel on the CPU (block threads as std::threads), called through the emitted binding."""
+    """The generated kernel on the CPU (block threads as std::threads), called through the emitted binding: exact
+    FMA for hand-written attention, 3xTF32 tensor cores (mma.sync emulated) for SDPA nodes with head dims <= 128."""
     model, inputs, graph, plan = _planned(name)
     step: AttnStep = plan.attention[0]
-    assert not uses_tensor_cores(step)
+    assert step.math == ("3xtf32" if step.origin == "sdpa" else "fma")
+    assert uses_tensor_cores(step) == (step.origin == "sdpa" and step.dims[5] <= 128)
     with torch.no_grad():
         env = _values(graph, model, inputs)
     emu = emulated(plan, tmp_path)
@@ -192,6 +194,23 @@ def test_emulated_kernel_matches_eager(name, tmp_path):
     torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5, equal_nan=True)
     reference = attention_reference(step, *args[:3], args[3] if len(args) > 3 else None)
     torch.testing.assert_close(got, reference, rtol=2e-5, atol=2e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in CASES if not n.endswith("d256")))
+def test_emulated_tf32_policy_kernel_matches_the_reference(name, tmp_path):
+    """fp32 under the tf32 policy: one TF32 product on tensor cores (head dims in steps of 8, 40 included)."""
+    model, inputs, graph, _ = _planned(name)
+    plan = make_plan(graph, PlanOptions(matmul_tf32=True))
+    step: AttnStep = plan.attention[0]
+    assert step.math == "tf32" and uses_tensor_cores(step)
+    with torch.no_grad():
+        env = _values(graph, model, inputs)
+    emu = emulated(plan, tmp_path)
+    args = [env[i.ref.name] for i in step.inputs]
+    got = getattr(emu.kernels, step.kernel)(*args)
+    reference = attention_reference(step, *args[:3], args[3] if len(args) > 3 else None)
+    torch.testing.assert_close(got, reference, rtol=1e-2, atol=1e-2, equal_nan=True)
+    assert (got - reference).abs().nan_to_num(0).max() > 1e-6  # TF32 rounding shows: not the FMA kernel
 
 
 TENSOR_CORE_CASES = sorted(n for n in CASES if not n.endswith(("d40", "d256")))  # head dims 16..128, steps of 16
@@ -246,7 +265,6 @@ def test_library_variant_forward_matches_eager(name):
     import types
 
     from kernelfuse.emit.modelnew import forward_source
-    from kernelfuse.plan import PlanOptions
 
     model, inputs, graph, _ = _planned(name)
     plan = make_plan(graph, PlanOptions(attention="library"))
@@ -263,9 +281,13 @@ def test_library_variant_forward_matches_eager(name):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
-@pytest.mark.parametrize("name", ["handwritten_relu_d64", "sdpa_gqa_d128", "sdpa_bool_mask_d40"])
-def test_bf16_kernels_build_with_nvcc_for_sm90(name, tmp_path):
-    """The tensor-core kernel (mma.sync needs sm_80+) and the FMA kernel on bf16 (head dim 40) build."""
+@pytest.mark.parametrize("name, dtype, tf32", [("handwritten_relu_d64", torch.bfloat16, False),
+                                               ("sdpa_gqa_d128", torch.bfloat16, False),
+                                               ("sdpa_bool_mask_d40", torch.bfloat16, False),
+                                               ("handwritten_causal_d96", torch.float32, True)])
+def test_kernels_build_with_nvcc_for_sm90(name, dtype, tf32, tmp_path):
+    """The tensor-core kernels (mma.sync needs sm_80+: bf16, and fp32 under the tf32 policy) and the FMA kernel on
+    bf16 (head dim 40) build."""
     import subprocess
 
     from test_nvcc_compile import _nvcc
@@ -273,10 +295,11 @@ def test_bf16_kernels_build_with_nvcc_for_sm90(name, tmp_path):
     from kernelfuse.codegen import generate
 
     nvcc = _nvcc()
-    *_, plan = _planned(name, torch.bfloat16)
+    *_, graph, _ = _planned(name, dtype)
+    plan = make_plan(graph, PlanOptions(matmul_tf32=tf32))
     cu = tmp_path / "attention.cu"
     cu.write_text(generate(plan).cuda)
     result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-O3", "-c", str(cu), "-o", str(tmp_path / "a.o")],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert ("kf_attention_tc<" in cu.read_text()) == uses_tensor_cores(plan.attention[0])
+    assert ("kf_attention<" not in cu.read_text()) == uses_tensor_cores(plan.attention[0])

@@ -10,7 +10,9 @@ are computed. Inputs and the output are read and written through the strides the
 and copies around attention cost nothing; grouped-query attention reads kv head `head / group`. ReLU
 self-attention (relu in the softmax's place) is the same loop without the running statistics. bf16 attention runs
 the same algorithm on tensor cores (mma.sync m16n8k16, fp32 accumulation; 4 warps of 16 query rows, the scores'
-accumulator fragments reused as the probabilities' operand fragments).
+accumulator fragments reused as the probabilities' operand fragments). fp32 runs on tensor cores too where the
+step's arithmetic allows: TF32 under the tf32 policy, 3xTF32 (torch's own fp32 SDPA arithmetic) for SDPA nodes
+under the strict policy; hand-written fp32 attention under the strict policy keeps exact FMA.
 """
 
 from __future__ import annotations
@@ -390,6 +392,184 @@ cudaError_t kf_attention_tc(const kf_attn_params& p, int batch, cudaStream_t str
   kernel<<<(unsigned int)(tiles * (long long)batch * p.heads), 128, bytes, stream>>>(p, tiles);
   return cudaGetLastError();
 }
+// ---- fp32 on tensor cores: TF32 (the tf32 policy) or 3xTF32 (SPLIT: big and small parts, three products, the
+// arithmetic of torch's own fp32 SDPA kernel on sm_80+) with mma.sync m16n8k8 ----
+__device__ __forceinline__ unsigned int kf_tf32(float x) {  // cvt.rna.tf32.f32: 10 mantissa bits, ties away
+  const unsigned int u = __float_as_uint(x);
+  return (u & 0x7f800000u) == 0x7f800000u ? u : (u + 0x1000u) & 0xffffe000u;
+}
+#ifndef KF_EMULATION
+__device__ __forceinline__ void kf_mma_tf32_1688(float (&d)[4], const unsigned int (&a)[4], unsigned int b0,
+                                                 unsigned int b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();  // the launcher only picks this kernel for sm_80 and newer
+#endif
+}
+#endif
+
+template <bool SPLIT>
+__device__ __forceinline__ void kf_mma_f32(float (&d)[4], const float (&a)[4], float b0, float b1) {
+  unsigned int big[4], bb0 = kf_tf32(b0), bb1 = kf_tf32(b1);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) big[i] = kf_tf32(a[i]);
+  if (SPLIT) {  // the small products first, then the big one: a * b ~ as * bb + ab * bs + ab * bb
+    unsigned int small[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) small[i] = kf_tf32(a[i] - __uint_as_float(big[i]));
+    kf_mma_tf32_1688(d, small, bb0, bb1);
+    kf_mma_tf32_1688(d, big, kf_tf32(b0 - __uint_as_float(bb0)), kf_tf32(b1 - __uint_as_float(bb1)));
+  }
+  kf_mma_tf32_1688(d, big, bb0, bb1);
+}
+
+template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, bool SPLIT>
+__global__ void __launch_bounds__(128) kf_attention_tf32_kernel(const kf_attn_params p, int tiles) {
+  constexpr int BQ = 64, BK = 64, DP = D + 4, KP = BK + 4, NT = BK / 8, DT = D / 8;
+  KF_DYNAMIC_SHARED(kf_attn_smem);
+  float* qs = kf_attn_smem;   // [BQ][DP]
+  float* ks = qs + BQ * DP;   // [BK][DP]: keys, row-major
+  float* vt = ks + BK * DP;   // [D][KP]: values, transposed
+  const int tid = threadIdx.x, lane = tid % 32, g = lane / 4, t = lane % 4, r0 = tid / 32 * 16;
+  const int bh = blockIdx.x / tiles, b = bh / p.heads, h = bh % p.heads, hk = h / p.group;
+  const int tile = blockIdx.x % tiles, q0 = (CAUSAL ? tiles - 1 - tile : tile) * BQ;
+  const float* Q = (const float*)p.q + b * p.sq[0] + h * p.sq[1];
+  const float* K = (const float*)p.k + b * p.sk[0] + hk * p.sk[1];
+  const float* V = (const float*)p.v + b * p.sv[0] + hk * p.sv[1];
+  const M* mask = (const M*)p.mask + (MASK ? b * p.sm[0] + h * p.sm[1] : 0);
+  for (int i = tid; i < BQ * D; i += 128) {
+    const int r = i / D, d = i % D;
+    qs[r * DP + d] = q0 + r < p.S ? Q[(q0 + r) * p.sq[2] + d * p.sq[3]] : 0.0f;
+  }
+  float o[DT][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows g and g + 8 of the warp
+#pragma unroll
+  for (int j = 0; j < DT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  const int kend = CAUSAL ? min(p.L, q0 + BQ) : p.L;
+  const int src = (lane & ~3) | (t >> 1);  // the lane holding a probability this lane's operand fragment needs
+  for (int k0 = 0; k0 < kend; k0 += BK) {
+    unsigned int valid = 0;  // bit j * 4 + e: fragment element e of key group j takes part
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = q0 + r0 + g + (e >> 1) * 8, col = k0 + j * 8 + 2 * t + (e & 1);
+        bool ok = row < p.S && col < p.L && (!CAUSAL || col <= row);
+        if ((MASK == 1 || MASK == 2) && ok) ok = (mask[row * p.sm[2] + col * p.sm[3]] != 0) == (MASK == 1);
+        valid |= (unsigned int)ok << (j * 4 + e);
+      }
+    if (!__syncthreads_or(valid != 0)) continue;  // also the barrier after the previous tile's reads
+    for (int i = tid; i < BK * D; i += 128) {
+      const int c = i / D, d = i % D;
+      const bool in = k0 + c < p.L;
+      ks[c * DP + d] = in ? K[(k0 + c) * p.sk[2] + d * p.sk[3]] : 0.0f;
+      vt[d * KP + c] = in ? V[(k0 + c) * p.sv[2] + d * p.sv[3]] : 0.0f;
+    }
+    __syncthreads();
+    float s[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < D / 8; ++kk) {
+      const float* row = qs + (r0 + g) * DP + kk * 8 + t;
+      const float a[4] = {row[0], row[8 * DP], row[4], row[8 * DP + 4]};
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const float* key = ks + (j * 8 + g) * DP + kk * 8 + t;
+        kf_mma_f32<SPLIT>(s[j], a, key[0], key[4]);
+      }
+    }
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = q0 + r0 + g + (e >> 1) * 8, col = k0 + j * 8 + 2 * t + (e & 1);
+        float x = s[j][e] * p.scale;
+        if (MASK == 3 && row < p.S && col < p.L) x += mask[row * p.sm[2] + col * p.sm[3]];
+        s[j][e] = (valid >> (j * 4 + e) & 1u) ? x : -INFINITY;
+        if (RELU) s[j][e] = s[j][e] > 0.0f || s[j][e] != s[j][e] ? s[j][e] : 0.0f;
+        mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+      }
+    if (!RELU) {  // online softmax: a row's 4 lanes share its maximum and sum
+      float corr[2], sum[2] = {0.0f, 0.0f}, base[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
+        mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
+        const float mnew = fmaxf(m[half], mx[half]);
+        base[half] = mnew == -INFINITY ? 0.0f : mnew;
+        corr[half] = expf(m[half] - base[half]);
+        m[half] = mnew;
+      }
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[j][e] = expf(s[j][e] - base[e >> 1]);
+          sum[e >> 1] += s[j][e];
+        }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 1);
+        sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 2);
+        l[half] = l[half] * corr[half] + sum[half];
+      }
+#pragma unroll
+      for (int j = 0; j < DT; ++j) {
+        o[j][0] *= corr[0]; o[j][1] *= corr[0]; o[j][2] *= corr[1]; o[j][3] *= corr[1];
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < NT; ++kk) {  // the probabilities of key group kk, moved into the operand layout
+      float a[4];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float lo0 = __shfl_sync(0xffffffffu, s[kk][0], src + 2 * half);
+        const float hi0 = __shfl_sync(0xffffffffu, s[kk][1], src + 2 * half);
+        const float lo1 = __shfl_sync(0xffffffffu, s[kk][2], src + 2 * half);
+        const float hi1 = __shfl_sync(0xffffffffu, s[kk][3], src + 2 * half);
+        a[2 * half] = t & 1 ? hi0 : lo0;      // row g, key 4 * half + t
+        a[2 * half + 1] = t & 1 ? hi1 : lo1;  // row g + 8
+      }
+#pragma unroll
+      for (int j = 0; j < DT; ++j) {
+        const float* value = vt + (j * 8 + g) * KP + kk * 8 + t;
+        kf_mma_f32<SPLIT>(o[j], a, value[0], value[4]);
+      }
+    }
+  }
+  float* out = (float*)p.out + b * p.so[0] + h * p.so[1];
+#pragma unroll
+  for (int j = 0; j < DT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = q0 + r0 + g + (e >> 1) * 8, d = j * 8 + 2 * t + (e & 1);
+      const float sum = l[e >> 1];
+      if (row < p.S)
+        out[row * p.so[2] + d * p.so[3]] = RELU ? o[j][e] : sum > 0.0f ? o[j][e] / sum : EMPTY_NAN ? NAN : 0.0f;
+    }
+}
+
+template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, bool SPLIT>
+cudaError_t kf_attention_tf32(const kf_attn_params& p, int batch, cudaStream_t stream) {
+  auto kernel = kf_attention_tf32_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, SPLIT>;
+  constexpr int bytes = ((64 + 64) * (D + 4) + D * (64 + 4)) * 4;
+  static bool ready[16] = {};  // the shared-memory opt-in, once per device (not again inside a graph capture)
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev >= 16 || !ready[dev]) {
+    const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (error != cudaSuccess) return error;
+    if (dev < 16) ready[dev] = true;
+  }
+  const int tiles = (p.S + 63) / 64;
+  kernel<<<(unsigned int)(tiles * (long long)batch * p.heads), 128, bytes, stream>>>(p, tiles);
+  return cudaGetLastError();
+}
 """
 
 
@@ -400,10 +580,13 @@ def tile_shape(head_dim: int) -> tuple[int, int]:
 
 
 def uses_tensor_cores(step: AttnStep) -> bool:
-    """bf16 attention with a head dim of 16..128 in steps of 16 runs on tensor cores (mma.sync m16n8k16); the rest
-    (fp32 under every policy: exact FMA; fp16; other head dims) on the fp32 FMA kernel."""
-    d = step.dims[5]
-    return step.out_meta.dtype == torch.bfloat16 and d % 16 == 0 and d <= 128
+    """Tensor cores where the head dim allows (up to 128): bf16 (mma.sync m16n8k16, head dims in steps of 16), and
+    fp32 whose step's arithmetic is TF32 or 3xTF32 (m16n8k8, steps of 8); the rest (exact fp32, fp16, other head
+    dims) runs on the FMA kernel."""
+    d, dtype = step.dims[5], step.out_meta.dtype
+    if dtype == torch.float32:
+        return step.math != "fma" and d % 8 == 0 and d <= 128
+    return dtype == torch.bfloat16 and d % 16 == 0 and d <= 128
 
 
 def input_strides(step: AttnStep) -> dict[str, tuple[int, ...]]:
@@ -421,7 +604,7 @@ def render_attention(plan: Plan, step: AttnStep) -> tuple[str, Binding]:
     ctype = C_TYPES[step.out_meta.dtype]
     tensor_cores = uses_tensor_cores(step)
     mask_type = "unsigned char" if step.mask is None or step.mask.meta.dtype == torch.bool else \
-        "unsigned short" if tensor_cores else ctype
+        "unsigned short" if tensor_cores and ctype != "float" else ctype
     bq, bk = tile_shape(d)
     strides = input_strides(step)
     arrays = ", ".join("{" + ", ".join(str(x) for x in strides[n]) + "}" for n in ("q", "k", "v", "mask")) + \
@@ -429,8 +612,13 @@ def render_attention(plan: Plan, step: AttnStep) -> tuple[str, Binding]:
     args = "const void* q, const void* k, const void* v, " + ("const void* mask, " if step.mask else "")
     mask = "mask" if step.mask else "nullptr"
     flags = f"{str(step.causal).lower()}, {str(step.empty_nan).lower()}, {str(step.activation == 'relu').lower()}"
-    launch = f"kf_attention_tc<{mask_type}, {d}, {MASK_KINDS[step.mask_kind]}, {flags}>" if tensor_cores else \
-        f"kf_attention<{ctype}, {mask_type}, {d}, {bq}, {bk}, {MASK_KINDS[step.mask_kind]}, {flags}>"
+    kind = MASK_KINDS[step.mask_kind]
+    if tensor_cores and step.out_meta.dtype == torch.float32:
+        launch = f"kf_attention_tf32<{mask_type}, {d}, {kind}, {flags}, {str(step.math == '3xtf32').lower()}>"
+    elif tensor_cores:
+        launch = f"kf_attention_tc<{mask_type}, {d}, {kind}, {flags}>"
+    else:
+        launch = f"kf_attention<{ctype}, {mask_type}, {d}, {bq}, {bk}, {kind}, {flags}>"
     source = f"""// {step.kernel}: {step.chain(plan.graph)}  (B={b} H={h} KV heads={hk} S={s} L={length} D={d})
 KF_EXPORT cudaError_t {step.kernel}_launch({args}void* out, cudaStream_t stream) {{
   const kf_attn_params p = {{q, k, v, {mask}, out, {h}, {h // hk}, {s}, {length}, {arrays},

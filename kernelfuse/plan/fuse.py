@@ -82,7 +82,7 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
     """Anchors take their pointwise epilogues; the scheduler turns the rest into generated kernels; an anchor's
     epilogue whose only reader is a reduction kernel moves into that kernel's prologue (one pass, not two)."""
     fused: dict[str, FusedStep] = {}  # output node name -> step
-    attention, reasons = attention_steps(graph, 0, library=options.attention == "library") \
+    attention, reasons = attention_steps(graph, 0, library=options.attention == "library", tf32=options.matmul_tf32) \
         if options.generated and options.attention != "off" else ([], {})
     attention = attention[:options.max_fusions]  # attention first: its bmms are no anchors of their own
     absorbed: set[str] = {name for step in attention for name in step.replaces}

@@ -167,6 +167,9 @@ class AttnStep:
     origin: str  # "sdpa" | "hand-written"
     activation: str = "softmax"  # or "relu": relu(scores) @ v without normalisation (ReLU self-attention)
     impl: str = "kernel"  # or "library": one torch SDPA call on the same views (a measured variant; softmax only)
+    # fp32 arithmetic: "fma" (exact fp32), "tf32" (the tf32 policy), "3xtf32" (split TF32 on tensor cores: what
+    # torch's own fp32 SDPA kernel computes on sm_80+, so only for SDPA nodes under the strict policy)
+    math: str = "fma"
 
     @property
     def family(self) -> str:
@@ -238,7 +241,8 @@ class Plan:
             lines.append(f"  generated {g.kernel}: {g.chain(self.graph)}  ({g.family} kernel)")
         for a in self.attention:  # no batch size: the CPU check compares this with a small-batch twin's summary
             extra = (", causal" if a.causal else "") + (f", {a.mask_kind} mask" if a.mask is not None else "") + \
-                (", grouped-query" if a.dims[2] != a.dims[1] else "") + (", relu" if a.activation == "relu" else "")
+                (", grouped-query" if a.dims[2] != a.dims[1] else "") + (", relu" if a.activation == "relu" else "") + \
+                (f", {a.math}" if a.math != "fma" and a.impl == "kernel" else "")
             how = "flash-attention kernel" if a.impl == "kernel" else "torch SDPA call"
             lines.append(f"  attention {a.kernel}: {a.chain(self.graph)}  ({how}, {a.origin}, head dim {a.dims[5]}"
                          f"{extra})")
