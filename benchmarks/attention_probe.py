@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python benchmarks/attention_probe.py [OUT.md] [--no-compile]
 
-Per shape and dtype: our kernel (kernelfuse.codegen.attention, built through the planner from an SDPA call),
+Per shape and dtype: our kernel (kernelfuse.codegen.attention, built through the planner from an SDPA call; fp32
+in each arithmetic: exact FMA, 3xTF32, TF32),
 eager's unfused attention (q @ kᵀ * scale, mask, softmax, @ v), torch's SDPA under each backend that accepts the
 case (math, efficient, flash, cuDNN) and torch.compile of the unfused form. Each is checked against a float64
 reference (max abs error) and timed by CUDA events with L2 flushed (median of 20). Under 3 minutes on one H100
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,7 @@ from kernelfuse.capture import capture_module
 from kernelfuse.codegen import generate
 from kernelfuse.emit.module import load_kernels
 from kernelfuse.plan import make_plan
+from kernelfuse.plan.ir import AttnStep
 
 
 @dataclass(frozen=True)
@@ -91,12 +93,20 @@ def sdpa(case: Case):
     return run
 
 
-def our_kernels(dtype: torch.dtype) -> tuple[object, list[str]]:
-    """The planner's kernels for every case (one build), and each case's kernel name."""
+def our_kernels(dtype: torch.dtype) -> dict[str, tuple[object, list[str]]]:
+    """The planner's kernels for every case, one build per arithmetic (fp32: exact FMA, 3xTF32 as the strict
+    policy gives SDPA nodes, TF32 as the tf32 policy gives; bf16: tensor cores), and each case's kernel name."""
     example = [t for case in CASES for t in inputs_of(case, dtype, "meta")]
     plan = make_plan(capture_module(Attentions(), example))
     assert len(plan.attention) == len(CASES), plan.summary()
-    return load_kernels(generate(plan), f"attention_probe_{str(dtype)[6:]}"), [a.kernel for a in plan.attention]
+    maths = ("fma", "3xtf32", "tf32") if dtype == torch.float32 else (plan.attention[0].math,)
+    built = {}
+    for math_ in maths:
+        variant = replace(plan, steps=tuple(replace(s, math=math_) if isinstance(s, AttnStep) else s
+                                            for s in plan.steps))
+        kernels = load_kernels(generate(variant), f"attention_probe_{str(dtype)[6:]}_{math_}")
+        built[f"kernelfuse {math_}" if len(maths) > 1 else "kernelfuse"] = (kernels, [a.kernel for a in plan.attention])
+    return built
 
 
 def main(argv: list[str]) -> int:
@@ -104,14 +114,14 @@ def main(argv: list[str]) -> int:
     paths = [a for a in argv if not a.startswith("--")]
     rows = ["| case | dtype | method | ms | max abs err vs fp64 | ours: speedup |", "|---|---|---|---|---|---|"]
     for dtype in (torch.float32, torch.bfloat16):
-        kernels, names = our_kernels(dtype)
-        for case, kernel in zip(CASES, names, strict=True):
+        built = our_kernels(dtype)
+        for i, case in enumerate(CASES):
             args = inputs_of(case, dtype, "cuda")
             with torch.no_grad():
                 reference = unfused(case)(*(t.double() for t in args))
-            ours = getattr(kernels, kernel)
-            methods = {"kernelfuse": lambda a=args, f=ours: f(*a),
-                       "eager unfused": lambda a=args, c=case: unfused(c)(*a)}
+            methods = {label: lambda a=args, f=getattr(kernels, names[i]): f(*a)  # noqa: B008 - bound per case
+                       for label, (kernels, names) in built.items()}
+            methods["eager unfused"] = lambda a=args, c=case: unfused(c)(*a)
             for backend, enum in BACKENDS.items():
                 methods[f"sdpa {backend}"] = lambda a=args, c=case, e=enum: _with_backend(e, sdpa(c), a)
             if compile_too:
@@ -127,14 +137,16 @@ def main(argv: list[str]) -> int:
                     why = str(e).splitlines()[0][:60]
                     rows.append(f"| {case.name} | {str(dtype)[6:]} | {method} | n/a | {why} | |")
                     continue
-                ratio = "" if method == "kernelfuse" else f"{times[method] / times['kernelfuse']:.2f}x"
+                ours = min((t for m, t in times.items() if m.startswith("kernelfuse")), default=times[method])
+                ratio = "" if method.startswith("kernelfuse") else f"{times[method] / ours:.2f}x"
                 rows.append(f"| {case.name} | {str(dtype)[6:]} | {method} | {times[method]:.4f} | {err:.2e} | "
                             f"{ratio} |")
             sdpas = [t for m, t in times.items() if m.startswith("sdpa")]
-            if sdpas:
-                rows.append(f"| {case.name} | {str(dtype)[6:]} | **best SDPA / ours** | | | "
-                            f"**{min(sdpas) / times['kernelfuse']:.2f}x** |")
-            print("\n".join(rows[-len(methods) - 1:]), flush=True)
+            for label in built:
+                if sdpas and label in times:
+                    rows.append(f"| {case.name} | {str(dtype)[6:]} | **best SDPA / {label}** | | | "
+                                f"**{min(sdpas) / times[label]:.2f}x** |")
+            print("\n".join(rows[-len(methods) - len(built):]), flush=True)
             del args, reference
             torch.cuda.empty_cache()
     text = "\n".join(rows) + "\n"
