@@ -149,6 +149,16 @@ def test_handwritten_absorbs_every_copy_around_attention():
     assert not any(s.node.op == "clone.default" for s in plan.unfused)
 
 
+@pytest.mark.parametrize("name, variants", [("sdpa_d32", ["fused", "fused-sdpa"]),
+                                            ("handwritten_causal_d96", ["fused", "fused-sdpa"]),
+                                            ("handwritten_relu_d64", ["fused"])])
+def test_plans_with_softmax_attention_get_a_torch_sdpa_twin(name, variants):
+    from kernelfuse.plan import plan_variants
+
+    *_, graph, _ = _planned(name)
+    assert [p.variant for p in plan_variants(graph)] == variants
+
+
 def test_dropout_in_training_keeps_attention_unfused():
     def fn(m, q, k, v):
         att = torch.softmax(q @ k.transpose(-2, -1), -1)

@@ -74,7 +74,7 @@ def _with_library_attention(graph: Graph, plans: list[Plan]) -> list[Plan]:
     """After the plans, their twins with each attention one torch SDPA call instead of our kernel: torch's
     backends (tensor cores under bf16, fp32 kernels we may not beat) are a measured variant, the faster ships."""
     twins = [make_plan(graph, replace(p.options, attention="library")) for p in plans
-             if p.attention and isinstance(p.options, PlanOptions)]
+             if any(a.activation == "softmax" for a in p.attention) and isinstance(p.options, PlanOptions)]
     return plans + twins
 
 
