@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from kernelfuse.capture import TensorMeta
-from kernelfuse.codegen.attention import ATTENTION_PRELUDE, render_attention
+from kernelfuse.codegen.attention import render_attention
+from kernelfuse.codegen.attention_prelude import ATTENTION_PRELUDE
 from kernelfuse.codegen.binding import Binding, kernels_class, pointer_launcher, py_tuple
 from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, channels_last_format, offset_expr, program_lines
 from kernelfuse.codegen.generated import REDUCE_PRELUDE, keeps_rows_on_chip, render_generated

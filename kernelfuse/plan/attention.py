@@ -15,6 +15,7 @@ the step records which.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -78,7 +79,7 @@ def mask_view(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     return t.expand(b, h, s, length)
 
 
-def strides_of(meta: TensorMeta, view) -> tuple[int, ...]:  # noqa: ANN001 - a function of a tensor
+def strides_of(meta: TensorMeta, view: Callable[[torch.Tensor], torch.Tensor]) -> tuple[int, ...]:
     """The element strides `view` gives a tensor laid out as `meta` (computed on a meta tensor)."""
     fake = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
     return tuple(int(s) for s in view(fake).stride())
