@@ -25,7 +25,6 @@ from kernelfuse.capture import capture_module
 from kernelfuse.codegen import generate
 from kernelfuse.emit.module import load_kernels
 from kernelfuse.plan import make_plan
-from kernelfuse.plan.ir import AttnStep
 
 
 @dataclass(frozen=True)
@@ -94,19 +93,17 @@ def sdpa(case: Case):
 
 
 def our_kernels(dtype: torch.dtype) -> dict[str, tuple[object, list[str]]]:
-    """The planner's kernels for every case, one build per arithmetic (fp32: exact FMA, 3xTF32 as the strict
-    policy gives SDPA nodes, TF32 as the tf32 policy gives; bf16: tensor cores), and each case's kernel name."""
+    """The planner's kernels for every case in each arithmetic (fp32: exact FMA, 3xTF32 as the strict policy gives
+    SDPA nodes, TF32 as the tf32 policy gives; bf16: tensor cores), all in one build, and each one's kernel names."""
     example = [t for case in CASES for t in inputs_of(case, dtype, "meta")]
     plan = make_plan(capture_module(Attentions(), example))
     assert len(plan.attention) == len(CASES), plan.summary()
     maths = ("fma", "3xtf32", "tf32") if dtype == torch.float32 else (plan.attention[0].math,)
-    built = {}
-    for math_ in maths:
-        variant = replace(plan, steps=tuple(replace(s, math=math_) if isinstance(s, AttnStep) else s
-                                            for s in plan.steps))
-        kernels = load_kernels(generate(variant), f"attention_probe_{str(dtype)[6:]}_{math_}")
-        built[f"kernelfuse {math_}" if len(maths) > 1 else "kernelfuse"] = (kernels, [a.kernel for a in plan.attention])
-    return built
+    steps = [replace(a, kernel=f"a{i * len(CASES) + j}", math=m) for i, m in enumerate(maths)
+             for j, a in enumerate(plan.attention)]
+    kernels = load_kernels(generate(replace(plan, steps=tuple(steps))), f"attention_probe_{str(dtype)[6:]}")
+    return {f"kernelfuse {m}" if len(maths) > 1 else "kernelfuse":
+            (kernels, [s.kernel for s in steps[i * len(CASES):(i + 1) * len(CASES)]]) for i, m in enumerate(maths)}
 
 
 def main(argv: list[str]) -> int:
