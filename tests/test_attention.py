@@ -87,6 +87,8 @@ CASES = {
                                            _randn(3, 5, 70)], "sdpa"),
     "sdpa_gqa_d128": (_sdpa(enable_gqa=True), [_randn(1, 4, 66, 128), _randn(1, 2, 66, 128),
                                                _randn(1, 2, 66, 128)], "sdpa"),
+    "sdpa_strided_k_d32": (_sdpa(), [_randn(1, 2, 33, 32), _randn(1, 2, 32, 33).transpose(-2, -1),
+                                     _randn(1, 2, 33, 32)], "sdpa"),  # k not contiguous along d: no 16-byte loads
     "sdpa_d256": (_sdpa(is_causal=True), [_randn(1, 1, 35, 256), _randn(1, 1, 35, 256), _randn(1, 1, 35, 256)],
                   "sdpa"),
     "handwritten_causal_d96": (_handwritten("causal", 2), [_randn(2, 70, 192)], "hand-written"),

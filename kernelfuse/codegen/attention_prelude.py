@@ -223,8 +223,50 @@ __device__ __forceinline__ void kf_mma_bf16_16816(float (&d)[4], const unsigned 
 }
 #endif
 
+// One K/V tile for the tensor-core kernels: keys row-major into ks (row pitch DP), values transposed into vt (row
+// pitch KP), rows past L zero. `vec`: 16-byte loads (and key stores), where both are contiguous along d and every
+// row starts 16-byte aligned (the launcher checks); else one element at a time through the strides.
+struct alignas(16) kf_attn_vec { unsigned int w[4]; };
+
+template <typename U, int D, int BK, int DP, int KP>
+__device__ __forceinline__ void kf_attn_load_kv(const U* K, const U* V, U* ks, U* vt, int k0,
+                                                const kf_attn_params& p, bool vec) {
+  if (vec) {
+    constexpr int E = 16 / sizeof(U), W = D / E;
+    for (int i = threadIdx.x; i < BK * W; i += 128) {
+      const int c = i / W, d = i % W * E;
+      kf_attn_vec key = {}, value = {};
+      if (k0 + c < p.L) {
+        key = *reinterpret_cast<const kf_attn_vec*>(K + (k0 + c) * p.sk[2] + d);
+        value = *reinterpret_cast<const kf_attn_vec*>(V + (k0 + c) * p.sv[2] + d);
+      }
+      *reinterpret_cast<kf_attn_vec*>(ks + c * DP + d) = key;
+      const U* e = reinterpret_cast<const U*>(&value);
+#pragma unroll
+      for (int j = 0; j < E; ++j) vt[(d + j) * KP + c] = e[j];
+    }
+    return;
+  }
+  for (int i = threadIdx.x; i < BK * D; i += 128) {
+    const int c = i / D, d = i % D;
+    const bool in = k0 + c < p.L;
+    ks[c * DP + d] = in ? K[(k0 + c) * p.sk[2] + d * p.sk[3]] : (U)0;
+    vt[d * KP + c] = in ? V[(k0 + c) * p.sv[2] + d * p.sv[3]] : (U)0;
+  }
+}
+
+// Can K and V move 16 bytes at a time? Contiguous along d, 16-byte aligned bases and row strides (in elements of
+// `size` bytes).
+inline bool kf_attn_vectorised(const kf_attn_params& p, int size) {
+  const int e = 16 / size;
+  const long long* strides[2] = {p.sk, p.sv};
+  for (const long long* s : strides)
+    if (s[3] != 1 || s[0] % e || s[1] % e || s[2] % e) return false;
+  return (uintptr_t)p.k % 16 == 0 && (uintptr_t)p.v % 16 == 0;
+}
+
 template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU>
-__global__ void __launch_bounds__(128) kf_attention_tc_kernel(const kf_attn_params p, int tiles) {
+__global__ void __launch_bounds__(128) kf_attention_tc_kernel(const kf_attn_params p, int tiles, bool vec) {
   constexpr int BQ = 64, BK = 64, DP = D + 8, KP = BK + 8, NT = BK / 8, DT = D / 8, KS = D / 16;
   KF_DYNAMIC_SHARED(kf_attn_smem);
   unsigned short* qs = reinterpret_cast<unsigned short*>(kf_attn_smem);  // [BQ][DP]
@@ -267,12 +309,7 @@ __global__ void __launch_bounds__(128) kf_attention_tc_kernel(const kf_attn_para
         valid |= (unsigned int)ok << (j * 4 + e);
       }
     if (!__syncthreads_or(valid != 0)) continue;  // also the barrier after the previous tile's reads
-    for (int i = tid; i < BK * D; i += 128) {
-      const int c = i / D, d = i % D;
-      const bool in = k0 + c < p.L;
-      ks[c * DP + d] = in ? K[(k0 + c) * p.sk[2] + d * p.sk[3]] : (unsigned short)0;
-      vt[d * KP + c] = in ? V[(k0 + c) * p.sv[2] + d * p.sv[3]] : (unsigned short)0;
-    }
+    kf_attn_load_kv<unsigned short, D, BK, DP, KP>(K, V, ks, vt, k0, p, vec);
     __syncthreads();
     float s[NT][4];
 #pragma unroll
@@ -355,6 +392,7 @@ __global__ void __launch_bounds__(128) kf_attention_tc_kernel(const kf_attn_para
 template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU>
 cudaError_t kf_attention_tc(const kf_attn_params& p, int batch, cudaStream_t stream) {
   auto kernel = kf_attention_tc_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU>;
+  constexpr int bytes_per_element = 2;
   constexpr int bytes = ((64 + 64) * (D + 8) + D * (64 + 8)) * 2;
   static bool ready[16] = {};  // the shared-memory opt-in, once per device (not again inside a graph capture)
   int dev = 0;
@@ -365,7 +403,8 @@ cudaError_t kf_attention_tc(const kf_attn_params& p, int batch, cudaStream_t str
     if (dev < 16) ready[dev] = true;
   }
   const int tiles = (p.S + 63) / 64;
-  kernel<<<(unsigned int)(tiles * (long long)batch * p.heads), 128, bytes, stream>>>(p, tiles);
+  const bool vec = kf_attn_vectorised(p, bytes_per_element);
+  kernel<<<(unsigned int)(tiles * (long long)batch * p.heads), 128, bytes, stream>>>(p, tiles, vec);
   return cudaGetLastError();
 }
 // ---- fp32 on tensor cores: TF32 (the tf32 policy) or 3xTF32 (SPLIT: big and small parts, three products, the
@@ -404,7 +443,7 @@ __device__ __forceinline__ void kf_mma_f32(float (&d)[4], const float (&a)[4], f
 }
 
 template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, bool SPLIT>
-__global__ void __launch_bounds__(128) kf_attention_tf32_kernel(const kf_attn_params p, int tiles) {
+__global__ void __launch_bounds__(128) kf_attention_tf32_kernel(const kf_attn_params p, int tiles, bool vec) {
   constexpr int BQ = 64, BK = 64, DP = D + 4, KP = BK + 4, NT = BK / 8, DT = D / 8;
   KF_DYNAMIC_SHARED(kf_attn_smem);
   float* qs = kf_attn_smem;   // [BQ][DP]
@@ -438,12 +477,7 @@ __global__ void __launch_bounds__(128) kf_attention_tf32_kernel(const kf_attn_pa
         valid |= (unsigned int)ok << (j * 4 + e);
       }
     if (!__syncthreads_or(valid != 0)) continue;  // also the barrier after the previous tile's reads
-    for (int i = tid; i < BK * D; i += 128) {
-      const int c = i / D, d = i % D;
-      const bool in = k0 + c < p.L;
-      ks[c * DP + d] = in ? K[(k0 + c) * p.sk[2] + d * p.sk[3]] : 0.0f;
-      vt[d * KP + c] = in ? V[(k0 + c) * p.sv[2] + d * p.sv[3]] : 0.0f;
-    }
+    kf_attn_load_kv<float, D, BK, DP, KP>(K, V, ks, vt, k0, p, vec);
     __syncthreads();
     float s[NT][4];
 #pragma unroll
@@ -533,6 +567,7 @@ __global__ void __launch_bounds__(128) kf_attention_tf32_kernel(const kf_attn_pa
 template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, bool SPLIT>
 cudaError_t kf_attention_tf32(const kf_attn_params& p, int batch, cudaStream_t stream) {
   auto kernel = kf_attention_tf32_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, SPLIT>;
+  constexpr int bytes_per_element = 4;
   constexpr int bytes = ((64 + 64) * (D + 4) + D * (64 + 4)) * 4;
   static bool ready[16] = {};  // the shared-memory opt-in, once per device (not again inside a graph capture)
   int dev = 0;
@@ -543,7 +578,8 @@ cudaError_t kf_attention_tf32(const kf_attn_params& p, int batch, cudaStream_t s
     if (dev < 16) ready[dev] = true;
   }
   const int tiles = (p.S + 63) / 64;
-  kernel<<<(unsigned int)(tiles * (long long)batch * p.heads), 128, bytes, stream>>>(p, tiles);
+  const bool vec = kf_attn_vectorised(p, bytes_per_element);
+  kernel<<<(unsigned int)(tiles * (long long)batch * p.heads), 128, bytes, stream>>>(p, tiles, vec);
   return cudaGetLastError();
 }
 """
