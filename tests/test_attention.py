@@ -152,9 +152,11 @@ def test_handwritten_absorbs_every_copy_around_attention():
 
 
 @pytest.mark.parametrize("name, variants", [("sdpa_d32", ["fused", "fused-sdpa"]),
-                                            ("handwritten_causal_d96", ["fused", "fused-sdpa"]),
-                                            ("handwritten_relu_d64", ["fused"])])
-def test_plans_with_softmax_attention_get_a_torch_sdpa_twin(name, variants):
+                                            ("handwritten_causal_d96", ["fused", "fused-3xtf32", "fused-sdpa"]),
+                                            ("handwritten_relu_d64", ["fused", "fused-3xtf32"])])
+def test_attention_plans_get_their_measured_twins(name, variants):
+    """3xTF32 for hand-written fp32 attention (exact FMA in the first plan), one torch SDPA call for softmax
+    attention (ReLU attention has none)."""
     from kernelfuse.plan import plan_variants
 
     *_, graph, _ = _planned(name)
