@@ -30,7 +30,8 @@ GOLDEN = FIXTURES / "golden" / "zoo_attention.cu"
 @pytest.fixture(scope="module")
 def zoo():
     problem = load_problem(ZOO)
-    plan, library = plan_variants(rewrite(capture(problem, build_model(problem))))
+    plan, split, library = plan_variants(rewrite(capture(problem, build_model(problem))))
+    assert split.variant == "fused-3xtf32" and {a.math for a in split.attention} == {"3xtf32"}
     assert library.variant == "fused-sdpa" and {a.impl for a in library.attention} == {"library", "kernel"}  # relu
     return problem, plan
 
