@@ -317,3 +317,39 @@ def test_kernels_build_with_nvcc_for_sm90(name, dtype, tf32, tmp_path):
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     assert ("kf_attention<" not in cu.read_text()) == uses_tensor_cores(plan.attention[0])
+
+
+def _every_kind(m, q40, q32, keep40, keep32, add40, add32):
+    """Every mask kind on the FMA kernel (head dim 40) and on tensor cores (32, bf16 and fp32 SDPA)."""
+    drop32 = torch.bmm(q32[0], q32[0].transpose(1, 2)).masked_fill(~keep32[0, 0], float("-inf"))
+    drop40 = torch.bmm(q40[0], q40[0].transpose(1, 2)).masked_fill(~keep40[0, 0], float("-inf"))
+    return (F.scaled_dot_product_attention(q40, q40, q40), F.scaled_dot_product_attention(q40, q40, q40, keep40),
+            F.scaled_dot_product_attention(q40, q40, q40, add40), F.scaled_dot_product_attention(q32, q32, q32, keep32),
+            F.scaled_dot_product_attention(q32, q32, q32, add32),
+            F.scaled_dot_product_attention(q32, q32, q32, is_causal=True),
+            torch.bmm(torch.softmax(drop32, -1), q32[0]), torch.bmm(torch.relu(drop40), q40[0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_mask_kind_builds_with_nvcc_in_every_dtype(dtype, tmp_path):
+    """Each kernel template instantiated with each mask type builds (a bf16 additive mask compared with 0 once
+    broke the bf16 build on the GPU)."""
+    import subprocess
+
+    from test_nvcc_compile import _nvcc
+
+    from kernelfuse.codegen import generate
+
+    nvcc = _nvcc()
+    inputs = [torch.randn(1, 2, 9, 40, dtype=dtype), torch.randn(1, 2, 9, 32, dtype=dtype),
+              _bool_mask(1, 2, 9, 9, empty_row=False), _bool_mask(1, 2, 9, 9, empty_row=False),
+              torch.randn(1, 2, 9, 9, dtype=dtype), torch.randn(1, 2, 9, 9, dtype=dtype)]
+    plan = make_plan(rewrite(capture_module(Fn(_every_kind), inputs)))
+    assert sorted((a.mask_kind, a.activation) for a in plan.attention) == sorted(
+        [("none", "softmax"), ("keep", "softmax"), ("add", "softmax"), ("keep", "softmax"), ("add", "softmax"),
+         ("none", "softmax"), ("drop", "softmax"), ("drop", "relu")]), plan.summary()
+    cu = tmp_path / "attention.cu"
+    cu.write_text(generate(plan).cuda)
+    result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-O1", "-c", str(cu), "-o", str(tmp_path / "a.o")],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]

@@ -87,7 +87,8 @@ __global__ void __launch_bounds__(128) kf_attention_kernel(const kf_attn_params 
       for (int c = 0; c < CK; ++c) {
         const int row = q0 + r0 + r, col = k0 + c0 + c;
         bool ok = row < p.S && col < p.L && (!CAUSAL || col <= row);
-        if ((MASK == 1 || MASK == 2) && ok) ok = (mask[row * p.sm[2] + col * p.sm[3]] != 0) == (MASK == 1);
+        if constexpr (MASK == 1 || MASK == 2)  // only bool masks compare with 0 (a bf16 value has no !=)
+          if (ok) ok = (mask[row * p.sm[2] + col * p.sm[3]] != 0) == (MASK == 1);
         valid |= (unsigned int)ok << (r * CK + c);
       }
     // also the barrier after the previous tile's reads of kv and pt
@@ -119,7 +120,8 @@ __global__ void __launch_bounds__(128) kf_attention_kernel(const kf_attn_params 
 #pragma unroll
       for (int c = 0; c < CK; ++c) {
         float x = s[r][c] * p.scale;
-        if (MASK == 3 && row < p.S && k0 + c0 + c < p.L) x += kf_load(mask[row * p.sm[2] + (k0 + c0 + c) * p.sm[3]]);
+        if constexpr (MASK == 3)
+          if (row < p.S && k0 + c0 + c < p.L) x += kf_load(mask[row * p.sm[2] + (k0 + c0 + c) * p.sm[3]]);
         s[r][c] = (valid >> (r * CK + c) & 1u) ? x : -INFINITY;
         mx = fmaxf(mx, s[r][c]);
       }
@@ -305,7 +307,8 @@ __global__ void __launch_bounds__(128) kf_attention_tc_kernel(const kf_attn_para
       for (int e = 0; e < 4; ++e) {
         const int row = q0 + r0 + g + (e >> 1) * 8, col = k0 + j * 8 + 2 * t + (e & 1);
         bool ok = row < p.S && col < p.L && (!CAUSAL || col <= row);
-        if ((MASK == 1 || MASK == 2) && ok) ok = (mask[row * p.sm[2] + col * p.sm[3]] != 0) == (MASK == 1);
+        if constexpr (MASK == 1 || MASK == 2)  // only bool masks compare with 0 (a bf16 value has no !=)
+          if (ok) ok = (mask[row * p.sm[2] + col * p.sm[3]] != 0) == (MASK == 1);
         valid |= (unsigned int)ok << (j * 4 + e);
       }
     if (!__syncthreads_or(valid != 0)) continue;  // also the barrier after the previous tile's reads
@@ -329,7 +332,8 @@ __global__ void __launch_bounds__(128) kf_attention_tc_kernel(const kf_attn_para
       for (int e = 0; e < 4; ++e) {
         const int row = q0 + r0 + g + (e >> 1) * 8, col = k0 + j * 8 + 2 * t + (e & 1);
         float x = s[j][e] * p.scale;
-        if (MASK == 3 && row < p.S && col < p.L) x += kf_bf16_float(mask[row * p.sm[2] + col * p.sm[3]]);
+        if constexpr (MASK == 3)
+          if (row < p.S && col < p.L) x += kf_bf16_float(mask[row * p.sm[2] + col * p.sm[3]]);
         s[j][e] = (valid >> (j * 4 + e) & 1u) ? x : -INFINITY;
         if (RELU) s[j][e] = s[j][e] > 0.0f || s[j][e] != s[j][e] ? s[j][e] : 0.0f;
         mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
@@ -473,7 +477,8 @@ __global__ void __launch_bounds__(128) kf_attention_tf32_kernel(const kf_attn_pa
       for (int e = 0; e < 4; ++e) {
         const int row = q0 + r0 + g + (e >> 1) * 8, col = k0 + j * 8 + 2 * t + (e & 1);
         bool ok = row < p.S && col < p.L && (!CAUSAL || col <= row);
-        if ((MASK == 1 || MASK == 2) && ok) ok = (mask[row * p.sm[2] + col * p.sm[3]] != 0) == (MASK == 1);
+        if constexpr (MASK == 1 || MASK == 2)  // only bool masks compare with 0 (a bf16 value has no !=)
+          if (ok) ok = (mask[row * p.sm[2] + col * p.sm[3]] != 0) == (MASK == 1);
         valid |= (unsigned int)ok << (j * 4 + e);
       }
     if (!__syncthreads_or(valid != 0)) continue;  // also the barrier after the previous tile's reads
@@ -499,7 +504,8 @@ __global__ void __launch_bounds__(128) kf_attention_tf32_kernel(const kf_attn_pa
       for (int e = 0; e < 4; ++e) {
         const int row = q0 + r0 + g + (e >> 1) * 8, col = k0 + j * 8 + 2 * t + (e & 1);
         float x = s[j][e] * p.scale;
-        if (MASK == 3 && row < p.S && col < p.L) x += mask[row * p.sm[2] + col * p.sm[3]];
+        if constexpr (MASK == 3)
+          if (row < p.S && col < p.L) x += mask[row * p.sm[2] + col * p.sm[3]];
         s[j][e] = (valid >> (j * 4 + e) & 1u) ? x : -INFINITY;
         if (RELU) s[j][e] = s[j][e] > 0.0f || s[j][e] != s[j][e] ? s[j][e] : 0.0f;
         mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
