@@ -49,7 +49,7 @@ def optimize(model: torch.nn.Module, example_inputs: list | tuple, precision: st
                                             lambda plan: run_stage("codegen", generate, plan))
     for fallback in (*rewritten.failed, *fallbacks):
         warnings.warn(f"kernelfuse: {fallback.describe()}", stacklevel=2)
-    plans = [p for p in plans if p.fused or p.generated]
+    plans = [p for p in plans if p.launches_kernels]
     if not plans:
         warnings.warn("kernelfuse: nothing to fuse in this model; returning it unchanged", stacklevel=2)
         return model

@@ -14,7 +14,7 @@ from types import TracebackType
 
 from kernelfuse.capture import Graph, Node
 from kernelfuse.errors import Fallback, KernelfuseError, one_line
-from kernelfuse.plan import FusedStep, GenStep, Plan
+from kernelfuse.plan import AttnStep, FusedStep, GenStep, Plan
 
 # each round keeps at least one more kernel's nodes as torch calls (one plan, code generation and emission of
 # every variant: about a second for level-3 ResNet101); past this many, a systematic failure ships the original ops
@@ -81,7 +81,7 @@ def culprit(tb: TracebackType | None, graph: Graph) -> frozenset[str]:
     `graph`, the step's nodes (all it replaces), else that node."""
     by_name = {n.name: n for n in graph.nodes}
     for frame_locals in _frames(tb):
-        steps = [v for v in frame_locals if isinstance(v, (FusedStep, GenStep))
+        steps = [v for v in frame_locals if isinstance(v, (FusedStep, GenStep, AttnStep))
                  and all(n in by_name for n in v.replaces)]
         if steps:
             return frozenset(steps[0].replaces)

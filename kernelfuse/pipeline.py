@@ -142,7 +142,7 @@ def _optimize(problem_path: str | Path, out_path: str | Path, options: OptimizeO
         result.notes.append("no plan could be made: shipping the unfused model (the original ops)")
         return _ship_unfused(problem, result, log, options if use_gpu else None)
     result.shipped = plans[0].variant
-    if not any(p.fused or p.generated for p in plans) and not rewritten.fired:  # a rewritten graph is worth a plan
+    if not any(p.launches_kernels for p in plans) and not rewritten.fired:  # a rewritten graph is worth a plan
         result.notes.append("nothing to fuse (no library call with pointwise ops behind it): "
                             "shipping the unfused model")
         if not use_gpu:

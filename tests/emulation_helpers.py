@@ -44,7 +44,7 @@ def emulated(plan: Plan, tmp_path: Path) -> Emulated:
     sources = generate(plan)
     lines = [ln for ln in sources.cuda.splitlines()
              if not ln.startswith("#include") and "__half" not in ln and "__nv_bfloat16" not in ln]
-    text = re.sub(r"(\w+(?:<[^<>]*>)?)<<<(.*?), (\w+), 0, stream>>>\((.*)\);",
+    text = re.sub(r"(\w+(?:<[^<>]*>)?)<<<(.*?), (\w+), [^,<>]+, stream>>>\((.*)\);",
                   r"kf_emu_launch(dim3(\2), \3, [&]{ \1(\4); });", "\n".join(lines))
     for g in plan.generated:
         pointers = ", ".join(f"p[{i}]" for i in range(pointer_count(g)))

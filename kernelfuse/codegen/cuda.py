@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from kernelfuse.capture import TensorMeta
+from kernelfuse.codegen.attention import render_attention
+from kernelfuse.codegen.attention_prelude import ATTENTION_PRELUDE
 from kernelfuse.codegen.binding import Binding, kernels_class, pointer_launcher, py_tuple
 from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, channels_last_format, offset_expr, program_lines
 from kernelfuse.codegen.generated import REDUCE_PRELUDE, keeps_rows_on_chip, render_generated
@@ -109,13 +111,16 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
     """The kernels for `plan`, or None when the plan launches no custom kernel."""
     steps = [s for s in plan.fused if s.needs_kernel]
     gens = plan.generated
-    if not steps and not gens:
+    attention = [a for a in plan.attention if a.impl == "kernel"]
+    if not steps and not gens and not attention:
         return None
     cuda = [HEADER, prelude_for(_rows_used(plan))]
     if gens:
         cuda.append(REDUCE_PRELUDE)
     if any(keeps_rows_on_chip(g) for g in gens):
         cuda.append(ONCHIP_PRELUDE)
+    if attention:
+        cuda.append(ATTENTION_PRELUDE)
     bindings: list[Binding] = []
     functions: list[str] = []
     channels_last = [s for s in plan.fused if s.anchor.layout == "nhwc"]  # with or without an epilogue kernel
@@ -138,6 +143,11 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
         cuda.append(kernel)
         bindings.append(binding)
         functions.append(gen.kernel)
+    for attn in attention:
+        kernel, binding = render_attention(plan, attn)
+        cuda.append(kernel)
+        bindings.append(binding)
+        functions.append(attn.kernel)
     return CudaSources("\n".join(cuda), kernels_class(bindings), tuple(functions))
 
 

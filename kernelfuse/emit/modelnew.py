@@ -27,7 +27,7 @@ from kernelfuse.emit.hoist import cached_tuple, plan_hoist, shared_constants, st
 from kernelfuse.errors import Fallback, ProblemError, Unsupported
 from kernelfuse.load import Problem, class_source
 from kernelfuse.load.problem import PROBLEM_MODULE_PREFIX
-from kernelfuse.plan.ir import FusedStep, GenStep, Plan, Step, TorchStep
+from kernelfuse.plan.ir import AttnStep, FusedStep, GenStep, Plan, Step, TorchStep
 
 # Readable spellings for common ATen calls; anything else is written `torch.ops.aten.<op>(...)`.
 PY_SPELLING = {
@@ -313,6 +313,8 @@ def _step_lines(graph, step: Step, names: dict[str, str]) -> list[str]:
         return [f"    v_{step.node.name} = {_call(step.node, names)}"]
     if isinstance(step, GenStep):
         return _generated_lines(graph, step, names)
+    if isinstance(step, AttnStep):
+        return _attention_lines(graph, step, names)
     return _fused_lines(graph, step, names)
 
 
@@ -372,6 +374,31 @@ def _generated_lines(graph, step: GenStep, names: dict[str, str]) -> list[str]:
 def _constant_call(node: Node) -> str:
     """A tensor forward makes from literals, made once per device (see _constant)."""
     return f"_constant({node.name!r}, {literal(node.args[0])}, {node.meta.dtype}, {list(node.meta.shape)}, _device)"
+
+
+def _attention_lines(graph, step: AttnStep, names: dict[str, str]) -> list[str]:
+    """One call of a flash-attention kernel (it reads q, k, v and the mask through their strides), or one torch
+    SDPA call on the same tensors viewed as (batch, heads, rows, cols), its result laid out as the step's."""
+    names[step.out] = f"v_{step.out}"
+    if step.impl == "kernel":
+        args = ", ".join(names[i.ref.name] for i in step.inputs)
+        return [f"    # {step.kernel}: {step.chain(graph)}  (flash-attention kernel, {step.origin})",
+                f"    v_{step.out} = ext.{step.kernel}({args})"]
+    batch = step.dims[0]
+    q, k, v = (names[i.ref.name] + (".transpose(-2, -1)" if i.swap else "") +
+               (f".unflatten(0, ({batch}, -1))" if len(i.meta.shape) == 3 else "") for i in step.inputs[:3])
+    kw = [f"scale={step.scale!r}"] + (["is_causal=True"] if step.causal else []) + \
+        (["enable_gqa=True"] if step.dims[1] != step.dims[2] else [])
+    lines = [f"    # {step.kernel}: {step.chain(graph)}  (torch SDPA call, {step.origin})"]
+    if step.mask is not None:
+        mask = names[step.mask.ref.name]
+        kw.insert(0, f"attn_mask={'~' if step.mask_kind == 'drop' else ''}{mask}")
+    lines.append(f"    v_{step.out} = torch.nn.functional.scaled_dot_product_attention({q}, {k}, {v}, {', '.join(kw)})")
+    if step.mask is not None and step.empty_nan and step.mask_kind == "drop":  # softmax over no key: NaN, as eager
+        lines.append(f"    v_{step.out} = v_{step.out}.masked_fill({mask}.all(-1, keepdim=True), float('nan'))")
+    order = tuple(sorted(range(4), key=lambda d: -step.out_strides[d]))  # the output's memory order
+    lines.append(f"    v_{step.out} = v_{step.out}.permute{order}.contiguous().view({list(step.out_meta.shape)})")
+    return lines
 
 
 def _call(node: Node, names: dict[str, str]) -> str:

@@ -2,11 +2,23 @@
 
 from kernelfuse.plan.fuse import PlanOptions, make_plan, plan_variants
 from kernelfuse.plan.interpret import interpret
-from kernelfuse.plan.ir import Anchor, Epilogue, FusedStep, GenStep, Operand, Plan, Program, Statement, TorchStep
+from kernelfuse.plan.ir import (
+    Anchor,
+    AttnStep,
+    Epilogue,
+    FusedStep,
+    GenStep,
+    Operand,
+    Plan,
+    Program,
+    Statement,
+    TorchStep,
+)
 from kernelfuse.plan.schedule import broadcast_strides
 
 __all__ = [
     "Anchor",
+    "AttnStep",
     "Epilogue",
     "FusedStep",
     "GenStep",

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
+
 from kernelfuse.capture import Graph, Node, Ref, TensorMeta, contiguous_strides
 from kernelfuse.ops import ANCHOR_OPS, POINTWISE_BY_ATEN, VIEW_OPS
 from kernelfuse.ops.anchors import family_of
 from kernelfuse.ops.kept import KEPT_AS_TORCH
+from kernelfuse.plan.attention import attention_steps
 from kernelfuse.plan.ir import (
     Anchor,
     Epilogue,
@@ -46,6 +49,10 @@ class PlanOptions:
     # nodes that stay torch calls: a kernel over them failed to plan or generate (the pipeline's fallback), so the
     # re-made plan fuses everything else as before
     keep: tuple[str, ...] = ()
+    # attention (SDPA and its hand-written form, kernelfuse.plan.attention): "kernel" (our flash-attention kernel),
+    # "library" (one torch SDPA call on the same strided views: cuDNN/flash/efficient kernels), "split" (our kernel,
+    # hand-written fp32 attention too in 3xTF32 on tensor cores, as torch's fp32 SDPA computes), or "off"
+    attention: str = "kernel"
 
 
 def plan_variants(graph: Graph, precision: str = "strict", max_fusions: int | None = None,
@@ -67,11 +74,26 @@ def plan_variants(graph: Graph, precision: str = "strict", max_fusions: int | No
         measured = make_plan(graph, options)
         fallback = make_plan(graph, PlanOptions(conv_layout="nchw", matmul_tf32=tf32, max_fusions=max_fusions,
                                                 keep=kept))
-        return [measured] if fallback.summary() == measured.summary() else [measured, fallback]
+        return _with_library_attention(graph, [measured] if fallback.summary() == measured.summary()
+                                       else [measured, fallback])
     has_conv = any(channels_last_ok(graph, n) for n in graph.nodes)
     layouts = ("nhwc", "nchw") if has_conv else ("nchw",)
-    return [make_plan(graph, PlanOptions(conv_layout=layout, matmul_tf32=tf32, max_fusions=max_fusions, keep=kept))
-            for layout in layouts]
+    return _with_library_attention(graph, [make_plan(graph, PlanOptions(conv_layout=layout, matmul_tf32=tf32,
+                                                                        max_fusions=max_fusions, keep=kept))
+                                           for layout in layouts])
+
+
+def _with_library_attention(graph: Graph, plans: list[Plan]) -> list[Plan]:
+    """After the plans, their twins with hand-written fp32 attention on 3xTF32 tensor cores (the arithmetic of
+    torch's own fp32 SDPA kernel, not eager's exact FMA: the judge's accuracy rule decides), then their twins with
+    each attention one torch SDPA call (its tensor-core backends) instead of our kernel; the faster ships."""
+    ours = [p for p in plans if isinstance(p.options, PlanOptions)]
+    split = [make_plan(graph, replace(p.options, attention="split")) for p in ours
+             if any(a.origin == "hand-written" and a.math == "fma" and a.out_meta.dtype == torch.float32
+                    and a.dims[5] % 8 == 0 and a.dims[5] <= 128 for a in p.attention)]  # tensor cores can take it
+    library = [make_plan(graph, replace(p.options, attention="library")) for p in ours
+               if any(a.activation == "softmax" for a in p.attention)]
+    return plans + split + library
 
 
 def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
@@ -79,11 +101,16 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
     epilogue whose only reader is a reduction kernel moves into that kernel's prologue (one pass, not two)."""
     fused: dict[str, FusedStep] = {}  # output node name -> step
     kept = set(options.keep)
-    absorbed: set[str] = set(kept)  # a node joins one kernel at most
+    attention, reasons = attention_steps(graph, 0, library=options.attention == "library", tf32=options.matmul_tf32,
+                                         split=options.attention == "split") \
+        if options.generated and options.attention != "off" else ([], {})
+    attention = [a for a in attention if not kept.intersection(a.replaces)]  # a kept node stays a torch call
+    attention = attention[:options.max_fusions]  # attention first: its bmms are no anchors of their own
+    absorbed: set[str] = set(kept) | {name for step in attention for name in step.replaces}  # one kernel at most
     for node in graph.nodes:
         if node.name in absorbed or node.op not in ANCHOR_OPS or node.meta is None:
             continue
-        if options.max_fusions is not None and len(fused) >= options.max_fusions:
+        if options.max_fusions is not None and len(fused) + len(attention) >= options.max_fusions:
             break
         ok, _ = anchor_supported(graph, node)
         if not ok:
@@ -93,10 +120,12 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
             continue
         fused[step.out] = step
         absorbed.update(step.replaces)
-    cap = None if options.max_fusions is None else max(options.max_fusions - len(fused), 0)
-    gens, reasons = schedule(graph, absorbed, len(fused), cap) if options.generated else ([], {})
+    cap = None if options.max_fusions is None else max(options.max_fusions - len(fused) - len(attention), 0)
+    gens, gen_reasons = schedule(graph, absorbed, len(fused), cap) if options.generated else ([], {})
+    reasons.update(gen_reasons)
     reasons.update(dict.fromkeys(kept, KEPT_REASON))
     by_out: dict[str, Step] = dict(fused)
+    by_out.update((step.out, step) for step in attention)
     for gen in gens:
         by_out[gen.out] = gen
     _merge_into_reductions(graph, by_out)
@@ -116,6 +145,10 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
     variant = f"fused-{'+'.join(layouts)}" if layouts else "fused"
     if options.matmul_tf32 and any(isinstance(s, FusedStep) and s.anchor.tf32 for s in steps):
         variant += "-tf32"
+    if options.attention == "library" and attention:
+        variant += "-sdpa"
+    if options.attention == "split" and attention:
+        variant += "-3xtf32"
     return Plan(graph, tuple(steps), variant, options)
 
 

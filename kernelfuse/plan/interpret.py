@@ -14,7 +14,8 @@ from kernelfuse.capture import Graph, Node, Ref
 from kernelfuse.capture.graph import constant_value
 from kernelfuse.ops import POINTWISE_BY_ATEN
 from kernelfuse.ops.scans import SCAN_KINDS, scan_reference
-from kernelfuse.plan.ir import Epilogue, FusedStep, GenStep, Plan, Program, TorchStep
+from kernelfuse.plan.attention import attention_reference
+from kernelfuse.plan.ir import AttnStep, Epilogue, FusedStep, GenStep, Plan, Program, TorchStep
 
 
 def interpret(plan: Plan, state: dict[str, torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -31,6 +32,9 @@ def interpret(plan: Plan, state: dict[str, torch.Tensor], inputs: Sequence[torch
             env[step.node.name] = call_aten(step.node, env)
         elif isinstance(step, GenStep):  # the kernel writes a new contiguous tensor (whatever its source's layout)
             env[step.out] = _run_generated(step, env).contiguous()
+        elif isinstance(step, AttnStep):
+            env[step.out] = attention_reference(step, *(env[i.ref.name] for i in step.inputs[:3]),  # type: ignore[arg-type]
+                                                env[step.mask.ref.name] if step.mask else None)  # type: ignore[arg-type]
         else:
             env[step.out] = _run_fused(plan.graph, step, env)
     return [env[r.name] for r in plan.graph.outputs]  # type: ignore[misc]

@@ -134,12 +134,66 @@ class GenStep:
 
 
 @dataclass(frozen=True)
+class AttnInput:
+    """A tensor the attention kernel reads, as the graph value `ref` holds it; the kernel's (batch, head, row, col)
+    view of it is kernelfuse.plan.attention.logical_view (heads split from a merged batch, Kᵀ read as K)."""
+
+    ref: Ref
+    meta: TensorMeta
+    swap: bool = False  # the value holds the last two dims swapped (a hand-written q @ kᵀ hands over kᵀ)
+
+
+@dataclass(frozen=True)
+class AttnStep:
+    """One flash-attention kernel: softmax(q kᵀ * scale + mask) v with the softmax computed online, tile by tile,
+    so the S x L scores never reach memory (kernelfuse.codegen.attention). Built from an SDPA node or from its
+    hand-written form (bmm -> scale -> mask -> softmax -> bmm); `replaces` are all the nodes it computes, the
+    copies that fed the bmms included (their layouts are read through strides instead)."""
+
+    kernel: str
+    q: AttnInput  # (batch, heads, S, D)
+    k: AttnInput  # (batch, kv_heads, L, D)
+    v: AttnInput  # (batch, kv_heads, L, D)
+    mask: AttnInput | None  # broadcast to (batch, heads, S, L)
+    mask_kind: str  # "none" | "keep" (bool, True attends: SDPA) | "drop" (bool, True masked: masked_fill) | "add"
+    causal: bool  # keys after the query's position are masked (SDPA is_causal, top-left aligned)
+    scale: float
+    empty_nan: bool  # a row with every key masked is NaN (softmax of all -inf) rather than zeros (SDPA's)
+    dims: tuple[int, int, int, int, int, int]  # batch, heads, kv_heads, S, L, D
+    out_meta: TensorMeta
+    out_strides: tuple[int, int, int, int]  # element strides of the output over (batch, heads, S, D)
+    replaces: tuple[str, ...]
+    out: str
+    origin: str  # "sdpa" | "hand-written"
+    activation: str = "softmax"  # or "relu": relu(scores) @ v without normalisation (ReLU self-attention)
+    impl: str = "kernel"  # or "library": one torch SDPA call on the same views (a measured variant; softmax only)
+    # fp32 arithmetic: "fma" (exact fp32), "tf32" (the tf32 policy), "3xtf32" (split TF32 on tensor cores: what
+    # torch's own fp32 SDPA kernel computes on sm_80+, so only for SDPA nodes under the strict policy)
+    math: str = "fma"
+
+    @property
+    def family(self) -> str:
+        return "attention"
+
+    def chain(self, graph: Graph) -> str:
+        ops = [graph[n].op.split(".")[0] for n in self.replaces]
+        kept = [o for o in ops if o in ("scaled_dot_product_attention", "bmm", "mul", "masked_fill", "add",
+                                        "_softmax", "relu")]
+        return " -> ".join(kept)
+
+    @property
+    def inputs(self) -> tuple[AttnInput, ...]:
+        """The tensors the kernel reads, in its launcher's order."""
+        return (self.q, self.k, self.v) + ((self.mask,) if self.mask is not None else ())
+
+
+@dataclass(frozen=True)
 class TorchStep:
     node: Node
     reason: str  # why it stays a torch call ("view", "reduction: no kernel yet", ...)
 
 
-Step = FusedStep | GenStep | TorchStep
+Step = FusedStep | GenStep | AttnStep | TorchStep
 
 
 @dataclass(frozen=True)
@@ -163,6 +217,15 @@ class Plan:
         return [s for s in self.steps if isinstance(s, GenStep)]
 
     @property
+    def attention(self) -> list[AttnStep]:
+        return [s for s in self.steps if isinstance(s, AttnStep)]
+
+    @property
+    def launches_kernels(self) -> bool:
+        """Does the plan run any kernel of its own (an anchor's epilogue, a generated or an attention kernel)?"""
+        return bool(self.fused or self.generated or self.attention)
+
+    @property
     def unfused(self) -> list[TorchStep]:
         return [s for s in self.steps if isinstance(s, TorchStep) and s.reason != "view"]
 
@@ -176,6 +239,13 @@ class Plan:
             lines.append(f"  fused {s.kernel}: {s.chain(self.graph)}  ({lib}{extra}{layout}{kernel})")
         for g in self.generated:
             lines.append(f"  generated {g.kernel}: {g.chain(self.graph)}  ({g.family} kernel)")
+        for a in self.attention:  # no batch size: the CPU check compares this with a small-batch twin's summary
+            extra = (", causal" if a.causal else "") + (f", {a.mask_kind} mask" if a.mask is not None else "") + \
+                (", grouped-query" if a.dims[2] != a.dims[1] else "") + (", relu" if a.activation == "relu" else "") + \
+                (f", {a.math}" if a.math != "fma" and a.impl == "kernel" else "")
+            how = "flash-attention kernel" if a.impl == "kernel" else "torch SDPA call"
+            lines.append(f"  attention {a.kernel}: {a.chain(self.graph)}  ({how}, {a.origin}, head dim {a.dims[5]}"
+                         f"{extra})")
         for s in self.unfused:
             lines.append(f"  unfused: {s.node.op} ({s.reason})")
         if not self.unfused:

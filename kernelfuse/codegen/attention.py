@@ -1,0 +1,100 @@
+"""The flash-attention kernel family (plan AttnSteps): softmax(q kᵀ * scale + mask) v without the scores in memory.
+
+A block of 128 threads takes 64 queries (32 for head dims over 128) of one (batch, head): the query tile sits in
+shared memory, K and then V tiles stream through one shared buffer, and each query row keeps a running maximum and
+sum (online softmax), rescaling its output accumulator (registers, D / 16 floats per row per thread) when the
+maximum grows. Scores and probabilities are fp32 FMAs in exact fp32 (no TF32): the strict policy's numerics,
+faster than eager's unfused form because the S x L scores make no round trip through memory. Tiles whose every
+key is masked (causal, or a bool mask such as minGPT's lower-triangular buffer) are skipped before their scores
+are computed. Inputs and the output are read and written through the strides the plan gives, so the transposes
+and copies around attention cost nothing; grouped-query attention reads kv head `head / group`. ReLU
+self-attention (relu in the softmax's place) is the same loop without the running statistics. bf16 attention runs
+the same algorithm on tensor cores (mma.sync m16n8k16, fp32 accumulation; 4 warps of 16 query rows, the scores'
+accumulator fragments reused as the probabilities' operand fragments). fp32 runs on tensor cores too where the
+step's arithmetic allows: TF32 under the tf32 policy, 3xTF32 (torch's own fp32 SDPA arithmetic) for SDPA nodes
+under the strict policy; hand-written fp32 attention under the strict policy keeps exact FMA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernelfuse.codegen.binding import Binding, pointer_launcher, py_tuple
+from kernelfuse.codegen.common import C_TYPES
+from kernelfuse.ops import float_literal
+from kernelfuse.plan.attention import logical_view, mask_view, strides_of
+from kernelfuse.plan.ir import AttnStep, Plan
+
+MASK_KINDS = {"none": 0, "keep": 1, "drop": 2, "add": 3}  # the kernel's MASK template argument
+
+
+
+def tile_shape(head_dim: int) -> tuple[int, int]:
+    """(queries, keys) per tile: 64 x 64 up to head dim 128; 32 x 32 above, so the output accumulator (RQ x D/16
+    floats a thread) and the shared tiles (about 80 KB at D = 256) still fit."""
+    return (64, 64) if head_dim <= 128 else (32, 32)
+
+
+def uses_tensor_cores(step: AttnStep) -> bool:
+    """Tensor cores where the head dim allows (up to 128): bf16 (mma.sync m16n8k16, head dims in steps of 16), and
+    fp32 whose step's arithmetic is TF32 or 3xTF32 (m16n8k8, steps of 8); the rest (exact fp32, fp16, other head
+    dims) runs on the FMA kernel."""
+    d, dtype = step.dims[5], step.out_meta.dtype
+    if dtype == torch.float32:
+        return step.math != "fma" and d % 8 == 0 and d <= 128
+    return dtype == torch.bfloat16 and d % 16 == 0 and d <= 128
+
+
+def input_strides(step: AttnStep) -> dict[str, tuple[int, ...]]:
+    """Element strides over (batch, head, row, col) of q, k, v and the mask, as the kernel reads them."""
+    batch = step.dims[0]
+    out = {name: strides_of(inp.meta, lambda t, inp=inp: logical_view(t, inp, batch))
+           for name, inp in (("q", step.q), ("k", step.k), ("v", step.v))}
+    out["mask"] = strides_of(step.mask.meta, lambda t: mask_view(t, step.dims)) if step.mask else (0, 0, 0, 0)
+    return out
+
+
+def render_attention(plan: Plan, step: AttnStep) -> tuple[str, Binding]:
+    """(the step's launcher, its Python binding); the kernels are kernelfuse.codegen.attention_prelude's templates."""
+    b, h, hk, s, length, d = step.dims
+    ctype = C_TYPES[step.out_meta.dtype]
+    tensor_cores = uses_tensor_cores(step)
+    mask_type = "unsigned char" if step.mask is None or step.mask.meta.dtype == torch.bool else \
+        "unsigned short" if tensor_cores and ctype != "float" else ctype
+    bq, bk = tile_shape(d)
+    strides = input_strides(step)
+    arrays = ", ".join("{" + ", ".join(str(x) for x in strides[n]) + "}" for n in ("q", "k", "v", "mask")) + \
+        ", {" + ", ".join(str(x) for x in step.out_strides) + "}"
+    args = "const void* q, const void* k, const void* v, " + ("const void* mask, " if step.mask else "")
+    mask = "mask" if step.mask else "nullptr"
+    flags = f"{str(step.causal).lower()}, {str(step.empty_nan).lower()}, {str(step.activation == 'relu').lower()}"
+    kind = MASK_KINDS[step.mask_kind]
+    if tensor_cores and step.out_meta.dtype == torch.float32:
+        launch = f"kf_attention_tf32<{mask_type}, {d}, {kind}, {flags}, {str(step.math == '3xtf32').lower()}>"
+    elif tensor_cores:
+        launch = f"kf_attention_tc<{mask_type}, {d}, {kind}, {flags}>"
+    else:
+        launch = f"kf_attention<{ctype}, {mask_type}, {d}, {bq}, {bk}, {kind}, {flags}>"
+    source = f"""// {step.kernel}: {step.chain(plan.graph)}  (B={b} H={h} KV heads={hk} S={s} L={length} D={d})
+KF_EXPORT cudaError_t {step.kernel}_launch({args}void* out, cudaStream_t stream) {{
+  const kf_attn_params p = {{q, k, v, {mask}, out, {h}, {h // hk}, {s}, {length}, {arrays},
+                            {float_literal(step.scale)}}};
+  return {launch}(p, {b}, stream);
+}}
+"""
+    return source, _binding(plan, step)
+
+
+def _binding(plan: Plan, step: AttnStep) -> Binding:
+    k = step.kernel
+    names = ["q", "k", "v", "mask"][:len(step.inputs)]
+    lines = [f"# {k}: {step.chain(plan.graph)}  (flash attention)", f"def {k}(self, {', '.join(names)}):"]
+    for name, inp in zip(names, step.inputs, strict=True):
+        meta = inp.meta
+        lines.append(f'    _check({name}, "{k} {name} (%{inp.ref.name})", {py_tuple(meta.shape)}, '
+                     f"{py_tuple(meta.stride)}, {meta.dtype})")
+    lines.append(f"    out = q.new_empty_strided({py_tuple(step.out_meta.shape)}, {py_tuple(step.out_meta.stride)})")
+    ptrs = ", ".join(f"{n}.data_ptr()" for n in [*names, "out"])
+    lines.append(f'    self._launch(self._{k}, "{k}", q, {ptrs})')
+    lines.append("    return out")
+    return Binding(pointer_launcher(k, len(names) + 1), "\n".join(lines))

@@ -1,0 +1,591 @@
+"""The attention kernels' CUDA templates (kernelfuse.codegen.attention instantiates them per step): the fp32 FMA
+kernel, the bf16 tensor-core kernel (mma.sync m16n8k16) and the fp32 tensor-core kernel (mma.sync m16n8k8, TF32 or
+3xTF32), sharing one parameter block, tile loop, masking and online softmax. Kept apart from the launcher and
+binding code, as kernelfuse.codegen.reduce_prelude is from the row kernels."""
+
+ATTENTION_PRELUDE = r"""
+// ---- flash attention (kernelfuse.codegen.attention) ----
+#ifndef KF_DYNAMIC_SHARED
+#define KF_DYNAMIC_SHARED(name) extern __shared__ __align__(16) float name[]
+#endif
+
+struct kf_attn_params {
+  const void* q; const void* k; const void* v; const void* mask; void* out;
+  int heads, group, S, L;  // group: query heads per kv head
+  long long sq[4], sk[4], sv[4], sm[4], so[4];  // element strides over (batch, head, row, col)
+  float scale;
+};
+
+// Tile geometry: 128 threads as 8 row groups x 16 lanes; a thread owns RQ query rows, CK keys of a tile and
+// DJ output columns (d = lane + 16 j). Rows of the transposed shared tiles are padded by 4 floats: fewer bank
+// conflicts on the transposing stores, and every row stays 16-byte aligned for the vector loads.
+template <int D, int BQ, int BK>
+struct kf_attn_tile {
+  static constexpr int TX = 16, RQ = BQ / 8, CK = BK / TX, DJ = (D + TX - 1) / TX;
+  static constexpr int QP = BQ + 4, KP = BK + 4;
+  static constexpr int KV = D * KP > BK * D ? D * KP : BK * D;  // K transposed, then V, in one buffer
+  static constexpr int FLOATS = D * QP + KV + BK * QP;
+};
+
+// N consecutive floats of shared memory in 16- or 8-byte loads (the callers' addresses are aligned so).
+template <int N>
+__device__ __forceinline__ void kf_attn_load(const float* src, float (&dst)[N]) {
+  if constexpr (N % 4 == 0) {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) {
+      const float4 t = *reinterpret_cast<const float4*>(src + i);
+      dst[i] = t.x; dst[i + 1] = t.y; dst[i + 2] = t.z; dst[i + 3] = t.w;
+    }
+  } else if constexpr (N % 2 == 0) {
+#pragma unroll
+    for (int i = 0; i < N; i += 2) {
+      const float2 t = *reinterpret_cast<const float2*>(src + i);
+      dst[i] = t.x; dst[i + 1] = t.y;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) dst[i] = src[i];
+  }
+}
+
+// MASK: 0 none, 1 bool (true attends, SDPA), 2 bool (true masked, masked_fill), 3 additive (the query's dtype).
+// RELU: relu(scores) weigh the values as they are (ReLU self-attention): no maximum, no sum, no normalisation.
+template <typename T, typename M, int D, int BQ, int BK, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU>
+__global__ void __launch_bounds__(128) kf_attention_kernel(const kf_attn_params p, int tiles) {
+  typedef kf_attn_tile<D, BQ, BK> Tile;
+  constexpr int TX = Tile::TX, RQ = Tile::RQ, CK = Tile::CK, DJ = Tile::DJ, QP = Tile::QP, KP = Tile::KP;
+  KF_DYNAMIC_SHARED(kf_attn_smem);
+  float* qt = kf_attn_smem;  // [D][QP]: the query tile, transposed
+  float* kv = qt + D * QP;   // [D][KP]: the key tile, transposed; then [BK][D]: the value tile
+  float* pt = kv + Tile::KV; // [BK][QP]: the tile's probabilities, transposed
+  const int tid = threadIdx.x, tx = tid % TX, r0 = tid / TX * RQ, c0 = tx * CK;
+  const int bh = blockIdx.x / tiles, b = bh / p.heads, h = bh % p.heads, hk = h / p.group;
+  // a head's query tiles run side by side (its K and V stay in L2); causal: the longest (last) tiles first
+  const int tile = blockIdx.x % tiles, q0 = (CAUSAL ? tiles - 1 - tile : tile) * BQ;
+  const T* Q = (const T*)p.q + b * p.sq[0] + h * p.sq[1];
+  const T* K = (const T*)p.k + b * p.sk[0] + hk * p.sk[1];
+  const T* V = (const T*)p.v + b * p.sv[0] + hk * p.sv[1];
+  const M* mask = (const M*)p.mask + (MASK ? b * p.sm[0] + h * p.sm[1] : 0);
+  for (int i = tid; i < BQ * D; i += 128) {
+    const int r = i / D, d = i % D;
+    qt[d * QP + r] = q0 + r < p.S ? kf_load(Q[(q0 + r) * p.sq[2] + d * p.sq[3]]) : 0.0f;
+  }
+  float o[RQ][DJ], m[RQ], l[RQ];
+#pragma unroll
+  for (int r = 0; r < RQ; ++r) {
+    m[r] = -INFINITY;
+    l[r] = 0.0f;
+#pragma unroll
+    for (int j = 0; j < DJ; ++j) o[r][j] = 0.0f;
+  }
+  const int kend = CAUSAL ? min(p.L, q0 + BQ) : p.L;  // causal: no key after the tile's last query
+  for (int k0 = 0; k0 < kend; k0 += BK) {
+    unsigned int valid = 0;  // bit r * CK + c: the score of (query q0 + r0 + r, key k0 + c0 + c) takes part
+#pragma unroll
+    for (int r = 0; r < RQ; ++r)
+#pragma unroll
+      for (int c = 0; c < CK; ++c) {
+        const int row = q0 + r0 + r, col = k0 + c0 + c;
+        bool ok = row < p.S && col < p.L && (!CAUSAL || col <= row);
+        if constexpr (MASK == 1 || MASK == 2)  // only bool masks compare with 0 (a bf16 value has no !=)
+          if (ok) ok = (mask[row * p.sm[2] + col * p.sm[3]] != 0) == (MASK == 1);
+        valid |= (unsigned int)ok << (r * CK + c);
+      }
+    // also the barrier after the previous tile's reads of kv and pt
+    if (!__syncthreads_or(valid != 0)) continue;  // every key of the tile masked for every query: skip it
+    for (int i = tid; i < BK * D; i += 128) {
+      const int c = i / D, d = i % D;
+      kv[d * KP + c] = k0 + c < p.L ? kf_load(K[(k0 + c) * p.sk[2] + d * p.sk[3]]) : 0.0f;
+    }
+    __syncthreads();
+    float s[RQ][CK];
+#pragma unroll
+    for (int r = 0; r < RQ; ++r)
+#pragma unroll
+      for (int c = 0; c < CK; ++c) s[r][c] = 0.0f;
+#pragma unroll 4
+    for (int d = 0; d < D; ++d) {
+      float qv[RQ], kk[CK];
+      kf_attn_load(&qt[d * QP + r0], qv);
+      kf_attn_load(&kv[d * KP + c0], kk);
+#pragma unroll
+      for (int r = 0; r < RQ; ++r)
+#pragma unroll
+        for (int c = 0; c < CK; ++c) s[r][c] = fmaf(qv[r], kk[c], s[r][c]);
+    }
+#pragma unroll
+    for (int r = 0; r < RQ; ++r) {  // online softmax: the row's 16 lanes share its maximum and sum
+      const int row = q0 + r0 + r;
+      float mx = -INFINITY;
+#pragma unroll
+      for (int c = 0; c < CK; ++c) {
+        float x = s[r][c] * p.scale;
+        if constexpr (MASK == 3)
+          if (row < p.S && k0 + c0 + c < p.L) x += kf_load(mask[row * p.sm[2] + (k0 + c0 + c) * p.sm[3]]);
+        s[r][c] = (valid >> (r * CK + c) & 1u) ? x : -INFINITY;
+        mx = fmaxf(mx, s[r][c]);
+      }
+      if (RELU) {
+#pragma unroll
+        for (int c = 0; c < CK; ++c) pt[(c0 + c) * QP + r0 + r] = s[r][c] > 0.0f || s[r][c] != s[r][c] ? s[r][c] : 0.0f;
+        continue;
+      }
+#pragma unroll
+      for (int off = TX / 2; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float mnew = fmaxf(m[r], mx);
+      const float base = mnew == -INFINITY ? 0.0f : mnew;  // a row masked so far: its terms are all zero
+      const float corr = expf(m[r] - base);
+      float sum = 0.0f;
+#pragma unroll
+      for (int c = 0; c < CK; ++c) {
+        s[r][c] = expf(s[r][c] - base);
+        sum += s[r][c];
+      }
+#pragma unroll
+      for (int off = TX / 2; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      l[r] = l[r] * corr + sum;
+      m[r] = mnew;
+#pragma unroll
+      for (int j = 0; j < DJ; ++j) o[r][j] *= corr;
+#pragma unroll
+      for (int c = 0; c < CK; ++c) pt[(c0 + c) * QP + r0 + r] = s[r][c];
+    }
+    __syncthreads();  // every score read from the key tile: the buffer takes the values
+    for (int i = tid; i < BK * D; i += 128) {
+      const int c = i / D, d = i % D;
+      kv[c * D + d] = k0 + c < p.L ? kf_load(V[(k0 + c) * p.sv[2] + d * p.sv[3]]) : 0.0f;
+    }
+    __syncthreads();
+    const int keys = min(BK, p.L - k0);
+    for (int c = 0; c < keys; ++c) {
+      float pv[RQ], vv[DJ];
+      kf_attn_load(&pt[c * QP + r0], pv);
+#pragma unroll
+      for (int j = 0; j < DJ; ++j) vv[j] = (D % TX == 0 || tx + TX * j < D) ? kv[c * D + tx + TX * j] : 0.0f;
+#pragma unroll
+      for (int r = 0; r < RQ; ++r)
+#pragma unroll
+        for (int j = 0; j < DJ; ++j) o[r][j] = fmaf(pv[r], vv[j], o[r][j]);
+    }
+  }
+  T* out = (T*)p.out + b * p.so[0] + h * p.so[1];
+#pragma unroll
+  for (int r = 0; r < RQ; ++r) {
+    const int row = q0 + r0 + r;
+    if (row >= p.S) continue;
+#pragma unroll
+    for (int j = 0; j < DJ; ++j) {
+      const int d = tx + TX * j;
+      if (D % TX == 0 || d < D)
+        out[row * p.so[2] + d * p.so[3]] =
+            kf_store<T>(RELU ? o[r][j] : l[r] > 0.0f ? o[r][j] / l[r] : EMPTY_NAN ? NAN : 0.0f);
+    }
+  }
+}
+
+template <typename T, typename M, int D, int BQ, int BK, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU>
+cudaError_t kf_attention(const kf_attn_params& p, int batch, cudaStream_t stream) {
+  auto kernel = kf_attention_kernel<T, M, D, BQ, BK, MASK, CAUSAL, EMPTY_NAN, RELU>;
+  const int bytes = kf_attn_tile<D, BQ, BK>::FLOATS * (int)sizeof(float);
+  static bool ready[16] = {};  // the shared-memory opt-in, once per device (not again inside a graph capture)
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev >= 16 || !ready[dev]) {
+    const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (error != cudaSuccess) return error;
+    if (dev < 16) ready[dev] = true;
+  }
+  const int tiles = (p.S + BQ - 1) / BQ;
+  kernel<<<(unsigned int)(tiles * (long long)batch * p.heads), 128, bytes, stream>>>(p, tiles);
+  return cudaGetLastError();
+}
+// ---- the same on tensor cores, for bf16 (mma.sync m16n8k16, fp32 accumulation) ----
+// 4 warps x 16 query rows; scores and the output accumulate in fp32 fragments, probabilities are rounded to bf16
+// for the second product (as flash attention does). Elements are raw bf16 bits (unsigned short).
+__device__ __forceinline__ float kf_bf16_float(unsigned short x) { return __uint_as_float((unsigned int)x << 16); }
+__device__ __forceinline__ unsigned short kf_float_bf16(float f) {  // round to nearest even, NaN kept
+  unsigned int u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
+  return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+__device__ __forceinline__ unsigned int kf_bf16x2(float lo, float hi) {
+  return (unsigned int)kf_float_bf16(lo) | ((unsigned int)kf_float_bf16(hi) << 16);
+}
+#ifndef KF_EMULATION
+__device__ __forceinline__ void kf_mma_bf16_16816(float (&d)[4], const unsigned int (&a)[4], unsigned int b0,
+                                                  unsigned int b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();  // the launcher only picks this kernel for sm_80 and newer
+#endif
+}
+#endif
+
+// One K/V tile for the tensor-core kernels: keys row-major into ks (row pitch DP), values transposed into vt (row
+// pitch KP), rows past L zero. `vec`: 16-byte loads (and key stores), where both are contiguous along d and every
+// row starts 16-byte aligned (the launcher checks); else one element at a time through the strides.
+struct alignas(16) kf_attn_vec { unsigned int w[4]; };
+
+template <typename U, int D, int BK, int DP, int KP>
+__device__ __forceinline__ void kf_attn_load_kv(const U* K, const U* V, U* ks, U* vt, int k0,
+                                                const kf_attn_params& p, bool vec) {
+  if (vec) {
+    constexpr int E = 16 / sizeof(U), W = D / E;
+    for (int i = threadIdx.x; i < BK * W; i += 128) {
+      const int c = i / W, d = i % W * E;
+      kf_attn_vec key = {}, value = {};
+      if (k0 + c < p.L) {
+        key = *reinterpret_cast<const kf_attn_vec*>(K + (k0 + c) * p.sk[2] + d);
+        value = *reinterpret_cast<const kf_attn_vec*>(V + (k0 + c) * p.sv[2] + d);
+      }
+      *reinterpret_cast<kf_attn_vec*>(ks + c * DP + d) = key;
+      const U* e = reinterpret_cast<const U*>(&value);
+#pragma unroll
+      for (int j = 0; j < E; ++j) vt[(d + j) * KP + c] = e[j];
+    }
+    return;
+  }
+  for (int i = threadIdx.x; i < BK * D; i += 128) {
+    const int c = i / D, d = i % D;
+    const bool in = k0 + c < p.L;
+    ks[c * DP + d] = in ? K[(k0 + c) * p.sk[2] + d * p.sk[3]] : (U)0;
+    vt[d * KP + c] = in ? V[(k0 + c) * p.sv[2] + d * p.sv[3]] : (U)0;
+  }
+}
+
+// Can K and V move 16 bytes at a time? Contiguous along d, 16-byte aligned bases and row strides (in elements of
+// `size` bytes).
+inline bool kf_attn_vectorised(const kf_attn_params& p, int size) {
+  const int e = 16 / size;
+  const long long* strides[2] = {p.sk, p.sv};
+  for (const long long* s : strides)
+    if (s[3] != 1 || s[0] % e || s[1] % e || s[2] % e) return false;
+  return (uintptr_t)p.k % 16 == 0 && (uintptr_t)p.v % 16 == 0;
+}
+
+template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU>
+__global__ void __launch_bounds__(128) kf_attention_tc_kernel(const kf_attn_params p, int tiles, bool vec) {
+  constexpr int BQ = 64, BK = 64, DP = D + 8, KP = BK + 8, NT = BK / 8, DT = D / 8, KS = D / 16;
+  KF_DYNAMIC_SHARED(kf_attn_smem);
+  unsigned short* qs = reinterpret_cast<unsigned short*>(kf_attn_smem);  // [BQ][DP]
+  unsigned short* ks = qs + BQ * DP;                                     // [BK][DP]: keys, row-major
+  unsigned short* vt = ks + BK * DP;                                     // [D][KP]: values, transposed
+  const int tid = threadIdx.x, lane = tid % 32, g = lane / 4, t = lane % 4, r0 = tid / 32 * 16;
+  const int bh = blockIdx.x / tiles, b = bh / p.heads, h = bh % p.heads, hk = h / p.group;
+  const int tile = blockIdx.x % tiles, q0 = (CAUSAL ? tiles - 1 - tile : tile) * BQ;
+  const unsigned short* Q = (const unsigned short*)p.q + b * p.sq[0] + h * p.sq[1];
+  const unsigned short* K = (const unsigned short*)p.k + b * p.sk[0] + hk * p.sk[1];
+  const unsigned short* V = (const unsigned short*)p.v + b * p.sv[0] + hk * p.sv[1];
+  const M* mask = (const M*)p.mask + (MASK ? b * p.sm[0] + h * p.sm[1] : 0);
+  for (int i = tid; i < BQ * D; i += 128) {
+    const int r = i / D, d = i % D;
+    qs[r * DP + d] = q0 + r < p.S ? Q[(q0 + r) * p.sq[2] + d * p.sq[3]] : (unsigned short)0;
+  }
+  __syncthreads();
+  unsigned int qa[KS][4];  // the warp's 16 query rows as A fragments
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk) {
+    const unsigned short* row = qs + (r0 + g) * DP + kk * 16 + 2 * t;
+    qa[kk][0] = *reinterpret_cast<const unsigned int*>(row);
+    qa[kk][1] = *reinterpret_cast<const unsigned int*>(row + 8 * DP);
+    qa[kk][2] = *reinterpret_cast<const unsigned int*>(row + 8);
+    qa[kk][3] = *reinterpret_cast<const unsigned int*>(row + 8 * DP + 8);
+  }
+  float o[DT][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows g and g + 8 of the warp
+#pragma unroll
+  for (int j = 0; j < DT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  const int kend = CAUSAL ? min(p.L, q0 + BQ) : p.L;
+  for (int k0 = 0; k0 < kend; k0 += BK) {
+    unsigned int valid = 0;  // bit j * 4 + e: fragment element e of key group j takes part
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = q0 + r0 + g + (e >> 1) * 8, col = k0 + j * 8 + 2 * t + (e & 1);
+        bool ok = row < p.S && col < p.L && (!CAUSAL || col <= row);
+        if constexpr (MASK == 1 || MASK == 2)  // only bool masks compare with 0 (a bf16 value has no !=)
+          if (ok) ok = (mask[row * p.sm[2] + col * p.sm[3]] != 0) == (MASK == 1);
+        valid |= (unsigned int)ok << (j * 4 + e);
+      }
+    if (!__syncthreads_or(valid != 0)) continue;  // also the barrier after the previous tile's reads
+    kf_attn_load_kv<unsigned short, D, BK, DP, KP>(K, V, ks, vt, k0, p, vec);
+    __syncthreads();
+    float s[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+      for (int kk = 0; kk < KS; ++kk) {
+        const unsigned short* key = ks + (j * 8 + g) * DP + kk * 16 + 2 * t;
+        kf_mma_bf16_16816(s[j], qa[kk], *reinterpret_cast<const unsigned int*>(key),
+                          *reinterpret_cast<const unsigned int*>(key + 8));
+      }
+    }
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = q0 + r0 + g + (e >> 1) * 8, col = k0 + j * 8 + 2 * t + (e & 1);
+        float x = s[j][e] * p.scale;
+        if constexpr (MASK == 3)
+          if (row < p.S && col < p.L) x += kf_bf16_float(mask[row * p.sm[2] + col * p.sm[3]]);
+        s[j][e] = (valid >> (j * 4 + e) & 1u) ? x : -INFINITY;
+        if (RELU) s[j][e] = s[j][e] > 0.0f || s[j][e] != s[j][e] ? s[j][e] : 0.0f;
+        mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+      }
+    if (!RELU) {  // online softmax: a row's 4 lanes share its maximum and sum
+      float corr[2], sum[2] = {0.0f, 0.0f}, base[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
+        mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
+        const float mnew = fmaxf(m[half], mx[half]);
+        base[half] = mnew == -INFINITY ? 0.0f : mnew;
+        corr[half] = expf(m[half] - base[half]);
+        m[half] = mnew;
+      }
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[j][e] = expf(s[j][e] - base[e >> 1]);
+          sum[e >> 1] += s[j][e];
+        }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 1);
+        sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 2);
+        l[half] = l[half] * corr[half] + sum[half];
+      }
+#pragma unroll
+      for (int j = 0; j < DT; ++j) {
+        o[j][0] *= corr[0]; o[j][1] *= corr[0]; o[j][2] *= corr[1]; o[j][3] *= corr[1];
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {  // the scores' C fragments are the probabilities' A fragments
+      const unsigned int a[4] = {kf_bf16x2(s[2 * kk][0], s[2 * kk][1]), kf_bf16x2(s[2 * kk][2], s[2 * kk][3]),
+                                 kf_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                 kf_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+#pragma unroll
+      for (int j = 0; j < DT; ++j) {
+        const unsigned short* value = vt + (j * 8 + g) * KP + kk * 16 + 2 * t;
+        kf_mma_bf16_16816(o[j], a, *reinterpret_cast<const unsigned int*>(value),
+                          *reinterpret_cast<const unsigned int*>(value + 8));
+      }
+    }
+  }
+  unsigned short* out = (unsigned short*)p.out + b * p.so[0] + h * p.so[1];
+#pragma unroll
+  for (int j = 0; j < DT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = q0 + r0 + g + (e >> 1) * 8, d = j * 8 + 2 * t + (e & 1);
+      const float sum = l[e >> 1];
+      if (row < p.S)
+        out[row * p.so[2] + d * p.so[3]] =
+            kf_float_bf16(RELU ? o[j][e] : sum > 0.0f ? o[j][e] / sum : EMPTY_NAN ? NAN : 0.0f);
+    }
+}
+
+template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU>
+cudaError_t kf_attention_tc(const kf_attn_params& p, int batch, cudaStream_t stream) {
+  auto kernel = kf_attention_tc_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU>;
+  constexpr int bytes_per_element = 2;
+  constexpr int bytes = ((64 + 64) * (D + 8) + D * (64 + 8)) * 2;
+  static bool ready[16] = {};  // the shared-memory opt-in, once per device (not again inside a graph capture)
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev >= 16 || !ready[dev]) {
+    const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (error != cudaSuccess) return error;
+    if (dev < 16) ready[dev] = true;
+  }
+  const int tiles = (p.S + 63) / 64;
+  const bool vec = kf_attn_vectorised(p, bytes_per_element);
+  kernel<<<(unsigned int)(tiles * (long long)batch * p.heads), 128, bytes, stream>>>(p, tiles, vec);
+  return cudaGetLastError();
+}
+// ---- fp32 on tensor cores: TF32 (the tf32 policy) or 3xTF32 (SPLIT: big and small parts, three products, the
+// arithmetic of torch's own fp32 SDPA kernel on sm_80+) with mma.sync m16n8k8 ----
+__device__ __forceinline__ unsigned int kf_tf32(float x) {  // cvt.rna.tf32.f32: 10 mantissa bits, ties away
+  const unsigned int u = __float_as_uint(x);
+  return (u & 0x7f800000u) == 0x7f800000u ? u : (u + 0x1000u) & 0xffffe000u;
+}
+#ifndef KF_EMULATION
+__device__ __forceinline__ void kf_mma_tf32_1688(float (&d)[4], const unsigned int (&a)[4], unsigned int b0,
+                                                 unsigned int b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();  // the launcher only picks this kernel for sm_80 and newer
+#endif
+}
+#endif
+
+template <bool SPLIT>
+__device__ __forceinline__ void kf_mma_f32(float (&d)[4], const float (&a)[4], float b0, float b1) {
+  unsigned int big[4], bb0 = kf_tf32(b0), bb1 = kf_tf32(b1);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) big[i] = kf_tf32(a[i]);
+  if (SPLIT) {  // the small products first, then the big one: a * b ~ as * bb + ab * bs + ab * bb
+    unsigned int small[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) small[i] = kf_tf32(a[i] - __uint_as_float(big[i]));
+    kf_mma_tf32_1688(d, small, bb0, bb1);
+    kf_mma_tf32_1688(d, big, kf_tf32(b0 - __uint_as_float(bb0)), kf_tf32(b1 - __uint_as_float(bb1)));
+  }
+  kf_mma_tf32_1688(d, big, bb0, bb1);
+}
+
+template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, bool SPLIT>
+__global__ void __launch_bounds__(128) kf_attention_tf32_kernel(const kf_attn_params p, int tiles, bool vec) {
+  constexpr int BQ = 64, BK = 64, DP = D + 4, KP = BK + 4, NT = BK / 8, DT = D / 8;
+  KF_DYNAMIC_SHARED(kf_attn_smem);
+  float* qs = kf_attn_smem;   // [BQ][DP]
+  float* ks = qs + BQ * DP;   // [BK][DP]: keys, row-major
+  float* vt = ks + BK * DP;   // [D][KP]: values, transposed
+  const int tid = threadIdx.x, lane = tid % 32, g = lane / 4, t = lane % 4, r0 = tid / 32 * 16;
+  const int bh = blockIdx.x / tiles, b = bh / p.heads, h = bh % p.heads, hk = h / p.group;
+  const int tile = blockIdx.x % tiles, q0 = (CAUSAL ? tiles - 1 - tile : tile) * BQ;
+  const float* Q = (const float*)p.q + b * p.sq[0] + h * p.sq[1];
+  const float* K = (const float*)p.k + b * p.sk[0] + hk * p.sk[1];
+  const float* V = (const float*)p.v + b * p.sv[0] + hk * p.sv[1];
+  const M* mask = (const M*)p.mask + (MASK ? b * p.sm[0] + h * p.sm[1] : 0);
+  for (int i = tid; i < BQ * D; i += 128) {
+    const int r = i / D, d = i % D;
+    qs[r * DP + d] = q0 + r < p.S ? Q[(q0 + r) * p.sq[2] + d * p.sq[3]] : 0.0f;
+  }
+  float o[DT][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows g and g + 8 of the warp
+#pragma unroll
+  for (int j = 0; j < DT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  const int kend = CAUSAL ? min(p.L, q0 + BQ) : p.L;
+  const int src = (lane & ~3) | (t >> 1);  // the lane holding a probability this lane's operand fragment needs
+  for (int k0 = 0; k0 < kend; k0 += BK) {
+    unsigned int valid = 0;  // bit j * 4 + e: fragment element e of key group j takes part
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = q0 + r0 + g + (e >> 1) * 8, col = k0 + j * 8 + 2 * t + (e & 1);
+        bool ok = row < p.S && col < p.L && (!CAUSAL || col <= row);
+        if constexpr (MASK == 1 || MASK == 2)  // only bool masks compare with 0 (a bf16 value has no !=)
+          if (ok) ok = (mask[row * p.sm[2] + col * p.sm[3]] != 0) == (MASK == 1);
+        valid |= (unsigned int)ok << (j * 4 + e);
+      }
+    if (!__syncthreads_or(valid != 0)) continue;  // also the barrier after the previous tile's reads
+    kf_attn_load_kv<float, D, BK, DP, KP>(K, V, ks, vt, k0, p, vec);
+    __syncthreads();
+    float s[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < D / 8; ++kk) {
+      const float* row = qs + (r0 + g) * DP + kk * 8 + t;
+      const float a[4] = {row[0], row[8 * DP], row[4], row[8 * DP + 4]};
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const float* key = ks + (j * 8 + g) * DP + kk * 8 + t;
+        kf_mma_f32<SPLIT>(s[j], a, key[0], key[4]);
+      }
+    }
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = q0 + r0 + g + (e >> 1) * 8, col = k0 + j * 8 + 2 * t + (e & 1);
+        float x = s[j][e] * p.scale;
+        if constexpr (MASK == 3)
+          if (row < p.S && col < p.L) x += mask[row * p.sm[2] + col * p.sm[3]];
+        s[j][e] = (valid >> (j * 4 + e) & 1u) ? x : -INFINITY;
+        if (RELU) s[j][e] = s[j][e] > 0.0f || s[j][e] != s[j][e] ? s[j][e] : 0.0f;
+        mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+      }
+    if (!RELU) {  // online softmax: a row's 4 lanes share its maximum and sum
+      float corr[2], sum[2] = {0.0f, 0.0f}, base[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
+        mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
+        const float mnew = fmaxf(m[half], mx[half]);
+        base[half] = mnew == -INFINITY ? 0.0f : mnew;
+        corr[half] = expf(m[half] - base[half]);
+        m[half] = mnew;
+      }
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[j][e] = expf(s[j][e] - base[e >> 1]);
+          sum[e >> 1] += s[j][e];
+        }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 1);
+        sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 2);
+        l[half] = l[half] * corr[half] + sum[half];
+      }
+#pragma unroll
+      for (int j = 0; j < DT; ++j) {
+        o[j][0] *= corr[0]; o[j][1] *= corr[0]; o[j][2] *= corr[1]; o[j][3] *= corr[1];
+      }
+    }
+#pragma unroll
+    for (int kk = 0; kk < NT; ++kk) {  // the probabilities of key group kk, moved into the operand layout
+      float a[4];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float lo0 = __shfl_sync(0xffffffffu, s[kk][0], src + 2 * half);
+        const float hi0 = __shfl_sync(0xffffffffu, s[kk][1], src + 2 * half);
+        const float lo1 = __shfl_sync(0xffffffffu, s[kk][2], src + 2 * half);
+        const float hi1 = __shfl_sync(0xffffffffu, s[kk][3], src + 2 * half);
+        a[2 * half] = t & 1 ? hi0 : lo0;      // row g, key 4 * half + t
+        a[2 * half + 1] = t & 1 ? hi1 : lo1;  // row g + 8
+      }
+#pragma unroll
+      for (int j = 0; j < DT; ++j) {
+        const float* value = vt + (j * 8 + g) * KP + kk * 8 + t;
+        kf_mma_f32<SPLIT>(o[j], a, value[0], value[4]);
+      }
+    }
+  }
+  float* out = (float*)p.out + b * p.so[0] + h * p.so[1];
+#pragma unroll
+  for (int j = 0; j < DT; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int row = q0 + r0 + g + (e >> 1) * 8, d = j * 8 + 2 * t + (e & 1);
+      const float sum = l[e >> 1];
+      if (row < p.S)
+        out[row * p.so[2] + d * p.so[3]] = RELU ? o[j][e] : sum > 0.0f ? o[j][e] / sum : EMPTY_NAN ? NAN : 0.0f;
+    }
+}
+
+template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, bool SPLIT>
+cudaError_t kf_attention_tf32(const kf_attn_params& p, int batch, cudaStream_t stream) {
+  auto kernel = kf_attention_tf32_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, SPLIT>;
+  constexpr int bytes_per_element = 4;
+  constexpr int bytes = ((64 + 64) * (D + 4) + D * (64 + 4)) * 4;
+  static bool ready[16] = {};  // the shared-memory opt-in, once per device (not again inside a graph capture)
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev >= 16 || !ready[dev]) {
+    const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (error != cudaSuccess) return error;
+    if (dev < 16) ready[dev] = true;
+  }
+  const int tiles = (p.S + 63) / 64;
+  const bool vec = kf_attn_vectorised(p, bytes_per_element);
+  kernel<<<(unsigned int)(tiles * (long long)batch * p.heads), 128, bytes, stream>>>(p, tiles, vec);
+  return cudaGetLastError();
+}
+"""

@@ -1,0 +1,355 @@
+"""The attention rule and kernel family: SDPA nodes and hand-written attention become one flash-attention step
+(kernelfuse.plan.attention), proven in float64 through the plan interpreter; the generated kernel, run on the CPU
+through tests/fixtures/cuda_emulation.h and the emitted binding, matches eager on odd sizes (S and L not tile
+multiples, causal, bool and additive masks, grouped-query heads, head dims 32 to 256)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from emulation_helpers import emulated
+from torch import nn
+
+from kernelfuse.capture import capture_module
+from kernelfuse.codegen.attention import uses_tensor_cores
+from kernelfuse.plan import PlanOptions, interpret, make_plan
+from kernelfuse.plan.attention import attention_reference
+from kernelfuse.plan.interpret import call_aten
+from kernelfuse.plan.ir import AttnStep
+from kernelfuse.rewrite import rewrite
+
+
+class Fn(nn.Module):
+    """A forward given as a function of (module, *inputs), with a causal buffer and a projection. Capture keeps
+    scaled_dot_product_attention whole for classes whose source names it, as this docstring does."""
+
+    def __init__(self, fn, width: int = 0, seq: int = 128):
+        super().__init__()
+        self.fn = fn
+        self.register_buffer("tril", torch.tril(torch.ones(seq, seq)).view(1, 1, seq, seq))
+        self.proj = nn.Linear(width, 3 * width) if width else None
+
+    def forward(self, *xs):
+        return self.fn(self, *xs)
+
+
+def _sdpa(**kw):
+    return lambda m, q, k, v, *mask: F.scaled_dot_product_attention(q, k, v, *mask, **kw)
+
+
+def _handwritten(mask: str, heads: int):
+    """minGPT's attention: one projection split into q, k, v, heads moved forward, the result moved back."""
+    def fn(m, x):
+        b, t, c = x.shape
+        q, k, v = m.proj(x).split(c, dim=2)
+        q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in (q, k, v))
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        if mask in ("causal", "relu"):
+            att = att.masked_fill(m.tril[:, :, :t, :t] == 0, float("-inf"))
+        elif mask == "add":
+            att = att + m.tril[:, :, :t, :t]
+        att = F.relu(att) if mask == "relu" else F.softmax(att, dim=-1)
+        y = att @ v
+        return y.transpose(1, 2).contiguous().view(b, t, c)
+    return fn
+
+
+def _bmm3d(m, q, k, v, mask):
+    """Attention over a merged (batch * heads) dim with torch.bmm and a bool mask that empties some rows."""
+    att = torch.bmm(q, k.transpose(1, 2)) * 0.3
+    att = att.masked_fill(~mask, float("-inf"))  # row 1 of every batch attends to nothing: NaN, as eager gives
+    return torch.bmm(torch.softmax(att, -1), v)
+
+
+def _randn(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape)
+
+
+def _bool_mask(*shape: int, empty_row: bool = True) -> torch.Tensor:
+    torch.manual_seed(3)
+    m = torch.rand(*shape) > 0.3
+    if empty_row:
+        m[..., 1, :] = False  # SDPA: a row that attends to nothing gives zeros
+    return m
+
+
+CASES = {
+    # name: (forward, inputs, expected attention kind)
+    "sdpa_d32": (_sdpa(), [_randn(2, 3, 70, 32), _randn(2, 3, 70, 32), _randn(2, 3, 70, 32)], "sdpa"),
+    "sdpa_causal_d64": (_sdpa(is_causal=True), [_randn(1, 2, 67, 64), _randn(1, 2, 67, 64), _randn(1, 2, 67, 64)],
+                        "sdpa"),
+    "sdpa_bool_mask_d40": (_sdpa(), [_randn(2, 2, 19, 40), _randn(2, 2, 77, 40), _randn(2, 2, 77, 40),
+                                     _bool_mask(19, 77)], "sdpa"),
+    "sdpa_add_mask_3d": (_sdpa(scale=0.2), [_randn(3, 5, 48), _randn(3, 70, 48), _randn(3, 70, 48),
+                                           _randn(3, 5, 70)], "sdpa"),
+    "sdpa_gqa_d128": (_sdpa(enable_gqa=True), [_randn(1, 4, 66, 128), _randn(1, 2, 66, 128),
+                                               _randn(1, 2, 66, 128)], "sdpa"),
+    "sdpa_strided_k_d32": (_sdpa(), [_randn(1, 2, 33, 32), _randn(1, 2, 32, 33).transpose(-2, -1),
+                                     _randn(1, 2, 33, 32)], "sdpa"),  # k not contiguous along d: no 16-byte loads
+    "sdpa_d256": (_sdpa(is_causal=True), [_randn(1, 1, 35, 256), _randn(1, 1, 35, 256), _randn(1, 1, 35, 256)],
+                  "sdpa"),
+    "handwritten_causal_d96": (_handwritten("causal", 2), [_randn(2, 70, 192)], "hand-written"),
+    "handwritten_add_d32": (_handwritten("add", 3), [_randn(1, 37, 96)], "hand-written"),
+    "handwritten_relu_d64": (_handwritten("relu", 2), [_randn(2, 67, 128)], "hand-written"),
+    "bmm_bool_mask": (_bmm3d, [_randn(4, 9, 16), _randn(4, 20, 16), _randn(4, 20, 16), _bool_mask(4, 9, 20)],
+                      "hand-written"),
+}
+
+
+def _planned(name: str, dtype: torch.dtype = torch.float32, values: torch.dtype | None = None):
+    """(model, inputs, graph, plan) captured and planned in `dtype`; model and inputs in `values` if given."""
+    fn, inputs, _ = CASES[name]
+    width = inputs[0].shape[-1] if name.startswith("handwritten") else 0
+    torch.manual_seed(0)
+    model = Fn(fn, width).to(dtype)
+    inputs = [t.to(dtype) if t.is_floating_point() else t for t in inputs]
+    graph = rewrite(capture_module(model, inputs))
+    if values is not None:
+        model = model.to(values)
+        inputs = [t.to(values) if t.is_floating_point() else t for t in inputs]
+    return model, inputs, graph, make_plan(graph)
+
+
+def _values(graph, model, inputs) -> dict[str, object]:
+    """Every node's value, computed with the ATen ops themselves."""
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    env: dict[str, object] = {}
+    for node in graph.nodes:
+        if node.op == "input":
+            env[node.name] = inputs[int(node.target)]
+        elif node.op in ("param", "buffer"):
+            env[node.name] = state[str(node.target)]
+        else:
+            env[node.name] = call_aten(node, env)
+    return env
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_attention_becomes_one_step_proven_in_float64(name):
+    """The plan (one attention step, the rest torch calls and kernels), run in float64, computes the model."""
+    model, inputs, graph, plan = _planned(name, values=torch.float64)
+    assert [s.origin for s in plan.attention] == [CASES[name][2]], plan.summary()
+    ops = {graph[n].op for n in plan.attention[0].replaces}
+    assert not ops & {"clone.default", "expand.default"} or CASES[name][2] == "hand-written"
+    with torch.no_grad():
+        expected = model(*inputs)
+        got = interpret(plan, {**dict(model.named_parameters()), **dict(model.named_buffers())}, inputs)[0]
+    assert got.shape == expected.shape and got.dtype == torch.float64
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10, equal_nan=True)
+
+
+def test_handwritten_absorbs_every_copy_around_attention():
+    """minGPT's form: the three copies feeding the bmms and the copy after them are the kernel's strides."""
+    _, _, graph, plan = _planned("handwritten_causal_d96")
+    step = plan.attention[0]
+    assert step.mask_kind == "drop" and step.empty_nan and step.k.swap
+    assert [graph[n].op for n in step.replaces].count("clone.default") == 4
+    assert graph[step.out].op == "clone.default" and step.out_meta.shape == (2, 70, 2, 96)
+    assert not any(s.node.op == "clone.default" for s in plan.unfused)
+
+
+@pytest.mark.parametrize("name, variants", [("sdpa_d32", ["fused", "fused-sdpa"]),
+                                            ("handwritten_causal_d96", ["fused", "fused-3xtf32", "fused-sdpa"]),
+                                            ("handwritten_relu_d64", ["fused", "fused-3xtf32"])])
+def test_attention_plans_get_their_measured_twins(name, variants):
+    """3xTF32 for hand-written fp32 attention (exact FMA in the first plan), one torch SDPA call for softmax
+    attention (ReLU attention has none)."""
+    from kernelfuse.plan import plan_variants
+
+    *_, graph, _ = _planned(name)
+    assert [p.variant for p in plan_variants(graph)] == variants
+
+
+def test_dropout_in_training_keeps_attention_unfused():
+    def fn(m, q, k, v):
+        att = torch.softmax(q @ k.transpose(-2, -1), -1)
+        return F.dropout(att, 0.1, training=True) @ v
+
+    q = torch.randn(1, 2, 8, 16)
+    plan = make_plan(rewrite(capture_module(Fn(fn), [q, q.clone(), q.clone()])))
+    assert not plan.attention
+    sdpa = make_plan(rewrite(capture_module(Fn(_sdpa(dropout_p=0.1)), [q, q.clone(), q.clone()])))
+    assert not sdpa.attention and "dropout" in sdpa.summary()
+
+
+def test_head_dims_over_256_stay_sdpa_calls_with_the_reason():
+    q = torch.randn(1, 2, 8, 320)
+    plan = make_plan(rewrite(capture_module(Fn(_sdpa()), [q, q.clone(), q.clone()])))
+    assert not plan.attention and "attention: head dim 320 over 256" in plan.summary()
+
+
+def test_scores_read_elsewhere_keep_attention_unfused():
+    def fn(m, q, k, v):
+        att = torch.softmax(q @ k.transpose(-2, -1), -1)
+        return att @ v, att
+
+    q = torch.randn(1, 2, 8, 16)
+    assert not make_plan(rewrite(capture_module(Fn(fn), [q, q.clone(), q.clone()]))).attention
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_emulated_kernel_matches_eager(name, tmp_path):
+    """The generated kernel on the CPU (block threads as std::threads), called through the emitted binding: exact
+    FMA for hand-written attention, 3xTF32 tensor cores (mma.sync emulated) for SDPA nodes with head dims <= 128."""
+    model, inputs, graph, plan = _planned(name)
+    step: AttnStep = plan.attention[0]
+    assert step.math == ("3xtf32" if step.origin == "sdpa" else "fma")
+    assert uses_tensor_cores(step) == (step.origin == "sdpa" and step.dims[5] <= 128)
+    with torch.no_grad():
+        env = _values(graph, model, inputs)
+    emu = emulated(plan, tmp_path)
+    args = [env[i.ref.name] for i in step.inputs]
+    got = getattr(emu.kernels, step.kernel)(*args)
+    expected = env[step.out]
+    assert got.shape == expected.shape and got.stride() == expected.stride()
+    torch.testing.assert_close(got, expected, rtol=2e-5, atol=2e-5, equal_nan=True)
+    reference = attention_reference(step, *args[:3], args[3] if len(args) > 3 else None)
+    torch.testing.assert_close(got, reference, rtol=2e-5, atol=2e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in CASES if not n.endswith("d256")))
+def test_emulated_tf32_policy_kernel_matches_the_reference(name, tmp_path):
+    """fp32 under the tf32 policy: one TF32 product on tensor cores (head dims in steps of 8, 40 included)."""
+    model, inputs, graph, _ = _planned(name)
+    plan = make_plan(graph, PlanOptions(matmul_tf32=True))
+    step: AttnStep = plan.attention[0]
+    assert step.math == "tf32" and uses_tensor_cores(step)
+    with torch.no_grad():
+        env = _values(graph, model, inputs)
+    emu = emulated(plan, tmp_path)
+    args = [env[i.ref.name] for i in step.inputs]
+    got = getattr(emu.kernels, step.kernel)(*args)
+    reference = attention_reference(step, *args[:3], args[3] if len(args) > 3 else None)
+    torch.testing.assert_close(got, reference, rtol=1e-2, atol=1e-2, equal_nan=True)
+    assert (got - reference).abs().nan_to_num(0).max() > 1e-6  # TF32 rounding shows: not the FMA kernel
+
+
+TENSOR_CORE_CASES = sorted(n for n in CASES if not n.endswith(("d40", "d256")))  # head dims 16..128, steps of 16
+
+
+@pytest.mark.parametrize("name", TENSOR_CORE_CASES)
+def test_emulated_bf16_tensor_core_kernel_matches_the_reference(name, tmp_path):
+    """bf16 on tensor cores: mma.sync m16n8k16 emulated from its PTX fragment layouts, against the float64
+    reference of the same bf16 inputs (probabilities rounded to bf16 for the second product: bf16 tolerance)."""
+    model, inputs, graph, plan = _planned(name, torch.bfloat16)
+    step: AttnStep = plan.attention[0]
+    assert uses_tensor_cores(step)
+    with torch.no_grad():
+        env = _values(graph, model, inputs)
+    emu = emulated(plan, tmp_path)
+    args = [env[i.ref.name] for i in step.inputs]
+    got = getattr(emu.kernels, step.kernel)(*args)
+    assert got.dtype == torch.bfloat16 and got.stride() == env[step.out].stride()
+    reference = attention_reference(step, *args[:3], args[3] if len(args) > 3 else None)
+    torch.testing.assert_close(got.float(), reference.float(), rtol=2e-2, atol=2e-2, equal_nan=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_gpu_kernel_matches_eager(name, dtype, tmp_path):
+    """On the GPU, through the emitted file's binding: fp32 within the strict rule, bf16 (tensor cores where the head
+    dim allows) within 2e-2 of the float64 reference."""
+    from kernelfuse.codegen import generate
+    from kernelfuse.emit.module import load_kernels
+
+    model, inputs, graph, plan = _planned(name, dtype)
+    step = plan.attention[0]
+    kernels = load_kernels(generate(plan), f"attention_{name}_{str(dtype)[6:]}")
+    model = model.cuda()
+    with torch.no_grad():
+        env = _values(graph, model, [t.cuda() for t in inputs])
+    args = [env[i.ref.name] for i in step.inputs]
+    got = getattr(kernels, step.kernel)(*args)
+    reference = attention_reference(step, *args[:3], args[3] if len(args) > 3 else None)
+    if dtype == torch.float32:  # the strict rule against eager, and as close to float64 as eager's unfused form
+        torch.testing.assert_close(got, env[step.out], rtol=1e-4, atol=1e-4, equal_nan=True)
+        torch.testing.assert_close(got, reference, rtol=2e-5, atol=2e-5, equal_nan=True)
+    else:  # bf16 eager rounds its scores to bf16: the float64 reference of the same inputs is the fair judge
+        torch.testing.assert_close(got.float(), reference.float(), rtol=2e-2, atol=2e-2, equal_nan=True)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in CASES if "relu" not in n))
+def test_library_variant_forward_matches_eager(name):
+    """The `-sdpa` variant's emitted forward (one torch SDPA call on the same views, its result laid out as the
+    step's output, NaN rows where the hand-written mask empties a row) run on the CPU against the model."""
+    import types
+
+    from kernelfuse.emit.modelnew import forward_source
+
+    model, inputs, graph, _ = _planned(name)
+    plan = make_plan(graph, PlanOptions(attention="library"))
+    assert plan.variant.endswith("-sdpa") and [a.impl for a in plan.attention] == ["library"]
+    assert not plan.generated and not plan.fused, plan.summary()  # no kernel of ours: the forward runs on the CPU
+    names = [f"x{i}" for i in range(len(inputs))]
+    namespace: dict = {"torch": torch}
+    exec(forward_source(plan, names, has_kernels=False, guarded=False), namespace)  # noqa: S102 - emitted code
+    for fn in [v for v in namespace.values() if isinstance(v, types.FunctionType)]:
+        setattr(model, fn.__name__, types.MethodType(fn, model))
+    with torch.no_grad():
+        expected, got = Fn.forward(model, *inputs), model.forward(*inputs)
+    assert got.shape == expected.shape and got.stride() == expected.stride()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("name, dtype, tf32", [("handwritten_relu_d64", torch.bfloat16, False),
+                                               ("sdpa_gqa_d128", torch.bfloat16, False),
+                                               ("sdpa_bool_mask_d40", torch.bfloat16, False),
+                                               ("handwritten_causal_d96", torch.float32, True)])
+def test_kernels_build_with_nvcc_for_sm90(name, dtype, tf32, tmp_path):
+    """The tensor-core kernels (mma.sync needs sm_80+: bf16, and fp32 under the tf32 policy) and the FMA kernel on
+    bf16 (head dim 40) build."""
+    import subprocess
+
+    from test_nvcc_compile import _nvcc
+
+    from kernelfuse.codegen import generate
+
+    nvcc = _nvcc()
+    *_, graph, _ = _planned(name, dtype)
+    plan = make_plan(graph, PlanOptions(matmul_tf32=tf32))
+    cu = tmp_path / "attention.cu"
+    cu.write_text(generate(plan).cuda)
+    result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-O3", "-c", str(cu), "-o", str(tmp_path / "a.o")],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert ("kf_attention<" not in cu.read_text()) == uses_tensor_cores(plan.attention[0])
+
+
+def _every_kind(m, q40, q32, keep40, keep32, add40, add32):
+    """Every mask kind on the FMA kernel (head dim 40) and on tensor cores (32, bf16 and fp32 SDPA)."""
+    drop32 = torch.bmm(q32[0], q32[0].transpose(1, 2)).masked_fill(~keep32[0, 0], float("-inf"))
+    drop40 = torch.bmm(q40[0], q40[0].transpose(1, 2)).masked_fill(~keep40[0, 0], float("-inf"))
+    return (F.scaled_dot_product_attention(q40, q40, q40), F.scaled_dot_product_attention(q40, q40, q40, keep40),
+            F.scaled_dot_product_attention(q40, q40, q40, add40), F.scaled_dot_product_attention(q32, q32, q32, keep32),
+            F.scaled_dot_product_attention(q32, q32, q32, add32),
+            F.scaled_dot_product_attention(q32, q32, q32, is_causal=True),
+            torch.bmm(torch.softmax(drop32, -1), q32[0]), torch.bmm(torch.relu(drop40), q40[0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_mask_kind_builds_with_nvcc_in_every_dtype(dtype, tmp_path):
+    """Each kernel template instantiated with each mask type builds (a bf16 additive mask compared with 0 once
+    broke the bf16 build on the GPU)."""
+    import subprocess
+
+    from test_nvcc_compile import _nvcc
+
+    from kernelfuse.codegen import generate
+
+    nvcc = _nvcc()
+    inputs = [torch.randn(1, 2, 9, 40, dtype=dtype), torch.randn(1, 2, 9, 32, dtype=dtype),
+              _bool_mask(1, 2, 9, 9, empty_row=False), _bool_mask(1, 2, 9, 9, empty_row=False),
+              torch.randn(1, 2, 9, 9, dtype=dtype), torch.randn(1, 2, 9, 9, dtype=dtype)]
+    plan = make_plan(rewrite(capture_module(Fn(_every_kind), inputs)))
+    assert sorted((a.mask_kind, a.activation) for a in plan.attention) == sorted(
+        [("none", "softmax"), ("keep", "softmax"), ("add", "softmax"), ("keep", "softmax"), ("add", "softmax"),
+         ("none", "softmax"), ("drop", "softmax"), ("drop", "relu")]), plan.summary()
+    cu = tmp_path / "attention.cu"
+    cu.write_text(generate(plan).cuda)
+    result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-O1", "-c", str(cu), "-o", str(tmp_path / "a.o")],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
