@@ -17,6 +17,12 @@ from kernelfuse.plan.ir import Epilogue, FusedStep, GenStep, Plan, Program, Torc
 
 def interpret(plan: Plan, state: dict[str, torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Run `plan` on `state` (parameters and buffers by attribute path) and the forward `inputs`."""
+    env = run_env(plan, state, inputs)
+    return [env[r.name] for r in plan.graph.outputs]  # type: ignore[misc]
+
+
+def run_env(plan: Plan, state: dict[str, torch.Tensor], inputs: Sequence[torch.Tensor]) -> dict[str, object]:
+    """Every value the plan computes, by graph node name (benchmarks and kernel tests feed one step from it)."""
     env: dict[str, object] = {}
     for node in plan.graph.nodes:
         if node.op == "input":
@@ -29,8 +35,8 @@ def interpret(plan: Plan, state: dict[str, torch.Tensor], inputs: Sequence[torch
         elif isinstance(step, GenStep):  # the kernel writes a new contiguous tensor (whatever its source's layout)
             env[step.out] = _run_generated(step, env).contiguous()
         else:
-            env[step.out] = _run_fused(plan.graph, step, env)
-    return [env[r.name] for r in plan.graph.outputs]  # type: ignore[misc]
+            env[step.out] = run_fused(plan.graph, step, env)
+    return env
 
 
 def call_aten(node: Node, env: dict[str, object]) -> object:
@@ -48,7 +54,8 @@ def call_aten(node: Node, env: dict[str, object]) -> object:
     return fn(*args, **kwargs)
 
 
-def _run_fused(graph: Graph, step: FusedStep, env: dict[str, object]) -> torch.Tensor:
+def run_fused(graph: Graph, step: FusedStep, env: dict[str, object]) -> torch.Tensor:
+    """A fused step as torch ops: the anchor's own call, then its epilogue."""
     acc = call_aten(step.anchor.node, env)
     if step.anchor.fused_relu:
         acc = torch.relu(acc)

@@ -1,0 +1,376 @@
+"""Convolutions as implicit GEMM with the epilogue inside: the output is written once, already fused.
+
+M = output pixels (batch x spatial), N = output channels of a group, K = input channels of a group x kernel
+volume. A block computes a BM x BN tile of one group: the prologue gathers the input patch (im2col, never stored)
+and the weights into shared memory, the warps multiply on TF32 tensor cores (mma.sync m16n8k8, fp32 accumulate),
+and the epilogue stages the tile through shared memory so that each thread applies the anchor's `kN_apply` (the
+renderer the stand-alone epilogue kernel uses) and the stores are coalesced in the output's layout. One kernel
+covers 1-d, 2-d and 3-d, strided, padded, dilated and grouped convolutions; transposed convolutions in gather
+form (an output pixel sums the input positions that reach it). Sizes are compile-time constants, as in every
+kernelfuse kernel; the binding checks the tensors against them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kernelfuse.capture import Graph
+from kernelfuse.codegen.binding import Binding, py_tuple
+from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, apply_function
+from kernelfuse.plan.ir import FusedStep, Plan
+
+THREADS = 128  # four warps, each a 32-row slice of the BM = 128 tile
+BM = 128
+
+IGEMM_PRELUDE = r"""
+// Implicit-GEMM convolutions (kernelfuse.codegen.conv_igemm).
+// TF32 rounding as the tensor cores' operand conversion does it: nearest, ties away from zero.
+__device__ __forceinline__ float kf_tf32(float x) {
+#if defined(__CUDA_ARCH__)
+  unsigned int r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return __uint_as_float(r);
+#else
+  unsigned int u;
+  __builtin_memcpy(&u, &x, 4);
+  if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;
+  float r;
+  __builtin_memcpy(&r, &u, 4);
+  return r;
+#endif
+}
+
+// One k8 step of a warp's MF x NF tiles of m16n8 (rows wm.., columns wn..), operands from shared memory stored
+// k-major (A[k][m], B[k][n]). Tensor cores where TC; otherwise (exact fp32, and the CPU emulation) each lane
+// computes the same accumulator elements with scalar FMAs, so tiling and epilogue are the ones the GPU runs.
+template <int MF, int NF, bool TC>
+__device__ __forceinline__ void kf_igemm_k8(float (&acc)[MF][NF][4], const float* A, int lda, const float* B,
+                                            int ldb, int wm, int wn) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#if defined(__CUDA_ARCH__)
+  if constexpr (TC) {
+    unsigned int a[MF][4], b[NF][2];
+#pragma unroll
+    for (int i = 0; i < MF; ++i) {
+      const int m = wm + i * 16 + g;
+      a[i][0] = __float_as_uint(A[t * lda + m]);
+      a[i][1] = __float_as_uint(A[t * lda + m + 8]);
+      a[i][2] = __float_as_uint(A[(t + 4) * lda + m]);
+      a[i][3] = __float_as_uint(A[(t + 4) * lda + m + 8]);
+    }
+#pragma unroll
+    for (int j = 0; j < NF; ++j) {
+      b[j][0] = __float_as_uint(B[t * ldb + wn + j * 8 + g]);
+      b[j][1] = __float_as_uint(B[(t + 4) * ldb + wn + j * 8 + g]);
+    }
+#pragma unroll
+    for (int i = 0; i < MF; ++i)
+#pragma unroll
+      for (int j = 0; j < NF; ++j)
+        asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+                     "{%0,%1,%2,%3};"
+                     : "+f"(acc[i][j][0]), "+f"(acc[i][j][1]), "+f"(acc[i][j][2]), "+f"(acc[i][j][3])
+                     : "r"(a[i][0]), "r"(a[i][1]), "r"(a[i][2]), "r"(a[i][3]), "r"(b[j][0]), "r"(b[j][1]));
+    return;
+  }
+#endif
+#pragma unroll
+  for (int i = 0; i < MF; ++i)
+#pragma unroll
+    for (int j = 0; j < NF; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int m = wm + i * 16 + g + (e >> 1) * 8, n = wn + j * 8 + 2 * t + (e & 1);
+        float s = acc[i][j][e];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) s = fmaf(A[k * lda + m], B[k * ldb + n], s);
+        acc[i][j][e] = s;
+      }
+}
+"""
+
+
+@dataclass(frozen=True)
+class ConvShape:
+    """The convolution's sizes, read from the graph: what the kernel is specialised to."""
+
+    batch: int
+    cin: int
+    cout: int
+    groups: int
+    in_size: tuple[int, ...]
+    out_size: tuple[int, ...]
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    transposed: bool
+
+    @property
+    def cig(self) -> int:
+        return self.cin // self.groups
+
+    @property
+    def cog(self) -> int:
+        return self.cout // self.groups
+
+    @property
+    def kv(self) -> int:
+        return math.prod(self.kernel)
+
+    @property
+    def kg(self) -> int:
+        return self.cig * self.kv
+
+    @property
+    def pixels(self) -> int:
+        return math.prod(self.out_size)
+
+    @property
+    def m(self) -> int:
+        return self.batch * self.pixels
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Block tile: BM output pixels x `bn` output channels, `bk` of K per shared-memory stage."""
+
+    bn: int
+    bk: int
+
+    @property
+    def lda(self) -> int:  # +8 floats: the fragment loads' four k rows land on distinct banks
+        return BM + 8
+
+    @property
+    def ldb(self) -> int:
+        return self.bn + 8
+
+    @property
+    def ldc(self) -> int:  # +4: the accumulator stores' lanes (2t columns apart) land on distinct banks
+        return BM + 4
+
+    @property
+    def smem_floats(self) -> int:
+        return max(2 * self.bk * (self.lda + self.ldb), self.bn * self.ldc)
+
+
+def conv_shape(graph: Graph, step: FusedStep) -> ConvShape:
+    node = step.anchor.node
+    x, w = graph[node.args[0]].meta, graph[node.args[1]].meta
+    stride, padding, dilation, transposed, _, groups = node.args[3:9]
+    rank = len(w.shape) - 2
+    cout = node.meta.shape[1]
+    return ConvShape(x.shape[0], x.shape[1], cout, groups, tuple(x.shape[2:]), tuple(node.meta.shape[2:]),
+                     tuple(w.shape[2:]), _per_dim(stride, rank), _per_dim(padding, rank), _per_dim(dilation, rank),
+                     bool(transposed))
+
+
+def tile_config(shape: ConvShape) -> TileConfig:
+    """Narrow N tiles for few output channels (no wasted MMA columns), a wide one otherwise; K steps of 16."""
+    bn = next((b for b in (8, 16, 32, 64) if b >= shape.cog), 64)
+    return TileConfig(bn, 16 if shape.kg > 8 else 8)
+
+
+def render_conv(plan: Plan, step: FusedStep, _tile: int = 0, out_layout: str = "nchw") -> tuple[str, Binding]:
+    """The kernel, its launcher and its binding for a convolution anchor with its epilogue (`impl` generated).
+    `out_layout`: the output's memory order, "nchw" (contiguous) or "nhwc" (channels-last)."""
+    shape = conv_shape(plan.graph, step)
+    cfg = tile_config(shape)
+    epi, k = step.epilogue, step.kernel
+    ctype = C_TYPES[epi.out.dtype]
+    index_t = "long long" if epi.out.numel > INT32_LIMIT else "int"
+    has_bias = step.anchor.node.args[2] is not None
+    ops = range(len(epi.operands))
+    operand_params = "".join(f", const {ctype}* __restrict__ in{i}" for i in ops)
+    operand_args = "".join(f", in{i}" for i in ops)
+    comment = f"// {k}: {step.chain(plan.graph)}  (implicit GEMM, epilogue inside, {out_layout} output)\n"
+    body = _kernel(k, shape, cfg, ctype, index_t, has_bias, not step.anchor.fp32, out_layout, operand_params,
+                   operand_args)
+    launch_params = "".join(f", const void* in{i}" for i in ops)
+    launch_args = "".join(f", (const {ctype}*)in{i}" for i in ops)
+    grid = (-(-shape.m // BM), -(-shape.cog // cfg.bn), shape.groups)
+    launch = f"""
+KF_EXPORT cudaError_t {k}_launch(const void* x, const void* w, const void* bias, void* out{launch_params}, cudaStream_t stream) {{
+  dim3 grid({grid[0]}, {grid[1]}, {grid[2]});
+  {k}_kernel<<<grid, {THREADS}, 0, stream>>>((const {ctype}*)x, (const {ctype}*)w, (const {ctype}*)bias, ({ctype}*)out{launch_args});
+  return cudaGetLastError();
+}}
+"""
+    return comment + apply_function(k, epi, ctype, index_t) + body + launch, _binding(plan, step, shape, out_layout)
+
+
+def _kernel(k: str, s: ConvShape, cfg: TileConfig, ctype: str, index_t: str, has_bias: bool, tf32: bool,
+            out_layout: str, operand_params: str, operand_args: str) -> str:
+    rank = len(s.kernel)
+    in_strides = [math.prod(s.in_size[d + 1:]) for d in range(rank)]
+    a_rows = cfg.bk  # BM == THREADS: a thread gathers one output pixel's column of A
+    b_per_thread = -(-cfg.bn * cfg.bk // THREADS)
+    nf = cfg.bn // 8
+    rnd = "kf_tf32" if tf32 else ""
+    coords = _unravel("pix", s.out_size, "o", "    ")  # the thread's output pixel
+    if s.transposed:
+        base = [f"    base[{d}] = o{d} + {s.padding[d]};" for d in range(rank)]
+    else:
+        base = [f"    base[{d}] = o{d} * {s.stride[d]} - {s.padding[d]};" for d in range(rank)]
+    kpos = _unravel("kr", s.kernel, "q", "        ")  # K index kidx = ci * KV + kr: the kernel position
+    gather = []
+    for d in range(rank):
+        if s.transposed:
+            gather.append(f"        const int t{d} = base[{d}] - q{d} * {s.dilation[d]};")
+            gather.append(f"        const int i{d} = t{d} / {s.stride[d]};")
+            gather.append(f"        ok = ok && t{d} >= 0 && t{d} % {s.stride[d]} == 0 && i{d} < {s.in_size[d]};")
+        else:
+            gather.append(f"        const int i{d} = base[{d}] + q{d} * {s.dilation[d]};")
+            gather.append(f"        ok = ok && i{d} >= 0 && i{d} < {s.in_size[d]};")
+    offset = " + ".join([f"ci * {math.prod(s.in_size)}"] + [f"i{d} * {in_strides[d]}" for d in range(rank)])
+    if s.transposed:
+        w_offset = f"((long long)(grp * {s.cig} + kidx / {s.kv}) * {s.cog} + co) * {s.kv} + kidx % {s.kv}"
+    else:
+        w_offset = f"(long long)(grp * {s.cog} + co) * {s.kg} + kidx"
+    if out_layout == "nchw":
+        order = f"const int nl = e / {BM}, ml = e % {BM};"
+        store = "i"
+    else:
+        order = f"const int ml = e / {cfg.bn}, nl = e % {cfg.bn};"
+        store = f"(({index_t})img * {s.pixels} + pix) * {s.cout} + co"
+    bias = " + kf_load(bias[co])" if has_bias else ""
+    nl = "\n"
+    return f"""
+__global__ void __launch_bounds__({THREADS}) {k}_kernel(const {ctype}* __restrict__ x, const {ctype}* __restrict__ w, const {ctype}* __restrict__ bias, {ctype}* __restrict__ out{operand_params}) {{
+  constexpr int BK = {cfg.bk}, BN = {cfg.bn}, LDA = {cfg.lda}, LDB = {cfg.ldb}, LDC = {cfg.ldc};
+  constexpr int KG = {s.kg}, KTILES = {-(-s.kg // cfg.bk)}, M = {s.m}, COG = {s.cog};
+  __shared__ float smem[{cfg.smem_floats}];
+  const int grp = blockIdx.z, m0 = blockIdx.x * {BM}, n0 = blockIdx.y * BN;
+  // the pixel whose column of A this thread gathers
+  const int m = m0 + threadIdx.x;
+  const bool m_ok = m < M;
+  int base[{rank}];
+  const {ctype}* xg = x;
+  {{
+    const int img = m_ok ? m / {s.pixels} : 0, pix = m_ok ? m % {s.pixels} : 0;
+{nl.join(coords)}
+{nl.join(base)}
+    xg = x + ((long long)img * {s.cin} + grp * {s.cig}) * {math.prod(s.in_size)};
+  }}
+  float a_reg[{a_rows}], b_reg[{b_per_thread}];
+  auto load = [&](int kt) {{
+#pragma unroll
+    for (int j = 0; j < BK; ++j) {{
+      const int kidx = kt * BK + j;
+      float v = 0.0f;
+      if (m_ok && kidx < KG) {{
+        const int ci = kidx / {s.kv}, kr = kidx % {s.kv};
+{nl.join(kpos)}
+        bool ok = true;
+{nl.join(gather)}
+        if (ok) v = kf_load(xg[{offset}]);
+      }}
+      a_reg[j] = {rnd}(v);
+    }}
+#pragma unroll
+    for (int j = 0; j < {b_per_thread}; ++j) {{
+      const int e = threadIdx.x + j * {THREADS}, n = e / BK, kidx = kt * BK + e % BK, co = n0 + n;
+      float v = 0.0f;
+      if (e < BN * BK && co < COG && kidx < KG) v = kf_load(w[{w_offset}]);
+      b_reg[j] = {rnd}(v);
+    }}
+  }};
+  auto stash = [&](int stage) {{
+    float* As = smem + stage * BK * (LDA + LDB);
+    float* Bs = As + BK * LDA;
+#pragma unroll
+    for (int j = 0; j < BK; ++j) As[j * LDA + threadIdx.x] = a_reg[j];
+#pragma unroll
+    for (int j = 0; j < {b_per_thread}; ++j) {{
+      const int e = threadIdx.x + j * {THREADS};
+      if (e < BN * BK) Bs[(e % BK) * LDB + e / BK] = b_reg[j];
+    }}
+  }};
+  float acc[2][{nf}][4];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < {nf}; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+  const int wm = (threadIdx.x / 32) * 32;
+  load(0);
+  stash(0);
+  __syncthreads();
+  for (int kt = 0; kt < KTILES; ++kt) {{
+    if (kt + 1 < KTILES) load(kt + 1);  // the next stage's global loads fly while this one multiplies
+    const float* As = smem + (kt & 1) * BK * (LDA + LDB);
+    const float* Bs = As + BK * LDA;
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 8) kf_igemm_k8<2, {nf}, {str(tf32).lower()}>(acc, As + kk * LDA, LDA, Bs + kk * LDB, LDB, wm, 0);
+    if (kt + 1 < KTILES) stash((kt + 1) & 1);
+    __syncthreads();
+  }}
+  // the tile through shared memory: every thread then applies the epilogue to elements in store order
+  {{
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < {nf}; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          smem[(j * 8 + 2 * t + (e & 1)) * LDC + wm + i * 16 + g + (e >> 1) * 8] = acc[i][j][e];
+  }}
+  __syncthreads();
+  for (int e = threadIdx.x; e < {BM} * BN; e += {THREADS}) {{
+    {order}
+    const int mm = m0 + ml, col = n0 + nl;
+    if (mm >= M || col >= COG) continue;
+    const int co = grp * COG + col, img = mm / {s.pixels}, pix = mm % {s.pixels};
+    const {index_t} i = (({index_t})img * {s.cout} + co) * {s.pixels} + pix;
+    out[{store}] = kf_store<{ctype}>({k}_apply(smem[nl * LDC + ml]{bias}, i{operand_args}));
+  }}
+}}
+"""
+
+
+def _binding(plan: Plan, step: FusedStep, shape: ConvShape, out_layout: str) -> Binding:
+    epi, k = step.epilogue, step.kernel
+    node = step.anchor.node
+    dtype = epi.out.dtype
+    w_meta = plan.graph[node.args[1]].meta
+    ops = range(len(epi.operands))
+    params = "".join(f", in{i}" for i in ops)
+    lines = [f"# {k}: {step.chain(plan.graph)}  (implicit-GEMM convolution, epilogue inside)",
+             f"def {k}(self, x, w, b{params}):",
+             f'    _check_dense(x, "{k} input", {py_tuple(plan.graph[node.args[0]].meta.shape)}, {dtype})',
+             f'    _check_dense(w, "{k} weight", {py_tuple(w_meta.shape)}, {dtype})']
+    if node.args[2] is not None:
+        lines.append(f'    _check_dense(b, "{k} bias", {py_tuple((shape.cout,))}, {dtype})')
+    for i, operand in enumerate(epi.operands):
+        lines.append(f'    _check_dense(in{i}, "{k} operand in{i} ({operand.ref.name})", {py_tuple(operand.meta.shape)}, '
+                     f"{dtype})")
+    if out_layout == "nhwc":  # channels innermost (torch's channels-last for 2-d/3-d; 1-d has no name for it)
+        dims = epi.out.shape
+        stored, order = (dims[0], *dims[2:], dims[1]), (0, len(dims) - 1, *range(1, len(dims) - 1))
+        lines.append(f"    out = torch.empty({py_tuple(stored)}, dtype={dtype}, device=x.device).permute{order}")
+    else:
+        lines.append(f"    out = torch.empty({py_tuple(epi.out.shape)}, dtype={dtype}, device=x.device)")
+    bias = "b.data_ptr()" if node.args[2] is not None else "None"
+    ptrs = "".join(f", in{i}.data_ptr()" for i in ops)
+    lines.append(f'    self._launch(self._{k}, "{k}", x, x.data_ptr(), w.data_ptr(), {bias}, out.data_ptr(){ptrs})')
+    lines.append("    return out")
+    init = f'self._{k} = self._function("{k}_launch", [ctypes.c_void_p] * {4 + len(epi.operands)})'
+    return Binding(init, "\n".join(lines))
+
+
+def _unravel(flat: str, sizes: tuple[int, ...], name: str, ind: str) -> list[str]:
+    """C lines `const int {name}{d} = ...;`: the coordinates of row-major index `flat` over `sizes`."""
+    lines = []
+    for d in range(len(sizes) - 1, -1, -1):
+        lines.insert(0, f"{ind}const int {name}{d} = {flat}{f' % {sizes[d]}' if d > 0 else ''};")
+        flat = f"({flat} / {sizes[d]})"
+    return lines
+
+
+def _per_dim(value: object, rank: int) -> tuple[int, ...]:
+    values = tuple(value) if isinstance(value, list | tuple) else (value,)
+    return values * rank if len(values) == 1 else values

@@ -1,0 +1,132 @@
+"""The implicit-GEMM convolution with its epilogue inside (kernelfuse.codegen.conv_igemm), run on the CPU.
+
+The kernel file is built with the host compiler (tests/emulation_helpers.py): the tensor-core step becomes its
+scalar fallback, which computes the same accumulator elements per lane, so the gather (stride, padding, dilation,
+groups, transposed), the tiling, the edge masks and the epilogue are what the GPU runs. The reference is torch's
+convolution in float64 on the operands rounded to TF32 as the kernel rounds them, then the plan's epilogue: what
+is left is fp32 accumulation error.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from emulation_helpers import emulated
+
+import kernelfuse.codegen.cuda as cuda_module
+from kernelfuse.capture import capture_module
+from kernelfuse.codegen.conv_igemm import conv_shape, render_conv, tile_config
+from kernelfuse.plan import make_plan, plan_variants
+from kernelfuse.plan.fuse import PlanOptions
+from kernelfuse.plan.interpret import run_env, run_fused
+
+
+class Convs(torch.nn.Module):
+    """Independent convolutions, each followed by pointwise ops: one fused step each, one kernel file."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.strided = torch.nn.Conv2d(3, 5, 3, stride=2, padding=1)  # M below one tile, K = 27
+        self.grouped = torch.nn.Conv2d(8, 12, 3, padding=2, dilation=2, groups=4, bias=False)
+        self.depthwise = torch.nn.Conv2d(6, 6, (3, 2), padding=(1, 0), groups=6)
+        self.wide = torch.nn.Conv2d(20, 70, 3)  # two N tiles of 64, K = 180: many K stages
+        self.vol = torch.nn.Conv3d(2, 9, (2, 3, 3), stride=(1, 2, 1), padding=(0, 1, 1))
+        self.line = torch.nn.Conv1d(4, 20, 5, stride=3, padding=2)
+        self.up = torch.nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1)
+        self.up_vol = torch.nn.ConvTranspose3d(4, 6, 3, stride=2, padding=1, groups=2, dilation=(1, 2, 1))
+        self.scale = torch.nn.Parameter(torch.randn(12, 1, 1))
+
+    def forward(self, a, b, c, d, e, f, g, h):
+        return (torch.relu(self.strided(a)) * 0.5,
+                torch.tanh(self.grouped(b) - self.scale),
+                self.depthwise(c) + 1.0,
+                torch.nn.functional.gelu(self.wide(d)),
+                torch.sigmoid(self.vol(e)) * 2.0,
+                torch.clamp(self.line(f), -0.5, 0.5),
+                self.up(g) * g.mean(),
+                torch.nn.functional.hardswish(self.up_vol(h)))
+
+
+INPUTS = [(2, 3, 9, 11), (1, 8, 10, 13), (2, 6, 7, 5), (1, 20, 12, 13), (2, 2, 5, 6, 7), (3, 4, 50), (2, 4, 5, 6),
+          (1, 4, 3, 4, 5)]
+
+
+def _tf32(t: torch.Tensor) -> torch.Tensor:
+    """fp32 -> TF32 as cvt.rna does it: round the low 13 mantissa bits to nearest, ties away from zero."""
+    bits = t.float().contiguous().view(torch.int32)
+    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def model_and_plan():
+    torch.manual_seed(0)
+    model = Convs().eval()
+    inputs = [torch.randn(s) for s in INPUTS]
+    graph = capture_module(model, inputs)
+    return model, inputs, graph
+
+
+def _run(model, inputs, graph, plan, tmp_path, exact: bool = False):
+    """(ours, reference) for every fused convolution step of `plan`, on the CPU build of its kernels."""
+    emu = emulated(plan, tmp_path)
+    state = {k: v.detach().double() for k, v in [*model.named_parameters(), *model.named_buffers()]}
+    env = run_env(plan, state, [t.double() for t in inputs])
+    results = []
+    for step in plan.fused:
+        assert step.anchor.epilogue_inside, step.kernel
+        node = step.anchor.node
+        args32 = [env[r.name].float() if r is not None else None for r in node.args[:3]]
+        operands = [env[o.ref.name].float() for o in step.epilogue.operands]
+        out = getattr(emu.kernels, step.kernel)(*args32, *operands)
+        ref_env = dict(env)
+        for ref, t in zip(node.args[:2], args32[:2], strict=True):
+            ref_env[ref.name] = (t if exact else _tf32(t)).double()
+        results.append((step, out, run_fused(plan.graph, step, ref_env)))
+    return results
+
+
+def test_every_convolution_is_generated_with_its_epilogue_inside(model_and_plan):
+    _, _, graph = model_and_plan
+    plans = plan_variants(graph)
+    igemm = [p for p in plans if p.variant == "fused-igemm"]
+    assert len(igemm) == 1 and plans[-1] is igemm[0]  # the library variants first, as before
+    plan = igemm[0]
+    assert len(plan.fused) == 8 and all(s.anchor.impl == "generated" and s.needs_kernel for s in plan.fused)
+    assert not any(s.anchor.fused_relu for s in plan.fused)  # the ReLU is an epilogue statement here
+    assert "generated implicit GEMM TF32 [nchw], epilogue inside" in plan.summary()
+    assert all(s.anchor.impl == "library" for p in plans[:-1] for s in p.fused)
+
+
+def test_tile_sizes_follow_the_channels(model_and_plan):
+    _, _, graph = model_and_plan
+    plan = make_plan(graph, PlanOptions(conv_layout="nchw", conv_impl="generated", cudnn_fused_relu=False))
+    widths = {s.chain(plan.graph).split(" -> ")[1]: tile_config(conv_shape(graph, s)).bn for s in plan.fused}
+    assert [tile_config(conv_shape(graph, s)).bn for s in plan.fused] == [8, 8, 8, 64, 16, 32, 8, 8], widths
+
+
+@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
+def test_kernels_match_float64_on_tf32_operands(model_and_plan, tmp_path, monkeypatch, layout):
+    model, inputs, graph = model_and_plan
+    monkeypatch.setattr(cuda_module, "render_conv", functools.partial(render_conv, out_layout=layout))
+    plan = make_plan(graph, PlanOptions(conv_layout="nchw", conv_impl="generated", cudnn_fused_relu=False))
+    for step, out, ref in _run(model, inputs, graph, plan, tmp_path):
+        fmt = torch.channels_last if out.dim() == 4 else torch.channels_last_3d
+        if layout == "nhwc" and out.dim() > 3:
+            assert out.is_contiguous(memory_format=fmt), step.kernel
+        assert out.shape == ref.shape and not out.isnan().any(), step.kernel
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5, msg=f"{step.kernel}: {step.chain(graph)}")
+
+
+def test_fp32_anchor_multiplies_exactly(model_and_plan, tmp_path):
+    """A convolution eager computes in full fp32 (Anchor.fp32) gets scalar FMAs, no TF32 rounding."""
+    model, inputs, graph = model_and_plan
+    names = tuple(s.anchor.node.name for s in plan_variants(graph)[-1].fused)
+    plan = make_plan(graph, PlanOptions(conv_layout="nchw", conv_impl="generated", cudnn_fused_relu=False,
+                                        fp32_convs=names[3:4]))
+    (wide,) = [s for s in plan.fused if s.anchor.fp32]
+    assert "kf_igemm_k8<2, 8, false>" in cuda_module.generate(plan).cuda
+    results = {s.kernel: (out, ref) for s, out, ref in _run(model, inputs, graph, plan, tmp_path, exact=True)}
+    out, ref = results[wide.kernel]
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
