@@ -31,7 +31,7 @@ from kernelfuse.emit import emit_modelnew, emit_reference
 from kernelfuse.judge import EvalOptions, Verdict, evaluate
 from kernelfuse.judge.runner import judge_zygote
 from kernelfuse.load import Problem, check_output_path, load_problem
-from kernelfuse.plan import Plan, plan_variants
+from kernelfuse.plan import Plan, owned_anchor_variants, plan_variants
 from kernelfuse.rewrite import RULE_NAMES, RuleFiring, apply_rules
 
 # A forward whose kernels keep the GPU busy for less than this fraction of its timed duration is launch-bound:
@@ -103,9 +103,10 @@ def _optimize(problem_path: str | Path, out_path: str | Path, options: OptimizeO
     mode = "training" if graph.training else "eval"
     log(f"[2/5] captured {len(graph.nodes)} ATen nodes on fake tensors ({mode} mode); {rewritten.summary()}")
     timings = _measure_conv_layouts(graph, options.precision, log) if use_gpu else None
+    fp32_convs = frozenset(t.node for t in timings or [] if t.fp32)
     plans = plan_variants(graph, options.precision, options.max_fusions,
-                          None if timings is None else {t.node: t.choice for t in timings},
-                          frozenset(t.node for t in timings or [] if t.fp32))
+                          None if timings is None else {t.node: t.choice for t in timings}, fp32_convs)
+    plans += owned_anchor_variants(graph, options.precision, options.max_fusions, fp32_convs)
     for plan in plans:
         log("[3/5] " + plan.summary().replace("\n", "\n      "))
     result = OptimizeResult(out_path, plans[0].variant, plans, [], rewrites=rewritten.fired)
@@ -149,8 +150,10 @@ def _layout_decided(plans: list[Plan], timings: list[LayoutTiming] | None) -> bo
     """Do the convolution timings alone order the plans (judge the first, the rest only if it fails)? Not where
     a generated kernel reads a convolution's channels-last output: its reads follow that layout, and a norm's
     rows interleaved across channels cost more than the layout saves (level-2 60, ConvTranspose3d + GroupNorm:
-    cuDNN 0.87 ms faster channels-last, the group norm 3.9 ms in that layout). Both plans are judged whole then."""
-    return timings is not None and not any(s.keeps_layout for p in plans[:1] for s in p.fused)
+    cuDNN 0.87 ms faster channels-last, the group norm 3.9 ms in that layout). Both plans are judged whole then;
+    so is a plan whose convolution is our own kernel with the epilogue inside (no layout timing predicts it)."""
+    return timings is not None and not any(s.keeps_layout for p in plans[:1] for s in p.fused) \
+        and not any(s.anchor.epilogue_inside for p in plans for s in p.fused)
 
 
 def _measure_conv_layouts(graph: Graph, precision: str, log: Callable[[str], None]) -> list[LayoutTiming] | None:

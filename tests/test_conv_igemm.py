@@ -18,9 +18,10 @@ from emulation_helpers import emulated
 import kernelfuse.codegen.cuda as cuda_module
 from kernelfuse.capture import capture_module
 from kernelfuse.codegen.conv_igemm import conv_shape, render_conv, tile_config
-from kernelfuse.plan import make_plan, plan_variants
+from kernelfuse.plan import make_plan, owned_anchor_variants, plan_variants
 from kernelfuse.plan.fuse import PlanOptions
 from kernelfuse.plan.interpret import run_env, run_fused
+from kernelfuse.report import plan_json
 
 
 class Convs(torch.nn.Module):
@@ -89,14 +90,29 @@ def _run(model, inputs, graph, plan, tmp_path, exact: bool = False):
 
 def test_every_convolution_is_generated_with_its_epilogue_inside(model_and_plan):
     _, _, graph = model_and_plan
-    plans = plan_variants(graph)
-    igemm = [p for p in plans if p.variant == "fused-igemm"]
-    assert len(igemm) == 1 and plans[-1] is igemm[0]  # the library variants first, as before
-    plan = igemm[0]
+    (plan,) = owned_anchor_variants(graph)
+    assert plan.variant == "fused-igemm"
     assert len(plan.fused) == 8 and all(s.anchor.impl == "generated" and s.needs_kernel for s in plan.fused)
     assert not any(s.anchor.fused_relu for s in plan.fused)  # the ReLU is an epilogue statement here
     assert "generated implicit GEMM TF32 [nchw], epilogue inside" in plan.summary()
-    assert all(s.anchor.impl == "library" for p in plans[:-1] for s in p.fused)
+    assert all(s.anchor.impl == "library" for p in plan_variants(graph) for s in p.fused)  # unchanged
+
+
+def test_graph_without_convolution_has_no_generated_variant():
+    linear = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.ReLU())
+    assert owned_anchor_variants(capture_module(linear, [torch.randn(2, 4)])) == []
+
+
+def test_report_says_where_the_epilogue_runs(model_and_plan):
+    _, _, graph = model_and_plan
+    (igemm,) = owned_anchor_variants(graph)
+    anchors = [k for k in plan_json(igemm)["kernels"] if "impl" in k]
+    assert len(anchors) == 8
+    assert all(k["impl"] == "generated" and k["epilogue_in_anchor"] and not k["epilogue_kernel"] for k in anchors)
+    library = [k for p in plan_variants(graph) for k in plan_json(p)["kernels"] if "impl" in k]
+    assert library and all(k["impl"] == "library" and k["library"] == "cuDNN" for k in library)
+    # every library anchor here has ops behind cuDNN's call: they run in an epilogue kernel of their own
+    assert {k["epilogue_in_anchor"] for k in library} == {False}
 
 
 def test_tile_sizes_follow_the_channels(model_and_plan):
@@ -122,7 +138,7 @@ def test_kernels_match_float64_on_tf32_operands(model_and_plan, tmp_path, monkey
 def test_fp32_anchor_multiplies_exactly(model_and_plan, tmp_path):
     """A convolution eager computes in full fp32 (Anchor.fp32) gets scalar FMAs, no TF32 rounding."""
     model, inputs, graph = model_and_plan
-    names = tuple(s.anchor.node.name for s in plan_variants(graph)[-1].fused)
+    names = tuple(s.anchor.node.name for s in owned_anchor_variants(graph)[0].fused)
     plan = make_plan(graph, PlanOptions(conv_layout="nchw", conv_impl="generated", cudnn_fused_relu=False,
                                         fp32_convs=names[3:4]))
     (wide,) = [s for s in plan.fused if s.anchor.fp32]

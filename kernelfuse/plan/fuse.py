@@ -61,23 +61,23 @@ def plan_variants(graph: Graph, precision: str = "strict", max_fusions: int | No
                               matmul_tf32=tf32, max_fusions=max_fusions)
         measured = make_plan(graph, options)
         fallback = make_plan(graph, PlanOptions(conv_layout="nchw", matmul_tf32=tf32, max_fusions=max_fusions))
-        plans = [measured] if fallback.summary() == measured.summary() else [measured, fallback]
-    else:
-        has_conv = any(channels_last_ok(graph, n) for n in graph.nodes)
-        layouts = ("nhwc", "nchw") if has_conv else ("nchw",)
-        plans = [make_plan(graph, PlanOptions(conv_layout=layout, matmul_tf32=tf32, max_fusions=max_fusions))
-                 for layout in layouts]
-    return plans + _igemm_plan(graph, tf32, max_fusions, fp32_convs)
+        return [measured] if fallback.summary() == measured.summary() else [measured, fallback]
+    has_conv = any(channels_last_ok(graph, n) for n in graph.nodes)
+    layouts = ("nhwc", "nchw") if has_conv else ("nchw",)
+    return [make_plan(graph, PlanOptions(conv_layout=layout, matmul_tf32=tf32, max_fusions=max_fusions))
+            for layout in layouts]
 
 
-def _igemm_plan(graph: Graph, tf32: bool, max_fusions: int | None, fp32_convs: frozenset[str]) -> list[Plan]:
+def owned_anchor_variants(graph: Graph, precision: str = "strict", max_fusions: int | None = None,
+                          fp32_convs: frozenset[str] = frozenset()) -> list[Plan]:
     """The plan whose eligible convolutions run kernelfuse's implicit GEMM with the epilogue inside (a variant the
-    judge measures against the library's), or none where no convolution is eligible."""
+    judge measures against the library plans of `plan_variants`), or none where no convolution is eligible.
+    `fp32_convs`: convolutions eager computes in full fp32 on this GPU (exact FMAs instead of TF32)."""
     if not any(node.op in ANCHOR_OPS and ANCHOR_OPS[node.op] == "conv" and not igemm_refusal(graph, node)
                for node in graph.nodes):
         return []
     options = PlanOptions(conv_layout="nchw", fp32_convs=tuple(sorted(fp32_convs)), cudnn_fused_relu=False,
-                          matmul_tf32=tf32, max_fusions=max_fusions, conv_impl="generated")
+                          matmul_tf32=precision == "tf32", max_fusions=max_fusions, conv_impl="generated")
     plan = make_plan(graph, options)
     return [plan] if any(s.anchor.epilogue_inside for s in plan.fused) else []
 
