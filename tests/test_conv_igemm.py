@@ -17,7 +17,7 @@ from emulation_helpers import emulated
 
 import kernelfuse.codegen.cuda as cuda_module
 from kernelfuse.capture import capture_module
-from kernelfuse.codegen.conv_igemm import conv_shape, render_conv, tile_config
+from kernelfuse.codegen.conv_igemm import conv_shape, phases, render_conv, tile_config
 from kernelfuse.plan import make_plan, owned_anchor_variants, plan_variants
 from kernelfuse.plan.fuse import PlanOptions
 from kernelfuse.plan.interpret import run_env, run_fused
@@ -32,14 +32,15 @@ class Convs(torch.nn.Module):
         self.strided = torch.nn.Conv2d(3, 5, 3, stride=2, padding=1)  # M below one tile, K = 27
         self.grouped = torch.nn.Conv2d(8, 12, 3, padding=2, dilation=2, groups=4, bias=False)
         self.depthwise = torch.nn.Conv2d(6, 6, (3, 2), padding=(1, 0), groups=6)
-        self.wide = torch.nn.Conv2d(20, 70, 3)  # two N tiles of 64, K = 180: many K stages
+        self.wide = torch.nn.Conv2d(32, 70, 3)  # two N tiles of 64, K = 288: 18 stages of one tap each
         self.vol = torch.nn.Conv3d(2, 9, (2, 3, 3), stride=(1, 2, 1), padding=(0, 1, 1))
         self.line = torch.nn.Conv1d(4, 20, 5, stride=3, padding=2)
-        self.up = torch.nn.ConvTranspose2d(4, 6, 3, stride=2, padding=1, output_padding=1)
+        self.up = torch.nn.ConvTranspose2d(16, 6, 3, stride=2, padding=1, output_padding=1)  # 4 phases
         self.up_vol = torch.nn.ConvTranspose3d(4, 6, 3, stride=2, padding=1, groups=2, dilation=(1, 2, 1))
+        self.sparse = torch.nn.ConvTranspose1d(4, 5, 2, stride=3)  # one phase of three has no tap: bias only
         self.scale = torch.nn.Parameter(torch.randn(12, 1, 1))
 
-    def forward(self, a, b, c, d, e, f, g, h):
+    def forward(self, a, b, c, d, e, f, g, h, i):
         return (torch.relu(self.strided(a)) * 0.5,
                 torch.tanh(self.grouped(b) - self.scale),
                 self.depthwise(c) + 1.0,
@@ -47,11 +48,12 @@ class Convs(torch.nn.Module):
                 torch.sigmoid(self.vol(e)) * 2.0,
                 torch.clamp(self.line(f), -0.5, 0.5),
                 self.up(g) * g.mean(),
-                torch.nn.functional.hardswish(self.up_vol(h)))
+                torch.nn.functional.hardswish(self.up_vol(h)),
+                self.sparse(i) * 3.0)
 
 
-INPUTS = [(2, 3, 9, 11), (1, 8, 10, 13), (2, 6, 7, 5), (1, 20, 12, 13), (2, 2, 5, 6, 7), (3, 4, 50), (2, 4, 5, 6),
-          (1, 4, 3, 4, 5)]
+INPUTS = [(2, 3, 9, 11), (1, 8, 10, 13), (2, 6, 7, 5), (1, 32, 12, 13), (2, 2, 5, 6, 7), (3, 4, 50), (2, 16, 5, 6),
+          (1, 4, 3, 4, 5), (2, 4, 7)]
 
 
 def _tf32(t: torch.Tensor) -> torch.Tensor:
@@ -92,7 +94,7 @@ def test_every_convolution_is_generated_with_its_epilogue_inside(model_and_plan)
     _, _, graph = model_and_plan
     (plan,) = owned_anchor_variants(graph)
     assert plan.variant == "fused-igemm"
-    assert len(plan.fused) == 8 and all(s.anchor.impl == "generated" and s.needs_kernel for s in plan.fused)
+    assert len(plan.fused) == 9 and all(s.anchor.impl == "generated" and s.needs_kernel for s in plan.fused)
     assert not any(s.anchor.fused_relu for s in plan.fused)  # the ReLU is an epilogue statement here
     assert "generated implicit GEMM TF32 [nchw], epilogue inside" in plan.summary()
     assert all(s.anchor.impl == "library" for p in plan_variants(graph) for s in p.fused)  # unchanged
@@ -107,7 +109,7 @@ def test_report_says_where_the_epilogue_runs(model_and_plan):
     _, _, graph = model_and_plan
     (igemm,) = owned_anchor_variants(graph)
     anchors = [k for k in plan_json(igemm)["kernels"] if "impl" in k]
-    assert len(anchors) == 8
+    assert len(anchors) == 9
     assert all(k["impl"] == "generated" and k["epilogue_in_anchor"] and not k["epilogue_kernel"] for k in anchors)
     library = [k for p in plan_variants(graph) for k in plan_json(p)["kernels"] if "impl" in k]
     assert library and all(k["impl"] == "library" and k["library"] == "cuDNN" for k in library)
@@ -115,11 +117,25 @@ def test_report_says_where_the_epilogue_runs(model_and_plan):
     assert {k["epilogue_in_anchor"] for k in library} == {False}
 
 
+def test_transposed_convolutions_split_into_phases(model_and_plan):
+    """Each phase reads only the taps that reach an input position: a quarter (2-d, stride 2) of the kernel."""
+    _, _, graph = model_and_plan
+    (plan,) = owned_anchor_variants(graph)
+    shapes = [conv_shape(graph, s) for s in plan.fused]
+    step, scale, up = phases(shapes[6])
+    assert step == (2, 2) and scale == (1, 1) and len(up) == 4
+    assert sorted(len(p.taps) for p in up) == [1, 2, 2, 4] and sum(p.pixels for p in up) == 10 * 12
+    _, _, sparse = phases(shapes[8])
+    assert [len(p.taps) for p in sparse] == [1, 1, 0]
+    _, scale, (forward,) = phases(shapes[0])
+    assert scale == (2, 2) and len(forward.taps) == 9
+
+
 def test_tile_sizes_follow_the_channels(model_and_plan):
     _, _, graph = model_and_plan
     plan = make_plan(graph, PlanOptions(conv_layout="nchw", conv_impl="generated", cudnn_fused_relu=False))
     widths = {s.chain(plan.graph).split(" -> ")[1]: tile_config(conv_shape(graph, s)).bn for s in plan.fused}
-    assert [tile_config(conv_shape(graph, s)).bn for s in plan.fused] == [8, 8, 8, 64, 16, 32, 8, 8], widths
+    assert [tile_config(conv_shape(graph, s)).bn for s in plan.fused] == [8, 8, 8, 64, 16, 32, 8, 8, 8], widths
 
 
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])

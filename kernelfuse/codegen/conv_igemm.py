@@ -12,6 +12,7 @@ kernelfuse kernel; the binding checks the tensors against them.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from kernelfuse.plan.ir import FusedStep, Plan
 
 THREADS = 128  # four warps, each a 32-row slice of the BM = 128 tile
 BM = 128
+MIN_BLOCKS = 4  # blocks per SM the registers must allow: the 64-wide tile drops from ~175 to 128, no spills (sm_90)
 
 IGEMM_PRELUDE = r"""
 // Implicit-GEMM convolutions (kernelfuse.codegen.conv_igemm).
@@ -173,6 +175,43 @@ def tile_config(shape: ConvShape) -> TileConfig:
     return TileConfig(bn, 16 if shape.kg > 8 else 8)
 
 
+@dataclass(frozen=True)
+class Phase:
+    """Output pixels o = origin + step * v (v < count, per dimension) that one set of kernel taps reaches: input
+    position i = scale * v + c for each tap (its flat kernel position, c). A forward convolution is one phase
+    (step 1, scale = stride); a transposed one of stride s has prod(s) phases (step s, scale 1), each reading
+    only the taps that land on an input position, so no multiply-add is spent on the zeros of the gather form."""
+
+    origin: tuple[int, ...]
+    count: tuple[int, ...]
+    taps: tuple[tuple[int, tuple[int, ...]], ...]
+
+    @property
+    def pixels(self) -> int:
+        return math.prod(self.count)
+
+
+def phases(s: ConvShape) -> tuple[tuple[int, ...], tuple[int, ...], list[Phase]]:
+    """(step, scale, phases) of the convolution: see Phase."""
+    positions = list(itertools.product(*(range(k) for k in s.kernel)))
+    if not s.transposed:
+        taps = tuple((kp, tuple(q * d - p for q, d, p in zip(qs, s.dilation, s.padding, strict=True)))
+                     for kp, qs in enumerate(positions))
+        return (1,) * len(s.kernel), s.stride, [Phase((0,) * len(s.kernel), s.out_size, taps)]
+    found = []
+    for r in itertools.product(*(range(st) for st in s.stride)):
+        count = tuple(max(0, -(-(o - rd) // st)) for o, rd, st in zip(s.out_size, r, s.stride, strict=True))
+        if 0 in count:
+            continue
+        taps = tuple((kp, tuple((rd + p - q * d) // st for rd, p, q, d, st in zip(r, s.padding, qs, s.dilation,
+                                                                                 s.stride, strict=True)))
+                     for kp, qs in enumerate(positions)
+                     if all((rd + p - q * d) % st == 0 for rd, p, q, d, st in zip(r, s.padding, qs, s.dilation,
+                                                                                  s.stride, strict=True)))
+        found.append(Phase(r, count, taps))
+    return s.stride, (1,) * len(s.kernel), found
+
+
 def render_conv(plan: Plan, step: FusedStep, _tile: int = 0, out_layout: str = "nchw") -> tuple[str, Binding]:
     """The kernel, its launcher and its binding for a convolution anchor with its epilogue (`impl` generated).
     `out_layout`: the output's memory order, "nchw" (contiguous) or "nhwc" (channels-last)."""
@@ -186,11 +225,10 @@ def render_conv(plan: Plan, step: FusedStep, _tile: int = 0, out_layout: str = "
     operand_params = "".join(f", const {ctype}* __restrict__ in{i}" for i in ops)
     operand_args = "".join(f", in{i}" for i in ops)
     comment = f"// {k}: {step.chain(plan.graph)}  (implicit GEMM, epilogue inside, {out_layout} output)\n"
-    body = _kernel(k, shape, cfg, ctype, index_t, has_bias, not step.anchor.fp32, out_layout, operand_params,
-                   operand_args)
+    body, grid = _kernel(k, shape, cfg, ctype, index_t, has_bias, not step.anchor.fp32, out_layout, operand_params,
+                         operand_args)
     launch_params = "".join(f", const void* in{i}" for i in ops)
     launch_args = "".join(f", (const {ctype}*)in{i}" for i in ops)
-    grid = (-(-shape.m // BM), -(-shape.cog // cfg.bn), shape.groups)
     launch = f"""
 KF_EXPORT cudaError_t {k}_launch(const void* x, const void* w, const void* bias, void* out{launch_params}, cudaStream_t stream) {{
   dim3 grid({grid[0]}, {grid[1]}, {grid[2]});
@@ -202,33 +240,95 @@ KF_EXPORT cudaError_t {k}_launch(const void* x, const void* w, const void* bias,
 
 
 def _kernel(k: str, s: ConvShape, cfg: TileConfig, ctype: str, index_t: str, has_bias: bool, tf32: bool,
-            out_layout: str, operand_params: str, operand_args: str) -> str:
+            out_layout: str, operand_params: str, operand_args: str) -> tuple[str, tuple[int, int, int]]:
     rank = len(s.kernel)
+    step, scale, found = phases(s)
+    nph = len(found)
+    iv = math.prod(s.in_size)
     in_strides = [math.prod(s.in_size[d + 1:]) for d in range(rank)]
-    a_rows = cfg.bk  # BM == THREADS: a thread gathers one output pixel's column of A
+    out_strides = [math.prod(s.out_size[d + 1:]) for d in range(rank)]
     b_per_thread = -(-cfg.bn * cfg.bk // THREADS)
     nf = cfg.bn // 8
     rnd = "kf_tf32" if tf32 else ""
-    coords = _unravel("pix", s.out_size, "o", "    ")  # the thread's output pixel
-    if s.transposed:
-        base = [f"    base[{d}] = o{d} + {s.padding[d]};" for d in range(rank)]
+    nl = "\n"
+    tables = ""
+    if nph == 1:  # sizes and taps are compile-time constants
+        (ph,) = found
+        count = [str(c) for c in ph.count]
+        origin = [str(o) for o in ph.origin]
+        ntaps = str(len(ph.taps))
+
+        def tap_lines(tap: str, ind: str) -> list[str]:
+            # tap == flat kernel position; c = q * dilation - padding (forward) or (padding - q * dilation)
+            lines = _unravel(tap, s.kernel, "q", ind)
+            sign = -1 if s.transposed else 1
+            return lines + [f"{ind}const int c{d} = {sign} * (q{d} * {s.dilation[d]} - {s.padding[d]});"
+                            for d in range(rank)]
+        kp_expr = "tap"
+    else:  # one block's phase is blockIdx.z % NPH: its sizes and taps from small tables
+        maxt = max(1, max(len(p.taps) for p in found))
+
+        def table(rows: list) -> str:
+            return "{" + ", ".join("{" + ", ".join(map(str, r)) + "}" if isinstance(r, list | tuple) else str(r)
+                                   for r in rows) + "}"
+        taps_c = [[list(c) for _, c in p.taps] + [[0] * rank] * (maxt - len(p.taps)) for p in found]
+        taps_kp = [[kp for kp, _ in p.taps] + [0] * (maxt - len(p.taps)) for p in found]
+        tables = (f"__device__ const int {k}_count[{nph}][{rank}] = {table([p.count for p in found])};\n"
+                  f"__device__ const int {k}_origin[{nph}][{rank}] = {table([p.origin for p in found])};\n"
+                  f"__device__ const int {k}_ntaps[{nph}] = {table([len(p.taps) for p in found])};\n"
+                  f"__device__ const int {k}_kp[{nph}][{maxt}] = {table(taps_kp)};\n"
+                  f"__device__ const int {k}_c[{nph}][{maxt}][{rank}] = "
+                  "{" + ", ".join(table(t) for t in taps_c) + "};\n")
+        count = [f"{k}_count[ph][{d}]" for d in range(rank)]
+        origin = [f"{k}_origin[ph][{d}]" for d in range(rank)]
+        ntaps = f"{k}_ntaps[ph]"
+
+        def tap_lines(tap: str, ind: str) -> list[str]:
+            return [f"{ind}const int c{d} = {k}_c[ph][{tap}][{d}];" for d in range(rank)]
+        kp_expr = f"{k}_kp[ph][tap]"
+    # the thread's output pixel: v over the phase's counts, o = origin + step * v
+    v_lines, rest = [], "r"
+    for d in range(rank - 1, -1, -1):
+        v_lines.insert(0, f"    const int v{d} = {rest}{f' % {count[d]}' if d > 0 else ''};")
+        rest = f"({rest} / {count[d]})"
+    pix = " + ".join(f"({origin[d]} + {step[d]} * v{d}) * {out_strides[d]}" for d in range(rank))
+    base = [f"    base[{d}] = {scale[d]} * v{d};" for d in range(rank)]
+
+    def gather(ind: str) -> list[str]:
+        lines = []
+        for d in range(rank):
+            lines.append(f"{ind}const int i{d} = base[{d}] + c{d};")
+            lines.append(f"{ind}ok = ok && i{d} >= 0 && i{d} < {s.in_size[d]};")
+        return lines
+    spatial = " + ".join(f"i{d} * {in_strides[d]}" for d in range(rank))
+    if s.cig % cfg.bk == 0:  # a K stage is BK channels of one tap: one bounds check per stage
+        a_load = f"""    {{
+      const int tap = kt * BK / {s.cig}, ci0 = kt * BK % {s.cig};
+{nl.join(tap_lines("tap", "      "))}
+      bool ok = m_ok;
+{nl.join(gather("      "))}
+      const {ctype}* src = xg + (ok ? {spatial} + ci0 * {iv} : 0);
+#pragma unroll
+      for (int j = 0; j < BK; ++j) a_reg[j] = {rnd}(ok ? kf_load(src[j * {iv}]) : 0.0f);
+    }}"""
     else:
-        base = [f"    base[{d}] = o{d} * {s.stride[d]} - {s.padding[d]};" for d in range(rank)]
-    kpos = _unravel("kr", s.kernel, "q", "        ")  # K index kidx = ci * KV + kr: the kernel position
-    gather = []
-    for d in range(rank):
-        if s.transposed:
-            gather.append(f"        const int t{d} = base[{d}] - q{d} * {s.dilation[d]};")
-            gather.append(f"        const int i{d} = t{d} / {s.stride[d]};")
-            gather.append(f"        ok = ok && t{d} >= 0 && t{d} % {s.stride[d]} == 0 && i{d} < {s.in_size[d]};")
-        else:
-            gather.append(f"        const int i{d} = base[{d}] + q{d} * {s.dilation[d]};")
-            gather.append(f"        ok = ok && i{d} >= 0 && i{d} < {s.in_size[d]};")
-    offset = " + ".join([f"ci * {math.prod(s.in_size)}"] + [f"i{d} * {in_strides[d]}" for d in range(rank)])
+        a_load = f"""#pragma unroll
+    for (int j = 0; j < BK; ++j) {{
+      const int kidx = kt * BK + j;
+      float v = 0.0f;
+      if (m_ok && kidx < KGP) {{
+        const int tap = kidx / {s.cig}, ci = kidx % {s.cig};
+{nl.join(tap_lines("tap", "        "))}
+        bool ok = true;
+{nl.join(gather("        "))}
+        if (ok) v = kf_load(xg[ci * {iv} + {spatial}]);
+      }}
+      a_reg[j] = {rnd}(v);
+    }}"""
     if s.transposed:
-        w_offset = f"((long long)(grp * {s.cig} + kidx / {s.kv}) * {s.cog} + co) * {s.kv} + kidx % {s.kv}"
+        w_offset = f"((long long)(grp * {s.cig} + ci) * {s.cog} + co) * {s.kv} + kp"
     else:
-        w_offset = f"(long long)(grp * {s.cog} + co) * {s.kg} + kidx"
+        w_offset = f"(long long)(grp * {s.cog} + co) * {s.kg} + ci * {s.kv} + kp"
     if out_layout == "nchw":
         order = f"const int nl = e / {BM}, ml = e % {BM};"
         store = "i"
@@ -236,44 +336,43 @@ def _kernel(k: str, s: ConvShape, cfg: TileConfig, ctype: str, index_t: str, has
         order = f"const int ml = e / {cfg.bn}, nl = e % {cfg.bn};"
         store = f"(({index_t})img * {s.pixels} + pix) * {s.cout} + co"
     bias = " + kf_load(bias[co])" if has_bias else ""
-    nl = "\n"
-    return f"""
-__global__ void __launch_bounds__({THREADS}) {k}_kernel(const {ctype}* __restrict__ x, const {ctype}* __restrict__ w, const {ctype}* __restrict__ bias, {ctype}* __restrict__ out{operand_params}) {{
-  constexpr int BK = {cfg.bk}, BN = {cfg.bn}, LDA = {cfg.lda}, LDB = {cfg.ldb}, LDC = {cfg.ldc};
-  constexpr int KG = {s.kg}, KTILES = {-(-s.kg // cfg.bk)}, M = {s.m}, COG = {s.cog};
+    m_phase = f"{s.batch} * " + " * ".join(count)
+    unroll = "#pragma unroll" if nph == 1 and -(-s.cig * len(found[0].taps) // cfg.bk) <= 8 else "#pragma unroll 1"
+    max_m = max(s.batch * p.pixels for p in found)
+    grid = (-(-max_m // BM), -(-s.cog // cfg.bn), s.groups * nph)
+    body = f"""{tables}
+__global__ void __launch_bounds__({THREADS}, {MIN_BLOCKS}) {k}_kernel(const {ctype}* __restrict__ x, const {ctype}* __restrict__ w, const {ctype}* __restrict__ bias, {ctype}* __restrict__ out{operand_params}) {{
+  constexpr int BK = {cfg.bk}, BN = {cfg.bn}, LDA = {cfg.lda}, LDB = {cfg.ldb}, LDC = {cfg.ldc}, COG = {s.cog};
   __shared__ float smem[{cfg.smem_floats}];
-  const int grp = blockIdx.z, m0 = blockIdx.x * {BM}, n0 = blockIdx.y * BN;
-  // the pixel whose column of A this thread gathers
+  __shared__ int img_s[{BM}], pix_s[{BM}];
+  const int ph = blockIdx.z % {nph}, grp = blockIdx.z / {nph}, m0 = blockIdx.x * {BM}, n0 = blockIdx.y * BN;
+  const int MPH = {m_phase}, KGP = {s.cig} * {ntaps}, KT = (KGP + BK - 1) / BK;
+  if (m0 >= MPH) return;  // this phase has fewer pixels than the largest one (the whole block leaves)
+  (void)ph;
+  // the output pixel whose column of A this thread gathers
   const int m = m0 + threadIdx.x;
-  const bool m_ok = m < M;
+  const bool m_ok = m < MPH;
   int base[{rank}];
   const {ctype}* xg = x;
   {{
-    const int img = m_ok ? m / {s.pixels} : 0, pix = m_ok ? m % {s.pixels} : 0;
-{nl.join(coords)}
+    const int img = m_ok ? m / ({" * ".join(count)}) : 0, r = m_ok ? m % ({" * ".join(count)}) : 0;
+{nl.join(v_lines)}
 {nl.join(base)}
-    xg = x + ((long long)img * {s.cin} + grp * {s.cig}) * {math.prod(s.in_size)};
+    xg = x + ((long long)img * {s.cin} + grp * {s.cig}) * {iv};
+    img_s[threadIdx.x] = m_ok ? img : -1;
+    pix_s[threadIdx.x] = {pix};
   }}
-  float a_reg[{a_rows}], b_reg[{b_per_thread}];
+  float a_reg[BK], b_reg[{b_per_thread}];
   auto load = [&](int kt) {{
-#pragma unroll
-    for (int j = 0; j < BK; ++j) {{
-      const int kidx = kt * BK + j;
-      float v = 0.0f;
-      if (m_ok && kidx < KG) {{
-        const int ci = kidx / {s.kv}, kr = kidx % {s.kv};
-{nl.join(kpos)}
-        bool ok = true;
-{nl.join(gather)}
-        if (ok) v = kf_load(xg[{offset}]);
-      }}
-      a_reg[j] = {rnd}(v);
-    }}
+{a_load}
 #pragma unroll
     for (int j = 0; j < {b_per_thread}; ++j) {{
-      const int e = threadIdx.x + j * {THREADS}, n = e / BK, kidx = kt * BK + e % BK, co = n0 + n;
+      const int e = threadIdx.x + j * {THREADS}, kidx = kt * BK + e % BK, co = n0 + e / BK;
       float v = 0.0f;
-      if (e < BN * BK && co < COG && kidx < KG) v = kf_load(w[{w_offset}]);
+      if (e < BN * BK && co < COG && kidx < KGP) {{
+        const int tap = kidx / {s.cig}, ci = kidx % {s.cig}, kp = {kp_expr};
+        v = kf_load(w[{w_offset}]);
+      }}
       b_reg[j] = {rnd}(v);
     }}
   }};
@@ -296,16 +395,20 @@ __global__ void __launch_bounds__({THREADS}) {k}_kernel(const {ctype}* __restric
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
   const int wm = (threadIdx.x / 32) * 32;
-  load(0);
-  stash(0);
+  if (KT > 0) {{
+    load(0);
+    stash(0);
+  }}
   __syncthreads();
-  for (int kt = 0; kt < KTILES; ++kt) {{
-    if (kt + 1 < KTILES) load(kt + 1);  // the next stage's global loads fly while this one multiplies
+{unroll}
+  for (int kt = 0; kt < KT; ++kt) {{
+    if (kt + 1 < KT) load(kt + 1);  // the next stage's global loads fly while this one multiplies
     const float* As = smem + (kt & 1) * BK * (LDA + LDB);
     const float* Bs = As + BK * LDA;
 #pragma unroll
-    for (int kk = 0; kk < BK; kk += 8) kf_igemm_k8<2, {nf}, {str(tf32).lower()}>(acc, As + kk * LDA, LDA, Bs + kk * LDB, LDB, wm, 0);
-    if (kt + 1 < KTILES) stash((kt + 1) & 1);
+    for (int kk = 0; kk < BK; kk += 8)
+      kf_igemm_k8<2, {nf}, {str(tf32).lower()}>(acc, As + kk * LDA, LDA, Bs + kk * LDB, LDB, wm, 0);
+    if (kt + 1 < KT) stash((kt + 1) & 1);
     __syncthreads();
   }}
   // the tile through shared memory: every thread then applies the epilogue to elements in store order
@@ -322,14 +425,15 @@ __global__ void __launch_bounds__({THREADS}) {k}_kernel(const {ctype}* __restric
   __syncthreads();
   for (int e = threadIdx.x; e < {BM} * BN; e += {THREADS}) {{
     {order}
-    const int mm = m0 + ml, col = n0 + nl;
-    if (mm >= M || col >= COG) continue;
-    const int co = grp * COG + col, img = mm / {s.pixels}, pix = mm % {s.pixels};
+    const int img = img_s[ml], col = n0 + nl;
+    if (img < 0 || col >= COG) continue;
+    const int co = grp * COG + col, pix = pix_s[ml];
     const {index_t} i = (({index_t})img * {s.cout} + co) * {s.pixels} + pix;
     out[{store}] = kf_store<{ctype}>({k}_apply(smem[nl * LDC + ml]{bias}, i{operand_args}));
   }}
 }}
 """
+    return body, grid
 
 
 def _binding(plan: Plan, step: FusedStep, shape: ConvShape, out_layout: str) -> Binding:
