@@ -162,3 +162,29 @@ def test_fp32_anchor_multiplies_exactly(model_and_plan, tmp_path):
     results = {s.kernel: (out, ref) for s, out, ref in _run(model, inputs, graph, plan, tmp_path, exact=True)}
     out, ref = results[wide.kernel]
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
+
+
+def test_kernels_compile_for_sm90_without_spills(model_and_plan, tmp_path):
+    """nvcc builds the tensor-core path (the emulation runs the scalar one): exported launchers of the binding's
+    arity, and no register spills under the kernel's launch bounds."""
+    import re
+    import subprocess
+
+    from test_nvcc_compile import _nvcc
+
+    nvcc = _nvcc()
+    _, _, graph = model_and_plan
+    (plan,) = owned_anchor_variants(graph)
+    src = cuda_module.generate(plan)
+    cu, lib = tmp_path / "igemm.cu", tmp_path / "igemm.so"
+    cu.write_text(src.cuda)
+    result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-O3", "-shared", "-Xcompiler", "-fPIC",
+                             "-Xptxas", "-v", str(cu), "-o", str(lib)], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "mma.sync" in cu.read_text() and " 0 bytes spill stores" in result.stderr
+    assert not re.search(r"[1-9]\d* bytes spill (stores|loads)", result.stderr), result.stderr[-3000:]
+    exported = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True,
+                              check=True).stdout.split()
+    for step in plan.fused:
+        assert f"{step.kernel}_launch" in exported
+        assert f'"{step.kernel}_launch", [ctypes.c_void_p] * {4 + len(step.epilogue.operands)}' in src.binding
