@@ -10,6 +10,7 @@ is left is fp32 accumulation error.
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -188,3 +189,22 @@ def test_kernels_compile_for_sm90_without_spills(model_and_plan, tmp_path):
     for step in plan.fused:
         assert f"{step.kernel}_launch" in exported
         assert f'"{step.kernel}_launch", [ctypes.c_void_p] * {4 + len(step.epilogue.operands)}' in src.binding
+
+
+def test_emitted_forward_calls_the_anchor_kernel_once():
+    """The emitted file: one call per convolution (input, weight, bias, operands), no cuDNN call, no epilogue
+    kernel; the plan computes what the model computes (CPU interpreter)."""
+    from optimizer_helpers import assert_interpreter_matches, pipeline
+
+    from kernelfuse.emit import emit_modelnew
+
+    problem, graph, _ = pipeline(Path(__file__).parent / "fixtures" / "problems" / "conv_layouts.py")
+    (plan,) = owned_anchor_variants(graph)
+    assert_interpreter_matches(problem, plan, atol=1e-5, rtol=1e-5)
+    text = emit_modelnew(problem, plan, cuda_module.generate(plan), "CPU test")
+    generated = [s for s in plan.fused if s.anchor.epilogue_inside]
+    assert generated and "torch.convolution(" not in text and "cudnn_convolution" not in text
+    for step in generated:
+        calls = [ln for ln in text.splitlines() if f"ext.{step.kernel}(" in ln]
+        assert len(calls) == 1 and ".contiguous()" in calls[0], calls
+        assert calls[0].count(",") == 2 + len(step.epilogue.operands), calls[0]

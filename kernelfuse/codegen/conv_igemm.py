@@ -345,13 +345,15 @@ def _kernel(k: str, s: ConvShape, cfg: TileConfig, ctype: str, index_t: str, has
     m_phase = f"{s.batch} * " + " * ".join(count)
     unroll = "#pragma unroll" if nph == 1 and -(-s.cig * len(found[0].taps) // cfg.bk) <= 8 else "#pragma unroll 1"
     max_m = max(s.batch * p.pixels for p in found)
-    grid = (-(-max_m // BM), -(-s.cog // cfg.bn), s.groups * nph)
+    grid = (-(-max_m // BM) * nph, -(-s.cog // cfg.bn), s.groups)
     body = f"""{tables}
 __global__ void __launch_bounds__({THREADS}, {cfg.min_blocks}) {k}_kernel(const {ctype}* __restrict__ x, const {ctype}* __restrict__ w, const {ctype}* __restrict__ bias, {ctype}* __restrict__ out{operand_params}) {{
   constexpr int BK = {cfg.bk}, BN = {cfg.bn}, LDA = {cfg.lda}, LDB = {cfg.ldb}, LDC = {cfg.ldc}, COG = {s.cog};
   __shared__ float smem[{cfg.smem_floats}];
   __shared__ int img_s[{BM}], pix_s[{BM}];
-  const int ph = blockIdx.z % {nph}, grp = blockIdx.z / {nph}, m0 = blockIdx.x * {BM}, n0 = blockIdx.y * BN;
+  // phases vary fastest: blocks running together write interleaved pixels of one region, so L2 gathers whole
+  // sectors before they go to memory
+  const int ph = blockIdx.x % {nph}, grp = blockIdx.z, m0 = blockIdx.x / {nph} * {BM}, n0 = blockIdx.y * BN;
   const int MPH = {m_phase}, KGP = {s.cig} * {ntaps}, KT = (KGP + BK - 1) / BK;
   if (m0 >= MPH) return;  // this phase has fewer pixels than the largest one (the whole block leaves)
   (void)ph;
