@@ -62,11 +62,13 @@ def build(spec: JobSpec) -> dict[str, Any]:
     if spec.candidate is None:
         from kernelfuse.capture import capture
         from kernelfuse.load import load_problem
-        from kernelfuse.plan import plan_variants
+        from kernelfuse.plan import owned_anchor_variants, plan_variants
         from kernelfuse.rewrite import rewrite
 
         problem = load_problem(spec.problem)
-        plans = [p for p in plan_variants(rewrite(capture(problem)), spec.precision) if p.fused or p.generated]
+        graph = rewrite(capture(problem))
+        plans = [p for p in plan_variants(graph, spec.precision) if p.fused or p.generated]
+        plans += owned_anchor_variants(graph, spec.precision)  # the optimizer judges these too
         files = [workdir / f"{problem.name}_{p.variant}.py" for p in plans]
         for plan, path in zip(plans, files, strict=True):
             path.write_text(emit_file(problem, plan, f"variant under evaluation: {plan.variant}"))
