@@ -16,6 +16,8 @@ import itertools
 import math
 from dataclasses import dataclass
 
+import torch
+
 from kernelfuse.capture import Graph
 from kernelfuse.codegen.binding import Binding, py_tuple
 from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, apply_function
@@ -23,6 +25,9 @@ from kernelfuse.plan.ir import FusedStep, Plan
 
 THREADS = 128  # four warps, each a 32-row slice of the BM = 128 tile
 BM = 128
+# blocks per SM the registers must allow (launch bounds): 128 registers, no spills for the 64-wide tile on sm_90
+# (the operands go to shared memory by cp.async, not through registers)
+MIN_BLOCKS = 4
 
 IGEMM_PRELUDE = r"""
 // Implicit-GEMM convolutions (kernelfuse.codegen.conv_igemm).
@@ -42,9 +47,32 @@ __device__ __forceinline__ float kf_tf32(float x) {
 #endif
 }
 
+// 4-byte asynchronous copy global -> shared, zero-filled where !pred (src is then not read); in the CPU
+// emulation a plain copy, and commit/wait do nothing (each copy is complete when it returns).
+__device__ __forceinline__ void kf_cp_async4(float* dst, const float* src, bool pred) {
+#if defined(__CUDA_ARCH__)
+  const unsigned int s = (unsigned int)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(s), "l"(src), "r"(pred ? 4 : 0));
+#else
+  *dst = pred ? *src : 0.0f;
+#endif
+}
+__device__ __forceinline__ void kf_cp_async_commit() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.commit_group;");
+#endif
+}
+// wait until at most one committed group (the stage in flight) is still copying
+__device__ __forceinline__ void kf_cp_async_wait1() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.wait_group 1;");
+#endif
+}
+
 // One k8 step of a warp's MF x NF tiles of m16n8 (rows wm.., columns wn..), operands from shared memory stored
-// k-major (A[k][m], B[k][n]). Tensor cores where TC; otherwise (exact fp32, and the CPU emulation) each lane
-// computes the same accumulator elements with scalar FMAs, so tiling and epilogue are the ones the GPU runs.
+// k-major (A[k][m], B[k][n]) as fp32, rounded to TF32 as they enter the tensor cores. Tensor cores where TC;
+// otherwise (exact fp32), and in the CPU emulation, each lane computes the same accumulator elements with scalar
+// FMAs (on the TF32-rounded operands where TC), so tiling and epilogue are the ones the GPU runs.
 template <int MF, int NF, bool TC>
 __device__ __forceinline__ void kf_igemm_k8(float (&acc)[MF][NF][4], const float* A, int lda, const float* B,
                                             int ldb, int wm, int wn) {
@@ -55,15 +83,15 @@ __device__ __forceinline__ void kf_igemm_k8(float (&acc)[MF][NF][4], const float
 #pragma unroll
     for (int i = 0; i < MF; ++i) {
       const int m = wm + i * 16 + g;
-      a[i][0] = __float_as_uint(A[t * lda + m]);
-      a[i][1] = __float_as_uint(A[t * lda + m + 8]);
-      a[i][2] = __float_as_uint(A[(t + 4) * lda + m]);
-      a[i][3] = __float_as_uint(A[(t + 4) * lda + m + 8]);
+      a[i][0] = __float_as_uint(kf_tf32(A[t * lda + m]));
+      a[i][1] = __float_as_uint(kf_tf32(A[t * lda + m + 8]));
+      a[i][2] = __float_as_uint(kf_tf32(A[(t + 4) * lda + m]));
+      a[i][3] = __float_as_uint(kf_tf32(A[(t + 4) * lda + m + 8]));
     }
 #pragma unroll
     for (int j = 0; j < NF; ++j) {
-      b[j][0] = __float_as_uint(B[t * ldb + wn + j * 8 + g]);
-      b[j][1] = __float_as_uint(B[(t + 4) * ldb + wn + j * 8 + g]);
+      b[j][0] = __float_as_uint(kf_tf32(B[t * ldb + wn + j * 8 + g]));
+      b[j][1] = __float_as_uint(kf_tf32(B[(t + 4) * ldb + wn + j * 8 + g]));
     }
 #pragma unroll
     for (int i = 0; i < MF; ++i)
@@ -85,7 +113,10 @@ __device__ __forceinline__ void kf_igemm_k8(float (&acc)[MF][NF][4], const float
           const int m = wm + i * 16 + g + (e >> 1) * 8, n = wn + j * 8 + 2 * t + (e & 1);
           float s = acc[i][j][e];
 #pragma unroll
-          for (int k = 0; k < 8; ++k) s = fmaf(A[k * lda + m], B[k * ldb + n], s);
+          for (int k = 0; k < 8; ++k) {
+            const float x = A[k * lda + m], y = B[k * ldb + n];
+            s = TC ? fmaf(kf_tf32(x), kf_tf32(y), s) : fmaf(x, y, s);
+          }
           acc[i][j][e] = s;
         }
   }
@@ -154,12 +185,6 @@ class TileConfig:
         return BM + 4
 
     @property
-    def min_blocks(self) -> int:
-        """Blocks per SM the registers must allow (launch bounds): ptxas gives the 64-wide tile ~175 registers
-        unbounded (2 blocks), 168 at 3 blocks without spills (4 spilled on sm_90); narrower tiles fit 4 anyway."""
-        return 3 if self.bn == 64 else 4
-
-    @property
     def smem_floats(self) -> int:
         return max(2 * self.bk * (self.lda + self.ldb), self.bn * self.ldc)
 
@@ -224,6 +249,9 @@ def render_conv(plan: Plan, step: FusedStep, _tile: int = 0, out_layout: str = "
     shape = conv_shape(plan.graph, step)
     cfg = tile_config(shape)
     epi, k = step.epilogue, step.kernel
+    if step.anchor.node.meta.dtype != torch.float32:  # the operands are copied to shared memory as they are
+        raise ValueError(f"kernelfuse: {k}: the generated convolution takes fp32 tensors, not "
+                         f"{step.anchor.node.meta.dtype}; plan it with the library (conv_impl='library')")
     ctype = C_TYPES[epi.out.dtype]
     index_t = "long long" if epi.out.numel > INT32_LIMIT else "int"
     has_bias = step.anchor.node.args[2] is not None
@@ -255,7 +283,6 @@ def _kernel(k: str, s: ConvShape, cfg: TileConfig, ctype: str, index_t: str, has
     out_strides = [math.prod(s.out_size[d + 1:]) for d in range(rank)]
     b_per_thread = -(-cfg.bn * cfg.bk // THREADS)
     nf = cfg.bn // 8
-    rnd = "kf_tf32" if tf32 else ""
     nl = "\n"
     tables = ""
     if nph == 1:  # sizes and taps are compile-time constants
@@ -308,31 +335,31 @@ def _kernel(k: str, s: ConvShape, cfg: TileConfig, ctype: str, index_t: str, has
         return lines
     spatial = " + ".join(f"i{d} * {in_strides[d]}" for d in range(rank))
     if s.cig % cfg.bk == 0:  # a K stage is BK channels of one tap: one bounds check per stage
-        a_load = f"""    {{
+        a_copy = f"""    {{
       const int tap = kt * BK / {s.cig}, ci0 = kt * BK % {s.cig};
 {nl.join(tap_lines("tap", "      "))}
       bool ok = m_ok;
 {nl.join(gather("      "))}
-      const {ctype}* src = xg + (ok ? {spatial} + ci0 * {iv} : 0);
+      const float* src = xg + (ok ? {spatial} + ci0 * {iv} : 0);
 #pragma unroll
-      for (int j = 0; j < BK; ++j) a_reg[j] = {rnd}(ok ? kf_load(src[j * {iv}]) : 0.0f);
+      for (int j = 0; j < BK; ++j) kf_cp_async4(As + j * LDA + threadIdx.x, src + j * {iv}, ok);
     }}"""
     else:
-        a_load = f"""#pragma unroll
+        a_copy = f"""#pragma unroll
     for (int j = 0; j < BK; ++j) {{
       const int kidx = kt * BK + j;
-      float v = 0.0f;
-      if (m_ok && kidx < KGP) {{
+      bool ok = m_ok && kidx < KGP;
+      int off = 0;
+      if (ok) {{
         const int tap = kidx / {s.cig}, ci = kidx % {s.cig};
 {nl.join(tap_lines("tap", "        "))}
-        bool ok = true;
 {nl.join(gather("        "))}
-        if (ok) v = kf_load(xg[ci * {iv} + {spatial}]);
+        off = ci * {iv} + {spatial};
       }}
-      a_reg[j] = {rnd}(v);
+      kf_cp_async4(As + j * LDA + threadIdx.x, xg + (ok ? off : 0), ok);
     }}"""
     if s.transposed:
-        w_offset = f"((long long)(grp * {s.cig} + ci) * {s.cog} + co) * {s.kv} + kp"
+        w_offset = f"((long long)(grp * {s.cig} + ci) * {s.cog} + co) * {s.kv} + kp"  # (Cin, Cout/g, k...)
     else:
         w_offset = f"(long long)(grp * {s.cog} + co) * {s.kg} + ci * {s.kv} + kp"
     if out_layout == "nchw":
@@ -347,7 +374,7 @@ def _kernel(k: str, s: ConvShape, cfg: TileConfig, ctype: str, index_t: str, has
     max_m = max(s.batch * p.pixels for p in found)
     grid = (-(-max_m // BM) * nph, -(-s.cog // cfg.bn), s.groups)
     body = f"""{tables}
-__global__ void __launch_bounds__({THREADS}, {cfg.min_blocks}) {k}_kernel(const {ctype}* __restrict__ x, const {ctype}* __restrict__ w, const {ctype}* __restrict__ bias, {ctype}* __restrict__ out{operand_params}) {{
+__global__ void __launch_bounds__({THREADS}, {MIN_BLOCKS}) {k}_kernel(const {ctype}* __restrict__ x, const {ctype}* __restrict__ w, const {ctype}* __restrict__ bias, {ctype}* __restrict__ out{operand_params}) {{
   constexpr int BK = {cfg.bk}, BN = {cfg.bn}, LDA = {cfg.lda}, LDB = {cfg.ldb}, LDC = {cfg.ldc}, COG = {s.cog};
   __shared__ float smem[{cfg.smem_floats}];
   __shared__ int img_s[{BM}], pix_s[{BM}];
@@ -370,30 +397,24 @@ __global__ void __launch_bounds__({THREADS}, {cfg.min_blocks}) {k}_kernel(const 
     img_s[threadIdx.x] = m_ok ? img : -1;
     pix_s[threadIdx.x] = {pix};
   }}
-  float a_reg[BK], b_reg[{b_per_thread}];
-  auto load = [&](int kt) {{
-{a_load}
+  // stage kt of A (the gathered input) and B (the weights) into shared buffer kt & 1, asynchronously
+  auto issue = [&](int kt) {{
+    float* As = smem + (kt & 1) * BK * (LDA + LDB);
+    float* Bs = As + BK * LDA;
+{a_copy}
 #pragma unroll
     for (int j = 0; j < {b_per_thread}; ++j) {{
       const int e = threadIdx.x + j * {THREADS}, kidx = kt * BK + e % BK, co = n0 + e / BK;
-      float v = 0.0f;
-      if (e < BN * BK && co < COG && kidx < KGP) {{
+      if (e >= BN * BK) break;
+      const bool ok = co < COG && kidx < KGP;
+      long long off = 0;
+      if (ok) {{
         const int tap = kidx / {s.cig}, ci = kidx % {s.cig}, kp = {kp_expr};
-        v = kf_load(w[{w_offset}]);
+        off = {w_offset};
       }}
-      b_reg[j] = {rnd}(v);
+      kf_cp_async4(Bs + (e % BK) * LDB + e / BK, w + off, ok);
     }}
-  }};
-  auto stash = [&](int stage) {{
-    float* As = smem + stage * BK * (LDA + LDB);
-    float* Bs = As + BK * LDA;
-#pragma unroll
-    for (int j = 0; j < BK; ++j) As[j * LDA + threadIdx.x] = a_reg[j];
-#pragma unroll
-    for (int j = 0; j < {b_per_thread}; ++j) {{
-      const int e = threadIdx.x + j * {THREADS};
-      if (e < BN * BK) Bs[(e % BK) * LDB + e / BK] = b_reg[j];
-    }}
+    kf_cp_async_commit();
   }};
   float acc[2][{nf}][4];
 #pragma unroll
@@ -403,21 +424,19 @@ __global__ void __launch_bounds__({THREADS}, {cfg.min_blocks}) {k}_kernel(const 
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
   const int wm = (threadIdx.x / 32) * 32;
-  if (KT > 0) {{
-    load(0);
-    stash(0);
-  }}
-  __syncthreads();
+  if (KT > 0) issue(0);
 {unroll}
   for (int kt = 0; kt < KT; ++kt) {{
-    if (kt + 1 < KT) load(kt + 1);  // the next stage's global loads fly while this one multiplies
+    if (kt + 1 < KT) issue(kt + 1);  // the next stage's copies fly while this one multiplies
+    else kf_cp_async_commit();  // an empty group: the wait below always leaves exactly one in flight
+    kf_cp_async_wait1();
+    __syncthreads();
     const float* As = smem + (kt & 1) * BK * (LDA + LDB);
     const float* Bs = As + BK * LDA;
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 8)
       kf_igemm_k8<2, {nf}, {str(tf32).lower()}>(acc, As + kk * LDA, LDA, Bs + kk * LDB, LDB, wm, 0);
-    if (kt + 1 < KT) stash((kt + 1) & 1);
-    __syncthreads();
+    __syncthreads();  // buffer kt & 1 is refilled by the next iteration's issue
   }}
   // the tile through shared memory: every thread then applies the epilogue to elements in store order
   {{
