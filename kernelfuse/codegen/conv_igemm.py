@@ -28,6 +28,7 @@ BM = 128
 # blocks per SM the registers must allow (launch bounds): 128 registers, no spills for the 64-wide tile on sm_90
 # (the operands go to shared memory by cp.async, not through registers)
 MIN_BLOCKS = 4
+STAGES = 3  # shared-memory stages of K: two in flight while one multiplies (41 KB at the widest tile)
 
 IGEMM_PRELUDE = r"""
 // Implicit-GEMM convolutions (kernelfuse.codegen.conv_igemm).
@@ -62,10 +63,10 @@ __device__ __forceinline__ void kf_cp_async_commit() {
   asm volatile("cp.async.commit_group;");
 #endif
 }
-// wait until at most one committed group (the stage in flight) is still copying
-__device__ __forceinline__ void kf_cp_async_wait1() {
+// wait until at most N committed groups (the stages in flight) are still copying
+template <int N> __device__ __forceinline__ void kf_cp_async_wait() {
 #if defined(__CUDA_ARCH__)
-  asm volatile("cp.async.wait_group 1;");
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
 #endif
 }
 
@@ -186,7 +187,7 @@ class TileConfig:
 
     @property
     def smem_floats(self) -> int:
-        return max(2 * self.bk * (self.lda + self.ldb), self.bn * self.ldc)
+        return max(STAGES * self.bk * (self.lda + self.ldb), self.bn * self.ldc)
 
 
 def conv_shape(graph: Graph, step: FusedStep) -> ConvShape:
@@ -397,9 +398,9 @@ __global__ void __launch_bounds__({THREADS}, {MIN_BLOCKS}) {k}_kernel(const {cty
     img_s[threadIdx.x] = m_ok ? img : -1;
     pix_s[threadIdx.x] = {pix};
   }}
-  // stage kt of A (the gathered input) and B (the weights) into shared buffer kt & 1, asynchronously
+  // stage kt of A (the gathered input) and B (the weights) into shared buffer kt % STAGES, asynchronously
   auto issue = [&](int kt) {{
-    float* As = smem + (kt & 1) * BK * (LDA + LDB);
+    float* As = smem + (kt % {STAGES}) * BK * (LDA + LDB);
     float* Bs = As + BK * LDA;
 {a_copy}
 #pragma unroll
@@ -424,20 +425,24 @@ __global__ void __launch_bounds__({THREADS}, {MIN_BLOCKS}) {k}_kernel(const {cty
 #pragma unroll
       for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
   const int wm = (threadIdx.x / 32) * 32;
-  if (KT > 0) issue(0);
+#pragma unroll
+  for (int st = 0; st < {STAGES} - 1; ++st) {{
+    if (st < KT) issue(st);
+    else kf_cp_async_commit();  // empty groups keep the count the waits below rely on
+  }}
 {unroll}
   for (int kt = 0; kt < KT; ++kt) {{
-    if (kt + 1 < KT) issue(kt + 1);  // the next stage's copies fly while this one multiplies
-    else kf_cp_async_commit();  // an empty group: the wait below always leaves exactly one in flight
-    kf_cp_async_wait1();
-    __syncthreads();
-    const float* As = smem + (kt & 1) * BK * (LDA + LDB);
+    kf_cp_async_wait<{STAGES} - 2>();  // stage kt has landed (this thread's copies)
+    __syncthreads();  // ... and every thread's; stage kt - 1's buffer is free again
+    if (kt + {STAGES} - 1 < KT) issue(kt + {STAGES} - 1);  // refills kt - 1's buffer while kt multiplies
+    else kf_cp_async_commit();
+    const float* As = smem + (kt % {STAGES}) * BK * (LDA + LDB);
     const float* Bs = As + BK * LDA;
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 8)
       kf_igemm_k8<2, {nf}, {str(tf32).lower()}>(acc, As + kk * LDA, LDA, Bs + kk * LDB, LDB, wm, 0);
-    __syncthreads();  // buffer kt & 1 is refilled by the next iteration's issue
   }}
+  __syncthreads();  // every warp is done with the stages: the accumulator tile reuses their memory
   // the tile through shared memory: every thread then applies the epilogue to elements in store order
   {{
     const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
