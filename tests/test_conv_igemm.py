@@ -39,9 +39,10 @@ class Convs(torch.nn.Module):
         self.up = torch.nn.ConvTranspose2d(16, 6, 3, stride=2, padding=1, output_padding=1)  # 4 phases
         self.up_vol = torch.nn.ConvTranspose3d(4, 6, 3, stride=2, padding=1, groups=2, dilation=(1, 2, 1))
         self.sparse = torch.nn.ConvTranspose1d(4, 5, 2, stride=3)  # one phase of three has no tap: bias only
+        self.tiny = torch.nn.ConvTranspose2d(2, 3, 1, stride=2)  # 1x1 output: one phase, not stride 1
         self.scale = torch.nn.Parameter(torch.randn(12, 1, 1))
 
-    def forward(self, a, b, c, d, e, f, g, h, i):
+    def forward(self, a, b, c, d, e, f, g, h, i, j):
         return (torch.relu(self.strided(a)) * 0.5,
                 torch.tanh(self.grouped(b) - self.scale),
                 self.depthwise(c) + 1.0,
@@ -50,11 +51,12 @@ class Convs(torch.nn.Module):
                 torch.clamp(self.line(f), -0.5, 0.5),
                 self.up(g) * g.mean(),
                 torch.nn.functional.hardswish(self.up_vol(h)),
-                self.sparse(i) * 3.0)
+                self.sparse(i) * 3.0,
+                self.tiny(j) + 1.0)
 
 
 INPUTS = [(2, 3, 9, 11), (1, 8, 10, 13), (2, 6, 7, 5), (1, 32, 12, 13), (2, 2, 5, 6, 7), (3, 4, 50), (2, 16, 5, 6),
-          (1, 4, 3, 4, 5), (2, 4, 7)]
+          (1, 4, 3, 4, 5), (2, 4, 7), (3, 2, 1, 1)]
 
 
 def _tf32(t: torch.Tensor) -> torch.Tensor:
@@ -95,7 +97,7 @@ def test_every_convolution_is_generated_with_its_epilogue_inside(model_and_plan)
     _, _, graph = model_and_plan
     (plan,) = owned_anchor_variants(graph)
     assert plan.variant == "fused-igemm"
-    assert len(plan.fused) == 9 and all(s.anchor.impl == "generated" and s.needs_kernel for s in plan.fused)
+    assert len(plan.fused) == 10 and all(s.anchor.impl == "generated" and s.needs_kernel for s in plan.fused)
     assert not any(s.anchor.fused_relu for s in plan.fused)  # the ReLU is an epilogue statement here
     assert "generated implicit GEMM TF32 [nchw], epilogue inside" in plan.summary()
     assert all(s.anchor.impl == "library" for p in plan_variants(graph) for s in p.fused)  # unchanged
@@ -110,7 +112,7 @@ def test_report_says_where_the_epilogue_runs(model_and_plan):
     _, _, graph = model_and_plan
     (igemm,) = owned_anchor_variants(graph)
     anchors = [k for k in plan_json(igemm)["kernels"] if "impl" in k]
-    assert len(anchors) == 9
+    assert len(anchors) == 10
     assert all(k["impl"] == "generated" and k["epilogue_in_anchor"] and not k["epilogue_kernel"] for k in anchors)
     library = [k for p in plan_variants(graph) for k in plan_json(p)["kernels"] if "impl" in k]
     assert library and all(k["impl"] == "library" and k["library"] == "cuDNN" for k in library)
@@ -130,13 +132,15 @@ def test_transposed_convolutions_split_into_phases(model_and_plan):
     assert [len(p.taps) for p in sparse] == [1, 1, 0]
     _, scale, (forward,) = phases(shapes[0])
     assert scale == (2, 2) and len(forward.taps) == 9
+    step, _, (tiny,) = phases(shapes[9])
+    assert step == (2, 2) and tiny.count == (1, 1) and tiny.taps == ((0, (0, 0)),)
 
 
 def test_tile_sizes_follow_the_channels(model_and_plan):
     _, _, graph = model_and_plan
     plan = make_plan(graph, PlanOptions(conv_layout="nchw", conv_impl="generated", cudnn_fused_relu=False))
     widths = {s.chain(plan.graph).split(" -> ")[1]: tile_config(conv_shape(graph, s)).bn for s in plan.fused}
-    assert [tile_config(conv_shape(graph, s)).bn for s in plan.fused] == [8, 8, 8, 64, 16, 32, 8, 8, 8], widths
+    assert [tile_config(conv_shape(graph, s)).bn for s in plan.fused] == [8, 8, 8, 64, 16, 32, 8, 8, 8, 8], widths
 
 
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])

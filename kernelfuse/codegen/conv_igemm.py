@@ -5,9 +5,11 @@ volume. A block computes a BM x BN tile of one group: the prologue gathers the i
 and the weights into shared memory, the warps multiply on TF32 tensor cores (mma.sync m16n8k8, fp32 accumulate),
 and the epilogue stages the tile through shared memory so that each thread applies the anchor's `kN_apply` (the
 renderer the stand-alone epilogue kernel uses) and the stores are coalesced in the output's layout. One kernel
-covers 1-d, 2-d and 3-d, strided, padded, dilated and grouped convolutions; transposed convolutions in gather
-form (an output pixel sums the input positions that reach it). Sizes are compile-time constants, as in every
-kernelfuse kernel; the binding checks the tensors against them.
+covers 1-d, 2-d and 3-d, strided, padded, dilated and grouped convolutions, and transposed ones in gather form (an
+output pixel sums the input positions that reach it) split into stride phases, so that no tap that lands between
+input positions is multiplied (Phase). K runs tap-major: where a stage of K is channels of one tap, one bounds check
+serves the stage. Operands reach shared memory by cp.async, three stages deep. Sizes are compile-time constants, as
+in every kernelfuse kernel; the binding checks the tensors against them.
 """
 
 from __future__ import annotations
@@ -244,7 +246,7 @@ def phases(s: ConvShape) -> tuple[tuple[int, ...], tuple[int, ...], list[Phase]]
     return s.stride, (1,) * len(s.kernel), found
 
 
-def render_conv(plan: Plan, step: FusedStep, _tile: int = 0, out_layout: str = "nchw") -> tuple[str, Binding]:
+def render_conv(plan: Plan, step: FusedStep, out_layout: str = "nchw") -> tuple[str, Binding]:
     """The kernel, its launcher and its binding for a convolution anchor with its epilogue (`impl` generated).
     `out_layout`: the output's memory order, "nchw" (contiguous) or "nhwc" (channels-last)."""
     shape = conv_shape(plan.graph, step)
@@ -286,7 +288,7 @@ def _kernel(k: str, s: ConvShape, cfg: TileConfig, ctype: str, index_t: str, has
     nf = cfg.bn // 8
     nl = "\n"
     tables = ""
-    if nph == 1:  # sizes and taps are compile-time constants
+    if not s.transposed or set(s.stride) == {1}:  # one phase whose sizes and taps are compile-time arithmetic
         (ph,) = found
         count = [str(c) for c in ph.count]
         origin = [str(o) for o in ph.origin]
@@ -299,7 +301,7 @@ def _kernel(k: str, s: ConvShape, cfg: TileConfig, ctype: str, index_t: str, has
             return lines + [f"{ind}const int c{d} = {sign} * (q{d} * {s.dilation[d]} - {s.padding[d]});"
                             for d in range(rank)]
         kp_expr = "tap"
-    else:  # one block's phase is blockIdx.z % NPH: its sizes and taps from small tables
+    else:  # a block's phase is blockIdx.x % NPH: its sizes and taps from small tables
         maxt = max(1, max(len(p.taps) for p in found))
 
         def table(rows: list) -> str:

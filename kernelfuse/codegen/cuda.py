@@ -131,8 +131,8 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
         bindings.append(_to_channels_last_binding(dtypes))
         functions.append("to_channels_last")
     for step in steps:
-        render = render_conv if step.anchor.epilogue_inside else _step_sources
-        kernel, binding = render(plan, step, options.tile)
+        kernel, binding = render_conv(plan, step) if step.anchor.epilogue_inside else \
+            _step_sources(plan, step, options.tile)
         cuda.append(kernel)
         bindings.append(binding)
         functions.append(step.kernel)

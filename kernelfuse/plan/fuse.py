@@ -87,6 +87,8 @@ def igemm_refusal(graph: Graph, node: Node) -> str:
     x, w = graph[node.args[0]].meta, graph[node.args[1]].meta
     if x is None or w is None or len(w.shape) not in (3, 4, 5):
         return "not a 1-d, 2-d or 3-d convolution of tensors"
+    if node.meta.numel == 0:
+        return "empty output"
     if not (node.meta.dtype == x.dtype == w.dtype == torch.float32):
         return f"dtype {node.meta.dtype}: the generated convolution is fp32 only for now"
     int32 = 2**31 - 1  # the kernel's in-image and pixel indices are 32-bit
