@@ -105,6 +105,14 @@ def _probe_step(graph, step: FusedStep, bare: FusedStep, library: dict[str, Plan
     operands = [env[o.ref.name] for o in step.epilogue.operands]
     ours = getattr(exts["igemm"], step.kernel)(x, w, b, *operands)
     eager = run_fused(graph, step, env)  # cuDNN under eager's flags, then the epilogue as torch ops
+    # does eager's call use TF32 here? (where it computes in full fp32 the optimizer plans the exact-fp32 kernel)
+    previous = torch.backends.cudnn.allow_tf32
+    tf32_conv = torch.convolution(x, w, b, *node.args[3:9])
+    torch.backends.cudnn.allow_tf32 = False
+    full_conv = torch.convolution(x, w, b, *node.args[3:9])
+    torch.backends.cudnn.allow_tf32 = previous
+    eager_tf32 = not torch.allclose(tf32_conv, full_conv, rtol=1e-5, atol=1e-5 * float(full_conv.abs().max()))
+    del tf32_conv, full_conv
     diff = (ours - eager).abs().max().item()
     accuracy = _float64_check(graph, step, env, ours, eager)
     times = {"cudnn_nchw": median_event_ms(lambda: torch.convolution(x, w, b, *conv_args))}
@@ -125,7 +133,8 @@ def _probe_step(graph, step: FusedStep, bare: FusedStep, library: dict[str, Plan
     best_lib = min((v for k, v in times.items() if k.startswith("lib_")), default=float("nan"))
     fields = " ".join(f"{k}={v:.3f}" for k, v in times.items())
     return (f"M={shape.m} N={shape.cog} K={shape.kg} g={shape.groups} T={int(shape.transposed)} BN={cfg.bn} "
-            f"build={build_s:.1f}s | max|ours-eager|={diff:.2e} {accuracy} | {fields} ms | "
+            f"build={build_s:.1f}s | eager_tf32={int(eager_tf32)} max|ours-eager|={diff:.2e} {accuracy} | "
+            f"{fields} ms | "
             f"fused/bare={times['ours_fused'] / times['ours_bare']:.2f} lib/ours={best_lib / times['ours_fused']:.2f}")
 
 
