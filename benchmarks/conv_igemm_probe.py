@@ -105,7 +105,7 @@ def _probe_step(graph, step: FusedStep, bare: FusedStep, library: dict[str, Plan
     operands = [env[o.ref.name] for o in step.epilogue.operands]
     ours = getattr(exts["igemm"], step.kernel)(x, w, b, *operands)
     eager = run_fused(graph, step, env)  # cuDNN under eager's flags, then the epilogue as torch ops
-    # does eager's call use TF32 here? (where it computes in full fp32 the optimizer plans the exact-fp32 kernel)
+    # does eager's call use TF32 here? (where it computes in full fp32 the optimizer plans the 3xTF32 kernel)
     previous = torch.backends.cudnn.allow_tf32
     tf32_conv = torch.convolution(x, w, b, *node.args[3:9])
     torch.backends.cudnn.allow_tf32 = False

@@ -156,14 +156,16 @@ def test_kernels_match_float64_on_tf32_operands(model_and_plan, tmp_path, monkey
         torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5, msg=f"{step.kernel}: {step.chain(graph)}")
 
 
-def test_fp32_anchor_multiplies_exactly(model_and_plan, tmp_path):
-    """A convolution eager computes in full fp32 (Anchor.fp32) gets scalar FMAs, no TF32 rounding."""
+def test_fp32_anchor_is_fp32_accurate(model_and_plan, tmp_path):
+    """A convolution eager computes in full fp32 (Anchor.fp32) multiplies each operand's TF32 part and the TF32
+    rounding of its rest (3xTF32): fp32 accuracy against the unrounded operands."""
     model, inputs, graph = model_and_plan
     names = tuple(s.anchor.node.name for s in owned_anchor_variants(graph)[0].fused)
     plan = make_plan(graph, PlanOptions(conv_layout="nchw", conv_impl="generated", cudnn_fused_relu=False,
                                         fp32_convs=names[3:4]))
     (wide,) = [s for s in plan.fused if s.anchor.fp32]
-    assert "kf_igemm_k8<2, 8, false>" in cuda_module.generate(plan).cuda
+    source = cuda_module.generate(plan).cuda
+    assert source.count("kf_igemm_k8<2, 8, true>") == 1 and "kf_igemm_k8<2, 8, false>" not in source
     results = {s.kernel: (out, ref) for s, out, ref in _run(model, inputs, graph, plan, tmp_path, exact=True)}
     out, ref = results[wide.kernel]
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5)
@@ -179,14 +181,19 @@ def test_kernels_compile_for_sm90_without_spills(model_and_plan, tmp_path):
 
     nvcc = _nvcc()
     _, _, graph = model_and_plan
-    (plan,) = owned_anchor_variants(graph)
+    names = [n.name for n in graph.nodes if n.op == "convolution.default"]
+    plan = make_plan(graph, PlanOptions(conv_layout="nchw", conv_impl="generated", cudnn_fused_relu=False,
+                                        fp32_convs=tuple(names[3:5])))  # the 3xTF32 path too, 64 and 16 wide
     src = cuda_module.generate(plan)
     cu, lib = tmp_path / "igemm.cu", tmp_path / "igemm.so"
     cu.write_text(src.cuda)
     result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-O3", "-shared", "-Xcompiler", "-fPIC",
                              "-Xptxas", "-v", str(cu), "-o", str(lib)], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "mma.sync" in cu.read_text() and " 0 bytes spill stores" in result.stderr
+    assert " 0 bytes spill stores" in result.stderr
+    ptx = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-ptx", str(cu), "-o", "-"], capture_output=True,
+                         text=True, timeout=600).stdout
+    assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in ptx and "cp.async.ca.shared.global" in ptx
     assert not re.search(r"[1-9]\d* bytes spill (stores|loads)", result.stderr), result.stderr[-3000:]
     exported = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True,
                               check=True).stdout.split()

@@ -1,6 +1,6 @@
 """The implicit-GEMM convolutions on the GPU: the fused-igemm forward against eager and float64, with the judge's
-accuracy rule (TF32 tensor cores where eager's cuDNN call uses TF32 under allow_tf32's default; exact fp32 where it
-computes in full fp32)."""
+accuracy rule (TF32 tensor cores where eager's cuDNN call uses TF32 under allow_tf32's default; 3xTF32, fp32
+accuracy, where it computes in full fp32)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from kernelfuse.verify.float64 import accuracy_ok
 
 
 def _plan(graph, model: torch.nn.Module, inputs: list[torch.Tensor]):
-    """The fused-igemm plan, its convolutions exact fp32 where eager's cuDNN call computes in full fp32 here (its
+    """The fused-igemm plan, its convolutions fp32-accurate where eager's cuDNN call computes in full fp32 here (its
     result equals the TF32-free one: small problems often do), TF32 tensor cores elsewhere, as the optimizer
     plans them from the layout timings."""
     state = {k: v.detach() for k, v in [*model.named_parameters(), *model.named_buffers()]}

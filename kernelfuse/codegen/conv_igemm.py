@@ -27,9 +27,6 @@ from kernelfuse.plan.ir import FusedStep, Plan
 
 THREADS = 128  # four warps, each a 32-row slice of the BM = 128 tile
 BM = 128
-# blocks per SM the registers must allow (launch bounds): 128 registers, no spills for the 64-wide tile on sm_90
-# (the operands go to shared memory by cp.async, not through registers)
-MIN_BLOCKS = 4
 STAGES = 3  # shared-memory stages of K: two in flight while one multiplies (41 KB at the widest tile)
 
 IGEMM_PRELUDE = r"""
@@ -72,57 +69,72 @@ template <int N> __device__ __forceinline__ void kf_cp_async_wait() {
 #endif
 }
 
+// One m16n8k8 TF32 multiply-add on the tensor cores (fp32 accumulate).
+__device__ __forceinline__ void kf_mma_tf32(float (&c)[4], const unsigned int (&a)[4], const unsigned int (&b)[2]) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
 // One k8 step of a warp's MF x NF tiles of m16n8 (rows wm.., columns wn..), operands from shared memory stored
-// k-major (A[k][m], B[k][n]) as fp32, rounded to TF32 as they enter the tensor cores. Tensor cores where TC;
-// otherwise (exact fp32), and in the CPU emulation, each lane computes the same accumulator elements with scalar
-// FMAs (on the TF32-rounded operands where TC), so tiling and epilogue are the ones the GPU runs.
-template <int MF, int NF, bool TC>
+// k-major (A[k][m], B[k][n]) as fp32 and rounded to TF32 as they enter the tensor cores. SPLIT (where eager's
+// convolution computes in full fp32): each operand is its TF32 part plus the TF32 rounding of the rest, and three
+// products (small x big, big x small, big x big) give fp32 accuracy (3xTF32). In the CPU emulation each lane
+// computes the same accumulator elements with scalar FMAs on the same TF32 parts, in the same three passes, so
+// tiling and epilogue are the ones the GPU runs.
+template <int MF, int NF, bool SPLIT>
 __device__ __forceinline__ void kf_igemm_k8(float (&acc)[MF][NF][4], const float* A, int lda, const float* B,
                                             int ldb, int wm, int wn) {
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #if defined(__CUDA_ARCH__)
-  if constexpr (TC) {
-    unsigned int a[MF][4], b[NF][2];
+  unsigned int a[MF][4], b[NF][2], a_lo[SPLIT ? MF : 1][4], b_lo[SPLIT ? NF : 1][2];
 #pragma unroll
-    for (int i = 0; i < MF; ++i) {
-      const int m = wm + i * 16 + g;
-      a[i][0] = __float_as_uint(kf_tf32(A[t * lda + m]));
-      a[i][1] = __float_as_uint(kf_tf32(A[t * lda + m + 8]));
-      a[i][2] = __float_as_uint(kf_tf32(A[(t + 4) * lda + m]));
-      a[i][3] = __float_as_uint(kf_tf32(A[(t + 4) * lda + m + 8]));
+  for (int i = 0; i < MF; ++i)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float v = A[(t + (r >> 1) * 4) * lda + wm + i * 16 + g + (r & 1) * 8], hi = kf_tf32(v);
+      a[i][r] = __float_as_uint(hi);
+      if constexpr (SPLIT) a_lo[i][r] = __float_as_uint(kf_tf32(v - hi));
     }
+#pragma unroll
+  for (int j = 0; j < NF; ++j)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float v = B[(t + r * 4) * ldb + wn + j * 8 + g], hi = kf_tf32(v);
+      b[j][r] = __float_as_uint(hi);
+      if constexpr (SPLIT) b_lo[j][r] = __float_as_uint(kf_tf32(v - hi));
+    }
+#pragma unroll
+  for (int i = 0; i < MF; ++i)
 #pragma unroll
     for (int j = 0; j < NF; ++j) {
-      b[j][0] = __float_as_uint(kf_tf32(B[t * ldb + wn + j * 8 + g]));
-      b[j][1] = __float_as_uint(kf_tf32(B[(t + 4) * ldb + wn + j * 8 + g]));
+      if constexpr (SPLIT) {
+        kf_mma_tf32(acc[i][j], a_lo[i], b[j]);
+        kf_mma_tf32(acc[i][j], a[i], b_lo[j]);
+      }
+      kf_mma_tf32(acc[i][j], a[i], b[j]);
     }
+#else
 #pragma unroll
-    for (int i = 0; i < MF; ++i)
+  for (int i = 0; i < MF; ++i)
 #pragma unroll
-      for (int j = 0; j < NF; ++j)
-        asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-                     "{%0,%1,%2,%3};"
-                     : "+f"(acc[i][j][0]), "+f"(acc[i][j][1]), "+f"(acc[i][j][2]), "+f"(acc[i][j][3])
-                     : "r"(a[i][0]), "r"(a[i][1]), "r"(a[i][2]), "r"(a[i][3]), "r"(b[j][0]), "r"(b[j][1]));
-  } else
-#endif
-  {
+    for (int j = 0; j < NF; ++j)
 #pragma unroll
-    for (int i = 0; i < MF; ++i)
-#pragma unroll
-      for (int j = 0; j < NF; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int m = wm + i * 16 + g + (e >> 1) * 8, n = wn + j * 8 + 2 * t + (e & 1);
-          float s = acc[i][j][e];
-#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int m = wm + i * 16 + g + (e >> 1) * 8, n = wn + j * 8 + 2 * t + (e & 1);
+        float s = acc[i][j][e];
+        for (int pass = SPLIT ? 0 : 2; pass < 3; ++pass)
           for (int k = 0; k < 8; ++k) {
-            const float x = A[k * lda + m], y = B[k * ldb + n];
-            s = TC ? fmaf(kf_tf32(x), kf_tf32(y), s) : fmaf(x, y, s);
+            const float x = A[k * lda + m], y = B[k * ldb + n], hx = kf_tf32(x), hy = kf_tf32(y);
+            const float u = pass == 0 ? kf_tf32(x - hx) : hx, w = pass == 1 ? kf_tf32(y - hy) : hy;
+            s = fmaf(u, w, s);
           }
-          acc[i][j][e] = s;
-        }
-  }
+        acc[i][j][e] = s;
+      }
+#endif
 }
 """
 
@@ -262,7 +274,7 @@ def render_conv(plan: Plan, step: FusedStep, out_layout: str = "nchw") -> tuple[
     operand_params = "".join(f", const {ctype}* __restrict__ in{i}" for i in ops)
     operand_args = "".join(f", in{i}" for i in ops)
     comment = f"// {k}: {step.chain(plan.graph)}  (implicit GEMM, epilogue inside, {out_layout} output)\n"
-    body, grid = _kernel(k, shape, cfg, ctype, index_t, has_bias, not step.anchor.fp32, out_layout, operand_params,
+    body, grid = _kernel(k, shape, cfg, ctype, index_t, has_bias, step.anchor.fp32, out_layout, operand_params,
                          operand_args)
     launch_params = "".join(f", const void* in{i}" for i in ops)
     launch_args = "".join(f", (const {ctype}*)in{i}" for i in ops)
@@ -276,7 +288,7 @@ KF_EXPORT cudaError_t {k}_launch(const void* x, const void* w, const void* bias,
     return comment + apply_function(k, epi, ctype, index_t) + body + launch, _binding(plan, step, shape, out_layout)
 
 
-def _kernel(k: str, s: ConvShape, cfg: TileConfig, ctype: str, index_t: str, has_bias: bool, tf32: bool,
+def _kernel(k: str, s: ConvShape, cfg: TileConfig, ctype: str, index_t: str, has_bias: bool, split: bool,
             out_layout: str, operand_params: str, operand_args: str) -> tuple[str, tuple[int, int, int]]:
     rank = len(s.kernel)
     step, scale, found = phases(s)
@@ -377,7 +389,7 @@ def _kernel(k: str, s: ConvShape, cfg: TileConfig, ctype: str, index_t: str, has
     max_m = max(s.batch * p.pixels for p in found)
     grid = (-(-max_m // BM) * nph, -(-s.cog // cfg.bn), s.groups)
     body = f"""{tables}
-__global__ void __launch_bounds__({THREADS}, {MIN_BLOCKS}) {k}_kernel(const {ctype}* __restrict__ x, const {ctype}* __restrict__ w, const {ctype}* __restrict__ bias, {ctype}* __restrict__ out{operand_params}) {{
+__global__ void __launch_bounds__({THREADS}, {_min_blocks(cfg, split)}) {k}_kernel(const {ctype}* __restrict__ x, const {ctype}* __restrict__ w, const {ctype}* __restrict__ bias, {ctype}* __restrict__ out{operand_params}) {{
   constexpr int BK = {cfg.bk}, BN = {cfg.bn}, LDA = {cfg.lda}, LDB = {cfg.ldb}, LDC = {cfg.ldc}, COG = {s.cog};
   __shared__ float smem[{cfg.smem_floats}];
   __shared__ int img_s[{BM}], pix_s[{BM}];
@@ -442,7 +454,7 @@ __global__ void __launch_bounds__({THREADS}, {MIN_BLOCKS}) {k}_kernel(const {cty
     const float* Bs = As + BK * LDA;
 #pragma unroll
     for (int kk = 0; kk < BK; kk += 8)
-      kf_igemm_k8<2, {nf}, {str(tf32).lower()}>(acc, As + kk * LDA, LDA, Bs + kk * LDB, LDB, wm, 0);
+      kf_igemm_k8<2, {nf}, {str(split).lower()}>(acc, As + kk * LDA, LDA, Bs + kk * LDB, LDB, wm, 0);
   }}
   __syncthreads();  // every warp is done with the stages: the accumulator tile reuses their memory
   // the tile through shared memory: every thread then applies the epilogue to elements in store order
@@ -498,6 +510,13 @@ def _binding(plan: Plan, step: FusedStep, shape: ConvShape, out_layout: str) -> 
     lines.append("    return out")
     init = f'self._{k} = self._function("{k}_launch", [ctypes.c_void_p] * {4 + len(epi.operands)})'
     return Binding(init, "\n".join(lines))
+
+
+def _min_blocks(cfg: TileConfig, split: bool) -> int:
+    """Blocks per SM the registers must allow (launch bounds). ptxas, sm_90: every tile fits 128 registers at 4
+    blocks without spills (the operands reach shared memory by cp.async, not through registers); the 64-wide tile
+    with 3xTF32's small parts spilled 32-48 bytes there and fits 168 registers at 3 blocks."""
+    return 3 if split and cfg.bn == 64 else 4
 
 
 def _unravel(flat: str, sizes: tuple[int, ...], name: str, ind: str) -> list[str]:

@@ -314,7 +314,7 @@ def _generated_anchor_lines(graph, step: FusedStep, names: dict[str, str]) -> li
     operands = "".join(f", {_py(o.ref, names)}" for o in step.epilogue.operands)
     what = "; ".join(str(s) for s in step.epilogue.statements) or "no epilogue"
     names[step.out] = f"v_{step.out}"
-    precision = "exact fp32" if step.anchor.fp32 else "TF32 tensor cores, as eager's cuDNN call"
+    precision = "3xTF32: fp32 accuracy, as eager's call" if step.anchor.fp32 else "TF32, as eager's cuDNN call"
     return [f"    # implicit-GEMM convolution ({precision}), epilogue inside: {what}",
             f"    v_{step.out} = ext.{step.kernel}({x}, {w}.contiguous(), {b}{operands})"]
 

@@ -184,7 +184,7 @@ class Plan:
             layout = f" [{s.anchor.layout}]" if s.anchor.family == "conv" else ""
             kernel = " + epilogue kernel" if s.needs_kernel else " (read channels-last)" if s.keeps_layout else ""
             if s.anchor.epilogue_inside:
-                lib, kernel = f"{s.anchor.impl} implicit GEMM" + (" fp32" if s.anchor.fp32 else " TF32"), \
+                lib, kernel = f"{s.anchor.impl} implicit GEMM" + (" 3xTF32" if s.anchor.fp32 else " TF32"), \
                     ", epilogue inside"
                 extra = ""
             lines.append(f"  fused {s.kernel}: {s.chain(self.graph)}  ({lib}{extra}{layout}{kernel})")
