@@ -373,10 +373,45 @@ def _kernel(k: str, s: ConvShape, cfg: TileConfig, ctype: str, index_t: str, has
       }}
       kf_cp_async4(As + j * LDA + threadIdx.x, xg + (ok ? off : 0), ok);
     }}"""
-    if s.transposed:
-        w_offset = f"((long long)(grp * {s.cig} + ci) * {s.cog} + co) * {s.kv} + kp"  # (Cin, Cout/g, k...)
+    # B: thread element j of a stage is column n = e % BN, row kq = e / BN (consecutive threads, consecutive
+    # columns: conflict-free shared stores); its weight offset is w_base[j] plus a part common to the stage
+    if s.transposed:  # weight (Cin, Cout/g, k...)
+        w_offset = f"((grp * {s.cig} + ci) * {s.cog} + co) * {s.kv} + kp"
+        w_base, w_stage = f"((grp * {s.cig} + kq) * {s.cog} + co) * {s.kv}", f"ci0 * {s.cog * s.kv} + kp"
+    else:  # weight (Cout, Cin/g, k...)
+        w_offset = f"(grp * {s.cog} + co) * {s.kg} + ci * {s.kv} + kp"
+        w_base, w_stage = f"(grp * {s.cog} + co) * {s.kg} + kq * {s.kv}", f"ci0 * {s.kv} + kp"
+    b_elem = f"""      const int e = threadIdx.x + j * {THREADS};
+      if (e >= BN * BK) break;"""
+    if s.cig % cfg.bk == 0:  # one tap per stage: the per-thread bases, computed once, plus the stage's offset
+        b_setup = f"""  int w_base[{b_per_thread}];  // -1: the element is outside the weight (a column past COG)
+#pragma unroll
+  for (int j = 0; j < {b_per_thread}; ++j) {{
+    const int e = threadIdx.x + j * {THREADS}, kq = e / BN, co = n0 + e % BN;
+    w_base[j] = co < COG ? {w_base} : -1;
+  }}"""
+        b_copy = f"""    {{
+      const int tap = kt * BK / {s.cig}, ci0 = kt * BK % {s.cig}, kp = {kp_expr}, stage = {w_stage};
+#pragma unroll
+      for (int j = 0; j < {b_per_thread}; ++j) {{
+{b_elem}
+        kf_cp_async4(Bs + (e / BN) * LDB + e % BN, w + (w_base[j] >= 0 ? w_base[j] + stage : 0), w_base[j] >= 0);
+      }}
+    }}"""
     else:
-        w_offset = f"(long long)(grp * {s.cog} + co) * {s.kg} + ci * {s.kv} + kp"
+        b_setup = ""
+        b_copy = f"""#pragma unroll
+    for (int j = 0; j < {b_per_thread}; ++j) {{
+{b_elem}
+      const int kidx = kt * BK + e / BN, co = n0 + e % BN;
+      const bool ok = co < COG && kidx < KGP;
+      int off = 0;
+      if (ok) {{
+        const int tap = kidx / {s.cig}, ci = kidx % {s.cig}, kp = {kp_expr};
+        off = {w_offset};
+      }}
+      kf_cp_async4(Bs + (e / BN) * LDB + e % BN, w + off, ok);
+    }}"""
     if out_layout == "nchw":
         order = f"const int nl = e / {BM}, ml = e % {BM};"
         store = "i"
@@ -412,23 +447,13 @@ __global__ void __launch_bounds__({THREADS}, {_min_blocks(cfg, split)}) {k}_kern
     img_s[threadIdx.x] = m_ok ? img : -1;
     pix_s[threadIdx.x] = {pix};
   }}
+{b_setup}
   // stage kt of A (the gathered input) and B (the weights) into shared buffer kt % STAGES, asynchronously
   auto issue = [&](int kt) {{
     float* As = smem + (kt % {STAGES}) * BK * (LDA + LDB);
     float* Bs = As + BK * LDA;
 {a_copy}
-#pragma unroll
-    for (int j = 0; j < {b_per_thread}; ++j) {{
-      const int e = threadIdx.x + j * {THREADS}, kidx = kt * BK + e % BK, co = n0 + e / BK;
-      if (e >= BN * BK) break;
-      const bool ok = co < COG && kidx < KGP;
-      long long off = 0;
-      if (ok) {{
-        const int tap = kidx / {s.cig}, ci = kidx % {s.cig}, kp = {kp_expr};
-        off = {w_offset};
-      }}
-      kf_cp_async4(Bs + (e % BK) * LDB + e / BK, w + off, ok);
-    }}
+{b_copy}
     kf_cp_async_commit();
   }};
   float acc[2][{nf}][4];

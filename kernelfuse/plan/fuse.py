@@ -92,8 +92,8 @@ def igemm_refusal(graph: Graph, node: Node) -> str:
     if not (node.meta.dtype == x.dtype == w.dtype == torch.float32):
         return f"dtype {node.meta.dtype}: the generated convolution is fp32 only for now"
     int32 = 2**31 - 1  # the kernel's in-image and pixel indices are 32-bit
-    if math.prod(x.shape[1:]) > int32 or node.meta.numel // max(node.meta.shape[1], 1) >= int32:
-        return "an input image or the output pixel count over 2^31"
+    if math.prod(x.shape[1:]) > int32 or node.meta.numel // max(node.meta.shape[1], 1) >= int32 or w.numel > int32:
+        return "an input image, the output pixel count or the weight over 2^31 elements"
     return ""
 
 
