@@ -1,6 +1,7 @@
 """GPU probe: the implicit-GEMM convolution with its epilogue inside against cuDNN plus today's epilogue kernel.
 
 For each problem file given, every convolution anchor of the fused-igemm plan is built and, on one GPU:
+  planned as the optimizer plans it: TF32 tensor cores, or 3xTF32 where eager's cuDNN call computes in full fp32;
   checked: ours against the library chain under eager's flags (cuDNN, TF32 allowed) and both against float64 on
            the first images (the judge's rule, kernelfuse.verify.float64.accuracy_ok);
   timed (CUDA events, median of 20, L2 flushed before each call): cuDNN alone NCHW, cuDNN alone channels-last
@@ -59,17 +60,21 @@ def main() -> None:
 def probe(path: Path) -> list[tuple[str, str, str]]:
     problem = load_problem(path)
     graph = apply_rules(capture(problem)).graph
-    igemm = make_plan(graph, PlanOptions(conv_layout="nchw", cudnn_fused_relu=False, conv_impl="generated"))
     # today's library path with the epilogue left in the anchor's step (no reduction kernel takes it over)
     library = {layout: make_plan(graph, PlanOptions(conv_layout=layout, generated=False))
                for layout in ("nchw", "nhwc")}
-    steps = [s for s in igemm.fused if s.anchor.epilogue_inside]
-    if not steps:
-        return [(path.stem[:28], "-", "no generated convolution in the plan")]
     device = torch.device("cuda")
     model = build_model(problem).to(device).eval()
     state = {k: v.detach() for k, v in [*model.named_parameters(), *model.named_buffers()]}
     inputs = problem.make_inputs(0, device)
+    with torch.no_grad():
+        env = run_env(library["nchw"], state, inputs)
+    # as the optimizer plans it: 3xTF32 where eager's call computes in full fp32 (kernelfuse.bench.layout)
+    igemm = make_plan(graph, PlanOptions(conv_layout="nchw", cudnn_fused_relu=False, conv_impl="generated",
+                                         fp32_convs=_fp32_convs(graph, env)))
+    steps = [s for s in igemm.fused if s.anchor.epilogue_inside]
+    if not steps:
+        return [(path.stem[:28], "-", "no generated convolution in the plan")]
     started = time.perf_counter()
     exts = {"igemm": load_kernels(generate(igemm), f"probe_{problem.name}_igemm")}
     for layout, plan in library.items():
@@ -80,10 +85,30 @@ def probe(path: Path) -> list[tuple[str, str, str]]:
     build_s = time.perf_counter() - started
     rows = []
     with torch.no_grad():
-        env = run_env(library["nchw"], state, inputs)
         for step, bare in zip(steps, bare_plan.fused, strict=True):
             rows.append((path.stem[:28], step.kernel, _probe_step(graph, step, bare, library, exts, env, build_s)))
     return rows
+
+
+def _fp32_convs(graph, env: dict) -> tuple[str, ...]:
+    """The convolutions whose eager result (cuDNN, TF32 allowed) equals the TF32-free one: eager is fp32 there."""
+    found = []
+    previous = torch.backends.cudnn.allow_tf32
+    with torch.no_grad():
+        for node in graph.nodes:
+            if node.op != "convolution.default":
+                continue
+            x, w = env[node.args[0].name], env[node.args[1].name]
+            b = env[node.args[2].name] if node.args[2] is not None else None
+            torch.backends.cudnn.allow_tf32 = True
+            tf32 = torch.convolution(x, w, b, *node.args[3:9])
+            torch.backends.cudnn.allow_tf32 = False
+            full = torch.convolution(x, w, b, *node.args[3:9])
+            torch.backends.cudnn.allow_tf32 = previous
+            if torch.allclose(tf32, full, rtol=1e-5, atol=1e-5 * float(full.abs().max())):
+                found.append(node.name)
+            del tf32, full
+    return tuple(found)
 
 
 def _bare(step: FusedStep) -> FusedStep:
@@ -105,14 +130,6 @@ def _probe_step(graph, step: FusedStep, bare: FusedStep, library: dict[str, Plan
     operands = [env[o.ref.name] for o in step.epilogue.operands]
     ours = getattr(exts["igemm"], step.kernel)(x, w, b, *operands)
     eager = run_fused(graph, step, env)  # cuDNN under eager's flags, then the epilogue as torch ops
-    # does eager's call use TF32 here? (where it computes in full fp32 the optimizer plans the 3xTF32 kernel)
-    previous = torch.backends.cudnn.allow_tf32
-    tf32_conv = torch.convolution(x, w, b, *node.args[3:9])
-    torch.backends.cudnn.allow_tf32 = False
-    full_conv = torch.convolution(x, w, b, *node.args[3:9])
-    torch.backends.cudnn.allow_tf32 = previous
-    eager_tf32 = not torch.allclose(tf32_conv, full_conv, rtol=1e-5, atol=1e-5 * float(full_conv.abs().max()))
-    del tf32_conv, full_conv
     diff = (ours - eager).abs().max().item()
     accuracy = _float64_check(graph, step, env, ours, eager)
     times = {"cudnn_nchw": median_event_ms(lambda: torch.convolution(x, w, b, *conv_args))}
@@ -133,7 +150,8 @@ def _probe_step(graph, step: FusedStep, bare: FusedStep, library: dict[str, Plan
     best_lib = min((v for k, v in times.items() if k.startswith("lib_")), default=float("nan"))
     fields = " ".join(f"{k}={v:.3f}" for k, v in times.items())
     return (f"M={shape.m} N={shape.cog} K={shape.kg} g={shape.groups} T={int(shape.transposed)} BN={cfg.bn} "
-            f"build={build_s:.1f}s | eager_tf32={int(eager_tf32)} max|ours-eager|={diff:.2e} {accuracy} | "
+            f"build={build_s:.1f}s | {'3xTF32' if step.anchor.fp32 else 'TF32'} max|ours-eager|={diff:.2e} "
+            f"{accuracy} | "
             f"{fields} ms | "
             f"fused/bare={times['ours_fused'] / times['ours_bare']:.2f} lib/ours={best_lib / times['ours_fused']:.2f}")
 
