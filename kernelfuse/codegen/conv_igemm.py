@@ -299,7 +299,7 @@ def _kernel(k: str, s: ConvShape, cfg: TileConfig, ctype: str, index_t: str, has
     b_per_thread = -(-cfg.bn * cfg.bk // THREADS)
     nf = cfg.bn // 8
     nl = "\n"
-    tables = ""
+    tables = tap_setup = ""
     if not s.transposed or set(s.stride) == {1}:  # one phase whose sizes and taps are compile-time arithmetic
         (ph,) = found
         count = [str(c) for c in ph.count]
@@ -331,9 +331,17 @@ def _kernel(k: str, s: ConvShape, cfg: TileConfig, ctype: str, index_t: str, has
         origin = [f"{k}_origin[ph][{d}]" for d in range(rank)]
         ntaps = f"{k}_ntaps[ph]"
 
+        # the block's taps in shared memory: the gathers read them at every element of every stage
+        tap_setup = f"""  __shared__ int taps_s[{maxt}][{rank + 1}];  // c per dimension, then the flat kernel position
+  for (int i = threadIdx.x; i < {maxt * (rank + 1)}; i += {THREADS}) {{
+    const int tp = i / {rank + 1}, d = i % {rank + 1};
+    taps_s[tp][d] = d < {rank} ? {k}_c[ph][tp][d] : {k}_kp[ph][tp];
+  }}
+  __syncthreads();"""
+
         def tap_lines(tap: str, ind: str) -> list[str]:
-            return [f"{ind}const int c{d} = {k}_c[ph][{tap}][{d}];" for d in range(rank)]
-        kp_expr = f"{k}_kp[ph][tap]"
+            return [f"{ind}const int c{d} = taps_s[{tap}][{d}];" for d in range(rank)]
+        kp_expr = f"taps_s[tap][{rank}]"
     # the thread's output pixel: v over the phase's counts, o = origin + step * v
     v_lines, rest = [], "r"
     for d in range(rank - 1, -1, -1):
@@ -447,6 +455,7 @@ __global__ void __launch_bounds__({THREADS}, {_min_blocks(cfg, split)}) {k}_kern
     img_s[threadIdx.x] = m_ok ? img : -1;
     pix_s[threadIdx.x] = {pix};
   }}
+{tap_setup}
 {b_setup}
   // stage kt of A (the gathered input) and B (the weights) into shared buffer kt % STAGES, asynchronously
   auto issue = [&](int kt) {{
