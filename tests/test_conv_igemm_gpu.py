@@ -39,7 +39,12 @@ def _plan(graph, model: torch.nn.Module, inputs: list[torch.Tensor]):
                                         fp32_convs=tuple(exact)))
 
 
+def _never_reference(*args: object) -> None:
+    raise AssertionError("the fused module fell back to the original ops: the kernels did not run")
+
+
 def _check(model: torch.nn.Module, fused: torch.nn.Module, inputs: list[torch.Tensor]) -> None:
+    fused._reference_forward = _never_reference  # the comparison below must be of our kernels
     with torch.no_grad():
         eager, ours = model(*inputs), fused(*inputs)
         ref = model.double()(*[t.double() for t in inputs])
@@ -81,6 +86,7 @@ def test_large_convolution_and_exact_fp32() -> None:
                                          fp32_convs=(conv,)))
     assert exact.fused[0].anchor.fp32
     fused = build_module(model, exact, generate(exact), ["x"])
+    fused._reference_forward = _never_reference
     previous = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False
     try:
