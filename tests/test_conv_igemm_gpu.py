@@ -71,9 +71,9 @@ def test_generated_convolutions_match_eager(scale: int) -> None:
 
 
 @pytest.mark.gpu
-def test_large_convolution_and_exact_fp32() -> None:
+def test_large_convolution_tf32_and_3xtf32() -> None:
     """A level-2-sized 2-d convolution (64 -> 128 channels, many K stages) on tensor cores, then the same with the
-    anchor marked fp32 against eager with cuDNN's TF32 off."""
+    anchor marked fp32 (3xTF32) against eager with cuDNN's TF32 off, to fp32 rounding."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Conv2d(64, 128, 3), torch.nn.Mish()).cuda().eval()
     inputs = [torch.randn(8, 64, 66, 66, device="cuda")]
