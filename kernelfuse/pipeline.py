@@ -34,7 +34,7 @@ from kernelfuse.fallback import plans_with_fallbacks, run_stage
 from kernelfuse.judge import EvalOptions, Verdict, evaluate
 from kernelfuse.judge.runner import judge_zygote
 from kernelfuse.load import Problem, check_output_path, load_problem
-from kernelfuse.plan import Plan, plan_variants
+from kernelfuse.plan import Plan, owned_anchor_variants, plan_variants
 from kernelfuse.rewrite import RULE_NAMES, RuleFiring, apply_rules
 
 # A forward whose kernels keep the GPU busy for less than this fraction of its timed duration is launch-bound:
@@ -131,7 +131,8 @@ def _optimize(problem_path: str | Path, out_path: str | Path, options: OptimizeO
     layouts = None if timings is None else {t.node: t.choice for t in timings}
     fp32 = frozenset(t.node for t in timings or [] if t.fp32)
     plans, fallbacks = plans_with_fallbacks(
-        graph, lambda keep: plan_variants(graph, options.precision, options.max_fusions, layouts, fp32, keep),
+        graph, lambda keep: plan_variants(graph, options.precision, options.max_fusions, layouts, fp32, keep)
+        + owned_anchor_variants(graph, options.precision, options.max_fusions, fp32, keep),
         lambda plan: _render(problem, plan))
     for fallback in fallbacks:
         _fall_back(result, fallback, log)
@@ -213,8 +214,10 @@ def _layout_decided(plans: list[Plan], timings: list[LayoutTiming] | None) -> bo
     """Do the convolution timings alone order the plans (judge the first, the rest only if it fails)? Not where
     a generated kernel reads a convolution's channels-last output: its reads follow that layout, and a norm's
     rows interleaved across channels cost more than the layout saves (level-2 60, ConvTranspose3d + GroupNorm:
-    cuDNN 0.87 ms faster channels-last, the group norm 3.9 ms in that layout). Both plans are judged whole then."""
-    return timings is not None and not any(s.keeps_layout for p in plans[:1] for s in p.fused)
+    cuDNN 0.87 ms faster channels-last, the group norm 3.9 ms in that layout). Both plans are judged whole then;
+    so is a plan whose convolution is our own kernel with the epilogue inside (no layout timing predicts it)."""
+    return timings is not None and not any(s.keeps_layout for p in plans[:1] for s in p.fused) \
+        and not any(s.anchor.epilogue_inside for p in plans for s in p.fused)
 
 
 def _measure_conv_layouts(graph: Graph, precision: str, result: OptimizeResult,

@@ -28,9 +28,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             continue
         ops = [graph[n].op for n in step.replaces if graph[n].op != "getitem"]
         if isinstance(step, FusedStep):
-            kernels.append({"name": step.kernel, "kind": "library", "library": LIBRARIES[step.anchor.family],
-                            "aten_ops": ops, "epilogue_kernel": step.needs_kernel,
-                            "layout": step.anchor.layout if step.anchor.family == "conv" else None})
+            kernels.append(_anchor_json(step, ops))
         else:
             kernels.append({"name": step.kernel, "kind": "generated", "family": getattr(step, "family", None),
                             "aten_ops": ops})
@@ -39,6 +37,19 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "kernels": kernels,
         "unfused": [{"node": s.node.name, "aten_op": s.node.op, "reason": s.reason} for s in plan.unfused],
     }
+
+
+def _anchor_json(step: FusedStep, ops: list[str]) -> dict[str, Any]:
+    """An anchor: which implementation runs it (`impl`: library, template, generated) and whether its epilogue
+    runs inside the anchor's own kernel (`epilogue_in_anchor`) or in an epilogue kernel of its own."""
+    anchor = step.anchor
+    library = anchor.impl == "library"
+    inside = anchor.epilogue_inside or (anchor.fused_relu and not step.epilogue.statements)
+    return {"name": step.kernel, "kind": "library" if library else "generated", "anchor": anchor.family,
+            "impl": anchor.impl, "library": LIBRARIES[anchor.family] if library else None,
+            "family": None if library else f"{anchor.family}-igemm", "aten_ops": ops,
+            "epilogue_in_anchor": inside, "epilogue_kernel": step.needs_kernel and not anchor.epilogue_inside,
+            "layout": anchor.layout if anchor.family == "conv" else None}
 
 
 def optimize_json(result: OptimizeResult, problem_path: str, precision: str) -> dict[str, Any]:

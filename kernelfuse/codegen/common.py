@@ -70,3 +70,13 @@ def program_lines(program: Program | Epilogue, acc: str, offsets: dict[str, str]
         names[st.name] = var
     lines.append(f"{ind}const float {names_prefix}result = {names[program.result]};")
     return lines
+
+
+def apply_function(k: str, epi: Epilogue, ctype: str, index_t: str) -> str:
+    """`float k0_apply(float acc, index_t i, operands...)`: the epilogue at logical output index i."""
+    params = "".join(f", const {ctype}* __restrict__ in{i}_p" for i in range(len(epi.operands)))
+    offsets = {f"in{i}": offset_expr(o.strides, epi.out.shape) for i, o in enumerate(epi.operands)}
+    lines = [f"__device__ __forceinline__ float {k}_apply(float acc, {index_t} i{params}) {{"]
+    lines += program_lines(epi, "acc", offsets, "", "  ")
+    lines += ["  return result;", "}"]
+    return "\n".join(lines) + "\n"

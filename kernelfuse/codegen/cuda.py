@@ -16,11 +16,12 @@ from kernelfuse.capture import TensorMeta
 from kernelfuse.codegen.attention import render_attention
 from kernelfuse.codegen.attention_prelude import ATTENTION_PRELUDE
 from kernelfuse.codegen.binding import Binding, kernels_class, pointer_launcher, py_tuple
-from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, channels_last_format, offset_expr, program_lines
+from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, apply_function, channels_last_format
+from kernelfuse.codegen.conv_igemm import IGEMM_PRELUDE, render_conv
 from kernelfuse.codegen.generated import REDUCE_PRELUDE, keeps_rows_on_chip, render_generated
 from kernelfuse.codegen.onchip import ONCHIP_PRELUDE
 from kernelfuse.ops import POINTWISE_BY_ATEN, prelude_for
-from kernelfuse.plan.ir import Epilogue, FusedStep, Plan
+from kernelfuse.plan.ir import FusedStep, Plan
 
 THREADS = 256
 MAX_BLOCKS = 1 << 20  # kf_blocks' cap on the grid of the flat kernels
@@ -121,6 +122,8 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
         cuda.append(ONCHIP_PRELUDE)
     if attention:
         cuda.append(ATTENTION_PRELUDE)
+    if any(s.anchor.epilogue_inside for s in steps):
+        cuda.append(IGEMM_PRELUDE)
     bindings: list[Binding] = []
     functions: list[str] = []
     channels_last = [s for s in plan.fused if s.anchor.layout == "nhwc"]  # with or without an epilogue kernel
@@ -134,7 +137,8 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
         bindings.append(_to_channels_last_binding(dtypes))
         functions.append("to_channels_last")
     for step in steps:
-        kernel, binding = _step_sources(plan, step, options.tile)
+        kernel, binding = render_conv(plan, step) if step.anchor.epilogue_inside else \
+            _step_sources(plan, step, options.tile)
         cuda.append(kernel)
         bindings.append(binding)
         functions.append(step.kernel)
@@ -167,7 +171,7 @@ def _step_sources(plan: Plan, step: FusedStep, tile: int) -> tuple[str, Binding]
     k = step.kernel
     operand_params = "".join(f", const {ctype}* __restrict__ in{i}" for i in range(len(epi.operands)))
     operand_args = "".join(f", in{i}" for i in range(len(epi.operands)))
-    apply_fn = _apply_function(k, epi, ctype, index_t)
+    apply_fn = apply_function(k, epi, ctype, index_t)
     comment = f"// {k}: {step.chain(plan.graph)}\n"
     if step.anchor.layout == "nhwc":
         body = _transpose_kernel(k, out, ctype, index_t, operand_params, operand_args, tile)
@@ -177,16 +181,6 @@ def _step_sources(plan: Plan, step: FusedStep, tile: int) -> tuple[str, Binding]
     launch_args = "".join(f", (const {ctype}*)in{i}" for i in range(len(epi.operands)))
     launch = _launch_function(k, step, out, ctype, launch_params, launch_args, tile)
     return comment + apply_fn + body + launch, _binding(plan, step)
-
-
-def _apply_function(k: str, epi: Epilogue, ctype: str, index_t: str) -> str:
-    """`float k0_apply(float acc, index_t i, operands...)`: the epilogue at logical output index i."""
-    params = "".join(f", const {ctype}* __restrict__ in{i}_p" for i in range(len(epi.operands)))
-    offsets = {f"in{i}": offset_expr(o.strides, epi.out.shape) for i, o in enumerate(epi.operands)}
-    lines = [f"__device__ __forceinline__ float {k}_apply(float acc, {index_t} i{params}) {{"]
-    lines += program_lines(epi, "acc", offsets, "", "  ")
-    lines += ["  return result;", "}"]
-    return "\n".join(lines) + "\n"
 
 
 def _flat_kernel(k: str, out: TensorMeta, ctype: str, index_t: str, operand_params: str, operand_args: str) -> str:

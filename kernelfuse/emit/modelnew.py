@@ -322,6 +322,8 @@ def _fused_lines(graph, step: FusedStep, names: dict[str, str]) -> list[str]:
     anchor = step.anchor
     node = anchor.node
     lines = [f"    # {step.kernel}: {step.chain(graph)}"]
+    if anchor.epilogue_inside:
+        return lines + _generated_anchor_lines(graph, step, names)
     acc = f"v_{node.name}" if not step.needs_kernel else "acc"
     if anchor.family == "conv":
         x, w, b = (_py(a, names) for a in node.args[:3])
@@ -361,6 +363,20 @@ def _fused_lines(graph, step: FusedStep, names: dict[str, str]) -> list[str]:
         lines.append(f"    v_{step.out} = {acc}")
     names[step.out] = f"v_{step.out}"
     return lines
+
+
+def _generated_anchor_lines(graph, step: FusedStep, names: dict[str, str]) -> list[str]:
+    """One call of kernelfuse's own anchor kernel: the convolution and its epilogue, the output written once."""
+    node = step.anchor.node
+    x, w, b = (_py(a, names) for a in node.args[:3])
+    if not graph[node.args[0]].meta.is_contiguous:
+        x = f"{x}.contiguous()"
+    operands = "".join(f", {_py(o.ref, names)}" for o in step.epilogue.operands)
+    what = "; ".join(str(s) for s in step.epilogue.statements) or "no epilogue"
+    names[step.out] = f"v_{step.out}"
+    precision = "3xTF32: fp32 accuracy, as eager's call" if step.anchor.fp32 else "TF32, as eager's cuDNN call"
+    return [f"    # implicit-GEMM convolution ({precision}), epilogue inside: {what}",
+            f"    v_{step.out} = ext.{step.kernel}({x}, {w}.contiguous(), {b}{operands})"]
 
 
 def _generated_lines(graph, step: GenStep, names: dict[str, str]) -> list[str]:

@@ -8,6 +8,7 @@ output) ends the epilogue before it. Every refusal keeps the node as a torch cal
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -53,6 +54,7 @@ class PlanOptions:
     # "library" (one torch SDPA call on the same strided views: cuDNN/flash/efficient kernels), "split" (our kernel,
     # hand-written fp32 attention too in 3xTF32 on tensor cores, as torch's fp32 SDPA computes), or "off"
     attention: str = "kernel"
+    conv_impl: str = "library"  # "generated": eligible convolutions run kernelfuse's implicit GEMM, epilogue inside
 
 
 def plan_variants(graph: Graph, precision: str = "strict", max_fusions: int | None = None,
@@ -94,6 +96,36 @@ def _with_library_attention(graph: Graph, plans: list[Plan]) -> list[Plan]:
     library = [make_plan(graph, replace(p.options, attention="library")) for p in ours
                if any(a.activation == "softmax" for a in p.attention)]
     return plans + split + library
+
+
+def owned_anchor_variants(graph: Graph, precision: str = "strict", max_fusions: int | None = None,
+                          fp32_convs: frozenset[str] = frozenset(), keep: frozenset[str] = frozenset()) -> list[Plan]:
+    """The plan whose eligible convolutions run kernelfuse's implicit GEMM with the epilogue inside (a variant the
+    judge measures against the library plans of `plan_variants`), or none where no convolution is eligible.
+    `fp32_convs`: convolutions eager computes in full fp32 on this GPU (exact FMAs instead of TF32)."""
+    if not any(node.op in ANCHOR_OPS and ANCHOR_OPS[node.op] == "conv" and not igemm_refusal(graph, node)
+               and node.name not in keep for node in graph.nodes):
+        return []
+    options = PlanOptions(conv_layout="nchw", fp32_convs=tuple(sorted(fp32_convs)), cudnn_fused_relu=False,
+                          matmul_tf32=precision == "tf32", max_fusions=max_fusions, conv_impl="generated",
+                          keep=tuple(sorted(keep)))
+    plan = make_plan(graph, options)
+    return [plan] if any(s.anchor.epilogue_inside for s in plan.fused) else []
+
+
+def igemm_refusal(graph: Graph, node: Node) -> str:
+    """Why this convolution cannot run as the generated implicit GEMM ('' when it can)."""
+    x, w = graph[node.args[0]].meta, graph[node.args[1]].meta
+    if x is None or w is None or len(w.shape) not in (3, 4, 5):
+        return "not a 1-d, 2-d or 3-d convolution of tensors"
+    if node.meta.numel == 0:
+        return "empty output"
+    if not (node.meta.dtype == x.dtype == w.dtype == torch.float32):
+        return f"dtype {node.meta.dtype}: the generated convolution is fp32 only for now"
+    int32 = 2**31 - 1  # the kernel's in-image and pixel indices are 32-bit
+    if math.prod(x.shape[1:]) > int32 or node.meta.numel // max(node.meta.shape[1], 1) >= int32 or w.numel > int32:
+        return "an input image, the output pixel count or the weight over 2^31 elements"
+    return ""
 
 
 def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
@@ -143,6 +175,8 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
     layouts = sorted({s.anchor.layout for s in steps if isinstance(s, FusedStep) and s.anchor.family == "conv"
                       and channels_last_ok(graph, s.anchor.node)})
     variant = f"fused-{'+'.join(layouts)}" if layouts else "fused"
+    if any(isinstance(s, FusedStep) and s.anchor.epilogue_inside for s in steps):
+        variant = "fused-igemm"
     if options.matmul_tf32 and any(isinstance(s, FusedStep) and s.anchor.tf32 for s in steps):
         variant += "-tf32"
     if options.attention == "library" and attention:
@@ -158,8 +192,8 @@ def _merge_into_reductions(graph: Graph, by_out: dict[str, Step]) -> None:
     gens = {s.source.ref.name: s for s in by_out.values() if isinstance(s, GenStep) and s.spec is not None}
     through = _reshaped_sources(graph, gens)
     for name, step in list(by_out.items()):
-        if not isinstance(step, FusedStep) or not (step.inplace and step.epilogue.statements or
-                                                   step.anchor.layout == "nhwc"):
+        if not isinstance(step, FusedStep) or step.anchor.epilogue_inside or not (
+                step.inplace and step.epilogue.statements or step.anchor.layout == "nhwc"):
             continue
         gen, reshape = (gens[name], None) if name in gens else through.get(name, (None, None))
         if reshape is not None and not step.inplace:
@@ -263,8 +297,10 @@ def _fuse_behind(graph: Graph, anchor_node: Node, options: PlanOptions, kernel: 
         return None
     out_node = graph[members[-1].name] if members else graph[acc_name]
     epilogue = _epilogue(graph, members, acc_name, out_node.meta)
+    generated = family == "conv" and options.conv_impl == "generated" and not igemm_refusal(graph, anchor_node)
     anchor = Anchor(anchor_node, family, fused_relu, layout, tf32=options.matmul_tf32 and family == "matmul",
-                    fp32=layout == "nhwc" and anchor_node.name in options.fp32_convs)
+                    fp32=(layout == "nhwc" or generated) and anchor_node.name in options.fp32_convs,
+                    impl="generated" if generated else "library")
     replaces = (anchor_node.name,) + ((acc_name,) if fused_relu else ()) + tuple(m.name for m in members)
     return FusedStep(kernel, anchor, epilogue, replaces, out_node.name)
 

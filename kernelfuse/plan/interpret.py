@@ -21,6 +21,12 @@ from kernelfuse.plan.ir import AttnStep, Epilogue, FusedStep, GenStep, Plan, Pro
 def interpret(plan: Plan, state: dict[str, torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Run `plan` on `state` (parameters and buffers by attribute path) and the graph's input tensors (flat, as
     `plan.graph.call_spec` orders them); the output tensors come back flat too."""
+    env = run_env(plan, state, inputs)
+    return [env[r.name] for r in plan.graph.outputs]  # type: ignore[misc]
+
+
+def run_env(plan: Plan, state: dict[str, torch.Tensor], inputs: Sequence[torch.Tensor]) -> dict[str, object]:
+    """Every value the plan computes, by graph node name (benchmarks and kernel tests feed one step from it)."""
     env: dict[str, object] = {}
     for node in plan.graph.nodes:
         if node.op == "input":
@@ -36,8 +42,8 @@ def interpret(plan: Plan, state: dict[str, torch.Tensor], inputs: Sequence[torch
             env[step.out] = attention_reference(step, *(env[i.ref.name] for i in step.inputs[:3]),  # type: ignore[arg-type]
                                                 env[step.mask.ref.name] if step.mask else None)  # type: ignore[arg-type]
         else:
-            env[step.out] = _run_fused(plan.graph, step, env)
-    return [env[r.name] for r in plan.graph.outputs]  # type: ignore[misc]
+            env[step.out] = run_fused(plan.graph, step, env)
+    return env
 
 
 def call_aten(node: Node, env: dict[str, object]) -> object:
@@ -57,7 +63,8 @@ def call_aten(node: Node, env: dict[str, object]) -> object:
     return fn(*args, **kwargs)
 
 
-def _run_fused(graph: Graph, step: FusedStep, env: dict[str, object]) -> torch.Tensor:
+def run_fused(graph: Graph, step: FusedStep, env: dict[str, object]) -> torch.Tensor:
+    """A fused step as torch ops: the anchor's own call, then its epilogue."""
     acc = call_aten(step.anchor.node, env)
     if step.anchor.fused_relu:
         acc = torch.relu(acc)

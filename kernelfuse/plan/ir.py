@@ -60,6 +60,14 @@ class Anchor:
     layout: str = "nchw"  # conv: "nchw", or "nhwc" (channels-last 2-d/3-d conv; the epilogue transposes back)
     tf32: bool = False  # matmul under the tf32 policy: cuBLAS may use TF32 tensor cores for this call
     fp32: bool = False  # conv: cuDNN's TF32 off for this call (eager's NCHW call computes in full fp32 here)
+    # "library" (cuBLAS/cuDNN, the epilogue a kernel of its own) | "generated" (kernelfuse's own kernel with the
+    # epilogue inside: kernelfuse.codegen.conv_igemm) | "template" (reserved)
+    impl: str = "library"
+
+    @property
+    def epilogue_inside(self) -> bool:
+        """The epilogue runs in the anchor's own kernel (the anchor's output is written once, already fused)."""
+        return self.impl != "library"
 
 
 @dataclass(frozen=True)
@@ -76,11 +84,13 @@ class FusedStep:
     @property
     def inplace(self) -> bool:
         """The epilogue overwrites the anchor's fresh output: nothing else reads it (the planner ensured)."""
-        return self.anchor.layout == "nchw"
+        return self.anchor.layout == "nchw" and not self.anchor.epilogue_inside
 
     @property
     def needs_kernel(self) -> bool:
-        return bool(self.epilogue.statements) or (self.anchor.layout == "nhwc" and not self.keeps_layout)
+        """A kernel of ours runs: the anchor itself (generated), or an epilogue / layout pass behind the library."""
+        return self.anchor.epilogue_inside or bool(self.epilogue.statements) or \
+            (self.anchor.layout == "nhwc" and not self.keeps_layout)
 
     def chain(self, graph: Graph) -> str:
         """The op chain it replaces, for comments and reports: `addmm -> sigmoid -> mul -> add`."""
@@ -236,6 +246,10 @@ class Plan:
             extra = (" conv+bias+relu" if s.anchor.fused_relu else "") + (" fp32" if s.anchor.fp32 else "")
             layout = f" [{s.anchor.layout}]" if s.anchor.family == "conv" else ""
             kernel = " + epilogue kernel" if s.needs_kernel else " (read channels-last)" if s.keeps_layout else ""
+            if s.anchor.epilogue_inside:
+                lib, kernel = f"{s.anchor.impl} implicit GEMM" + (" 3xTF32" if s.anchor.fp32 else " TF32"), \
+                    ", epilogue inside"
+                extra = ""
             lines.append(f"  fused {s.kernel}: {s.chain(self.graph)}  ({lib}{extra}{layout}{kernel})")
         for g in self.generated:
             lines.append(f"  generated {g.kernel}: {g.chain(self.graph)}  ({g.family} kernel)")

@@ -1,0 +1,567 @@
+"""Convolutions as implicit GEMM with the epilogue inside: the output is written once, already fused.
+
+M = output pixels (batch x spatial), N = output channels of a group, K = input channels of a group x kernel
+volume. A block computes a BM x BN tile of one group: the prologue gathers the input patch (im2col, never stored)
+and the weights into shared memory, the warps multiply on TF32 tensor cores (mma.sync m16n8k8, fp32 accumulate),
+and the epilogue stages the tile through shared memory so that each thread applies the anchor's `kN_apply` (the
+renderer the stand-alone epilogue kernel uses) and the stores are coalesced in the output's layout. One kernel
+covers 1-d, 2-d and 3-d, strided, padded, dilated and grouped convolutions, and transposed ones in gather form (an
+output pixel sums the input positions that reach it) split into stride phases, so that no tap that lands between
+input positions is multiplied (Phase). K runs tap-major: where a stage of K is channels of one tap, one bounds check
+serves the stage. Operands reach shared memory by cp.async, three stages deep. Sizes are compile-time constants, as
+in every kernelfuse kernel; the binding checks the tensors against them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kernelfuse.capture import Graph
+from kernelfuse.codegen.binding import Binding, py_tuple
+from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, apply_function
+from kernelfuse.plan.ir import FusedStep, Plan
+
+THREADS = 128  # four warps, each a 32-row slice of the BM = 128 tile
+BM = 128
+STAGES = 3  # shared-memory stages of K: two in flight while one multiplies (41 KB at the widest tile)
+
+IGEMM_PRELUDE = r"""
+// Implicit-GEMM convolutions (kernelfuse.codegen.conv_igemm).
+// TF32 rounding as the tensor cores' operand conversion does it: nearest, ties away from zero.
+__device__ __forceinline__ float kf_tf32(float x) {
+#if defined(__CUDA_ARCH__)
+  unsigned int r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return __uint_as_float(r);
+#else
+  unsigned int u;
+  __builtin_memcpy(&u, &x, 4);
+  if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;
+  float r;
+  __builtin_memcpy(&r, &u, 4);
+  return r;
+#endif
+}
+
+// 4-byte asynchronous copy global -> shared, zero-filled where !pred (src is then not read); in the CPU
+// emulation a plain copy, and commit/wait do nothing (each copy is complete when it returns).
+__device__ __forceinline__ void kf_cp_async4(float* dst, const float* src, bool pred) {
+#if defined(__CUDA_ARCH__)
+  const unsigned int s = (unsigned int)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(s), "l"(src), "r"(pred ? 4 : 0));
+#else
+  *dst = pred ? *src : 0.0f;
+#endif
+}
+__device__ __forceinline__ void kf_cp_async_commit() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.commit_group;");
+#endif
+}
+// wait until at most N committed groups (the stages in flight) are still copying
+template <int N> __device__ __forceinline__ void kf_cp_async_wait() {
+#if defined(__CUDA_ARCH__)
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+#endif
+}
+
+// One m16n8k8 TF32 multiply-add on the tensor cores (fp32 accumulate).
+__device__ __forceinline__ void kf_mma_tf32(float (&c)[4], const unsigned int (&a)[4], const unsigned int (&b)[2]) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+               "{%0,%1,%2,%3};"
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// One k8 step of a warp's MF x NF tiles of m16n8 (rows wm.., columns wn..), operands from shared memory stored
+// k-major (A[k][m], B[k][n]) as fp32 and rounded to TF32 as they enter the tensor cores. SPLIT (where eager's
+// convolution computes in full fp32): each operand is its TF32 part plus the TF32 rounding of the rest, and three
+// products (small x big, big x small, big x big) give fp32 accuracy (3xTF32). In the CPU emulation each lane
+// computes the same accumulator elements with scalar FMAs on the same TF32 parts, in the same three passes, so
+// tiling and epilogue are the ones the GPU runs.
+template <int MF, int NF, bool SPLIT>
+__device__ __forceinline__ void kf_igemm_k8(float (&acc)[MF][NF][4], const float* A, int lda, const float* B,
+                                            int ldb, int wm, int wn) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#if defined(__CUDA_ARCH__)
+  unsigned int a[MF][4], b[NF][2], a_lo[SPLIT ? MF : 1][4], b_lo[SPLIT ? NF : 1][2];
+#pragma unroll
+  for (int i = 0; i < MF; ++i)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float v = A[(t + (r >> 1) * 4) * lda + wm + i * 16 + g + (r & 1) * 8], hi = kf_tf32(v);
+      a[i][r] = __float_as_uint(hi);
+      if constexpr (SPLIT) a_lo[i][r] = __float_as_uint(kf_tf32(v - hi));
+    }
+#pragma unroll
+  for (int j = 0; j < NF; ++j)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float v = B[(t + r * 4) * ldb + wn + j * 8 + g], hi = kf_tf32(v);
+      b[j][r] = __float_as_uint(hi);
+      if constexpr (SPLIT) b_lo[j][r] = __float_as_uint(kf_tf32(v - hi));
+    }
+#pragma unroll
+  for (int i = 0; i < MF; ++i)
+#pragma unroll
+    for (int j = 0; j < NF; ++j) {
+      if constexpr (SPLIT) {
+        kf_mma_tf32(acc[i][j], a_lo[i], b[j]);
+        kf_mma_tf32(acc[i][j], a[i], b_lo[j]);
+      }
+      kf_mma_tf32(acc[i][j], a[i], b[j]);
+    }
+#else
+#pragma unroll
+  for (int i = 0; i < MF; ++i)
+#pragma unroll
+    for (int j = 0; j < NF; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int m = wm + i * 16 + g + (e >> 1) * 8, n = wn + j * 8 + 2 * t + (e & 1);
+        float s = acc[i][j][e];
+        for (int pass = SPLIT ? 0 : 2; pass < 3; ++pass)
+          for (int k = 0; k < 8; ++k) {
+            const float x = A[k * lda + m], y = B[k * ldb + n], hx = kf_tf32(x), hy = kf_tf32(y);
+            const float u = pass == 0 ? kf_tf32(x - hx) : hx, w = pass == 1 ? kf_tf32(y - hy) : hy;
+            s = fmaf(u, w, s);
+          }
+        acc[i][j][e] = s;
+      }
+#endif
+}
+"""
+
+
+@dataclass(frozen=True)
+class ConvShape:
+    """The convolution's sizes, read from the graph: what the kernel is specialised to."""
+
+    batch: int
+    cin: int
+    cout: int
+    groups: int
+    in_size: tuple[int, ...]
+    out_size: tuple[int, ...]
+    kernel: tuple[int, ...]
+    stride: tuple[int, ...]
+    padding: tuple[int, ...]
+    dilation: tuple[int, ...]
+    transposed: bool
+
+    @property
+    def cig(self) -> int:
+        return self.cin // self.groups
+
+    @property
+    def cog(self) -> int:
+        return self.cout // self.groups
+
+    @property
+    def kv(self) -> int:
+        return math.prod(self.kernel)
+
+    @property
+    def kg(self) -> int:
+        return self.cig * self.kv
+
+    @property
+    def pixels(self) -> int:
+        return math.prod(self.out_size)
+
+    @property
+    def m(self) -> int:
+        return self.batch * self.pixels
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Block tile: BM output pixels x `bn` output channels, `bk` of K per shared-memory stage."""
+
+    bn: int
+    bk: int
+
+    @property
+    def lda(self) -> int:  # +8 floats: the fragment loads' four k rows land on distinct banks
+        return BM + 8
+
+    @property
+    def ldb(self) -> int:
+        return self.bn + 8
+
+    @property
+    def ldc(self) -> int:  # +4: the accumulator stores' lanes (2t columns apart) land on distinct banks
+        return BM + 4
+
+    @property
+    def smem_floats(self) -> int:
+        return max(STAGES * self.bk * (self.lda + self.ldb), self.bn * self.ldc)
+
+
+def conv_shape(graph: Graph, step: FusedStep) -> ConvShape:
+    node = step.anchor.node
+    x, w = graph[node.args[0]].meta, graph[node.args[1]].meta
+    stride, padding, dilation, transposed, _, groups = node.args[3:9]
+    rank = len(w.shape) - 2
+    cout = node.meta.shape[1]
+    return ConvShape(x.shape[0], x.shape[1], cout, groups, tuple(x.shape[2:]), tuple(node.meta.shape[2:]),
+                     tuple(w.shape[2:]), _per_dim(stride, rank), _per_dim(padding, rank), _per_dim(dilation, rank),
+                     bool(transposed))
+
+
+def tile_config(shape: ConvShape) -> TileConfig:
+    """Narrow N tiles for few output channels (no wasted MMA columns), a wide one otherwise; K steps of 16."""
+    bn = next((b for b in (8, 16, 32, 64) if b >= shape.cog), 64)
+    return TileConfig(bn, 16 if shape.kg > 8 else 8)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Output pixels o = origin + step * v (v < count, per dimension) that one set of kernel taps reaches: input
+    position i = scale * v + c for each tap (its flat kernel position, c). A forward convolution is one phase
+    (step 1, scale = stride); a transposed one of stride s has prod(s) phases (step s, scale 1), each reading
+    only the taps that land on an input position, so no multiply-add is spent on the zeros of the gather form."""
+
+    origin: tuple[int, ...]
+    count: tuple[int, ...]
+    taps: tuple[tuple[int, tuple[int, ...]], ...]
+
+    @property
+    def pixels(self) -> int:
+        return math.prod(self.count)
+
+
+def phases(s: ConvShape) -> tuple[tuple[int, ...], tuple[int, ...], list[Phase]]:
+    """(step, scale, phases) of the convolution: see Phase."""
+    positions = list(itertools.product(*(range(k) for k in s.kernel)))
+    if not s.transposed:
+        taps = tuple((kp, tuple(q * d - p for q, d, p in zip(qs, s.dilation, s.padding, strict=True)))
+                     for kp, qs in enumerate(positions))
+        return (1,) * len(s.kernel), s.stride, [Phase((0,) * len(s.kernel), s.out_size, taps)]
+    found = []
+    for r in itertools.product(*(range(st) for st in s.stride)):
+        count = tuple(max(0, -(-(o - rd) // st)) for o, rd, st in zip(s.out_size, r, s.stride, strict=True))
+        if 0 in count:
+            continue
+        taps = tuple((kp, tuple((rd + p - q * d) // st for rd, p, q, d, st in zip(r, s.padding, qs, s.dilation,
+                                                                                 s.stride, strict=True)))
+                     for kp, qs in enumerate(positions)
+                     if all((rd + p - q * d) % st == 0 for rd, p, q, d, st in zip(r, s.padding, qs, s.dilation,
+                                                                                  s.stride, strict=True)))
+        found.append(Phase(r, count, taps))
+    return s.stride, (1,) * len(s.kernel), found
+
+
+def render_conv(plan: Plan, step: FusedStep, out_layout: str = "nchw") -> tuple[str, Binding]:
+    """The kernel, its launcher and its binding for a convolution anchor with its epilogue (`impl` generated).
+    `out_layout`: the output's memory order, "nchw" (contiguous) or "nhwc" (channels-last)."""
+    shape = conv_shape(plan.graph, step)
+    cfg = tile_config(shape)
+    epi, k = step.epilogue, step.kernel
+    if step.anchor.node.meta.dtype != torch.float32:  # the operands are copied to shared memory as they are
+        raise ValueError(f"kernelfuse: {k}: the generated convolution takes fp32 tensors, not "
+                         f"{step.anchor.node.meta.dtype}; plan it with the library (conv_impl='library')")
+    ctype = C_TYPES[epi.out.dtype]
+    index_t = "long long" if epi.out.numel > INT32_LIMIT else "int"
+    has_bias = step.anchor.node.args[2] is not None
+    ops = range(len(epi.operands))
+    operand_params = "".join(f", const {ctype}* __restrict__ in{i}" for i in ops)
+    operand_args = "".join(f", in{i}" for i in ops)
+    comment = f"// {k}: {step.chain(plan.graph)}  (implicit GEMM, epilogue inside, {out_layout} output)\n"
+    body, grid = _kernel(k, shape, cfg, ctype, index_t, has_bias, step.anchor.fp32, out_layout, operand_params,
+                         operand_args)
+    launch_params = "".join(f", const void* in{i}" for i in ops)
+    launch_args = "".join(f", (const {ctype}*)in{i}" for i in ops)
+    launch = f"""
+KF_EXPORT cudaError_t {k}_launch(const void* x, const void* w, const void* bias, void* out{launch_params}, cudaStream_t stream) {{
+  dim3 grid({grid[0]}, {grid[1]}, {grid[2]});
+  {k}_kernel<<<grid, {THREADS}, 0, stream>>>((const {ctype}*)x, (const {ctype}*)w, (const {ctype}*)bias, ({ctype}*)out{launch_args});
+  return cudaGetLastError();
+}}
+"""
+    return comment + apply_function(k, epi, ctype, index_t) + body + launch, _binding(plan, step, shape, out_layout)
+
+
+def _kernel(k: str, s: ConvShape, cfg: TileConfig, ctype: str, index_t: str, has_bias: bool, split: bool,
+            out_layout: str, operand_params: str, operand_args: str) -> tuple[str, tuple[int, int, int]]:
+    rank = len(s.kernel)
+    step, scale, found = phases(s)
+    nph = len(found)
+    iv = math.prod(s.in_size)
+    in_strides = [math.prod(s.in_size[d + 1:]) for d in range(rank)]
+    out_strides = [math.prod(s.out_size[d + 1:]) for d in range(rank)]
+    b_per_thread = -(-cfg.bn * cfg.bk // THREADS)
+    nf = cfg.bn // 8
+    nl = "\n"
+    tables = tap_setup = ""
+    if not s.transposed or set(s.stride) == {1}:  # one phase whose sizes and taps are compile-time arithmetic
+        (ph,) = found
+        count = [str(c) for c in ph.count]
+        origin = [str(o) for o in ph.origin]
+        ntaps = str(len(ph.taps))
+
+        def tap_lines(tap: str, ind: str) -> list[str]:
+            # tap == flat kernel position; c = q * dilation - padding (forward) or (padding - q * dilation)
+            lines = _unravel(tap, s.kernel, "q", ind)
+            sign = -1 if s.transposed else 1
+            return lines + [f"{ind}const int c{d} = {sign} * (q{d} * {s.dilation[d]} - {s.padding[d]});"
+                            for d in range(rank)]
+        kp_expr = "tap"
+    else:  # a block's phase is blockIdx.x % NPH: its sizes and taps from small tables
+        maxt = max(1, max(len(p.taps) for p in found))
+
+        def table(rows: list) -> str:
+            return "{" + ", ".join("{" + ", ".join(map(str, r)) + "}" if isinstance(r, list | tuple) else str(r)
+                                   for r in rows) + "}"
+        taps_c = [[list(c) for _, c in p.taps] + [[0] * rank] * (maxt - len(p.taps)) for p in found]
+        taps_kp = [[kp for kp, _ in p.taps] + [0] * (maxt - len(p.taps)) for p in found]
+        tables = (f"__device__ const int {k}_count[{nph}][{rank}] = {table([p.count for p in found])};\n"
+                  f"__device__ const int {k}_origin[{nph}][{rank}] = {table([p.origin for p in found])};\n"
+                  f"__device__ const int {k}_ntaps[{nph}] = {table([len(p.taps) for p in found])};\n"
+                  f"__device__ const int {k}_kp[{nph}][{maxt}] = {table(taps_kp)};\n"
+                  f"__device__ const int {k}_c[{nph}][{maxt}][{rank}] = "
+                  "{" + ", ".join(table(t) for t in taps_c) + "};\n")
+        count = [f"{k}_count[ph][{d}]" for d in range(rank)]
+        origin = [f"{k}_origin[ph][{d}]" for d in range(rank)]
+        ntaps = f"{k}_ntaps[ph]"
+
+        # the block's taps in shared memory: the gathers read them at every element of every stage
+        tap_setup = f"""  __shared__ int taps_s[{maxt}][{rank + 1}];  // c per dimension, then the flat kernel position
+  for (int i = threadIdx.x; i < {maxt * (rank + 1)}; i += {THREADS}) {{
+    const int tp = i / {rank + 1}, d = i % {rank + 1};
+    taps_s[tp][d] = d < {rank} ? {k}_c[ph][tp][d] : {k}_kp[ph][tp];
+  }}
+  __syncthreads();"""
+
+        def tap_lines(tap: str, ind: str) -> list[str]:
+            return [f"{ind}const int c{d} = taps_s[{tap}][{d}];" for d in range(rank)]
+        kp_expr = f"taps_s[tap][{rank}]"
+    # the thread's output pixel: v over the phase's counts, o = origin + step * v
+    v_lines, rest = [], "r"
+    for d in range(rank - 1, -1, -1):
+        v_lines.insert(0, f"    const int v{d} = {rest}{f' % {count[d]}' if d > 0 else ''};")
+        rest = f"({rest} / {count[d]})"
+    pix = " + ".join(f"({origin[d]} + {step[d]} * v{d}) * {out_strides[d]}" for d in range(rank))
+    base = [f"    base[{d}] = {scale[d]} * v{d};" for d in range(rank)]
+
+    def gather(ind: str) -> list[str]:
+        lines = []
+        for d in range(rank):
+            lines.append(f"{ind}const int i{d} = base[{d}] + c{d};")
+            lines.append(f"{ind}ok = ok && i{d} >= 0 && i{d} < {s.in_size[d]};")
+        return lines
+    spatial = " + ".join(f"i{d} * {in_strides[d]}" for d in range(rank))
+    if s.cig % cfg.bk == 0:  # a K stage is BK channels of one tap: one bounds check per stage
+        a_copy = f"""    {{
+      const int tap = kt * BK / {s.cig}, ci0 = kt * BK % {s.cig};
+{nl.join(tap_lines("tap", "      "))}
+      bool ok = m_ok;
+{nl.join(gather("      "))}
+      const float* src = xg + (ok ? {spatial} + ci0 * {iv} : 0);
+#pragma unroll
+      for (int j = 0; j < BK; ++j) kf_cp_async4(As + j * LDA + threadIdx.x, src + j * {iv}, ok);
+    }}"""
+    else:
+        a_copy = f"""#pragma unroll
+    for (int j = 0; j < BK; ++j) {{
+      const int kidx = kt * BK + j;
+      bool ok = m_ok && kidx < KGP;
+      int off = 0;
+      if (ok) {{
+        const int tap = kidx / {s.cig}, ci = kidx % {s.cig};
+{nl.join(tap_lines("tap", "        "))}
+{nl.join(gather("        "))}
+        off = ci * {iv} + {spatial};
+      }}
+      kf_cp_async4(As + j * LDA + threadIdx.x, xg + (ok ? off : 0), ok);
+    }}"""
+    # B: thread element j of a stage is column n = e % BN, row kq = e / BN (consecutive threads, consecutive
+    # columns: conflict-free shared stores); its weight offset is w_base[j] plus a part common to the stage
+    if s.transposed:  # weight (Cin, Cout/g, k...)
+        w_offset = f"((grp * {s.cig} + ci) * {s.cog} + co) * {s.kv} + kp"
+        w_base, w_stage = f"((grp * {s.cig} + kq) * {s.cog} + co) * {s.kv}", f"ci0 * {s.cog * s.kv} + kp"
+    else:  # weight (Cout, Cin/g, k...)
+        w_offset = f"(grp * {s.cog} + co) * {s.kg} + ci * {s.kv} + kp"
+        w_base, w_stage = f"(grp * {s.cog} + co) * {s.kg} + kq * {s.kv}", f"ci0 * {s.kv} + kp"
+    b_elem = f"""      const int e = threadIdx.x + j * {THREADS};
+      if (e >= BN * BK) break;"""
+    if s.cig % cfg.bk == 0:  # one tap per stage: the per-thread bases, computed once, plus the stage's offset
+        b_setup = f"""  int w_base[{b_per_thread}];  // -1: the element is outside the weight (a column past COG)
+#pragma unroll
+  for (int j = 0; j < {b_per_thread}; ++j) {{
+    const int e = threadIdx.x + j * {THREADS}, kq = e / BN, co = n0 + e % BN;
+    w_base[j] = co < COG ? {w_base} : -1;
+  }}"""
+        b_copy = f"""    {{
+      const int tap = kt * BK / {s.cig}, ci0 = kt * BK % {s.cig}, kp = {kp_expr}, stage = {w_stage};
+#pragma unroll
+      for (int j = 0; j < {b_per_thread}; ++j) {{
+{b_elem}
+        kf_cp_async4(Bs + (e / BN) * LDB + e % BN, w + (w_base[j] >= 0 ? w_base[j] + stage : 0), w_base[j] >= 0);
+      }}
+    }}"""
+    else:
+        b_setup = ""
+        b_copy = f"""#pragma unroll
+    for (int j = 0; j < {b_per_thread}; ++j) {{
+{b_elem}
+      const int kidx = kt * BK + e / BN, co = n0 + e % BN;
+      const bool ok = co < COG && kidx < KGP;
+      int off = 0;
+      if (ok) {{
+        const int tap = kidx / {s.cig}, ci = kidx % {s.cig}, kp = {kp_expr};
+        off = {w_offset};
+      }}
+      kf_cp_async4(Bs + (e / BN) * LDB + e % BN, w + off, ok);
+    }}"""
+    if out_layout == "nchw":
+        order = f"const int nl = e / {BM}, ml = e % {BM};"
+        store = "i"
+    else:
+        order = f"const int ml = e / {cfg.bn}, nl = e % {cfg.bn};"
+        store = f"(({index_t})img * {s.pixels} + pix) * {s.cout} + co"
+    bias = " + kf_load(bias[co])" if has_bias else ""
+    m_phase = f"{s.batch} * " + " * ".join(count)
+    unroll = "#pragma unroll" if nph == 1 and -(-s.cig * len(found[0].taps) // cfg.bk) <= 8 else "#pragma unroll 1"
+    max_m = max(s.batch * p.pixels for p in found)
+    grid = (-(-max_m // BM) * nph, -(-s.cog // cfg.bn), s.groups)
+    body = f"""{tables}
+__global__ void __launch_bounds__({THREADS}, {_min_blocks(cfg, split)}) {k}_kernel(const {ctype}* __restrict__ x, const {ctype}* __restrict__ w, const {ctype}* __restrict__ bias, {ctype}* __restrict__ out{operand_params}) {{
+  constexpr int BK = {cfg.bk}, BN = {cfg.bn}, LDA = {cfg.lda}, LDB = {cfg.ldb}, LDC = {cfg.ldc}, COG = {s.cog};
+  __shared__ float smem[{cfg.smem_floats}];
+  __shared__ int img_s[{BM}], pix_s[{BM}];
+  // phases vary fastest: blocks running together write interleaved pixels of one region, so L2 gathers whole
+  // sectors before they go to memory
+  const int ph = blockIdx.x % {nph}, grp = blockIdx.z, m0 = blockIdx.x / {nph} * {BM}, n0 = blockIdx.y * BN;
+  const int MPH = {m_phase}, KGP = {s.cig} * {ntaps}, KT = (KGP + BK - 1) / BK;
+  if (m0 >= MPH) return;  // this phase has fewer pixels than the largest one (the whole block leaves)
+  (void)ph;
+  // the output pixel whose column of A this thread gathers
+  const int m = m0 + threadIdx.x;
+  const bool m_ok = m < MPH;
+  int base[{rank}];
+  const {ctype}* xg = x;
+  {{
+    const int img = m_ok ? m / ({" * ".join(count)}) : 0, r = m_ok ? m % ({" * ".join(count)}) : 0;
+{nl.join(v_lines)}
+{nl.join(base)}
+    xg = x + ((long long)img * {s.cin} + grp * {s.cig}) * {iv};
+    img_s[threadIdx.x] = m_ok ? img : -1;
+    pix_s[threadIdx.x] = {pix};
+  }}
+{tap_setup}
+{b_setup}
+  // stage kt of A (the gathered input) and B (the weights) into shared buffer kt % STAGES, asynchronously
+  auto issue = [&](int kt) {{
+    float* As = smem + (kt % {STAGES}) * BK * (LDA + LDB);
+    float* Bs = As + BK * LDA;
+{a_copy}
+{b_copy}
+    kf_cp_async_commit();
+  }};
+  float acc[2][{nf}][4];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < {nf}; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+  const int wm = (threadIdx.x / 32) * 32;
+#pragma unroll
+  for (int st = 0; st < {STAGES} - 1; ++st) {{
+    if (st < KT) issue(st);
+    else kf_cp_async_commit();  // empty groups keep the count the waits below rely on
+  }}
+{unroll}
+  for (int kt = 0; kt < KT; ++kt) {{
+    kf_cp_async_wait<{STAGES} - 2>();  // stage kt has landed (this thread's copies)
+    __syncthreads();  // ... and every thread's; stage kt - 1's buffer is free again
+    if (kt + {STAGES} - 1 < KT) issue(kt + {STAGES} - 1);  // refills kt - 1's buffer while kt multiplies
+    else kf_cp_async_commit();
+    const float* As = smem + (kt % {STAGES}) * BK * (LDA + LDB);
+    const float* Bs = As + BK * LDA;
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 8)
+      kf_igemm_k8<2, {nf}, {str(split).lower()}>(acc, As + kk * LDA, LDA, Bs + kk * LDB, LDB, wm, 0);
+  }}
+  __syncthreads();  // every warp is done with the stages: the accumulator tile reuses their memory
+  // the tile through shared memory: every thread then applies the epilogue to elements in store order
+  {{
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < {nf}; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          smem[(j * 8 + 2 * t + (e & 1)) * LDC + wm + i * 16 + g + (e >> 1) * 8] = acc[i][j][e];
+  }}
+  __syncthreads();
+  for (int e = threadIdx.x; e < {BM} * BN; e += {THREADS}) {{
+    {order}
+    const int img = img_s[ml], col = n0 + nl;
+    if (img < 0 || col >= COG) continue;
+    const int co = grp * COG + col, pix = pix_s[ml];
+    const {index_t} i = (({index_t})img * {s.cout} + co) * {s.pixels} + pix;
+    out[{store}] = kf_store<{ctype}>({k}_apply(smem[nl * LDC + ml]{bias}, i{operand_args}));
+  }}
+}}
+"""
+    return body, grid
+
+
+def _binding(plan: Plan, step: FusedStep, shape: ConvShape, out_layout: str) -> Binding:
+    epi, k = step.epilogue, step.kernel
+    node = step.anchor.node
+    dtype = epi.out.dtype
+    w_meta = plan.graph[node.args[1]].meta
+    ops = range(len(epi.operands))
+    params = "".join(f", in{i}" for i in ops)
+    lines = [f"# {k}: {step.chain(plan.graph)}  (implicit-GEMM convolution, epilogue inside)",
+             f"def {k}(self, x, w, b{params}):",
+             f'    _check_dense(x, "{k} input", {py_tuple(plan.graph[node.args[0]].meta.shape)}, {dtype})',
+             f'    _check_dense(w, "{k} weight", {py_tuple(w_meta.shape)}, {dtype})']
+    if node.args[2] is not None:
+        lines.append(f'    _check_dense(b, "{k} bias", {py_tuple((shape.cout,))}, {dtype})')
+    for i, operand in enumerate(epi.operands):
+        lines.append(f'    _check_dense(in{i}, "{k} operand in{i} ({operand.ref.name})", {py_tuple(operand.meta.shape)}, '
+                     f"{dtype})")
+    if out_layout == "nhwc":  # channels innermost (torch's channels-last for 2-d/3-d; 1-d has no name for it)
+        dims = epi.out.shape
+        stored, order = (dims[0], *dims[2:], dims[1]), (0, len(dims) - 1, *range(1, len(dims) - 1))
+        lines.append(f"    out = torch.empty({py_tuple(stored)}, dtype={dtype}, device=x.device).permute{order}")
+    else:
+        lines.append(f"    out = torch.empty({py_tuple(epi.out.shape)}, dtype={dtype}, device=x.device)")
+    bias = "b.data_ptr()" if node.args[2] is not None else "None"
+    ptrs = "".join(f", in{i}.data_ptr()" for i in ops)
+    lines.append(f'    self._launch(self._{k}, "{k}", x, x.data_ptr(), w.data_ptr(), {bias}, out.data_ptr(){ptrs})')
+    lines.append("    return out")
+    init = f'self._{k} = self._function("{k}_launch", [ctypes.c_void_p] * {4 + len(epi.operands)})'
+    return Binding(init, "\n".join(lines))
+
+
+def _min_blocks(cfg: TileConfig, split: bool) -> int:
+    """Blocks per SM the registers must allow (launch bounds). ptxas, sm_90: every tile fits 128 registers at 4
+    blocks without spills (the operands reach shared memory by cp.async, not through registers); the 64-wide tile
+    with 3xTF32's small parts spilled 32-48 bytes there and fits 168 registers at 3 blocks."""
+    return 3 if split and cfg.bn == 64 else 4
+
+
+def _unravel(flat: str, sizes: tuple[int, ...], name: str, ind: str) -> list[str]:
+    """C lines `const int {name}{d} = ...;`: the coordinates of row-major index `flat` over `sizes`."""
+    lines = []
+    for d in range(len(sizes) - 1, -1, -1):
+        lines.insert(0, f"{ind}const int {name}{d} = {flat}{f' % {sizes[d]}' if d > 0 else ''};")
+        flat = f"({flat} / {sizes[d]})"
+    return lines
+
+
+def _per_dim(value: object, rank: int) -> tuple[int, ...]:
+    values = tuple(value) if isinstance(value, list | tuple) else (value,)
+    return values * rank if len(values) == 1 else values
