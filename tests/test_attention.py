@@ -5,6 +5,7 @@ multiples, causal, bool and additive masks, grouped-query heads, head dims 32 to
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -278,15 +279,16 @@ def test_library_variant_forward_matches_eager(name):
     step's output, NaN rows where the hand-written mask empties a row) run on the CPU against the model."""
     import types
 
+    from kernelfuse.emit.calltext import call_text
     from kernelfuse.emit.modelnew import forward_source
 
     model, inputs, graph, _ = _planned(name)
     plan = make_plan(graph, PlanOptions(attention="library"))
     assert plan.variant.endswith("-sdpa") and [a.impl for a in plan.attention] == ["library"]
     assert not plan.generated and not plan.fused, plan.summary()  # no kernel of ours: the forward runs on the CPU
-    names = [f"x{i}" for i in range(len(inputs))]
+    call = call_text(plan.graph.call_spec, str(inspect.signature(model.forward))[1:-1])
     namespace: dict = {"torch": torch}
-    exec(forward_source(plan, names, has_kernels=False, guarded=False), namespace)  # noqa: S102 - emitted code
+    exec(forward_source(plan, call, has_kernels=False, guarded=False), namespace)  # noqa: S102 - emitted code
     for fn in [v for v in namespace.values() if isinstance(v, types.FunctionType)]:
         setattr(model, fn.__name__, types.MethodType(fn, model))
     with torch.no_grad():

@@ -3,7 +3,6 @@ CPU checks, an nvcc sample, and the regression files of the bugs it found."""
 
 from __future__ import annotations
 
-import re
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -21,10 +20,6 @@ from kernelfuse.load import load_problem
 
 REGRESSIONS = sorted((Path(__file__).parent / "fixtures" / "problems" / "fuzz").glob("*.py"))
 BATCH = 300
-# A bug fixed on another branch, not yet merged here (a gated MLP's product in two anchors' epilogues: one kernel
-# name defined twice): nvcc failures of exactly that kind are expected failures until the merge.
-FIXED_ELSEWHERE = "a node joins one anchor's epilogue at most: fixed on branch robust (d9bb786)"
-DUPLICATE_KERNEL = re.compile(r'nvcc: .*(function "k\d+_\w+" has already been defined|"k\d+_launch" has "C" linkage)')
 
 
 def _write(tmp_path: Path, spec: ModelSpec) -> Path:
@@ -147,12 +142,6 @@ def test_fuzz_regression_passes(path):
     if nvcc is None:
         return
     errors = device.compile_all([e.cuda for e in run.emitted if e.cuda], nvcc)
-    _expect_compiled(errors)
-
-
-def _expect_compiled(errors: dict[str, str]) -> None:
-    if errors and all(DUPLICATE_KERNEL.search(e) for e in errors.values()):
-        pytest.xfail(FIXED_ELSEWHERE)
     assert errors == {}
 
 
@@ -171,7 +160,7 @@ def test_nvcc_compiles_a_sample_of_random_models(monkeypatch):
             sources += [e.cuda for e in run.emitted if e.cuda][:1]
     errors = device.compile_all(sources, nvcc)
     assert len(list(device.CACHE.glob("*.ok"))) == len(set(sources)) - len(errors)
-    _expect_compiled(errors)
+    assert errors == {}
 
 
 def test_gpu_pool_answers_every_task_and_replaces_a_dead_worker(tmp_path):
