@@ -65,7 +65,7 @@ def test_generated_convolutions_match_eager(scale: int) -> None:
     graph = capture_module(model, inputs)
     plan = _plan(graph, model, inputs)
     assert all(s.anchor.impl == "generated" for s in plan.fused)
-    fused = build_module(model, plan, generate(plan), [f"x{i}" for i in range(len(inputs))])
+    fused = build_module(model, plan, generate(plan))
     with torch.no_grad():
         _check(model, fused, inputs)
 
@@ -80,12 +80,12 @@ def test_large_convolution_tf32_and_3xtf32() -> None:
     graph = capture_module(model, inputs)
     plan = _plan(graph, model, inputs)
     with torch.no_grad():
-        _check(model, build_module(model, plan, generate(plan), ["x"]), inputs)
+        _check(model, build_module(model, plan, generate(plan)), inputs)
     (conv,) = [n.name for n in graph.nodes if n.op == "convolution.default"]
     exact = make_plan(graph, PlanOptions(conv_layout="nchw", conv_impl="generated", cudnn_fused_relu=False,
                                          fp32_convs=(conv,)))
     assert exact.fused[0].anchor.fp32
-    fused = build_module(model, exact, generate(exact), ["x"])
+    fused = build_module(model, exact, generate(exact))
     fused._reference_forward = _never_reference
     previous = torch.backends.cudnn.allow_tf32
     torch.backends.cudnn.allow_tf32 = False

@@ -187,7 +187,8 @@ def test_first_error_line_and_source_extraction():
 
 def test_gpu_path_ships_the_very_file_it_judged(monkeypatch, tmp_path):
     judged_texts: dict[str, str] = {}
-    script = {"fused-nhwc": _verdict(True, 1.7), "fused-nchw": _verdict(True, 2.5), "unfused": _verdict(True, 4.0)}
+    script = {"fused-nhwc": _verdict(True, 1.7), "fused-nchw": _verdict(True, 2.5), "fused-igemm": _verdict(True, 3.0),
+              "unfused": _verdict(True, 4.0)}
 
     def remember() -> None:
         evaluate = pipeline.evaluate
@@ -209,7 +210,8 @@ def test_layout_timing_that_raises_is_a_fallback(monkeypatch, tmp_path):
     def broken(graph, strict):
         raise ZeroDivisionError("no samples")
 
-    script = {"fused-nhwc": _verdict(True, 1.7), "fused-nchw": _verdict(True, 2.5), "unfused": _verdict(True, 4.0)}
+    script = {"fused-nhwc": _verdict(True, 1.7), "fused-nchw": _verdict(True, 2.5), "fused-igemm": _verdict(True, 3.0),
+              "unfused": _verdict(True, 4.0)}
     result, _, judged = _run(monkeypatch, tmp_path, "conv2d_relu_biasadd", script,
                              patch=lambda: monkeypatch.setattr(pipeline, "measure_conv_layouts", broken))
     assert result.fallbacks == [Fallback("plan", "the convolution layout timing", "ZeroDivisionError: no samples")]

@@ -178,7 +178,7 @@ def test_float64_reference_that_does_not_fit_the_device_runs_on_the_host():
         models = Models(model, model, ref64, where)
         got, why = reference64_output(models, [x], CUDA, 0)
         assert why is None and got.device.type == "cpu"
-        assert torch.allclose(got.to("cuda", torch.float32), y, atol=1e-6)
+        assert torch.allclose(got.float(), y.cpu(), atol=1e-6)  # compared on the host: the device share is full
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, 0)
         torch.cuda.empty_cache()

@@ -145,7 +145,7 @@ def test_unsupported_argument_type_ships_the_original_module(tmp_path, capsys):
     assert main(["optimize", str(path), "-o", str(tmp_path / "o.py"), "--cpu-only", "--json", str(report)]) == 0
     (fallback,) = json.loads(report.read_text())["fallbacks"]
     assert fallback["what"] == "cfg" and "is a Cfg" in fallback["reason"]
-    assert "not compiled: capture: cfg" in capsys.readouterr().out
+    assert "fallback: capture fell back on cfg" in capsys.readouterr().out
 
 
 def test_in_process_module_takes_the_same_signature():
@@ -254,7 +254,7 @@ def test_what_the_file_cannot_express_is_found_at_load(tmp_path, capsys, body, w
     assert main(["optimize", str(path), "-o", str(tmp_path / "o.py"), "--cpu-only", "--json", str(report)]) == 0
     (fallback,) = json.loads(report.read_text())["fallbacks"]
     assert fallback["stage"] == "load" and what in fallback["reason"]
-    assert "[2/5] not compiled: load: Model.forward" in capsys.readouterr().out
+    assert "fallback: load fell back on Model.forward" in capsys.readouterr().out
 
 
 def test_api_returns_the_model_for_a_parameter_it_cannot_name():

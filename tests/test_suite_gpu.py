@@ -44,7 +44,7 @@ def test_bench_optimizes_the_examples_and_reports(tmp_path: Path) -> None:
         assert r["worker"].startswith("gpu") and r["build_phase"]["prebuilt"] >= 1
         assert Path(r["output"]).is_file()
     if _has_matplotlib():
-        assert report.read_text().count("data:image/png;base64,") == 3
+        assert report.read_text().count("data:image/png;base64,") == 5  # distribution, 2 bar charts, floor, roofline
 
 
 def test_bench_judges_candidates_on_the_gpu(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ that runs its own code under a file name inside torch's package is out of scope 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
 import os
 import sys
@@ -111,6 +112,10 @@ _MISSING = _Missing()
 TORCH_DIR = os.path.dirname(torch.__file__)
 COMPILER_DIRS = tuple(os.path.join(TORCH_DIR, d) + os.sep for d in ("_inductor", "_dynamo", "_functorch", "compiler"))
 THREADING_FILES = (threading.__file__, os.path.dirname(importlib.import_module("concurrent.futures").__file__))
+# libraries that start threads for their caller (tqdm's progress monitor, which Inductor's progress bars start):
+# the thread's origin is the code that called them
+_TQDM = importlib.util.find_spec("tqdm")
+HELPER_DIRS = tuple(os.path.dirname(_TQDM.origin) + os.sep for _ in [0] if _TQDM is not None and _TQDM.origin)
 
 
 def record_thread_origins() -> None:
@@ -121,7 +126,7 @@ def record_thread_origins() -> None:
 
     def start(self: threading.Thread) -> None:
         frame = sys._getframe(1)
-        while frame is not None and frame.f_code.co_filename.startswith(THREADING_FILES):
+        while frame is not None and frame.f_code.co_filename.startswith(THREADING_FILES + HELPER_DIRS):
             frame = frame.f_back
         self.kernelfuse_origin = frame.f_code.co_filename if frame is not None else ""
         original(self)
@@ -131,7 +136,16 @@ def record_thread_origins() -> None:
 
 
 def _compiler_thread(thread: threading.Thread) -> bool:
-    return str(getattr(thread, "kernelfuse_origin", "")).startswith(COMPILER_DIRS)
+    """Started by torch.compile's own code, running torch's own callback (a candidate's callback in torch's timer
+    is the candidate's)."""
+    return str(getattr(thread, "kernelfuse_origin", "")).startswith(COMPILER_DIRS) and not _borrowed_timer(thread)
+
+
+def _borrowed_timer(thread: threading.Thread) -> bool:
+    timer = getattr(getattr(thread, "_target", None), "__self__", None)
+    call = getattr(timer, "call", None)
+    return (type(timer).__module__ == "torch._inductor.compile_worker.timer"
+            and not str(getattr(call, "__module__", "")).startswith("torch."))
 
 
 def compiler_threads(before: frozenset[int]) -> list[str]:

@@ -96,7 +96,7 @@ def attention_reference(step: AttnStep, q: torch.Tensor, k: torch.Tensor, v: tor
     vf = logical_view(v, step.v, b).double().repeat_interleave(h // hk, dim=1)
     scores = (qf @ kf.transpose(-2, -1)) * step.scale
     if step.causal:
-        scores = scores.masked_fill(torch.ones(s, length, dtype=torch.bool).triu(1), -math.inf)
+        scores = scores.masked_fill(torch.ones(s, length, dtype=torch.bool, device=q.device).triu(1), -math.inf)
     if mask is not None:
         m = mask_view(mask, step.dims)
         if step.mask_kind == "add":
@@ -113,7 +113,7 @@ def attention_reference(step: AttnStep, q: torch.Tensor, k: torch.Tensor, v: tor
 
 def _to_output(out: torch.Tensor, step: AttnStep) -> torch.Tensor:
     """The (batch, heads, S, D) result laid out as the step's output node holds it."""
-    result = torch.empty_strided(step.out_meta.shape, step.out_meta.stride, dtype=out.dtype)
+    result = torch.empty_strided(step.out_meta.shape, step.out_meta.stride, dtype=out.dtype, device=out.device)
     target = torch.as_strided(result, out.shape, step.out_strides)
     target.copy_(out)
     return result
