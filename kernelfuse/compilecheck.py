@@ -24,7 +24,7 @@ NVCC_PLACES = ("/usr/local/cuda/bin/nvcc", "/usr/local/bin/nvcc")
 # torch.utils.cpp_extension.COMMON_NVCC_FLAGS (kept here: importing cpp_extension costs a second) and the loader's
 TORCH_NVCC_FLAGS = ("-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
                     "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__", "--expt-relaxed-constexpr")
-LOADER_FLAGS = ("-O3", "-std=c++17", "--compiler-options", "-fPIC", "-shared")
+LOADER_FLAGS = ("-O3", "-std=c++17", "--compiler-options", "-fPIC", "-shared", "-Xcompiler", "-fvisibility=hidden")
 COMPILE_TIMEOUT_S = 600.0
 CUDA_SRC = re.compile(r'^CUDA_SRC = r"""\n(.*?)"""$', re.S | re.M)
 ERROR_LINE = re.compile(r"\berror\b", re.I)

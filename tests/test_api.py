@@ -64,6 +64,17 @@ def test_gpu_module_is_fused_and_matches() -> None:
         for _ in range(3):
             x = torch.randn(32, 64, device="cuda")
             torch.testing.assert_close(fused(x), model(x), atol=1e-4, rtol=1e-4)
+    # an eval-mode model: the wrapper takes its mode, so the guard lets the kernels run
+    evaluated = kernelfuse.optimize(model.eval(), [x])
+    assert not evaluated.training
+
+    def never(*args: object) -> None:
+        raise AssertionError("the fused module fell back to the original ops")
+
+    evaluated._reference_forward = never
+    with torch.no_grad():
+        torch.testing.assert_close(evaluated(x), model(x), atol=1e-4, rtol=1e-4)
+    model.train()
     # grad mode with trainable parameters: the original ops run, so gradients are right
     out = fused(x)
     out.sum().backward()

@@ -16,6 +16,7 @@ from optimizer_helpers import EXAMPLE_NAMES, EXAMPLES
 
 from kernelfuse.capture import capture
 from kernelfuse.codegen import generate
+from kernelfuse.compilecheck import nvcc_command
 from kernelfuse.load import load_problem
 from kernelfuse.plan import plan_variants
 from kernelfuse.rewrite import rewrite
@@ -69,17 +70,27 @@ def test_every_binding_reaches_an_exported_launcher_of_its_arity(sources, tmp_pa
     src = sources[(name, variant)]
     cu, lib = tmp_path / "kernels.cu", tmp_path / "kernels.so"
     cu.write_text(src.cuda)
-    result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-shared", "-Xcompiler", "-fPIC", str(cu), "-o",
-                             str(lib)], capture_output=True, text=True, timeout=300)
+    result = subprocess.run(nvcc_command(nvcc, cu, lib), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]
     exported = subprocess.run(["nm", "-D", "--defined-only", str(lib)], capture_output=True, text=True,
                               check=True).stdout.split()
     declared = re.findall(r'self._function\("(\w+)", (\[ctypes.c_void_p\] \* (\d+)|\[[^\]]*\])\)', src.binding)
     assert len(declared) == len(src.functions)
     assert "kf_error_string" in exported
+    # nothing else leaves the library: torch loads it RTLD_GLOBAL, where another file's equal template kernel
+    # would otherwise bind to this one's copy
+    symbols = exported[2::3]
+    assert sorted(symbols) == sorted(["kf_error_string", *(d[0] for d in declared)]), symbols
     for symbol, argtypes, pointers in declared:
         assert symbol in exported, f"{symbol} is not exported unmangled"
         params = re.search(rf"KF_EXPORT cudaError_t {symbol}\(([^)]*)\)", src.cuda).group(1).split(",")
         count = int(pointers) if pointers else argtypes.count("ctypes.")
         assert len(params) == count + 1, (symbol, params)  # the stream comes last
         assert "cudaStream_t" in params[-1]
+
+
+def test_the_emitted_loader_builds_with_the_flags_the_compile_check_uses():
+    from kernelfuse.compilecheck import LOADER_FLAGS
+    from kernelfuse.emit.modelnew import LOADER
+
+    assert '"-fvisibility=hidden"' in LOADER and "-fvisibility=hidden" in LOADER_FLAGS

@@ -63,7 +63,9 @@ def _extension():
                 name=f"kernelfuse_{NAME}_{digest}",
                 cpp_sources="",  # nothing on the C++ side: Python calls the kernels' C launchers through ctypes
                 cuda_sources=CUDA_SRC,
-                extra_cuda_cflags=["-O3"],
+                # only the KF_EXPORT launchers leave the library: torch loads it RTLD_GLOBAL, where two files' equal
+                # template kernels would otherwise resolve to one library's copy (a launch then fails)
+                extra_cuda_cflags=["-O3", "-Xcompiler", "-fvisibility=hidden"],
                 is_python_module=False,
                 **options,
             )

@@ -26,6 +26,7 @@ class FusedModule(torch.nn.Module):
     def __init__(self, inner):
         super().__init__()
         self.inner = inner
+        self.training = inner.training  # the wrapper is in the mode of the model it wraps (the guard checks both)
 
     def _reference_forward(self, *args, **kwargs):
         return self.inner(*args, **kwargs)

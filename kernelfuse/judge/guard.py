@@ -14,7 +14,6 @@ that runs its own code under a file name inside torch's package is out of scope 
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import inspect
 import os
 import sys
@@ -112,10 +111,6 @@ _MISSING = _Missing()
 TORCH_DIR = os.path.dirname(torch.__file__)
 COMPILER_DIRS = tuple(os.path.join(TORCH_DIR, d) + os.sep for d in ("_inductor", "_dynamo", "_functorch", "compiler"))
 THREADING_FILES = (threading.__file__, os.path.dirname(importlib.import_module("concurrent.futures").__file__))
-# libraries that start threads for their caller (tqdm's progress monitor, which Inductor's progress bars start):
-# the thread's origin is the code that called them
-_TQDM = importlib.util.find_spec("tqdm")
-HELPER_DIRS = tuple(os.path.dirname(_TQDM.origin) + os.sep for _ in [0] if _TQDM is not None and _TQDM.origin)
 
 
 def record_thread_origins() -> None:
@@ -126,7 +121,7 @@ def record_thread_origins() -> None:
 
     def start(self: threading.Thread) -> None:
         frame = sys._getframe(1)
-        while frame is not None and frame.f_code.co_filename.startswith(THREADING_FILES + HELPER_DIRS):
+        while frame is not None and frame.f_code.co_filename.startswith(THREADING_FILES):
             frame = frame.f_back
         self.kernelfuse_origin = frame.f_code.co_filename if frame is not None else ""
         original(self)
@@ -161,7 +156,15 @@ def python_threads() -> frozenset[int]:
 def new_threads(before: frozenset[int]) -> list[str]:
     """Names of live threads that were not running in `before` (torch's own, for the judge's baseline, aside)."""
     return [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive() and not _torch_own(t)
-            and not _compiler_thread(t)]
+            and not _compiler_thread(t) and not _progress_monitor(t)]
+
+
+def _progress_monitor(thread: threading.Thread) -> bool:
+    """tqdm's progress-bar monitor (Inductor's progress bars start one): it runs tqdm's own loop, which only
+    refreshes bars, so no candidate work can escape in it. Its exact class, with tqdm's run method, not a subclass."""
+    cls = type(thread)
+    return (cls.__module__ == "tqdm._monitor" and cls.__name__ == "TMonitor"
+            and getattr(cls.run, "__module__", None) == "tqdm._monitor")
 
 
 def _torch_own(thread: threading.Thread) -> bool:
