@@ -104,8 +104,8 @@ def test_a_failure_is_shrunk_written_and_fails_the_run(tmp_path, capsys, monkeyp
     model (the softmax alone) whose header says the failure."""
     real = fuzz_cli.run_problem
 
-    def fake(path: Path):
-        run = real(path)
+    def fake(path: Path, measure_layouts: bool = False):
+        run = real(path, measure_layouts)
         if "softmax(" in path.read_text():
             run.outcome = Outcome("crash", "plan", "ValueError: planted")
         return run

@@ -129,7 +129,7 @@ class _Checker:
             if deadline is not None and time.monotonic() >= deadline:
                 break
             path = self.write(spec)
-            runs.append((spec, path, run_problem(path)))
+            runs.append((spec, path, run_problem(path, self.gpu)))
         if self.nvcc:
             errors = compile_all([e.cuda for _, _, r in runs if r.outcome.status == "ok" for e in r.emitted
                                   if e.cuda], self.nvcc)

@@ -150,8 +150,8 @@ def gpu_check(problem_path: Path, emitted_path: Path) -> str:
         candidate = scope["ModelNew"](*init).cuda()  # builds the extension (torch's cache, keyed by source hash)
         candidate.load_state_dict(reference.state_dict())
         guard = scope.get("_use_kernels")  # absent from a file with no kernels
-        fused = bool(guard and guard(candidate, problem.make_inputs(1, "cuda")))
-        with torch.no_grad():
+        with torch.no_grad():  # as the forward below runs: grad mode would decline the fused path
+            fused = bool(guard and guard(candidate, problem.make_inputs(1, "cuda")))
             torch.manual_seed(0)
             expected = reference(*problem.make_inputs(1, "cuda"))
             torch.manual_seed(0)

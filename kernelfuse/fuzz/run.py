@@ -22,13 +22,14 @@ from pathlib import Path
 
 import torch
 
-from kernelfuse.capture import build_model, capture
+from kernelfuse.bench.layout import measure_conv_layouts
+from kernelfuse.capture import Graph, build_model, capture
 from kernelfuse.codegen import generate
 from kernelfuse.cpucheck import DEFAULT_TOLERANCE, TOLERANCE, CpuCheck, check_plans_on
 from kernelfuse.emit import emit_modelnew
 from kernelfuse.errors import KernelfuseError
 from kernelfuse.load import DEFAULT_SEED, Problem, load_problem
-from kernelfuse.plan import Plan, plan_variants
+from kernelfuse.plan import Plan, owned_anchor_variants, plan_variants
 from kernelfuse.rewrite import apply_rules
 from kernelfuse.verify.compare import compare_outputs, flatten_outputs
 from kernelfuse.verify.params import compare_state
@@ -71,12 +72,14 @@ class ModelRun:
     emitted: list[Emitted] = field(default_factory=list)
 
 
-def run_problem(path: Path) -> ModelRun:
-    """Classify one problem file (see the module docstring); never raises for a kernelfuse failure."""
+def run_problem(path: Path, measure_layouts: bool = False) -> ModelRun:
+    """Classify one problem file (see the module docstring); never raises for a kernelfuse failure.
+    `measure_layouts` (a GPU here): plan as the optimizer does on a GPU, each convolution's layout and TF32 use
+    measured, so the variants judged on the GPU are the ones the optimizer would judge."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            return _run(path)
+            return _run(path, measure_layouts)
         except _Decided as decided:
             return ModelRun(decided.outcome)
         finally:  # what loading registered for tracebacks: thousands of models would keep every one
@@ -99,7 +102,7 @@ def _stage(stage: str, fn, *args):  # noqa: ANN001, ANN202 - a thin guard around
         raise _Decided(Outcome("crash", stage, _crash_reason(err))) from None
 
 
-def _run(path: Path) -> ModelRun:
+def _run(path: Path, measure_layouts: bool) -> ModelRun:
     problem = _stage("load", load_problem, path)
     model = _stage("load", build_model, problem)
     inputs = _stage("load", problem.make_inputs, 0)
@@ -111,7 +114,7 @@ def _run(path: Path) -> ModelRun:
         return ModelRun(Outcome("invalid", "eager", _first_line(err)))
     graph = _stage("capture", capture, problem, model)
     graph = _stage("rewrite", apply_rules, graph).graph
-    plans: list[Plan] = _stage("plan", plan_variants, graph)
+    plans: list[Plan] = _stage("plan", _plan_variants, graph, measure_layouts)
     emitted = [Emitted(p.variant, *_stage("codegen", _emit, problem, p)) for p in plans]
     checks: list[CpuCheck] = _stage("check", check_plans_on, model, plans, inputs)
     run = ModelRun(Outcome("ok", "check"), emitted)
@@ -131,6 +134,19 @@ def _run(path: Path) -> ModelRun:
             run.outcome = Outcome("mismatch", "file", f"{e.variant}: {problem_text}")
             return run
     return run
+
+
+def _plan_variants(graph: Graph, measure_layouts: bool) -> list[Plan]:
+    """The optimizer's variants, the implicit-GEMM convolution's included: without a GPU both convolution
+    layouts; with one, each convolution's layout as timed and cuDNN's TF32 off where eager's own call computes in
+    full fp32 (a channels-last call would round to TF32 where eager did not: less accurate than eager, which the
+    optimizer's judge rejects)."""
+    timings = measure_conv_layouts(graph, strict=True) if measure_layouts else None
+    if not timings:
+        return plan_variants(graph) + owned_anchor_variants(graph)
+    fp32 = frozenset(t.node for t in timings if t.fp32)
+    return plan_variants(graph, "strict", None, {t.node: t.choice for t in timings}, fp32) + \
+        owned_anchor_variants(graph, "strict", None, fp32)
 
 
 def _emit(problem: Problem, plan: Plan) -> tuple[str, str | None]:
