@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import inspect
 import warnings
 
 import torch
 
 from kernelfuse.capture import capture_module, module_state
-from kernelfuse.capture.signature import bind
+from kernelfuse.capture.signature import bind, forward_signature
 from kernelfuse.codegen import generate
 from kernelfuse.emit.modelnew import reserved_parameter
 from kernelfuse.emit.module import build_module
@@ -31,7 +30,7 @@ def optimize(model: torch.nn.Module, example_inputs: list | tuple, precision: st
     inputs = list(example_inputs)
     tol = get_policy(precision).atol
     try:
-        clash = reserved_parameter(list(inspect.signature(model.forward).parameters))
+        clash = reserved_parameter(list(forward_signature(model).parameters))
         if clash:
             raise Unsupported(Fallback("capture", f"{type(model).__name__}.forward", clash))
         rewritten = apply_rules(capture_module(model, inputs))

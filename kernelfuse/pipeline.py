@@ -130,9 +130,10 @@ def _optimize(problem_path: str | Path, out_path: str | Path, options: OptimizeO
     timings = _measure_conv_layouts(graph, options.precision, result, log) if use_gpu else None
     layouts = None if timings is None else {t.node: t.choice for t in timings}
     fp32 = frozenset(t.node for t in timings or [] if t.fp32)
+    measured = frozenset(t.node for t in timings or [])
     plans, fallbacks = plans_with_fallbacks(
         graph, lambda keep: plan_variants(graph, options.precision, options.max_fusions, layouts, fp32, keep)
-        + owned_anchor_variants(graph, options.precision, options.max_fusions, fp32, keep),
+        + owned_anchor_variants(graph, options.precision, options.max_fusions, fp32, keep, measured),
         lambda plan: _render(problem, plan))
     for fallback in fallbacks:
         _fall_back(result, fallback, log)

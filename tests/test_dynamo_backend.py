@@ -59,3 +59,20 @@ def test_backend_returns_fused_kernels_on_the_gpu():
         # the backend itself (the name needs the installed entry point: test_backend_name_resolves_to_kernelfuse)
         torch.testing.assert_close(torch.compile(model, backend=kernelfuse_backend)(x), model(x), atol=1e-4,
                                    rtol=1e-4)
+
+
+def test_a_lazy_graph_module_is_captured_with_its_real_parameters():
+    """Dynamo hands over lazy graph modules, called through a (*args, **kwargs) stub until their first call: the
+    capture binds the real parameters, the names the fused forward is written with."""
+    from kernelfuse.capture import capture_module
+
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(capture_module(gm, list(example_inputs)).call_spec)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(LinearReLU(), backend=backend)(torch.randn(4, 16))
+    (call,) = seen
+    assert call.plain and [p.name for p in call.params][-1] == "L_x_"

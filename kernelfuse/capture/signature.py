@@ -130,12 +130,22 @@ def plain_call(inputs: int, outputs: int) -> CallSpec:
     return CallSpec(tuple(Param(f"x{i}", "positional", TENSOR) for i in range(inputs)), out)
 
 
+def forward_signature(model: torch.nn.Module) -> inspect.Signature:
+    """The signature `model(...)` is called with. Dynamo hands over lazy graph modules whose forward is a
+    `(*args, **kwargs)` stub until the first call writes the real one: it is written now, so capture binds the
+    inputs to the parameters the fused forward is written with."""
+    realise = getattr(model, "real_recompile", None)  # a lazy graph module writes its forward on the first call
+    if isinstance(model, torch.fx.GraphModule) and callable(realise):
+        realise()
+    return inspect.signature(model.forward)
+
+
 def bind(model: torch.nn.Module, inputs: list[Any], what: str) -> tuple[tuple[Param, ...], list[Any]]:
     """forward's parameters bound to `inputs` (positional, as get_inputs() gives them; defaults filled in) as
     patterns, and the tensors among them in order. An input list forward cannot take is the caller's error;
     a value kernelfuse cannot specialise to is Unsupported."""
     try:
-        sig = inspect.signature(model.forward)
+        sig = forward_signature(model)
         bound = sig.bind(*inputs)
     except (TypeError, ValueError) as err:
         raise ProblemError(f"{what}: forward{_signature_text(model)} cannot take the {len(inputs)} inputs "
@@ -230,6 +240,6 @@ def _fill(pattern: Any, tensors: Iterator[torch.Tensor]) -> Any:
 
 def _signature_text(model: torch.nn.Module) -> str:
     try:
-        return str(inspect.signature(model.forward))
+        return str(forward_signature(model))
     except (TypeError, ValueError):
         return "(...)"

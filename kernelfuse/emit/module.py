@@ -13,6 +13,7 @@ import textwrap
 
 import torch
 
+from kernelfuse.capture.signature import forward_signature
 from kernelfuse.codegen import CudaSources
 from kernelfuse.codegen.binding import runtime_source
 from kernelfuse.emit.calltext import call_text, output_classes
@@ -74,7 +75,7 @@ def _header(model: torch.nn.Module) -> tuple[str, dict[str, object]]:
     parts: list[str] = []
     defaults: dict[str, object] = {}
     star = False  # a bare `*` or *args written: later parameters are keyword-only
-    params = list(inspect.signature(model.forward).parameters.values())
+    params = list(forward_signature(model).parameters.values())
     for i, p in enumerate(params):
         if p.kind is p.VAR_POSITIONAL:
             parts.append(f"*{p.name}")

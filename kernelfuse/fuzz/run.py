@@ -146,7 +146,7 @@ def _plan_variants(graph: Graph, measure_layouts: bool) -> list[Plan]:
         return plan_variants(graph) + owned_anchor_variants(graph)
     fp32 = frozenset(t.node for t in timings if t.fp32)
     return plan_variants(graph, "strict", None, {t.node: t.choice for t in timings}, fp32) + \
-        owned_anchor_variants(graph, "strict", None, fp32)
+        owned_anchor_variants(graph, "strict", None, fp32, measured=frozenset(t.node for t in timings))
 
 
 def _emit(problem: Problem, plan: Plan) -> tuple[str, str | None]:

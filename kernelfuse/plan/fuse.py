@@ -99,14 +99,18 @@ def _with_library_attention(graph: Graph, plans: list[Plan]) -> list[Plan]:
 
 
 def owned_anchor_variants(graph: Graph, precision: str = "strict", max_fusions: int | None = None,
-                          fp32_convs: frozenset[str] = frozenset(), keep: frozenset[str] = frozenset()) -> list[Plan]:
+                          fp32_convs: frozenset[str] = frozenset(), keep: frozenset[str] = frozenset(),
+                          measured: frozenset[str] = frozenset()) -> list[Plan]:
     """The plan whose eligible convolutions run kernelfuse's implicit GEMM with the epilogue inside (a variant the
     judge measures against the library plans of `plan_variants`), or none where no convolution is eligible.
-    `fp32_convs`: convolutions eager computes in full fp32 on this GPU (exact FMAs instead of TF32)."""
-    if not any(node.op in ANCHOR_OPS and ANCHOR_OPS[node.op] == "conv" and not igemm_refusal(graph, node)
-               and node.name not in keep for node in graph.nodes):
+    `measured`: convolutions whose cuDNN arithmetic was measured on this GPU; `fp32_convs`: those of them eager
+    computes in full fp32. TF32 only where eager was measured to use it: an unmeasured convolution (1-d, or no GPU
+    timing) gets fp32 accuracy (3xTF32), as cuDNN often computes small ones exactly."""
+    convs = [node for node in graph.nodes if node.op in ANCHOR_OPS and ANCHOR_OPS[node.op] == "conv"]
+    if not any(not igemm_refusal(graph, node) and node.name not in keep for node in convs):
         return []
-    options = PlanOptions(conv_layout="nchw", fp32_convs=tuple(sorted(fp32_convs)), cudnn_fused_relu=False,
+    exact = set(fp32_convs) | {node.name for node in convs if node.name not in measured}
+    options = PlanOptions(conv_layout="nchw", fp32_convs=tuple(sorted(exact)), cudnn_fused_relu=False,
                           matmul_tf32=precision == "tf32", max_fusions=max_fusions, conv_impl="generated",
                           keep=tuple(sorted(keep)))
     plan = make_plan(graph, options)
