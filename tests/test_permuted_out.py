@@ -1,4 +1,4 @@
-"""A pointwise kernel's output in eager's layout (kernelfuse.codegen.iteration.permuted_out): an elementwise op on
+"""A pointwise kernel's output in eager's layout (kernelfuse.plan.ir.GenStep.permuted_out): an elementwise op on
 permuted operands keeps their layout in eager, and later views and kernels were captured against it (level-3
 Mamba2: a later kernel's stride check failed on a contiguous output). The wrapper allocates those strides and the
 kernel writes through them; checked in the CPU emulation against the interpreter."""
@@ -12,7 +12,6 @@ from emulation_helpers import emulated, emulated_run
 from optimizer_helpers import pipeline, write_problem
 
 from kernelfuse.codegen import generate
-from kernelfuse.codegen.iteration import permuted_out
 
 
 def test_a_permuted_output_keeps_eagers_strides(tmp_path: Path) -> None:
@@ -21,7 +20,7 @@ def test_a_permuted_output_keeps_eagers_strides(tmp_path: Path) -> None:
     plan = plans[-1]
     (step,) = plan.generated
     eager = (torch.sigmoid(torch.randn(2, 40, 24).transpose(1, 2)) * torch.randn(2, 40, 24).transpose(1, 2)).stride()
-    assert permuted_out(step) == eager == (960, 1, 24)
+    assert step.permuted_out == eager == (960, 1, 24)
     sources = generate(plan)
     assert "out = src.new_empty_strided((2, 24, 40), (960, 1, 24))" in sources.binding
     assert "out[m] = " in sources.cuda  # written in the output's memory order
@@ -34,6 +33,6 @@ def test_a_contiguous_output_stays_as_it_was(tmp_path: Path) -> None:
     _, _, plans = pipeline(write_problem(tmp_path, "flat", "def forward(self, x):\n    return torch.sigmoid(x) * 2.0",
                                          "[torch.randn(2, 40, 24)]"))
     (step,) = plans[-1].generated
-    assert permuted_out(step) is None
+    assert step.permuted_out is None
     sources = generate(plans[-1])
     assert "new_empty_strided" not in sources.binding and "out[m] = " not in sources.cuda

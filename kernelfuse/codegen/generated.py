@@ -18,7 +18,6 @@ from kernelfuse.codegen.iteration import (
     epilogue_lines,
     index_type,
     launch_params,
-    permuted_out,
     pointer_params,
     shape_numel,
     space_of,
@@ -85,7 +84,7 @@ def _flat_kernel(step: GenStep, ctype: str) -> str:
     index_t = index_type(step)
     numel = shape_numel(step.prologue.space)
     spec = step.spec
-    permuted = permuted_out(step)  # eager's layout of the output, written through its strides
+    permuted = step.permuted_out  # eager's layout of the output, written through its strides
     vectorised = space.strides["src"] == space.strides["out"] and permuted is None
     element = ["      float y = value_at(i, acc);"]
     if spec is not None:  # affine_norm: (x - running_mean) / sqrt(running_var + eps) * weight + bias
@@ -170,7 +169,7 @@ def _binding(plan: Plan, step: GenStep) -> Binding:
         meta = metas[name]
         lines.append(f'    _check({name}, "{k} {name} (%{ref.name})", {py_tuple(meta.shape)}, {py_tuple(meta.stride)}, '  # type: ignore[attr-defined]
                      f"{dtype if meta.dtype != torch.bool else torch.bool})")  # type: ignore[attr-defined]
-    strides = permuted_out(step)
+    strides = step.permuted_out
     if strides:  # eager's permuted layout, which later views and kernels were captured against
         lines.append(f"    out = src.new_empty_strided({py_tuple(step.out_meta.shape)}, {py_tuple(strides)})")
     else:

@@ -95,29 +95,12 @@ def extent(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
     return 1 + sum((d - 1) * s for d, s in zip(shape, stride, strict=True) if d > 0)
 
 
-def permuted_out(step: GenStep) -> tuple[int, ...] | None:
-    """Eager's strides for a pointwise step's output that kept a permuted layout (an elementwise op on permuted
-    operands keeps theirs, and a later view or kernel was captured against it: level-3 Mamba2); None where the
-    output is contiguous. Only a dense permutation of the iteration space is kept; the output is allocated so."""
-    meta = step.out_meta
-    flat = step.spec is None or step.spec.kind == "affine_norm"  # type: ignore[attr-defined]
-    if not flat or meta.stride == contiguous_strides(meta.shape) or tuple(meta.shape) != tuple(step.prologue.space):
-        return None
-    dims = sorted((d for d in range(len(meta.shape)) if meta.shape[d] != 1), key=lambda d: meta.stride[d])
-    expected = 1
-    for d in dims:  # each dim's stride is the product of the sizes of the faster-moving dims: dense, no overlap
-        if meta.stride[d] != expected:
-            return None
-        expected *= meta.shape[d]
-    return tuple(meta.stride)
-
-
 def space_of(step: GenStep) -> Space:
     spec = step.spec
     space = step.prologue.space
     reduced = set(spec.reduced) if spec is not None else set()  # type: ignore[attr-defined]
     classes = tuple("r" if d in reduced else "k" for d in range(len(space)))
-    strides = {"src": step.source.strides, "out": permuted_out(step) or contiguous_strides(space)}
+    strides = {"src": step.source.strides, "out": step.permuted_out or contiguous_strides(space)}
     strides.update({f"in{i}": o.strides for i, o in enumerate(step.prologue.operands)})
     if step.mapped is not None:
         strides.update({f"m{i}": o.strides for i, o in enumerate(step.mapped.operands)})

@@ -36,8 +36,8 @@ def run_env(plan: Plan, state: dict[str, torch.Tensor], inputs: Sequence[torch.T
     for step in plan.steps:
         if isinstance(step, TorchStep):
             env[step.node.name] = call_aten(step.node, env)
-        elif isinstance(step, GenStep):  # the kernel writes a new contiguous tensor (whatever its source's layout)
-            env[step.out] = _run_generated(step, env).contiguous()
+        elif isinstance(step, GenStep):  # the kernel writes a new tensor: contiguous, or eager's permuted layout
+            env[step.out] = _laid_out(_run_generated(step, env), step.permuted_out)
         elif isinstance(step, AttnStep):
             env[step.out] = attention_reference(step, *(env[i.ref.name] for i in step.inputs[:3]),  # type: ignore[arg-type]
                                                 env[step.mask.ref.name] if step.mask else None)  # type: ignore[arg-type]
@@ -69,6 +69,13 @@ def run_fused(graph: Graph, step: FusedStep, env: dict[str, object]) -> torch.Te
     if step.anchor.fused_relu:
         acc = torch.relu(acc)
     return _run_program(step.epilogue, acc, env)
+
+
+def _laid_out(value: torch.Tensor, strides: tuple[int, ...] | None) -> torch.Tensor:
+    """`value` in the layout the kernel writes: contiguous, or the given (dense, permuted) strides."""
+    if strides is None:
+        return value.contiguous()
+    return torch.empty_strided(value.shape, strides, dtype=value.dtype, device=value.device).copy_(value)
 
 
 def _run_generated(step: GenStep, env: dict[str, object]) -> torch.Tensor:

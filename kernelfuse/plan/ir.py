@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kernelfuse.capture import Graph, Node, Ref, TensorMeta
+from kernelfuse.capture import Graph, Node, Ref, TensorMeta, contiguous_strides
 
 EArg = str | float  # a value name ("acc", "in0", a statement name) or a float constant
 
@@ -141,6 +141,24 @@ class GenStep:
             return "pointwise"
         kind = f"{self.spec.kind}"  # type: ignore[attr-defined]
         return f"{kind}-broadcast" if self.mapped is not None else kind
+
+    @property
+    def permuted_out(self) -> tuple[int, ...] | None:
+        """Eager's strides for a pointwise step's output that kept a permuted layout (an elementwise op on permuted
+        operands keeps theirs, and a later view or kernel was captured against it: level-3 Mamba2); None where the
+        output is contiguous. Only a dense permutation of the iteration space is kept; the kernel's output is
+        allocated so, and the interpreter lays its value out the same way."""
+        meta = self.out_meta
+        flat = self.spec is None or self.spec.kind == "affine_norm"  # type: ignore[attr-defined]
+        if not flat or meta.stride == contiguous_strides(meta.shape) or tuple(meta.shape) != tuple(self.prologue.space):
+            return None
+        dims = sorted((d for d in range(len(meta.shape)) if meta.shape[d] != 1), key=lambda d: meta.stride[d])
+        expected = 1
+        for d in dims:  # each dim's stride is the product of the sizes of the faster-moving dims: dense, no overlap
+            if meta.stride[d] != expected:
+                return None
+            expected *= meta.shape[d]
+        return tuple(meta.stride)
 
 
 @dataclass(frozen=True)
