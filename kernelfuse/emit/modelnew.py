@@ -235,7 +235,8 @@ def emit_modelnew(problem: Problem, plan: Plan, sources: CudaSources | None, rep
     if guarded:
         parts.append(runtime_text(plan, sources))
         specs = ", ".join(f"({name!r}, {shape}, {dtype})" for name, shape, dtype in input_specs(plan, call))
-        parts.append(f"INPUT_SPECS = [{specs}]  # (input, shape, dtype)\n"
+        served = "".join(f"# {line}\n" for line in served_calls(plan, call))
+        parts.append(f"{served}INPUT_SPECS = [{specs}]  # (input, shape, dtype)\n"
                      f"CAPTURED_TRAINING = {plan.graph.training}\n")
     if sources is not None:
         parts.append(f"NAME = {problem.name!r}\n")
@@ -247,6 +248,25 @@ def input_specs(plan: Plan, call: CallText) -> list[tuple[str, tuple[int, ...], 
     """INPUT_SPECS: each graph input's expression in forward (`x`, `extra[0]`), captured shape and dtype."""
     return [(call.tensors[int(n.target)], tuple(n.meta.shape), n.meta.dtype)  # type: ignore[arg-type]
             for n in plan.graph.inputs]
+
+
+def served_calls(plan: Plan, call: CallText) -> list[str]:
+    """In plain words, the calls the fused kernels serve (the guard's conditions) and what happens to the others."""
+    mode = ("training mode (as constructed; after model.eval() the original ops run)" if plan.graph.training else
+            "eval mode (model.eval(); in training mode the original ops run)")
+    items = [f"input {name}: shape {list(shape)}, {dtype}, contiguous, on a CUDA device"
+             for name, shape, dtype in input_specs(plan, call)]
+    if call.test:
+        items.append("the other arguments as traced (see the comments in forward)")
+    items += [f"the model's parameters on a CUDA device, the model and every submodule in {mode}",
+              "no autograd: under torch.no_grad() or torch.inference_mode(), or nothing requiring grad"]
+    lines = ["The fused kernels run for calls like the traced one:"]
+    for item in items:
+        lines += textwrap.wrap(item, 108, initial_indent="  - ", subsequent_indent="    ")
+    return lines + textwrap.wrap(
+        "Any other call runs the original ops (_reference_forward): model.kernelfuse_stats() counts the calls each "
+        "way, and a KernelfuseFallbackWarning says why, once per kind of reason; not for autograd (training runs the "
+        "original ops by design: counted, not warned).", 112)
 
 
 def emit_reference(problem: Problem, report: str) -> str:

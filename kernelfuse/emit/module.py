@@ -18,7 +18,7 @@ from kernelfuse.capture.signature import forward_signature
 from kernelfuse.codegen import CudaSources
 from kernelfuse.codegen.binding import runtime_source
 from kernelfuse.emit.calltext import call_text, output_classes
-from kernelfuse.emit.modelnew import LOADER, forward_source, input_specs, runtime_text
+from kernelfuse.emit.modelnew import LOADER, forward_source, input_specs, runtime_text, served_calls
 from kernelfuse.plan.ir import Plan
 
 WRAPPER = '''
@@ -49,7 +49,7 @@ def build_module(model: torch.nn.Module, plan: Plan, sources: CudaSources | None
         namespace.update(NAME=type(model).__name__.lower(), CUDA_SRC=sources.cuda)
     exec(compile(runtime_text(plan, sources), "<kernelfuse runtime>", "exec"), namespace)  # noqa: S102 - our own generated code
     forward = forward_source(plan, text, sources is not None, True, state="self.inner")
-    doc = plan.summary().replace('"""', "'''").replace("\n", "\n    ")
+    doc = "\n".join([plan.summary(), "", *served_calls(plan, text)]).replace('"""', "'''").replace("\n", "\n    ")
     code = WRAPPER.format(doc=doc, forward=textwrap.indent(forward, "    "))
     exec(compile(code, f"<kernelfuse {type(model).__name__}>", "exec"), namespace)  # noqa: S102
     if sources is not None:
