@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -64,6 +66,9 @@ def test_gpu_module_is_fused_and_matches() -> None:
         for _ in range(3):
             x = torch.randn(32, 64, device="cuda")
             torch.testing.assert_close(fused(x), model(x), atol=1e-4, rtol=1e-4)
+    # optimize's own check, then the three calls: all served by the kernels
+    assert fused.kernelfuse_stats() == {"fused_calls": 4, "fallback_calls": 0, "fallback_reasons": {},
+                                        "first_fallback": None, "last_fallback": None}
     # an eval-mode model: the wrapper takes its mode, so the guard lets the kernels run
     evaluated = kernelfuse.optimize(model.eval(), [x])
     assert not evaluated.training
@@ -75,10 +80,17 @@ def test_gpu_module_is_fused_and_matches() -> None:
     with torch.no_grad():
         torch.testing.assert_close(evaluated(x), model(x), atol=1e-4, rtol=1e-4)
     model.train()
-    # grad mode with trainable parameters: the original ops run, so gradients are right
-    out = fused(x)
+    # grad mode with trainable parameters: the original ops run, so gradients are right (counted, not warned)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = fused(x)
     out.sum().backward()
     assert model.fc.weight.grad is not None
+    assert [w for w in caught if w.category.__name__ == "KernelfuseFallbackWarning"] == []
+    assert fused.kernelfuse_stats()["fallback_reasons"] == {"autograd": 1}
+    with pytest.warns(UserWarning, match="input x has shape \\[16, 64\\], the kernels were built for \\[32, 64\\]"):
+        with torch.no_grad():
+            torch.testing.assert_close(fused(x[:16]), model(x[:16]), atol=1e-4, rtol=1e-4)
 
 
 def test_in_process_module_without_kernels_guards_and_falls_back_on_cpu() -> None:

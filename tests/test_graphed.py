@@ -273,3 +273,22 @@ def test_failed_capture_warns_once_and_runs_plainly(tmp_path: Path) -> None:
     with torch.no_grad():
         for out in outs:
             assert torch.allclose(out, model._reference_forward(x))
+
+
+def test_replays_count_as_fused_calls_and_declined_calls_say_why(tmp_path: Path) -> None:
+    """The graphed forward counts like the plain one (see tests/test_fallback_stats.py): a replay is a fused call,
+    a call the graph and the guard decline runs the original ops with its reason."""
+    namespace = _namespace(tmp_path)
+    model = _model(namespace)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.rand(4, 8))  # no graph yet, and the guard declines a CPU tensor
+        x = torch.rand(4, 8)
+        _call(namespace, model, x)  # one by one, then captured (past the guard: not counted by it)
+        _call(namespace, model, x)
+        model(torch.rand(4, 8))  # the graph serves it: a replay
+        model(torch.rand(5, 8))  # not the graph's shape: the guard declines
+    stats = model.kernelfuse_stats()
+    assert stats["fused_calls"] == 1 and stats["fallback_reasons"] == {"device": 1, "shape": 1}
+    assert stats["last_fallback"] == "input x has shape [5, 8], the kernels were built for [4, 8]"
+    assert len([w for w in caught if issubclass(w.category, namespace["KernelfuseFallbackWarning"])]) == 2

@@ -172,7 +172,7 @@ def _load(problem, plan: Plan) -> tuple[type, list[int]]:
     if sources is not None:
         ext = FakeExtension(plan)
         ns["_extension"] = lambda: ext
-        ns["_use_kernels"] = lambda module, inputs: True
+        ns["_fallback_reason"] = lambda module, inputs: None
     cls = ns["ModelNew"]
     computed = [0]
     values = cls._weight_values
@@ -266,7 +266,7 @@ def test_in_process_module_caches_on_the_wrapper(tmp_path):
     problem, plan = _plan(tmp_path, SMALL_GEMM_SUM, generated=False)
     model = problem.make_model(seed=0)
     fused = build_module(model, plan, None)
-    type(fused).forward.__globals__["_use_kernels"] = lambda module, inputs: True  # the fused path on the CPU
+    type(fused).forward.__globals__["_fallback_reason"] = lambda module, inputs: None  # the fused path on the CPU
     x = torch.randn(4, 16)
     with torch.no_grad():
         first = fused(x)

@@ -1,8 +1,8 @@
 """Train/eval semantics: the fused forward serves only the mode it was captured in; the other runs the original ops.
 
-The emitted guard `_use_kernels` is exec'd from the emitted file and run on stand-ins that look like CUDA tensors
-(no GPU needed): it must refuse the fused path in the other mode. The plan interpreter must equal the model in
-the mode it was captured in, eval included (BatchNorm running statistics, Dropout the identity).
+The emitted guard `_fallback_reason` is exec'd from the emitted file and run on stand-ins that look like CUDA
+tensors (no GPU needed): it must refuse the fused path in the other mode, saying so. The plan interpreter must equal
+the model in the mode it was captured in, eval included (BatchNorm running statistics, Dropout the identity).
 """
 
 from __future__ import annotations
@@ -60,22 +60,22 @@ def test_capture_records_training_mode_through_rewrite_and_plan(emitted):
 
 def test_guard_refuses_the_other_mode(emitted):
     problem, plan, _, ns = emitted
-    guard = ns["_use_kernels"]
+    guard = ns["_fallback_reason"]
     model = ns["ModelNew"](*problem.init_inputs())
     x = AsCuda(torch.rand(8, 16))
     with torch.no_grad():
-        assert guard(AsCuda(model), (x,)) is True
+        assert guard(AsCuda(model), (x,)) is None
         model.eval()
-        assert guard(AsCuda(model), (x,)) is False
+        assert guard(AsCuda(model), (x,))[0] == "mode"
         model.train()
         model.drop.eval()  # one submodule in the other mode is enough to change the result
-        assert guard(AsCuda(model), (x,)) is False
+        assert guard(AsCuda(model), (x,))[0] == "mode"
 
 
 def test_emitted_model_in_eval_mode_equals_original_in_eval_mode(emitted):
     problem, plan, _, ns = emitted
-    real_guard = ns["_use_kernels"]
-    ns["_use_kernels"] = lambda module, inputs: real_guard(AsCuda(module), tuple(AsCuda(t) for t in inputs))
+    real_guard = ns["_fallback_reason"]
+    ns["_fallback_reason"] = lambda module, inputs: real_guard(AsCuda(module), tuple(AsCuda(t) for t in inputs))
 
     def fused_path_taken():
         raise AssertionError("fused path taken")

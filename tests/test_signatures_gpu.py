@@ -45,14 +45,25 @@ def _emitted(name: str, tmp_path: Path, graphed: bool = False) -> tuple[object, 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_fused_file_serves_the_traced_call_and_passes_the_judge(name, tmp_path):
     module, (problem, model, new), path = _emitted(name, tmp_path)
-    real = module._use_kernels
-    served: list[bool] = []
-    module._use_kernels = lambda m, inputs: served.append(real(m, inputs)) or served[-1]
-    for args, kwargs, fused in CASES[name](_cuda(problem.make_inputs(seed=1))):
+    real = module._fallback_reason
+    served: list[bool] = []  # the guard is asked only where the call fits; True: the kernels serve it
+
+    def guard(m, inputs):
+        why = real(m, inputs)
+        served.append(why is None)
+        return why
+
+    module._fallback_reason = guard
+    cases = CASES[name](_cuda(problem.make_inputs(seed=1)))
+    for args, kwargs, fused in cases:
         served.clear()
         with torch.no_grad():
             assert _close(new(*args, **kwargs), model(*args, **kwargs)), (args, kwargs)
         assert served == ([True] if fused else []), (args, kwargs, served)
+    n_fused = sum(fused for _, _, fused in cases)
+    stats = new.kernelfuse_stats()  # every other case is a call of another structure
+    assert (stats["fused_calls"], stats["fallback_calls"]) == (n_fused, len(cases) - n_fused), stats
+    assert set(stats["fallback_reasons"]) <= {"call"}, stats
     verdict = evaluate(problem.path, path, EvalOptions(trials=2, baselines=("eager",)))
     assert verdict.correct, verdict.reason
 
@@ -66,3 +77,4 @@ def test_graphed_variant_rebuilds_the_structure_from_the_replay(name, tmp_path):
         for _ in range(4):  # one by one, capture, replay, replay
             assert _close(new(*inputs), expected)
     assert new.__dict__.get("_cuda_graph") is not None, "the forward was captured into a CUDA graph"
+    assert new.kernelfuse_stats()["fused_calls"] == 4 and new.kernelfuse_stats()["fallback_calls"] == 0

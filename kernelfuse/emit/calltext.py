@@ -1,12 +1,13 @@
 """The emitted forward's signature, its guard on the call, and the structure it returns, from the captured CallSpec.
 
 Plain forwards (positional tensors, then `=None` parameters left None) keep the short form: `forward(self, x,
-mask=None)` and `if mask is not None or not _use_kernels(...)`. Any other forward keeps the original's parameter
-list (annotations, defaults, keyword-only, *args, **kwargs) and tests each argument against the traced one: a
-Python value the graph was traced with (a float, an int, a flag, None) is specialised (`type(s) is float and
-s == 3.5`), so another value or type runs the original ops; a tuple, list or dict must match CALL_PATTERNS, the
+mask=None)` and `if not _use_kernels(self, (x,) if mask is None else None)`. Any other forward keeps the original's
+parameter list (annotations, defaults, keyword-only, *args, **kwargs) and tests each argument against the traced
+one: a Python value the graph was traced with (a float, an int, a flag, None) is specialised (`type(s) is float
+and s == 3.5`), so another value or type runs the original ops; a tuple, list or dict must match CALL_PATTERNS, the
 container as traced with each tensor replaced by `_TENSOR` (`_fits`). Tensors inside containers are read where
-they sit (`pair[0]`).
+they sit (`pair[0]`). A call that is not the traced one hands `_use_kernels` None for its inputs (counted, with
+its reason), and its tensors are not read.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from kernelfuse.capture.signature import CallSpec, Output, Param, literal
 # The run-time support of a specialised call (module level of the emitted file, or of the in-process namespace).
 CALL_RUNTIME = '''
 class _Tensor:
-    """Stands for a tensor in CALL_PATTERNS: any tensor fits there (_use_kernels checks its shape and dtype)."""
+    """Stands for a tensor in CALL_PATTERNS: any tensor fits there (_fallback_reason checks its shape and dtype)."""
 
 
 _TENSOR = _Tensor()
@@ -48,9 +49,19 @@ class CallText:
     params: str  # parameter list after `self`
     tensors: tuple[str, ...]  # an expression per graph input, over the parameters (`x`, `pair[0]`)
     reference: str  # the arguments that pass the call on to _reference_forward unchanged
-    differs: str  # "<cond> or ": the call is not the captured one ("" where any call fits)
-    fits: str  # "<cond> and ": the call is the captured one
+    test: str  # the condition that the call is the captured one ("" where any call fits)
     comments: tuple[str, ...] = ()  # what the fused path is specialised to
+
+    @property
+    def fits(self) -> str:
+        """The prefix `<test> and ` ("" where any call fits) of a condition that holds on the captured call only."""
+        return f"{self.test} and " if self.test else ""
+
+    @property
+    def checked(self) -> str:
+        """What forward hands `_use_kernels`: the graph inputs where the call is the captured one, else None (the
+        inputs are not read: `extra[0]` may not exist)."""
+        return f"{self.inputs} if {self.test} else None" if self.test else self.inputs
 
     @property
     def inputs(self) -> str:
@@ -75,14 +86,12 @@ def call_text(call: CallSpec, header: str) -> CallText:
         names = [p.name for p in call.params]
         optional = [p.name for p in call.params if not p.is_tensor]
         params = ", ".join(n if n not in optional else f"{n}=None" for n in names)
-        differs = "".join(f"{o} is not None or " for o in optional)
-        fits = "".join(f"{o} is None and " for o in optional)
-        return CallText(params, tuple(n for n in names if n not in optional), ", ".join(names), differs, fits)
+        test = " and ".join(f"{o} is None" for o in optional)
+        return CallText(params, tuple(n for n in names if n not in optional), ", ".join(names), test)
     conditions = [c for c in map(_condition, call.params) if c]
     test = " and ".join(conditions)
     comments = tuple(f"# {p.name}: {_describe(p)}" for p in call.params if not p.is_tensor)
-    return CallText(header, tuple(call.tensor_paths()), ", ".join(_passed(p) for p in call.params),
-                    f"not ({test}) or " if test else "", f"{test} and " if test else "", comments)
+    return CallText(header, tuple(call.tensor_paths()), ", ".join(_passed(p) for p in call.params), test, comments)
 
 
 def call_runtime(call: CallSpec) -> str:

@@ -10,7 +10,8 @@ The emitted file's runtime (`GRAPH_RUNTIME`, copied into the file verbatim) keep
   parameter, buffer and plain tensor attribute is the object captured with the same storage and version (a
   weight replaced, moved or changed in place: capture again), the train/eval modes, inference mode and the
   numerics flags are the captured ones, autograd needs nothing and the caller is not capturing a graph of its
-  own; anything else runs the kernels one by one (and the original ops where `_use_kernels` says so);
+  own; anything else runs the kernels one by one (and the original ops where `_use_kernels` says so); a replay
+  counts as a fused call in the module's `kernelfuse_stats()`;
 - inputs are copied into the graph's own buffers and outputs cloned out of its memory, so no result aliases the
   graph or an earlier call's result;
 - the first call with new inputs or weights runs the kernels one by one (it also creates cuBLAS and cuDNN handles
@@ -31,6 +32,7 @@ class _CudaGraph:
 
     def __init__(self, module, forward, inputs):
         self.modules = list(module.modules())
+        self.calls = _calls(module)  # the module's counts (see _use_kernels): a replay is a fused call
         self.owners = [(m.__dict__[kind], name, value) for m in self.modules
                        for kind in ("_modules", "_parameters", "_buffers")
                        for name, value in m.__dict__[kind].items()]
@@ -68,6 +70,11 @@ class _CudaGraph:
             self._key(inputs) == self.key
 
     def replay(self, inputs):
+        """forward's result for `inputs` from the graph, counted as a fused call (the caller checked `serves`)."""
+        self.calls["fused_calls"] += 1
+        return self.run(inputs)
+
+    def run(self, inputs):
         for static, x in zip(self.static, inputs):
             static.copy_(x)
         self._launch()
@@ -102,7 +109,7 @@ def _graphed(module, forward, inputs):
                       "the kernels run one by one from now on (same results, slower)")
         return forward(*inputs)
     state["_cuda_graph"] = graph
-    return graph.replay(inputs)
+    return graph.run(inputs)  # _use_kernels counted this call
 '''
 
 
@@ -120,7 +127,7 @@ def graphed_forward_source(call: CallText, body: str, rebuild: str | None = None
         '    graph = self.__dict__.get("_cuda_graph")',
         f"    if {call.fits}graph is not None and graph.serves({inputs}):",
     ]
-    guard = [f"    if {call.differs}not _use_kernels(self, {inputs}):",
+    guard = [f"    if not _use_kernels(self, {call.checked}):",
              f"        return self._reference_forward({call.reference})"]
     if rebuild is None:
         return "\n".join([*header, f"        return graph.replay({inputs})", *guard,

@@ -78,21 +78,84 @@ def _extension():
     return _EXTENSION
 '''
 
-# The guard any fused forward needs, with or without custom kernels: library-only fusions such as
-# torch.cudnn_convolution_relu also run only on CUDA tensors and have no backward.
+# The guard any fused forward needs, with or without custom kernels (library-only fusions such as
+# torch.cudnn_convolution_relu also run only on CUDA tensors and have no backward), and the count of the calls it
+# let through and declined: a user can read whether the kernels run (kernelfuse_stats), and is warned once per kind
+# of reason when they do not. Declined for autograd is counted, not warned: training runs the original ops by design.
 GUARD = '''
-def _use_kernels(module, inputs):
-    """The fused path serves inference on the captured shapes and mode; anything else runs the original ops."""
+class KernelfuseFallbackWarning(UserWarning):
+    """A call ran the original ops, not the fused kernels (once per module and kind of reason; filter it by class)."""
+
+
+def _fallback_reason(module, inputs):
+    """None where the fused path serves the call, else why not, as (kind, words). The kernels serve inference (no
+    autograd) on contiguous CUDA tensors of the captured shapes and dtypes, in the captured train/eval mode
+    (INPUT_SPECS, CAPTURED_TRAINING). Kinds: "mode", "autograd", "shape", "dtype", "device", "layout" (and "call"
+    from _use_kernels). The words are formatted only for a declined call."""
     if any(m.training != CAPTURED_TRAINING for m in module.modules()):
-        return False  # BatchNorm, Dropout...: the kernels were planned for the other train/eval mode
+        mode = "training" if CAPTURED_TRAINING else "eval"  # BatchNorm, Dropout...: planned for that mode
+        return "mode", f"training mode differs: the kernels were built for the model and its submodules in {mode} mode"
     if torch.is_grad_enabled() and (
         any(p.requires_grad for p in module.parameters()) or any(t.requires_grad for t in inputs)
     ):
-        return False  # the kernels have no backward: autograd must see the original ops
-    return all(
-        t.is_cuda and tuple(t.shape) == shape and t.dtype == dtype and t.is_contiguous()
-        for t, (shape, dtype) in zip(inputs, INPUT_SPECS)
-    ) and all(p.is_cuda for p in module.parameters())
+        return "autograd", "grad mode with trainable parameters or inputs (the kernels have no backward)"
+    for t, (name, shape, dtype) in zip(inputs, INPUT_SPECS):
+        if t.shape != shape:
+            return "shape", f"input {name} has shape {list(t.shape)}, the kernels were built for {list(shape)}"
+        if t.dtype != dtype:
+            return "dtype", f"input {name} is {t.dtype}, the kernels were built for {dtype}"
+        if not t.is_cuda:
+            return "device", f"input {name} is a {t.device.type.upper()} tensor, the kernels run on CUDA"
+        if not t.is_contiguous():
+            return "layout", f"input {name} is not contiguous, the kernels were built for a contiguous one"
+    if not all(p.is_cuda for p in module.parameters()):
+        return "device", "a parameter is not on a CUDA device, the kernels run on CUDA"
+    return None
+
+
+def _use_kernels(module, inputs):
+    """Whether the fused path serves this call (`inputs`: its tensors; None: its other arguments are not the traced
+    ones, see forward's comments), counted in the module's kernelfuse_stats(). The first fallback of each kind warns
+    (KernelfuseFallbackWarning), except autograd's: training runs the original ops by design, so it is counted only."""
+    calls = module.__dict__.get("_kernelfuse_calls") or _calls(module)
+    if inputs is None:  # forward's test of its other arguments failed: no input to read
+        why = "call", "the call's structure differs from the traced one (see the comments in forward)"
+    else:
+        why = _fallback_reason(module, inputs)
+    if why is None:
+        calls["fused_calls"] += 1
+        return True
+    kind, words = why
+    reasons = calls["fallback_reasons"]
+    if kind not in reasons and kind != "autograd":
+        import warnings
+
+        warnings.warn(f"kernelfuse: {type(module).__name__} ran the original ops, not its fused kernels: {words} "
+                      "(warned once per kind of reason; kernelfuse_stats() counts every call)",
+                      KernelfuseFallbackWarning, stacklevel=2)
+    reasons[kind] = reasons.get(kind, 0) + 1
+    calls["fallback_calls"] += 1
+    calls["first_fallback"] = calls["first_fallback"] or words
+    calls["last_fallback"] = words
+    return False
+
+
+def _calls(module):
+    """The module's call counts, kept in its __dict__ (no parameter, buffer or state_dict entry)."""
+    calls = module.__dict__.get("_kernelfuse_calls")
+    if calls is None:
+        calls = module.__dict__["_kernelfuse_calls"] = {"fused_calls": 0, "fallback_calls": 0, "fallback_reasons": {},
+                                                        "first_fallback": None, "last_fallback": None}
+    return calls
+'''
+
+# The fused module's public method reading those counts (a method of ModelNew and of the in-process FusedModule).
+STATS_METHOD = '''
+def kernelfuse_stats(self):
+    """How this module's calls ran: {"fused_calls": n, "fallback_calls": n, "fallback_reasons": {kind: n},
+    "first_fallback": words or None, "last_fallback": words or None}; the kinds are _fallback_reason's."""
+    calls = _calls(self)
+    return {**calls, "fallback_reasons": dict(calls["fallback_reasons"])}
 '''
 
 # Tensors forward makes from literals, made once per device: a copy from the host in every call would wait for
@@ -163,20 +226,47 @@ def emit_modelnew(problem: Problem, plan: Plan, sources: CudaSources | None, rep
     call = call_text(plan.graph.call_spec, _header(forward))
     prelude = _problem_without_model(problem, cls)
     header = _docstring(problem, plan, report)
-    guarded = sources is not None or bool(plan.fused) or bool(call.differs) or plan.graphed
+    guarded = sources is not None or bool(plan.fused) or bool(call.test) or plan.graphed
     body = _model_new_class(problem, cls, forward, plan, call, sources is not None, guarded)
     imports = "import ctypes\nimport hashlib\nimport inspect\n" if sources is not None else "import hashlib\nimport inspect\n"
     imports += "".join(f"from {c.__module__} import {c.__qualname__}\n" for c in output_classes(plan.graph.call_spec.output)
                        if not c.__module__.startswith(PROBLEM_MODULE_PREFIX))  # a ModelOutput, say
     parts = [header, imports, prelude.rstrip() + "\n", body]
-    specs = ", ".join(f"({tuple(n.meta.shape)}, {n.meta.dtype})" for n in plan.graph.inputs)
     if guarded:
         parts.append(runtime_text(plan, sources))
-        parts.append(f"INPUT_SPECS = [{specs}]\nCAPTURED_TRAINING = {plan.graph.training}\n")
+        specs = ", ".join(f"({name!r}, {shape}, {dtype})" for name, shape, dtype in input_specs(plan, call))
+        served = "".join(f"# {line}\n" for line in served_calls(plan, call))
+        parts.append(f"{served}INPUT_SPECS = [{specs}]  # (input, shape, dtype)\n"
+                     f"CAPTURED_TRAINING = {plan.graph.training}\n")
     if sources is not None:
         parts.append(f"NAME = {problem.name!r}\n")
         parts.append(f'CUDA_SRC = r"""\n{sources.cuda}"""\n')
     return _tidy("\n\n".join(p.strip("\n") + "\n" for p in parts))
+
+
+def input_specs(plan: Plan, call: CallText) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    """INPUT_SPECS: each graph input's expression in forward (`x`, `extra[0]`), captured shape and dtype."""
+    return [(call.tensors[int(n.target)], tuple(n.meta.shape), n.meta.dtype)  # type: ignore[arg-type]
+            for n in plan.graph.inputs]
+
+
+def served_calls(plan: Plan, call: CallText) -> list[str]:
+    """In plain words, the calls the fused kernels serve (the guard's conditions) and what happens to the others."""
+    mode = ("training mode (as constructed; after model.eval() the original ops run)" if plan.graph.training else
+            "eval mode (model.eval(); in training mode the original ops run)")
+    items = [f"input {name}: shape {list(shape)}, {dtype}, contiguous, on a CUDA device"
+             for name, shape, dtype in input_specs(plan, call)]
+    if call.test:
+        items.append("the other arguments as traced (see the comments in forward)")
+    items += [f"the model's parameters on a CUDA device, the model and every submodule in {mode}",
+              "no autograd: under torch.no_grad() or torch.inference_mode(), or nothing requiring grad"]
+    lines = ["The fused kernels run for calls like the traced one:"]
+    for item in items:
+        lines += textwrap.wrap(item, 108, initial_indent="  - ", subsequent_indent="    ")
+    return lines + textwrap.wrap(
+        "Any other call runs the original ops (_reference_forward): model.kernelfuse_stats() counts the calls each "
+        "way, and a KernelfuseFallbackWarning says why, once per kind of reason; not for autograd (training runs the "
+        "original ops by design: counted, not warned).", 112)
 
 
 def emit_reference(problem: Problem, report: str) -> str:
@@ -274,7 +364,7 @@ def forward_source(plan: Plan, call: CallText, has_kernels: bool, guarded: bool,
                '    """Fused kernels on the captured shapes; the original ops otherwise (see _use_kernels)."""']
     if guarded and not plan.graphed:
         out += [f"    {c}" for c in call.comments]
-        out.append(f"    if {call.differs}not _use_kernels(self, {call.inputs}):")
+        out.append(f"    if not _use_kernels(self, {call.checked}):")
         out.append(f"        return self._reference_forward({call.reference})")
     if has_kernels:
         out.append("    ext = _extension()")
@@ -298,6 +388,8 @@ def forward_source(plan: Plan, call: CallText, has_kernels: bool, guarded: bool,
         text = graphed_forward_source(call, "_fused_forward", rebuild) + "\n" + text
     if hoist.cached:
         text += "\n" + weight_methods(hoist, state_names, lambda s, n: _step_lines(graph, s, n), has_kernels)
+    if guarded:
+        text += STATS_METHOD
     return text
 
 

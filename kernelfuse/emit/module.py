@@ -1,7 +1,8 @@
 """Emit in process: wrap a live nn.Module with the plan's fused forward (the Python API's counterpart of a file).
 
-The wrapper runs exactly the code an emitted file would: the same loader text and the same generated forward,
-executed in a fresh namespace, with the wrapped module's state read through `self.inner`.
+The wrapper runs exactly the code an emitted file would: the same loader text, guard and call counts, and the same
+generated forward (with `kernelfuse_stats()`), executed in a fresh namespace, with the wrapped module's state read
+through `self.inner`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from kernelfuse.capture.signature import forward_signature
 from kernelfuse.codegen import CudaSources
 from kernelfuse.codegen.binding import runtime_source
 from kernelfuse.emit.calltext import call_text, output_classes
-from kernelfuse.emit.modelnew import LOADER, forward_source, runtime_text
+from kernelfuse.emit.modelnew import LOADER, forward_source, input_specs, runtime_text, served_calls
 from kernelfuse.plan.ir import Plan
 
 WRAPPER = '''
@@ -39,16 +40,16 @@ class FusedModule(torch.nn.Module):
 def build_module(model: torch.nn.Module, plan: Plan, sources: CudaSources | None) -> torch.nn.Module:
     """A module whose forward runs `plan` (its kernels built now), falling back to `model` like a ModelNew; its
     forward takes the arguments `model.forward` takes, with the same defaults."""
-    specs = [(tuple(n.meta.shape), n.meta.dtype) for n in plan.graph.inputs]
     call = plan.graph.call_spec
     header, defaults = _header(model)
-    namespace = _namespace(INPUT_SPECS=specs, CAPTURED_TRAINING=plan.graph.training, _DEFAULTS=defaults,
-                           **{c.__qualname__: c for c in output_classes(call.output)})
+    text = call_text(call, header)
+    namespace = _namespace(INPUT_SPECS=input_specs(plan, text), CAPTURED_TRAINING=plan.graph.training,
+                           _DEFAULTS=defaults, **{c.__qualname__: c for c in output_classes(call.output)})
     if sources is not None:
         namespace.update(NAME=type(model).__name__.lower(), CUDA_SRC=sources.cuda)
     exec(compile(runtime_text(plan, sources), "<kernelfuse runtime>", "exec"), namespace)  # noqa: S102 - our own generated code
-    forward = forward_source(plan, call_text(call, header), sources is not None, True, state="self.inner")
-    doc = plan.summary().replace('"""', "'''").replace("\n", "\n    ")
+    forward = forward_source(plan, text, sources is not None, True, state="self.inner")
+    doc = "\n".join([plan.summary(), "", *served_calls(plan, text)]).replace('"""', "'''").replace("\n", "\n    ")
     code = WRAPPER.format(doc=doc, forward=textwrap.indent(forward, "    "))
     exec(compile(code, f"<kernelfuse {type(model).__name__}>", "exec"), namespace)  # noqa: S102
     if sources is not None:

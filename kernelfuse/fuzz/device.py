@@ -149,9 +149,9 @@ def gpu_check(problem_path: Path, emitted_path: Path) -> str:
         torch.manual_seed(DEFAULT_SEED)
         candidate = scope["ModelNew"](*init).cuda()  # builds the extension (torch's cache, keyed by source hash)
         candidate.load_state_dict(reference.state_dict())
-        guard = scope.get("_use_kernels")  # absent from a file with no kernels
+        guard = scope.get("_fallback_reason")  # absent from a file with no kernels
         with torch.no_grad():  # as the forward below runs: grad mode would decline the fused path
-            fused = bool(guard and guard(candidate, problem.make_inputs(1, "cuda")))
+            declined = guard(candidate, tuple(problem.make_inputs(1, "cuda"))) if guard else None
             torch.manual_seed(0)
             expected = reference(*problem.make_inputs(1, "cuda"))
             torch.manual_seed(0)
@@ -169,7 +169,7 @@ def gpu_check(problem_path: Path, emitted_path: Path) -> str:
     with torch.no_grad():
         ref64 = float64_model(reference)(*to_float64(problem.make_inputs(1, "cuda")))
     rule = check_float64(got, expected, expected, ref64)
-    path = "fused" if fused else "original ops (the fused path's guard declined)"
+    path = "fused" if declined is None else f"original ops (the fused path's guard declined: {declined[1]})"
     return "" if rule.ok else f"{path}: {verdict.reason}; {rule.reason}"
 
 
