@@ -130,7 +130,9 @@ def test_time_limit_stops_early(tmp_path, capsys):
     assert code == 0
 
 
-OPEN: dict[str, str] = {}  # regression files of bugs not fixed yet: expected failures, by file stem
+OPEN = {  # regression files not passing yet: expected failures, by file stem
+    "div_reciprocal_amplified_on_the_cpu": "open: the CPU reference divides where CUDA eager (and the plan) multiply",
+}
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=OPEN[p.stem]))

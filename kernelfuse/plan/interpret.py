@@ -37,7 +37,10 @@ def run_env(plan: Plan, state: dict[str, torch.Tensor], inputs: Sequence[torch.T
         if isinstance(step, TorchStep):
             env[step.node.name] = call_aten(step.node, env)
         elif isinstance(step, GenStep):  # the kernel writes a new tensor: contiguous, or eager's permuted layout
-            env[step.out] = _laid_out(_run_generated(step, env), step.permuted_out)
+            value = _run_generated(step, env)
+            if tuple(value.shape) != tuple(step.out_meta.shape):  # a norm over a view computes in its own space
+                value = value.reshape(step.out_meta.shape)  # (N, G, ...): the kernel writes the output's elements
+            env[step.out] = _laid_out(value, step.permuted_out)
         elif isinstance(step, AttnStep):
             env[step.out] = attention_reference(step, *(env[i.ref.name] for i in step.inputs[:3]),  # type: ignore[arg-type]
                                                 env[step.mask.ref.name] if step.mask else None)  # type: ignore[arg-type]

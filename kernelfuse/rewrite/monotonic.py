@@ -17,6 +17,15 @@ POOLS = {"max_pool2d_with_indices.default": 2, "max_pool3d_with_indices.default"
 ORDER_REDUCTIONS = frozenset({"amax.default", "amin.default"})
 
 
+def _window_of_padding_only(pool: Node) -> bool:
+    """Can a pooling window hold padding alone? Eager's max over it is -inf, and f(-inf) need not be (relu: 0).
+    With dilation 1 every window reaches the input (torch keeps padding at most half the kernel); a dilated,
+    padded one can step over it (a 1x1 input, kernel 2, dilation 2, padding 1)."""
+    args = list(pool.args) + [None] * 6
+    padding, dilation = args[3] or (0,), args[4] or (1,)
+    return any(p > 0 for p in padding) and any(d > 1 for d in dilation)
+
+
 def _non_decreasing(graph: Graph, f: Node, dims: tuple[int, ...], keeps_rank: bool) -> Ref | None:
     """The input x when f(x) is a non-decreasing function of x alone along `dims`, else None.
 
@@ -68,6 +77,8 @@ def reduce_before_monotonic(graph: Graph, node: Node) -> Replacement | None:
     elif node.op not in ORDER_REDUCTIONS:
         return None
     if node.op in POOLS:
+        if _window_of_padding_only(node):
+            return None
         inner = graph[node.args[0]]
         rank = len(inner.meta.shape) if inner.meta is not None else 0
         dims, keeps_rank = tuple(range(rank - POOLS[node.op], rank)), True
