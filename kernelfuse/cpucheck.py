@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from kernelfuse.capture import Graph, capture
 from kernelfuse.capture.signature import CallSpec
@@ -178,12 +179,28 @@ def _float64_rule(variant: str, model: torch.nn.Module, call: CallSpec, inputs: 
                     "(no less accurate than eager against a float64 run)")
 
 
+class CudaScalarDivision(TorchDispatchMode):
+    """The model's divisions by a Python number as ATen's CUDA kernel computes them, x * (1/c) with 1/c rounded to
+    float32 (the rewrite `div_by_scalar_to_mul` plans the same): the CPU's true division is up to an ulp away, and
+    a later softmax or division by a near-zero sum amplifies that past any tolerance. The check's reference is the
+    GPU eager the file will run beside."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.div.Tensor and not kwargs and isinstance(args[1], (int, float)) \
+                and not isinstance(args[1], bool) and isinstance(args[0], torch.Tensor) \
+                and args[0].dtype in (torch.float32, torch.float16, torch.bfloat16):
+            inverse = torch.tensor(1.0, dtype=torch.float32) / torch.tensor(float(args[1]), dtype=torch.float32)
+            return torch.ops.aten.mul.Tensor(args[0], inverse.item())
+        return func(*args, **kwargs)
+
+
 def _run_model(model: torch.nn.Module, call: CallSpec, inputs: list[torch.Tensor], state: dict[str, torch.Tensor],
                before: dict[str, torch.Tensor]) -> object:
     """The model's own output tensors under seed 0, called as captured (`inputs`: the graph's tensors); buffers it
     updates (BatchNorm statistics) are put back after."""
     try:
-        with torch.no_grad():
+        with torch.no_grad(), CudaScalarDivision():
             torch.manual_seed(0)
             return call.run(model, inputs)
     except Exception as err:  # noqa: BLE001 - the model itself cannot run on the CPU: nothing to compare with

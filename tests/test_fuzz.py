@@ -130,9 +130,7 @@ def test_time_limit_stops_early(tmp_path, capsys):
     assert code == 0
 
 
-OPEN = {  # regression files not passing yet: expected failures, by file stem
-    "div_reciprocal_amplified_on_the_cpu": "open: the CPU reference divides where CUDA eager (and the plan) multiply",
-}
+OPEN: dict[str, str] = {}  # regression files not passing yet: expected failures, by file stem
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=OPEN[p.stem]))
@@ -201,3 +199,16 @@ def test_a_clean_refusal_is_unsupported_not_a_crash(tmp_path):
                     "    return [torch.randn(4)]\n\n\ndef get_init_inputs():\n    return []\n")
     outcome = run_problem(path).outcome
     assert (outcome.status, outcome.stage) == ("unsupported", "capture") and not outcome.failed, outcome.describe()
+
+
+def test_the_cpu_checks_reference_divides_by_a_number_as_cuda_does():
+    """x / c on CUDA is x * (1/c) with 1/c in float32; the CPU check's reference computes the same, and only that
+    (a division by a tensor stays a division)."""
+    from kernelfuse.cpucheck import CudaScalarDivision
+
+    x, y = torch.randn(4096), torch.rand(4096) + 0.5
+    with CudaScalarDivision():
+        by_number, by_tensor = x / 3.0, x / y
+    inverse = torch.tensor(1.0) / torch.tensor(3.0)
+    assert torch.equal(by_number, x * inverse.item()) and not torch.equal(by_number, x / 3.0)
+    assert torch.equal(by_tensor, x / y)
