@@ -130,7 +130,9 @@ def test_time_limit_stops_early(tmp_path, capsys):
     assert code == 0
 
 
-OPEN: dict[str, str] = {}  # regression files not passing yet: expected failures, by file stem
+OPEN = {  # regression files not passing yet: expected failures, by file stem
+    "batch_norm_of_huge_pow_open": "open: the captured layout of an output differs from the CPU eager one",
+}
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=OPEN[p.stem]))
