@@ -32,7 +32,7 @@ STAGES = 3  # shared-memory stages of K: two in flight while one multiplies (41 
 IGEMM_PRELUDE = r"""
 // Implicit-GEMM convolutions (kernelfuse.codegen.conv_igemm).
 // TF32 rounding as the tensor cores' operand conversion does it: nearest, ties away from zero.
-__device__ __forceinline__ float kf_tf32(float x) {
+__device__ __forceinline__ float kf_round_tf32(float x) {
 #if defined(__CUDA_ARCH__)
   unsigned int r;
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
@@ -95,17 +95,17 @@ __device__ __forceinline__ void kf_igemm_k8(float (&acc)[MF][NF][4], const float
   for (int i = 0; i < MF; ++i)
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const float v = A[(t + (r >> 1) * 4) * lda + wm + i * 16 + g + (r & 1) * 8], hi = kf_tf32(v);
+      const float v = A[(t + (r >> 1) * 4) * lda + wm + i * 16 + g + (r & 1) * 8], hi = kf_round_tf32(v);
       a[i][r] = __float_as_uint(hi);
-      if constexpr (SPLIT) a_lo[i][r] = __float_as_uint(kf_tf32(v - hi));
+      if constexpr (SPLIT) a_lo[i][r] = __float_as_uint(kf_round_tf32(v - hi));
     }
 #pragma unroll
   for (int j = 0; j < NF; ++j)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float v = B[(t + r * 4) * ldb + wn + j * 8 + g], hi = kf_tf32(v);
+      const float v = B[(t + r * 4) * ldb + wn + j * 8 + g], hi = kf_round_tf32(v);
       b[j][r] = __float_as_uint(hi);
-      if constexpr (SPLIT) b_lo[j][r] = __float_as_uint(kf_tf32(v - hi));
+      if constexpr (SPLIT) b_lo[j][r] = __float_as_uint(kf_round_tf32(v - hi));
     }
 #pragma unroll
   for (int i = 0; i < MF; ++i)
@@ -128,8 +128,8 @@ __device__ __forceinline__ void kf_igemm_k8(float (&acc)[MF][NF][4], const float
         float s = acc[i][j][e];
         for (int pass = SPLIT ? 0 : 2; pass < 3; ++pass)
           for (int k = 0; k < 8; ++k) {
-            const float x = A[k * lda + m], y = B[k * ldb + n], hx = kf_tf32(x), hy = kf_tf32(y);
-            const float u = pass == 0 ? kf_tf32(x - hx) : hx, w = pass == 1 ? kf_tf32(y - hy) : hy;
+            const float x = A[k * lda + m], y = B[k * ldb + n], hx = kf_round_tf32(x), hy = kf_round_tf32(y);
+            const float u = pass == 0 ? kf_round_tf32(x - hx) : hx, w = pass == 1 ? kf_round_tf32(y - hy) : hy;
             s = fmaf(u, w, s);
           }
         acc[i][j][e] = s;
