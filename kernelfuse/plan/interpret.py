@@ -89,12 +89,12 @@ def _run_generated(step: GenStep, env: dict[str, object]) -> torch.Tensor:
         value = scan_reference(step.spec, value)  # type: ignore[arg-type]  # its reverse/exclusive form too
     elif step.reduce_node is not None:
         node = step.reduce_node
-        # the kernel reads its source through strides; ATen's CPU norms want it dense (torch 2.11: a permuted
-        # input to native_group_norm raises): the values are the same
-        dense = value.contiguous() if isinstance(value, torch.Tensor) else value
-        local = {**env, "__kf_reduce_input": dense}
         args = (Ref("__kf_reduce_input"),) + node.args[1:]
-        value = call_aten(Node(node.name, node.op, args, node.meta), local)
+        try:  # on the source as eager holds it: the same summation order as eager's own call
+            value = call_aten(Node(node.name, node.op, args, node.meta), {**env, "__kf_reduce_input": value})
+        except RuntimeError:  # torch 2.11's CPU group norm refuses a permuted input: the same values, dense
+            dense = value.contiguous() if isinstance(value, torch.Tensor) else value
+            value = call_aten(Node(node.name, node.op, args, node.meta), {**env, "__kf_reduce_input": dense})
         index = getattr(step.spec, "out_index", None)
         if index is not None:
             value = value[index]  # type: ignore[index]
