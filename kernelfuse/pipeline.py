@@ -34,7 +34,7 @@ from kernelfuse.fallback import plans_with_fallbacks, run_stage
 from kernelfuse.judge import EvalOptions, Verdict, evaluate
 from kernelfuse.judge.runner import judge_zygote
 from kernelfuse.load import Problem, check_output_path, load_problem
-from kernelfuse.plan import Plan, owned_anchor_variants, plan_variants
+from kernelfuse.plan import Plan, optimizer_variants, plan_variants
 from kernelfuse.rewrite import RULE_NAMES, RuleFiring, apply_rules
 
 # A forward whose kernels keep the GPU busy for less than this fraction of its timed duration is launch-bound:
@@ -130,10 +130,8 @@ def _optimize(problem_path: str | Path, out_path: str | Path, options: OptimizeO
     timings = _measure_conv_layouts(graph, options.precision, result, log) if use_gpu else None
     layouts = None if timings is None else {t.node: t.choice for t in timings}
     fp32 = frozenset(t.node for t in timings or [] if t.fp32)
-    measured = frozenset(t.node for t in timings or [])
     plans, fallbacks = plans_with_fallbacks(
-        graph, lambda keep: plan_variants(graph, options.precision, options.max_fusions, layouts, fp32, keep)
-        + owned_anchor_variants(graph, options.precision, options.max_fusions, fp32, keep, measured),
+        graph, lambda keep: optimizer_variants(graph, options.precision, options.max_fusions, layouts, fp32, keep),
         lambda plan: _render(problem, plan))
     for fallback in fallbacks:
         _fall_back(result, fallback, log)

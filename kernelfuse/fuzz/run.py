@@ -29,7 +29,7 @@ from kernelfuse.cpucheck import DEFAULT_TOLERANCE, TOLERANCE, CpuCheck, check_pl
 from kernelfuse.emit import emit_modelnew
 from kernelfuse.errors import KernelfuseError
 from kernelfuse.load import DEFAULT_SEED, Problem, load_problem
-from kernelfuse.plan import Plan, owned_anchor_variants, plan_variants
+from kernelfuse.plan import Plan, optimizer_variants
 from kernelfuse.rewrite import apply_rules
 from kernelfuse.verify.compare import compare_outputs, flatten_outputs
 from kernelfuse.verify.params import compare_state
@@ -143,10 +143,9 @@ def _plan_variants(graph: Graph, measure_layouts: bool) -> list[Plan]:
     optimizer's judge rejects)."""
     timings = measure_conv_layouts(graph, strict=True) if measure_layouts else None
     if not timings:
-        return plan_variants(graph) + owned_anchor_variants(graph)
-    fp32 = frozenset(t.node for t in timings if t.fp32)
-    return plan_variants(graph, "strict", None, {t.node: t.choice for t in timings}, fp32) + \
-        owned_anchor_variants(graph, "strict", None, fp32, measured=frozenset(t.node for t in timings))
+        return optimizer_variants(graph)
+    return optimizer_variants(graph, "strict", None, {t.node: t.choice for t in timings},
+                              frozenset(t.node for t in timings if t.fp32))
 
 
 def _emit(problem: Problem, plan: Plan) -> tuple[str, str | None]:

@@ -1,6 +1,6 @@
 """Stage 4 — plan: library anchors with fused epilogues, torch calls for the rest; a CPU interpreter checks it."""
 
-from kernelfuse.plan.fuse import PlanOptions, make_plan, owned_anchor_variants, plan_variants
+from kernelfuse.plan.fuse import PlanOptions, make_plan, optimizer_variants, owned_anchor_variants, plan_variants
 from kernelfuse.plan.interpret import interpret
 from kernelfuse.plan.ir import (
     Anchor,
@@ -31,6 +31,7 @@ __all__ = [
     "broadcast_strides",
     "interpret",
     "make_plan",
+    "optimizer_variants",
     "owned_anchor_variants",
     "plan_variants",
 ]

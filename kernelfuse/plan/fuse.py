@@ -98,6 +98,16 @@ def _with_library_attention(graph: Graph, plans: list[Plan]) -> list[Plan]:
     return plans + split + library
 
 
+def optimizer_variants(graph: Graph, precision: str = "strict", max_fusions: int | None = None,
+                       conv_layouts: dict[str, str] | None = None, fp32_convs: frozenset[str] = frozenset(),
+                       keep: frozenset[str] = frozenset()) -> list[Plan]:
+    """Every variant the optimizer judges: the library-anchor plans of `plan_variants`, then the implicit-GEMM one.
+    `conv_layouts`: each convolution's layout as timed on this GPU (None: not measured), `fp32_convs`: those eager
+    computes in full fp32; an unmeasured convolution's implicit GEMM keeps fp32 accuracy."""
+    return plan_variants(graph, precision, max_fusions, conv_layouts, fp32_convs, keep) + \
+        owned_anchor_variants(graph, precision, max_fusions, fp32_convs, keep, frozenset(conv_layouts or {}))
+
+
 def owned_anchor_variants(graph: Graph, precision: str = "strict", max_fusions: int | None = None,
                           fp32_convs: frozenset[str] = frozenset(), keep: frozenset[str] = frozenset(),
                           measured: frozenset[str] = frozenset()) -> list[Plan]:
