@@ -15,16 +15,23 @@ NUMBERS = ("runtime_ms", "eager_ms", "compile_ms", "floor_ms", "speedup_eager", 
 def main(path: str) -> None:
     rows = [json.loads(line) for line in open(path) if line.strip()]
     rows.sort(key=lambda r: int(r.get("problem_id") or 0))
-    print("| problem | shipped | ours ms | eager ms | compile ms | vs eager | vs compile | max abs err | floor ms "
-          "| ours / floor |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    extra = [b for b in ("compile-ro", "compile-max") if any(b in (r.get("baselines") or {}) for r in rows)]
+    head = "".join(f" {b} ms | vs {b} |" for b in extra)
+    print("| problem | shipped | ours ms | eager ms | compile ms | vs eager | vs compile |" + head +
+          " max abs err | floor ms | ours / floor |")
+    print("|---|---|---|---|---|---|---|" + "---|---|" * len(extra) + "---|---|---|")
     for r in rows:
         ms = {k: f"{r[k]:.3f}" if r.get(k) is not None else "-" for k in NUMBERS}
         err = f"{r['max_abs_err']:.2g}" if r.get("max_abs_err") is not None else "-"
         of_floor = f"{r['runtime_ms'] / r['floor_ms']:.2f}" if r.get("runtime_ms") and r.get("floor_ms") else "-"
+        cells = ""
+        for b in extra:
+            base = (r.get("baselines") or {}).get(b) or {}
+            cells += (f" {base['ms']:.3f} | {base['speedup']:.3f}x |" if base.get("ms") and base.get("speedup")
+                      else " - | - |")
         print(f"| {r['problem_name']} | {r.get('shipped') or r.get('status')} | {ms['runtime_ms']} | {ms['eager_ms']} "
-              f"| {ms['compile_ms']} | {ms['speedup_eager']}x | {ms['speedup_compile']}x | {err} | {ms['floor_ms']} "
-              f"| {of_floor} |")
+              f"| {ms['compile_ms']} | {ms['speedup_eager']}x | {ms['speedup_compile']}x |{cells} {err} "
+              f"| {ms['floor_ms']} | {of_floor} |")
     ok = [r for r in rows if r.get("correct")]
     eager = [r["speedup_eager"] for r in ok if r.get("speedup_eager")]
     comp = [r["speedup_compile"] for r in ok if r.get("speedup_compile")]
@@ -33,8 +40,12 @@ def main(path: str) -> None:
         return math.exp(sum(math.log(v) for v in values) / len(values)) if values else float("nan")
 
     fused = sum(1 for r in ok if r.get("shipped") not in (None, "unfused"))
+    def over(b: str) -> list[float]:
+        return [r["baselines"][b]["speedup"] for r in ok if (r.get("baselines") or {}).get(b, {}).get("speedup")]
+
+    others = "".join(f", {geo(over(b)):.3f}x {b}" for b in extra)
     print(f"\n{len(rows)} problems, {len(ok)} correct, {fused} ship fused kernels; geometric mean "
-          f"{geo(eager):.3f}x eager, {geo(comp):.3f}x torch.compile; slowest vs eager {min(eager):.3f}x")
+          f"{geo(eager):.3f}x eager, {geo(comp):.3f}x torch.compile{others}; slowest vs eager {min(eager):.3f}x")
     for p in (0.0, 1.0, 1.5, 2.0):
         print(f"fast_{p:g}: {sum(1 for s in eager if s > p) / len(rows):.2f}", end="  ")
     print()
