@@ -1,6 +1,7 @@
 """Pooling of every shape as generated kernels: a 1-d max pool (traced as a 2-d pool whose indices are squeezed
 and dropped) is one kernel, not the original op; 1-, 2- and 3-d max and average pools with padding, dilation,
-ceil_mode, count_include_pad and a divisor override, computed several outputs per thread, and adaptive 1-3-d pools
+ceil_mode, count_include_pad and a divisor override, computed several outputs per thread (1-d ones from
+an input span staged in shared memory), and adaptive 1-3-d pools
 agree with the interpreter in a CPU emulation of the CUDA (max pools bit for bit)."""
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def test_unused_pool_indices_are_dropped_even_without_rewrites(pool_plan):
     problem, plan = pool_plan
     assert [g.spec.kind for g in plan.generated] == KINDS
     cuda = generate(plan).cuda
-    assert cuda.count("a thread per 4 neighbouring outputs along the last dim") == 4  # stride and dilation 1
+    assert cuda.count("a thread per 4 neighbouring outputs along the last dim") == 3  # stride and dilation 1
+    assert cuda.count("its input span in shared memory") == 4  # the 1-d pools: a window along the last dim only
     assert plan.unfused == []
     bare = apply_rules(capture(load_problem(problem.path)), RULE_NAMES).graph
     assert not [n for n in bare.nodes if n.op == "getitem" and n.args[1] == 1]
