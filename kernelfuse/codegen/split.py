@@ -44,6 +44,9 @@ STRIDED_MIN_CHUNK = 256  # elements of a row per split-strided block: 32 per war
 # iterations of a thread's loop over a contiguous chunk issued together: one 4-byte load in flight per thread
 # (2048 per SM, 8 KB) is too few to cover memory latency on an H100; the results are bitwise the same
 UNROLL = 4
+# The normalise pass walks a column's rows in one thread (the row's weight and bias read once for all of them, not
+# once a row: a 16 x 4194304 LayerNorm read 16 x 32 MB of affine parameters) for at most this many rows.
+ROWS_INNER_MAX = 64
 
 
 def split_chunks(step: GenStep) -> int:
@@ -118,6 +121,8 @@ def split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
         lines += _split_normalise(step, ctype, space, stats)
         ds = _transposed_dim(space)
         elements = shape_numel(space.sizes) if ds is None else _tiles(space, ds) * BLOCK  # a tile per block
+        if ds is None and _rows_inner(space):
+            elements = space.count("r")  # a thread per column
         passes = [("moments", partial_grid, "float*"), ("combine", combine_grid, "float*"),
                   ("normalise", f"kf_blocks({elements}LL, {BLOCK})", "const float*")]
     else:
@@ -263,13 +268,29 @@ def _split_normalise(step: GenStep, ctype: str, space: Space, stats: int) -> lis
             f"  typedef {index_type(step)} INDEX;"]
     if ds is None:
         flat = Space(space.sizes, ("t",) * len(space.sizes), strides)
-        lines = [*head, "  {", *value_lambda(step, flat, "t", None), f"#pragma unroll {UNROLL}",
-                 f"    for (INDEX r = (INDEX)blockIdx.x * blockDim.x + threadIdx.x; r < (INDEX){shape_numel(space.sizes)}; "
-                 "r += (INDEX)gridDim.x * blockDim.x) {"]
-        lines += _normalise_element(step, flat, stats, space.count("k"), lambda n: f"a_{n}")
+        lines = [*head, "  {", *value_lambda(step, flat, "t", None)]
+        cols, rows = space.count("r"), space.count("k")
+        if _rows_inner(space):  # r = row * cols + c: a warp's columns coalesce in every row
+            lines += [f"    for (INDEX c = (INDEX)blockIdx.x * blockDim.x + threadIdx.x; c < (INDEX){cols}; "
+                      "c += (INDEX)gridDim.x * blockDim.x) {", f"#pragma unroll {UNROLL}",
+                      f"    for (INDEX rw = 0; rw < (INDEX){rows}; ++rw) {{", f"      const INDEX r = rw * {cols} + c;"]
+            close = ["    }", "    }"]
+        else:
+            lines += [f"#pragma unroll {UNROLL}",
+                      f"    for (INDEX r = (INDEX)blockIdx.x * blockDim.x + threadIdx.x; r < (INDEX){shape_numel(space.sizes)}; "
+                      "r += (INDEX)gridDim.x * blockDim.x) {"]
+            close = ["    }"]
+        lines += _normalise_element(step, flat, stats, rows, lambda n: f"a_{n}")
         lines += epilogue_lines(step, "r", "      ")
-        return lines + [f"      out[r] = kf_store<{ctype}>(e_result);", "    }", "  }", "}", ""]
+        return lines + [f"      out[r] = kf_store<{ctype}>(e_result);", *close, "  }", "}", ""]
     return head + _transposed_normalise(step, ctype, space, strides, ds, stats)
+
+
+def _rows_inner(space: Space) -> bool:
+    """Does the flat normalise pass take a column's rows in one thread: few rows, the kept dims outermost (so
+    element r is row * cols + c), columns enough to fill the GPU?"""
+    rows, cols = space.count("k"), space.count("r")
+    return 1 < rows <= ROWS_INNER_MAX and cols >= SPLIT_MIN_ROW and space.classes == tuple(sorted(space.classes))
 
 
 def _transposed_dim(space: Space) -> int | None:
