@@ -467,3 +467,21 @@ def test_kept_nodes_stay_torch_calls_and_the_rest_still_fuses(example_plans):
     (kept,) = plan_variants(plan.graph, keep=frozenset({relu.name}))
     assert [s.chain(kept.graph) for s in kept.fused] == ["mm -> add"]
     assert any(s.node.name == relu.name and "failed to plan or generate" in s.reason for s in kept.unfused)
+
+
+def test_a_pointwise_kernel_reads_the_full_size_operand_as_its_source(tmp_path):
+    """`A.unsqueeze(1) * B` (dev level-1 12): the kernel's source is B, whose strides are the output's, so the
+    launcher can move 16 bytes per access; A, read first, is a broadcast operand. The statement still multiplies
+    A by B in that order, and the emulated kernel equals the interpreter."""
+    from kernelfuse.codegen import generate
+
+    body = "def forward(self, a, b):\n    return a.unsqueeze(1) * b\n"
+    path = write_problem(tmp_path, "diag_mul", body, "[torch.randn(64), torch.randn(64, 128)]")
+    _, _, (plan,) = pipeline(path)
+    (step,) = plan.generated
+    assert step.source.meta.shape == (64, 128) and step.prologue.operands[0].meta.shape == (64, 1)
+    (stmt,) = step.prologue.statements
+    assert stmt.args == ("in0", "acc")  # mul(A, B): the same operand order as eager's
+    assert "k0_kernel<4><<<" in generate(plan).cuda
+    out, expected = emulated_and_interpreted(emulated(plan, tmp_path), plan, step)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)

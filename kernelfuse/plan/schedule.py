@@ -336,6 +336,7 @@ def build_program(graph: Graph, members: list[Node], meta: TensorMeta, space: tu
     shape = meta.shape
     source: list[Operand] = []
     ok = True
+    preferred = None if acc else _full_size_source(graph, members, meta)
 
     def value(arg: object) -> EArg:
         nonlocal ok
@@ -349,7 +350,8 @@ def build_program(graph: Graph, members: list[Node], meta: TensorMeta, space: tu
             ok = False
             strides = (0,) * len(space)
         operand = Operand(arg, node.meta, strides)
-        if not source and acc is None and node.meta.dtype != torch.bool:  # a bool mask is read as an operand
+        if not source and acc is None and node.meta.dtype != torch.bool \
+                and arg.name == (preferred or arg.name):  # a bool mask is read as an operand
             source.append(operand)
             names[arg.name] = "acc"
         else:
@@ -375,6 +377,23 @@ def build_program(graph: Graph, members: list[Node], meta: TensorMeta, space: tu
     if src is None and acc is None:
         return None, Program((), (), space)
     return src, Program(tuple(statements), tuple(operands), space)
+
+
+def _full_size_source(graph: Graph, members: list[Node], meta: TensorMeta) -> str | None:
+    """The tensor a pointwise kernel reads as its source: the first one it reads from outside that has every
+    element of the output (`A.unsqueeze(1) * B`: B, not the broadcast A), so that the source and the output share
+    their strides and the kernel moves 16 bytes per access; None (the first one read) where none does. Which
+    tensor is the source changes no arithmetic: the statements name their arguments."""
+    inside = {m.name for m in members}
+    for node in members:
+        args = (node.args[0],) if node.op in RESHAPES else \
+            tuple(node.args[i] for i in POINTWISE_BY_ATEN[node.op].operands if i < len(node.args))
+        for arg in args:
+            if isinstance(arg, Ref) and arg.name not in inside:
+                m = graph[arg].meta
+                if m is not None and m.dtype != torch.bool and m.shape == meta.shape and m.stride == meta.stride:
+                    return arg.name
+    return None
 
 
 def space_strides(meta: TensorMeta, shape: tuple[int, ...], space: tuple[int, ...]) -> tuple[int, ...] | None:
