@@ -130,10 +130,7 @@ def test_time_limit_stops_early(tmp_path, capsys):
     assert code == 0
 
 
-OPEN = {  # regression files not passing yet: expected failures, by file stem
-    "batch_norm_of_huge_pow_open": "open: the captured layout of an output differs from the CPU eager one",
-    "log_after_channels_last_conv_open": "open: a channels-last convolution's rounding, amplified by log near 0",
-}
+OPEN: dict[str, str] = {}  # regression files not passing yet: expected failures, by file stem
 
 
 @pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=OPEN[p.stem]))

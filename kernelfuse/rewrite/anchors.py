@@ -26,7 +26,7 @@ def conv_bias_to_epilogue(graph: Graph, node: Node) -> Replacement | None:
     x, weight, bias, stride, padding, dilation, transposed, output_padding, groups = node.args
     if not isinstance(bias, Ref) or not isinstance(x, Ref) or graph[x].meta is None:
         return None
-    if not transposed and groups > 1 and groups == graph[x].meta.shape[1]:
+    if not cuda_adds_bias_after(transposed, groups, graph[x].meta.shape[1]):
         return None
     users = graph.users(node.name)
     if len(node.meta.shape) == 4 and not transposed and len(users) == 1 and users[0].op == "relu.default" \
@@ -39,3 +39,9 @@ def conv_bias_to_epilogue(graph: Graph, node: Node) -> Replacement | None:
     column = b.add("view.default", bias, (channels,) + (1,) * (len(node.meta.shape) - 2))
     return b.done(b.add("add.Tensor", product, column), "the convolution's bias is added in the fused kernel "
                                                          "after it, not in a pass of ATen's own")
+
+
+def cuda_adds_bias_after(transposed: bool, groups: int, in_channels: int) -> bool:
+    """Does ATen's CUDA convolution add the bias after the product? Yes outside the native depthwise kernels
+    (non-transposed, groups == in_channels > 1), which start each sum from the bias."""
+    return transposed or groups == 1 or groups != in_channels

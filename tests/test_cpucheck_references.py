@@ -1,0 +1,80 @@
+"""The CPU check's other eager references: CUDA's arithmetic (CudaConvolutionBias) and the captured layouts
+(CapturedLayouts), tried only after a failed comparison; a plan faithful to one passes, a wrong plan still fails."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import kernelfuse.cpucheck as cpucheck
+from kernelfuse.capture import build_model, capture
+from kernelfuse.load import load_problem
+from kernelfuse.plan import optimizer_variants
+from kernelfuse.rewrite import apply_rules
+
+FUZZ = Path(__file__).parent / "fixtures" / "problems" / "fuzz"
+# regression files each plan of which matches only one of the other references, and the note that names it
+FAITHFUL = {"log_after_conv_bias": cpucheck.RETRIES[True, False],
+            "batch_norm_of_huge_pow": cpucheck.RETRIES[False, True]}
+
+
+def test_captured_layouts_lay_out_new_tensors_as_the_meta_kernels():
+    """A CPU batch norm of a permuted input is contiguous, the meta one permuted: under the mode it is permuted,
+    the same values; a view and an in-place result stay what they alias."""
+    x = torch.randn(1, 4, 1, 2, 10).transpose(-1, -2)
+    mean, var = torch.randn(4), torch.rand(4) + 0.5
+    plain = F.batch_norm(x, mean, var)
+    with torch.no_grad(), cpucheck.CapturedLayouts():
+        laid = F.batch_norm(x, mean, var)
+        y = torch.randn(3, 4)
+        grown, flipped = y.add_(1.0), y.t()
+    assert plain.is_contiguous() and laid.stride() == x.stride() and torch.equal(laid, plain)
+    assert grown is y and flipped._base is y
+
+
+def test_cuda_convolution_bias_is_added_after_the_product():
+    """As ATen's cuDNN path: the product, then the bias (bit for bit what the rewrite plans); a depthwise
+    convolution, whose CUDA kernel takes the bias in its own sum, is left to the CPU's call."""
+    x, w, b = torch.randn(2, 4, 5, 6, 3), torch.randn(6, 4, 1, 2, 1), torch.randn(6)
+    dw, db = torch.randn(4, 1, 3, 3, 3), torch.randn(4)
+    with cpucheck.CudaConvolutionBias():
+        split, depthwise = F.conv3d(x, w, b), F.conv3d(x, dw, db, groups=4)
+    assert torch.equal(split, F.conv3d(x, w) + b.view(6, 1, 1, 1))
+    assert torch.equal(depthwise, F.conv3d(x, dw, db, groups=4))
+
+
+def _checks(stem: str, monkeypatch: pytest.MonkeyPatch, scale: float | None = None) -> tuple[list, list]:
+    """Every plan of a regression file checked on its own inputs (its interpreted outputs times `scale`, if given),
+    and the eager references the check ran, by (cuda, layouts)."""
+    problem = load_problem(FUZZ / f"{stem}.py")
+    model, inputs = build_model(problem), problem.make_inputs(0)
+    plans = optimizer_variants(apply_rules(capture(problem, model)).graph)
+    runs, run_model, interpret = [], cpucheck._run_model, cpucheck.interpret
+
+    def recorded(*args: object) -> object:
+        runs.append(tuple(args[5:]))
+        return run_model(*args)
+
+    monkeypatch.setattr(cpucheck, "_run_model", recorded)
+    if scale is not None:
+        monkeypatch.setattr(cpucheck, "interpret", lambda *a: [t * scale for t in interpret(*a)])
+    return cpucheck.check_plans_on(model, plans, inputs), runs
+
+
+@pytest.mark.parametrize("stem", sorted(FAITHFUL))
+def test_a_plan_faithful_to_another_reference_passes(stem, monkeypatch):
+    checks, _ = _checks(stem, monkeypatch)
+    assert all(c.ok and c.max_abs_err == 0.0 and c.note.endswith(f"(against eager with {FAITHFUL[stem]})")
+               for c in checks), [c.note for c in checks]
+
+
+@pytest.mark.parametrize("stem", sorted(FAITHFUL))
+def test_a_wrong_plan_still_fails_against_every_reference(stem, monkeypatch):
+    """Outputs 0.1% off (a kernel's constant wrong): every reference is tried, and the float64 rule, and the
+    check still fails."""
+    checks, runs = _checks(stem, monkeypatch, scale=1.001)
+    assert checks and all(not c.ok and not c.skipped and c.note.startswith("mismatch") for c in checks)
+    assert set(runs) == {()} | set(cpucheck.RETRIES)
