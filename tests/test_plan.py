@@ -485,3 +485,25 @@ def test_a_pointwise_kernel_reads_the_full_size_operand_as_its_source(tmp_path):
     assert "k0_kernel<4><<<" in generate(plan).cuda
     out, expected = emulated_and_interpreted(emulated(plan, tmp_path), plan, step)
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype, ctype", [("float16", "__half"), ("bfloat16", "__nv_bfloat16"), ("float32", None)])
+def test_a_half_kernel_rounds_each_op_as_eager_does(tmp_path, dtype, ctype):
+    """In a half or bfloat16 kernel the value entering the chain and every statement's result are rounded to the
+    kernel's type, as eager rounds each op's output (an fp16 SwiGLU's silu * up rounded once missed the float64
+    rule on the GPU); a float32 kernel computes as before."""
+    from kernelfuse.codegen import generate
+
+    body = "def forward(self, a, b):\n    return torch.sigmoid(a * b) + a\n"
+    path = write_problem(tmp_path, "half_chain", body, f"[torch.randn(8, 64).to(torch.{dtype}), "
+                                                        f"torch.randn(8, 64).to(torch.{dtype})]")
+    _, _, (plan,) = pipeline(path)
+    (step,) = plan.generated
+    cuda = generate(plan).cuda.split(f"// {step.kernel}: ", 1)[1]
+    statements = [ln for ln in cuda.splitlines() if ln.strip().startswith("const float p_v_")]
+    assert len(statements) == 3  # mul, sigmoid, add
+    if ctype is None:
+        assert "kf_store<float>(" not in "".join(statements) and "p_acc_r" not in cuda
+    else:
+        assert all(f"kf_load(kf_store<{ctype}>(" in ln for ln in statements)
+        assert f"const float p_acc_r = kf_load(kf_store<{ctype}>(acc));" in cuda

@@ -51,11 +51,19 @@ def offset_expr(strides: tuple[int, ...], shape: tuple[int, ...], var: str = "i"
 
 
 def program_lines(program: Program | Epilogue, acc: str, offsets: dict[str, str], names_prefix: str,
-                  ind: str) -> list[str]:
+                  ind: str, ctype: str = "float") -> list[str]:
     """Statements of a pointwise program as float locals named `{names_prefix}...`; operand i is loaded from the
-    pointer `{names_prefix}in{i}_p` at `offsets["in{i}"]`; the value ends in `{names_prefix}result`."""
+    pointer `{names_prefix}in{i}_p` at `offsets["in{i}"]`; the value ends in `{names_prefix}result`.
+
+    In a half or bfloat16 kernel the value entering and every statement's result are rounded to that type, as
+    eager rounds each op's output: the fused chain then computes eager's values, not more precise ones that
+    differ by an ulp per op (an fp16 SwiGLU's silu * up, rounded once, missed the float64 rule after the down
+    projection; found by the GPU fuzzer)."""
     lines = []
     names = {"acc": acc}
+    if ctype != "float":
+        lines.append(f"{ind}const float {names_prefix}acc_r = {_rounded(acc, ctype)};")
+        names["acc"] = f"{names_prefix}acc_r"
     for i in range(len(program.operands)):
         lines.append(f"{ind}const float {names_prefix}in{i} = kf_load({names_prefix}in{i}_p[{offsets[f'in{i}']}]);")
         names[f"in{i}"] = f"{names_prefix}in{i}"
@@ -66,10 +74,17 @@ def program_lines(program: Program | Epilogue, acc: str, offsets: dict[str, str]
         row = POINTWISE_BY_ATEN[st.aten]
         args = [names[a] if isinstance(a, str) else float_literal(a) for a in st.args]
         var = f"{names_prefix}v_{st.name}"
-        lines.append(f"{ind}const float {var} = {render_cuda(row, args, list(st.params))};  // {st.aten.split('.')[0]}")
+        value = render_cuda(row, args, list(st.params))
+        value = value if ctype == "float" else _rounded(value, ctype)
+        lines.append(f"{ind}const float {var} = {value};  // {st.aten.split('.')[0]}")
         names[st.name] = var
     lines.append(f"{ind}const float {names_prefix}result = {names[program.result]};")
     return lines
+
+
+def _rounded(expr: str, ctype: str) -> str:
+    """`expr` (a float) rounded to `ctype` and back."""
+    return f"kf_load(kf_store<{ctype}>({expr}))"
 
 
 def apply_function(k: str, epi: Epilogue, ctype: str, index_t: str) -> str:
@@ -77,6 +92,6 @@ def apply_function(k: str, epi: Epilogue, ctype: str, index_t: str) -> str:
     params = "".join(f", const {ctype}* __restrict__ in{i}_p" for i in range(len(epi.operands)))
     offsets = {f"in{i}": offset_expr(o.strides, epi.out.shape) for i, o in enumerate(epi.operands)}
     lines = [f"__device__ __forceinline__ float {k}_apply(float acc, {index_t} i{params}) {{"]
-    lines += program_lines(epi, "acc", offsets, "", "  ")
+    lines += program_lines(epi, "acc", offsets, "", "  ", ctype)
     lines += ["  return result;", "}"]
     return "\n".join(lines) + "\n"

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kernelfuse.capture import contiguous_strides
-from kernelfuse.codegen.common import INT32_LIMIT, offset_expr, program_lines
+from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, offset_expr, program_lines
 from kernelfuse.plan.ir import GenStep
 
 BLOCK = 256
@@ -144,7 +144,7 @@ def epilogue_lines(step: GenStep, index: str, ind: str) -> list[str]:
     """The epilogue at output flat index `index` (operands indexed through the output's shape)."""
     shape = step.epilogue.space  # the reduction's value; a reshape after it keeps the flat index
     offsets = {f"in{i}": offset_expr(o.strides, shape, f"({index})") for i, o in enumerate(step.epilogue.operands)}
-    return program_lines(step.epilogue, "y", offsets, "e_", ind)
+    return program_lines(step.epilogue, "y", offsets, "e_", ind, C_TYPES.get(step.out_meta.dtype, "float"))
 
 
 def operand_ctype(step: GenStep, name: str, ctype: str) -> str:
@@ -184,7 +184,8 @@ def value_lambda(step: GenStep, space: Space, cls: str, row_prefix: str | None) 
     base = (lambda n: f"{row_prefix}{n} + o_{n}") if row_prefix else (lambda n: f"o_{n}")
     lines = ["    auto value_at = [&](INDEX r, float acc) -> float {"]
     lines += decompose(space, cls, "r", "o_", operands, "      ") if operands else []
-    lines += program_lines(step.prologue, "acc", {n: base(n) for n in operands}, "p_", "      ")
+    lines += program_lines(step.prologue, "acc", {n: base(n) for n in operands}, "p_", "      ",
+                           C_TYPES.get(step.source.meta.dtype, "float"))
     lines += ["      return p_result;", "    };", "    auto source = [&](INDEX r) -> float {"]
     lines += decompose(space, cls, "r", "o_", ["src"], "      ")
     lines += [f"      return kf_load(src[{base('src')}]);", "    };",

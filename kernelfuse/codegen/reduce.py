@@ -307,7 +307,7 @@ def _mapped_store(step: GenStep, ctype: str, space: Space, cache: str | None, on
     names = [f"m{i}" for i in range(len(mapped.operands))]  # type: ignore[union-attr]
     body = [ln.strip() for ln in decompose(space, "r", "r", "o_", ["out", *names], "")]
     offsets = {f"in{i}": f"row_m{i} + o_m{i}" for i in range(len(names))}
-    program = [ln.strip() for ln in program_lines(mapped, "e_result", offsets, "m_", "")]  # type: ignore[arg-type]
+    program = [ln.strip() for ln in program_lines(mapped, "e_result", offsets, "m_", "", ctype)]  # type: ignore[arg-type]
     sources = [i for i, o in enumerate(mapped.operands)  # type: ignore[union-attr]
                if o.ref == step.source.ref and o.strides == step.source.strides]
     body += _element_in_hand(program, "m_", sources, "raw")
