@@ -3,6 +3,40 @@ kernel, the bf16 tensor-core kernel (mma.sync m16n8k16) and the fp32 tensor-core
 3xTF32), sharing one parameter block, tile loop, masking and online softmax. Kept apart from the launcher and
 binding code, as kernelfuse.codegen.reduce_prelude is from the row kernels."""
 
+# The online-softmax step both tensor-core kernels (bf16 and TF32) take after scoring a key tile: the row
+# maximum and sum across the 4 lanes that share a row, the running output rescaled by the correction.
+_ONLINE_SOFTMAX = r"""
+    if (!RELU) {  // online softmax: a row's 4 lanes share its maximum and sum
+      float corr[2], sum[2] = {0.0f, 0.0f}, base[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
+        mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
+        const float mnew = fmaxf(m[half], mx[half]);
+        base[half] = mnew == -INFINITY ? 0.0f : mnew;
+        corr[half] = expf(m[half] - base[half]);
+        m[half] = mnew;
+      }
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          s[j][e] = expf(s[j][e] - base[e >> 1]);
+          sum[e >> 1] += s[j][e];
+        }
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 1);
+        sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 2);
+        l[half] = l[half] * corr[half] + sum[half];
+      }
+#pragma unroll
+      for (int j = 0; j < DT; ++j) {
+        o[j][0] *= corr[0]; o[j][1] *= corr[0]; o[j][2] *= corr[1]; o[j][3] *= corr[1];
+      }
+    }
+""".lstrip("\n")
+
 ATTENTION_PRELUDE = r"""
 // ---- flash attention (kernelfuse.codegen.attention) ----
 #ifndef KF_DYNAMIC_SHARED
@@ -338,36 +372,7 @@ __global__ void __launch_bounds__(128) kf_attention_tc_kernel(const kf_attn_para
         if (RELU) s[j][e] = s[j][e] > 0.0f || s[j][e] != s[j][e] ? s[j][e] : 0.0f;
         mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
       }
-    if (!RELU) {  // online softmax: a row's 4 lanes share its maximum and sum
-      float corr[2], sum[2] = {0.0f, 0.0f}, base[2];
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
-        mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
-        const float mnew = fmaxf(m[half], mx[half]);
-        base[half] = mnew == -INFINITY ? 0.0f : mnew;
-        corr[half] = expf(m[half] - base[half]);
-        m[half] = mnew;
-      }
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[j][e] = expf(s[j][e] - base[e >> 1]);
-          sum[e >> 1] += s[j][e];
-        }
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 1);
-        sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 2);
-        l[half] = l[half] * corr[half] + sum[half];
-      }
-#pragma unroll
-      for (int j = 0; j < DT; ++j) {
-        o[j][0] *= corr[0]; o[j][1] *= corr[0]; o[j][2] *= corr[1]; o[j][3] *= corr[1];
-      }
-    }
-#pragma unroll
+""" + _ONLINE_SOFTMAX + r"""#pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {  // the scores' C fragments are the probabilities' A fragments
       const unsigned int a[4] = {kf_bf16x2(s[2 * kk][0], s[2 * kk][1]), kf_bf16x2(s[2 * kk][2], s[2 * kk][3]),
                                  kf_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
@@ -510,36 +515,7 @@ __global__ void __launch_bounds__(128) kf_attention_tf32_kernel(const kf_attn_pa
         if (RELU) s[j][e] = s[j][e] > 0.0f || s[j][e] != s[j][e] ? s[j][e] : 0.0f;
         mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
       }
-    if (!RELU) {  // online softmax: a row's 4 lanes share its maximum and sum
-      float corr[2], sum[2] = {0.0f, 0.0f}, base[2];
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
-        mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
-        const float mnew = fmaxf(m[half], mx[half]);
-        base[half] = mnew == -INFINITY ? 0.0f : mnew;
-        corr[half] = expf(m[half] - base[half]);
-        m[half] = mnew;
-      }
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[j][e] = expf(s[j][e] - base[e >> 1]);
-          sum[e >> 1] += s[j][e];
-        }
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 1);
-        sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 2);
-        l[half] = l[half] * corr[half] + sum[half];
-      }
-#pragma unroll
-      for (int j = 0; j < DT; ++j) {
-        o[j][0] *= corr[0]; o[j][1] *= corr[0]; o[j][2] *= corr[1]; o[j][3] *= corr[1];
-      }
-    }
-#pragma unroll
+""" + _ONLINE_SOFTMAX + r"""#pragma unroll
     for (int kk = 0; kk < NT; ++kk) {  // the probabilities of key group kk, moved into the operand layout
       float a[4];
 #pragma unroll
