@@ -222,7 +222,9 @@ def _reduction_kernel(graph: Graph, node: Node, prologue: _Chain | None, used: s
         order = {n.name: i for i, n in enumerate(graph.nodes)}
         replaces.sort(key=order.__getitem__)
     epi_chain = _grow(graph, [graph[value]], out_meta, used | set(replaces)) if graph.users(value) else None
-    epi_members = epi_chain.members[1:] if epi_chain else []
+    # the chain in graph order: a producer it pulled in for a later member (floor(s1) in floor(s1) - softmax(x),
+    # grown from softmax(x)) may precede the reduction itself, which is not one of its epilogue's statements
+    epi_members = [m for m in epi_chain.members if m.name != value] if epi_chain else []
     if epi_members and (graph.is_output(value) or len(graph.users(value)) > 1):
         epi_members = []  # the reduction's value is needed as it is elsewhere
     epi_members, epilogue = _epilogue(graph, epi_members, out_meta, value)
