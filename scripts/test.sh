@@ -16,6 +16,11 @@ fi
 # Ray and matplotlib are optional for users (kernelfuse[ray], kernelfuse[report]) but not for the tests: bench's
 # Ray path runs on a local CPU cluster and the HTML report is built and parsed, so both are installed here.
 .venv/bin/python -m pip install --quiet --disable-pip-version-check numpy pytest ruff ray matplotlib
+# The model zoo's test (the `zoo` extra): transformers, and the torchvision release built for this torch (torch
+# 2.N.p pairs with torchvision 0.(N+15).p), installed without its dependencies so that torch is never replaced.
+tv=$(.venv/bin/python -c "import torch; v = torch.__version__.split('+')[0].split('.'); print(f'0.{int(v[1]) + 15}.{v[2]}')")
+.venv/bin/python -m pip install --quiet --disable-pip-version-check transformers pillow
+.venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps "torchvision==$tv"
 .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 if [ -z "${CUDA_HOME:-}" ]; then
   for d in /usr/local/cuda /usr/local/cuda-*; do
