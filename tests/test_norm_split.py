@@ -158,3 +158,24 @@ def test_split_norm_kernels_compute_the_norm_in_a_cpu_emulation(planned, tmp_pat
                     assert _max_err(tensor, exact_env[ref.name]) <= 2 * _max_err(env[ref.name], exact_env[ref.name]) \
                         + 1e-6, (where, name)
                     assert _max_err(tensor, exact_env[ref.name]) < 1e-5, (where, name)
+
+
+def test_few_rows_of_many_columns_normalise_a_column_per_thread(tmp_path):
+    """2 rows of 262144 with a 262144-element weight and bias: the normalise pass takes a column's rows in one
+    thread (the affine parameters read once, not once a row); run in the CPU emulation it computes the norm,
+    no less accurate than eager against float64."""
+    path = write_problem(tmp_path, "wide_ln", "def __init__(self):\n    super().__init__()\n"
+                         "    self.ln = nn.LayerNorm([4, 256, 256])\n\ndef forward(self, x):\n    return self.ln(x)\n",
+                         "[torch.randn(2, 4, 256, 256)]", header="import torch.nn as nn")
+    _, _, (plan,) = pipeline(path)
+    (g,) = plan.generated
+    cuda = generate(plan).cuda
+    assert "split norm, 2 rows of 262144" in cuda and "const INDEX r = rw * 262144 + c;" in cuda
+    lib = emulated(plan, tmp_path)
+    torch.manual_seed(0)
+    env = {ref.name: torch.randn((plan.graph[ref].meta if name != "src" else g.source.meta).shape) * 2.0 + 0.5
+           for name, ref in tensor_args(g)}
+    exact, eager = _run_generated(g, {k: v.double() for k, v in env.items()}), _run_generated(g, env)
+    out, work = torch.empty(g.out_meta.shape), torch.full((split_workspace(g),), float("nan"))
+    call(lib, g, [*(env[ref.name] for _, ref in tensor_args(g)), out, work])
+    assert _max_err(out, exact) <= 2 * _max_err(eager, exact) + 1e-6 * exact.abs().max().item()

@@ -47,6 +47,9 @@ UNROLL = 4
 # The normalise pass walks a column's rows in one thread (the row's weight and bias read once for all of them, not
 # once a row: a 16 x 4194304 LayerNorm read 16 x 32 MB of affine parameters) for at most this many rows.
 ROWS_INNER_MAX = 64
+# ... and only where a thread per column still fills an H100 (132 SMs x 2048 threads): fewer columns would leave
+# too few loads in flight for the memory system (not measured: the bound is set so as not to need it).
+ROWS_INNER_MIN_COLS = 1 << 18
 
 
 def split_chunks(step: GenStep) -> int:
@@ -290,7 +293,7 @@ def _rows_inner(space: Space) -> bool:
     """Does the flat normalise pass take a column's rows in one thread: few rows, the kept dims outermost (so
     element r is row * cols + c), columns enough to fill the GPU?"""
     rows, cols = space.count("k"), space.count("r")
-    return 1 < rows <= ROWS_INNER_MAX and cols >= SPLIT_MIN_ROW and space.classes == tuple(sorted(space.classes))
+    return 1 < rows <= ROWS_INNER_MAX and cols >= ROWS_INNER_MIN_COLS and space.classes == tuple(sorted(space.classes))
 
 
 def _transposed_dim(space: Space) -> int | None:
