@@ -57,3 +57,21 @@ def test_tqdms_monitor_thread_is_not_work_escaping_but_a_subclass_of_it_is() -> 
     finally:
         for m in monitors:
             m.exit()
+
+
+def test_a_new_thread_with_the_ident_of_an_ended_one_is_still_new() -> None:
+    """The OS hands an ended thread's ident to the next thread it starts: threads are told apart as objects, so
+    a candidate's thread that reuses the ident of one running before the call is still found."""
+    ended = threading.Thread(target=lambda: None, name="ended_before")
+    ended.start()
+    before = python_threads()  # taken while `ended` may still be listed
+    ended.join()
+    stop = threading.Event()
+    fresh = threading.Thread(target=stop.wait, name="candidate_worker")
+    fresh.start()
+    try:
+        fresh_ident_taken = fresh.ident == ended.ident  # often equal: the same pthread slot, reused
+        assert "candidate_worker" in new_threads(before), fresh_ident_taken
+    finally:
+        stop.set()
+        fresh.join()

@@ -143,19 +143,21 @@ def _borrowed_timer(thread: threading.Thread) -> bool:
             and not str(getattr(call, "__module__", "")).startswith("torch."))
 
 
-def compiler_threads(before: frozenset[int]) -> list[str]:
+def compiler_threads(before: frozenset[threading.Thread]) -> list[str]:
     """Names of live threads, new since `before`, that torch.compile's own code started."""
-    return [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive() and _compiler_thread(t)]
+    return [t.name for t in threading.enumerate() if t not in before and t.is_alive() and _compiler_thread(t)]
 
 
-def python_threads() -> frozenset[int]:
-    """Idents of the live Python threads."""
-    return frozenset(t.ident for t in threading.enumerate() if t.ident is not None)
+def python_threads() -> frozenset[threading.Thread]:
+    """The live Python threads, as objects: a thread that ends frees its ident for the next one the OS starts, so
+    a new thread could pass for one that was running before if threads were told apart by ident (a candidate's
+    thread was missed so, seen when the threads of an earlier judgement were still ending)."""
+    return frozenset(threading.enumerate())
 
 
-def new_threads(before: frozenset[int]) -> list[str]:
+def new_threads(before: frozenset[threading.Thread]) -> list[str]:
     """Names of live threads that were not running in `before` (torch's own, for the judge's baseline, aside)."""
-    return [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive() and not _torch_own(t)
+    return [t.name for t in threading.enumerate() if t not in before and t.is_alive() and not _torch_own(t)
             and not _compiler_thread(t) and not _progress_monitor(t)]
 
 

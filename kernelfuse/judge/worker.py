@@ -13,6 +13,7 @@ import faulthandler
 import importlib.util
 import os
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -299,7 +300,7 @@ def run(request: WorkerRequest, out: Outcome) -> None:
     out.stage("done")
 
 
-def _note_compiler_threads(out: Outcome, before: frozenset[int]) -> None:
+def _note_compiler_threads(out: Outcome, before: frozenset[threading.Thread]) -> None:
     """torch.compile's worker threads started by the candidate: named for what they are (not work escaping the
     timed region: the compiled forward waits for its compilation)."""
     names = compiler_threads(before)
