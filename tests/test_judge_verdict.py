@@ -37,6 +37,13 @@ def test_table_shows_result_errors_and_timings():
         assert text in table
 
 
+def test_table_shows_the_bare_anchors_where_timed():
+    assert "bare anchors" not in sample_verdict().format_table()
+    v = sample_verdict(anchor_ms=1.95, anchor_calls=[{"op": "mm [64, 64] x [64, 64]", "count": 1, "ms": 1.95}])
+    assert "bare anchors         1.950" in v.format_table()
+    assert v.to_json()["anchor_ms"] == 1.95
+
+
 def test_table_of_a_build_failure_lists_key_lines():
     v = sample_verdict(status="not_built", built=False, correct=False, reason="build failed (x): cause",
                        build_cause="cause", build_errors=("a.h:5: error: #error C++17",), runtime_ms=None,

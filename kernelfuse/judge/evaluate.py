@@ -187,6 +187,7 @@ def _measurements(out: dict[str, Any], trials: list[dict[str, Any]]) -> dict[str
                         "compile_s": compile_seconds.get(name)} for name, s in stats.items() if name != "candidate"}
     kernels = out.get("kernels")
     floor = timing.get("floor") or {}
+    anchors = timing.get("anchors") or {}
     probe = out.get("probe") or {}
     params = out.get("params") or {}
     return {
@@ -199,7 +200,8 @@ def _measurements(out: dict[str, Any], trials: list[dict[str, Any]]) -> dict[str
         "compile_stats": comp, "compile_s": timing.get("compile_s"),
         "speedup_eager": speedup(eager and eager["median"], ours and ours["median"]),
         "speedup_compile": speedup(comp and comp["median"], ours and ours["median"]),
-        "floor_ms": floor.get("ms"), "baselines": baselines, "kernels": kernels,
+        "floor_ms": floor.get("ms"), "anchor_ms": anchors.get("ms"), "anchor_calls": anchors.get("calls"),
+        "baselines": baselines, "kernels": kernels,
         "custom_kernel_share": kernels["custom_kernel_share"] if kernels else None,
         "float64_rule": _float64_rule(trials),
     }

@@ -27,6 +27,7 @@ from kernelfuse.bench import (
     summarize,
     time_alternating,
 )
+from kernelfuse.bench.anchors import record_anchors, time_anchors
 from kernelfuse.judge.guard import Snapshot, new_threads, python_threads
 from kernelfuse.judge.options import COMPILE_MODES
 from kernelfuse.judge.timedcheck import TimedInputs
@@ -52,13 +53,15 @@ class TimingReport:
     implausible: str | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # where the stage's time went: compile, samples, floor
     compile_seconds: dict[str, float] = field(default_factory=dict)  # first-call seconds of each compile baseline
+    anchors: dict[str, Any] | None = None  # the forward's library anchors timed alone (kernelfuse.bench.anchors)
 
     def to_dict(self) -> dict[str, Any]:
         return {"stats": self.stats, "compile_s": self.compile_s, "compile_error": self.compile_error,
                 "escape": self.escape, "threads": list(self.threads), "patched": list(self.patched),
                 "floor": self.floor, "warnings": list(self.warnings), "input_sets": self.input_sets,
                 "checked_calls": self.checked_calls, "failure": list(self.failure) if self.failure else None,
-                "implausible": self.implausible, "seconds": self.seconds, "compile_seconds": self.compile_seconds}
+                "implausible": self.implausible, "seconds": self.seconds, "compile_seconds": self.compile_seconds,
+                "anchors": self.anchors}
 
 
 def run_timing(problem: Problem, models: Models, settings: TrialSettings, probe: Probe, timer: Timer,
@@ -137,6 +140,15 @@ def run_timing(problem: Problem, models: Models, settings: TrialSettings, probe:
         except Exception as err:  # noqa: BLE001 - no floor is a missing number, not a failure
             warnings.append(f"floor estimate failed: {type(err).__name__}: {err}")
     seconds["floor"] = round(time.perf_counter() - clock, 3)
+    clock = time.perf_counter()
+    anchors = None
+    if device.type == "cuda":
+        try:  # on the inputs eager was timed with, under eager's flags (restored after the samples)
+            calls = record_anchors(lambda: models.reference(*own.get("eager", own["candidate"])))
+            anchors = time_anchors(calls, timer, device) if calls else None
+        except Exception as err:  # noqa: BLE001 - a missing reference number, not a failure
+            warnings.append(f"timing the bare anchors failed: {type(err).__name__}: {err}")
+    seconds["anchors"] = round(time.perf_counter() - clock, 3)
     implausible = None
     if floor is not None:
         implausible = below_floor(stats["candidate"]["median"], floor, implausible_margin, "implausible")
@@ -145,4 +157,4 @@ def run_timing(problem: Problem, models: Models, settings: TrialSettings, probe:
             warnings.append(slow)
     return TimingReport(stats, compile_seconds.get("compile"), compile_error, escape, tuple(threads_seen), patched,
                         floor.to_dict() if floor else None, tuple(warnings), pool.sets, pool.n_checked,
-                        pool.failure, implausible, seconds, compile_seconds)
+                        pool.failure, implausible, seconds, compile_seconds, anchors)

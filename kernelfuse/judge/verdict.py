@@ -63,6 +63,8 @@ class Verdict:
     speedup_eager: float | None = None
     speedup_compile: float | None = None
     floor_ms: float | None = None
+    anchor_ms: float | None = None  # the forward's convolutions and matrix products timed alone, summed
+    anchor_calls: list[dict[str, Any]] | None = None  # each distinct anchor call: op and shapes, count, ms
     baselines: dict[str, dict[str, Any]] = field(default_factory=dict)  # per baseline: ms, stats, speedup, compile_s
     custom_kernel_share: float | None = None  # of the forward's GPU time, in kernels the candidate built (GPU only)
     kernels: dict[str, Any] | None = None  # the kernel accounting behind it (kernelfuse.judge.accounting)
@@ -228,6 +230,9 @@ def _timing_rows(v: Verdict) -> list[str]:
     if v.floor_ms is not None and rows:
         floor = v.details.get("floor") or {}
         rows.append(f"  {'floor estimate':<16} {v.floor_ms:>9.3f}   {floor.get('bound', '')}-bound")
+    if v.anchor_ms is not None and rows:
+        rows.append(f"  {'bare anchors':<16} {v.anchor_ms:>9.3f}   the library convolutions and matrix products "
+                    "alone")
     return rows
 
 
