@@ -110,3 +110,14 @@ def test_pools_match_eager_on_the_gpu(tmp_path, inputs):
     for kind, e, g in zip(KINDS, expected, got, strict=True):
         tol = 0.0 if kind == "max_pool" else 1e-5
         torch.testing.assert_close(g, e, atol=tol, rtol=tol)
+
+
+def test_a_window_too_wide_for_shared_memory_keeps_the_per_thread_kernel():
+    """A 1-d window whose input span per 32 outputs exceeds the staged 12288 floats (stride 400) is not tiled."""
+    from kernelfuse.codegen.pool import MAX_TILE_SPAN, last_dim_only
+    from kernelfuse.ops.reductions import PoolWindow
+
+    narrow = PoolWindow((1, 8), (1, 4), (0, 0), (1, 1))
+    wide = PoolWindow((1, 8), (1, 400), (0, 0), (1, 1))
+    assert last_dim_only(narrow, (2, 3, 1, 20000), (2, 3, 1, 4999))
+    assert not last_dim_only(wide, (2, 3, 1, 20000), (2, 3, 1, 50)) and 31 * 400 + 8 > MAX_TILE_SPAN

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from kernelfuse.bench.stats import summarize
 from kernelfuse.bench.timer import Timer
 
 ANCHOR_OPS = frozenset({
@@ -24,7 +23,6 @@ ANCHOR_OPS = frozenset({
     torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default, torch.ops.aten.addmv.default,
     torch.ops.aten.mv.default,
 })
-REPS = 7
 
 
 @dataclass(frozen=True)
@@ -75,14 +73,12 @@ def record_anchors(fn: Callable[[], Any]) -> Counter[AnchorCall]:
 
 
 def time_anchors(calls: Counter[AnchorCall], timer: Timer, device: torch.device) -> dict[str, Any]:
-    """Each distinct anchor call timed alone (median of REPS after a warm-up, L2 flushed as for the versions) on
+    """Each distinct anchor call timed alone (Timer.median_ms: L2 flushed before each call, as for the versions) on
     random stand-ins of its arguments; `ms` is the sum over the forward's calls."""
     rows, total = [], 0.0
     for call, count in calls.most_common():
         args = tuple(_stand_in(a, device) for a in call.args)
-        run = lambda args=args, op=call.op: op(*args)  # noqa: E731 - one closure per call
-        run()
-        ms = summarize([timer.time(run)[0].event_ms for _ in range(REPS)]).median
+        ms = timer.median_ms(lambda args=args, op=call.op: op(*args))
         total += count * ms
         rows.append({"op": call.describe(), "count": count, "ms": ms})
     return {"ms": total, "calls": rows}

@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from kernelfuse.bench.stats import summarize
 from kernelfuse.bench.timer import Timer
 from kernelfuse.verify.compare import flatten_outputs
 
@@ -102,7 +101,7 @@ def measure_ceilings(timer: Timer, flop_kind: str, size: int = 8192, copy_bytes:
     saved = torch.backends.cuda.matmul.allow_tf32
     try:
         torch.backends.cuda.matmul.allow_tf32 = flop_kind == "tf32"
-        mm_ms = _median_ms(timer, lambda: torch.mm(a, b))
+        mm_ms = timer.median_ms(lambda: torch.mm(a, b))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
     return Ceilings(2.0 * size**3 / (mm_ms * 1e-3), 2.0 * copy_bytes / (copy_ms * 1e-3), flop_kind)
@@ -111,12 +110,7 @@ def measure_ceilings(timer: Timer, flop_kind: str, size: int = 8192, copy_bytes:
 def _copy_ms(timer: Timer, nbytes: int) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device=timer.device).fill_(1)
     dst = torch.empty_like(src)
-    return _median_ms(timer, lambda: dst.copy_(src))
-
-
-def _median_ms(timer: Timer, fn: Callable[[], Any], reps: int = 7) -> float:
-    fn()
-    return summarize([timer.time(fn)[0].event_ms for _ in range(reps)]).median
+    return timer.median_ms(lambda: dst.copy_(src))
 
 
 def floor_estimate(flops: int, nbytes: int, ceilings: Ceilings) -> Floor:

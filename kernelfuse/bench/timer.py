@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from kernelfuse.bench.stats import summarize
+
 DEFAULT_FLUSH_BYTES = 256 << 20  # when the device does not report its L2 size
 
 
@@ -83,6 +85,12 @@ class Timer:
         c.synchronize()
         host_ms = (c.perf_counter() - t0) * 1e3
         return Sample(float(c.elapsed_time(start, end)), host_ms), result
+
+    def median_ms(self, fn: Callable[[], Any], reps: int = 7) -> float:
+        """Median device time of `fn` over `reps` timed calls after one warm-up call (a reference measurement:
+        the ceilings of the floor estimate, the bare anchors)."""
+        fn()
+        return summarize([self.time(fn)[0].event_ms for _ in range(reps)]).median
 
 
 def median_event_ms(fn: Callable[[], Any], reps: int = 20, warmup: int = 3) -> float:

@@ -234,10 +234,12 @@ MAX_TILE_SPAN = 12 * 1024  # floats of input span staged in shared memory (48 KB
 
 def last_dim_only(win, in_shape: tuple[int, ...], out_shape: tuple[int, ...]) -> bool:
     """Does the window slide along the last dim alone (every other pooled dim a 1-wide, unpadded, unit-stride
-    window), so that an output row reads exactly the input row of the same index?"""
+    window), so that an output row reads exactly the input row of the same index, and does the input span of a
+    tile of outputs fit in shared memory (a very wide or strided window keeps the per-thread kernel)?"""
     if win.adaptive or in_shape[:-1] != out_shape[:-1]:
         return False
-    return all(win.kernel[d] == 1 and win.stride[d] == 1 and win.padding[d] == 0 for d in range(len(win.kernel) - 1))
+    return all(win.kernel[d] == 1 and win.stride[d] == 1 and win.padding[d] == 0 for d in range(len(win.kernel) - 1)) \
+        and _span(win, tile_outputs(win, out_shape[-1])) <= MAX_TILE_SPAN
 
 
 def tile_outputs(win, out_last: int) -> int:
@@ -265,9 +267,6 @@ def _tiled_row_pool_kernel(step: GenStep, ctype: str) -> str:
     tiles = -(-out_last // t)
     span = _span(win, t)
     stride, dil, kern = win.stride[-1], win.dilation[-1], win.kernel[-1]
-    if span > MAX_TILE_SPAN:
-        raise ValueError(f"pool kernel {k}: a window of {kern} at stride {stride}, dilation {dil} spans {span} "
-                         f"inputs per {t} outputs, over the {MAX_TILE_SPAN} staged in shared memory")
     max_pool = spec.kind == "max_pool"  # type: ignore[attr-defined]
     identity = "-INFINITY" if max_pool else "0.0f"
     combine = "acc = kf_max_op()(acc, x);" if max_pool else "acc += x;"

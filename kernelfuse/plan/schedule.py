@@ -369,7 +369,7 @@ def build_program(graph: Graph, members: list[Node], meta: TensorMeta, space: tu
             names[node.name] = node.name
             continue
         row = POINTWISE_BY_ATEN[node.op]
-        args = tuple(value(node.args[i]) if i < len(node.args) else 0.0 for i in row.operands)
+        args = tuple(value(a) for a in _read_args(node))
         params = tuple(constant_arg(node, pos, default) for pos, default in row.params)
         statements.append(Statement(node.name, row.ir, row.aten, args, params))
         names[node.name] = node.name
@@ -381,6 +381,14 @@ def build_program(graph: Graph, members: list[Node], meta: TensorMeta, space: tu
     return src, Program(tuple(statements), tuple(operands), space)
 
 
+def _read_args(node: Node) -> tuple[object, ...]:
+    """The values a program member reads, in the order build_program meets them: a reshape's source, else the
+    table row's operands (0.0 for one the call left out)."""
+    if node.op in RESHAPES:
+        return (node.args[0],)
+    return tuple(node.args[i] if i < len(node.args) else 0.0 for i in POINTWISE_BY_ATEN[node.op].operands)
+
+
 def _full_size_source(graph: Graph, members: list[Node], meta: TensorMeta) -> str | None:
     """The tensor a pointwise kernel reads as its source: the first one it reads from outside that has every
     element of the output (`A.unsqueeze(1) * B`: B, not the broadcast A), so that the source and the output share
@@ -388,9 +396,7 @@ def _full_size_source(graph: Graph, members: list[Node], meta: TensorMeta) -> st
     tensor is the source changes no arithmetic: the statements name their arguments."""
     inside = {m.name for m in members}
     for node in members:
-        args = (node.args[0],) if node.op in RESHAPES else \
-            tuple(node.args[i] for i in POINTWISE_BY_ATEN[node.op].operands if i < len(node.args))
-        for arg in args:
+        for arg in _read_args(node):
             if isinstance(arg, Ref) and arg.name not in inside:
                 m = graph[arg].meta
                 if m is not None and m.dtype != torch.bool and m.shape == meta.shape and m.stride == meta.stride:
