@@ -171,7 +171,8 @@ def test_memo_on_contents_does_not_pay():
     assert v.correct and v.input_sets == 4  # fresh contents before every timed call: the memo never hits ...
     assert not any("suspicious" in w for w in v.warnings), v.warnings  # ... so its time is honest
     assert v.floor_ms is not None and v.runtime_ms > 0.8 * v.floor_ms and 0.9 < v.speedup_eager < 1.1
-    assert v.anchor_ms is not None and 0 < v.anchor_ms <= 1.2 * v.eager_ms  # the GEMM alone: most of eager's time
+    assert v.anchor_ms is not None and v.anchor_ms > 0  # the fixture's one matrix product, timed alone
+    assert [c["count"] for c in v.anchor_calls] == [1] and v.anchor_calls[0]["op"].split()[0] in ("mm", "addmm")
 
 
 def test_honest_prepacked_candidate_is_correct_and_modes_and_robust_run():

@@ -59,19 +59,26 @@ def test_tqdms_monitor_thread_is_not_work_escaping_but_a_subclass_of_it_is() -> 
             m.exit()
 
 
-def test_a_new_thread_with_the_ident_of_an_ended_one_is_still_new() -> None:
+def test_a_new_thread_with_the_ident_of_an_earlier_one_is_still_new() -> None:
     """The OS hands an ended thread's ident to the next thread it starts: threads are told apart as objects, so
-    a candidate's thread that reuses the ident of one running before the call is still found."""
-    ended = threading.Thread(target=lambda: None, name="ended_before")
-    ended.start()
-    before = python_threads()  # taken while `ended` may still be listed
-    ended.join()
+    a candidate's thread that reuses the ident of one running before the call is still found (the reuse is forced
+    here: the new thread reports the old one's ident)."""
     stop = threading.Event()
-    fresh = threading.Thread(target=stop.wait, name="candidate_worker")
+    before_thread = threading.Thread(target=stop.wait, name="running_before")
+    before_thread.start()
+    before = python_threads()
+
+    class SameIdent(threading.Thread):
+        @property
+        def ident(self) -> int | None:
+            return before_thread.ident
+
+    fresh = SameIdent(target=stop.wait, name="candidate_worker")
     fresh.start()
     try:
-        fresh_ident_taken = fresh.ident == ended.ident  # often equal: the same pthread slot, reused
-        assert "candidate_worker" in new_threads(before), fresh_ident_taken
+        assert fresh.ident == before_thread.ident
+        assert "candidate_worker" in new_threads(before)
     finally:
         stop.set()
         fresh.join()
+        before_thread.join()
