@@ -1,6 +1,7 @@
 """`kernelfuse fuzz`: random models through the whole pipeline, differential checks, shrunk failures on disk.
 
-Models run in chunks: each chunk through the CPU stages, then its kernels through nvcc (no GPU) or built and run
+Models run in chunks: each chunk through the CPU stages (in a child process: a model that kills or hangs it is
+classified, and the run goes on), then its kernels through nvcc (no GPU) or built and run
 on the GPU (parallel workers); a progress line follows every chunk and a failing model is written to --out as
 soon as it is found. After the run the failures are shrunk (within --shrink-time) and written again, minimal.
 The last line is always `N models, M mismatches, K crashes`; the exit code is 0 only when M and K are 0.
@@ -9,6 +10,8 @@ The last line is always `N models, M mismatches, K crashes`; the exit code is 0 
 from __future__ import annotations
 
 import argparse
+import base64
+import pickle
 import sys
 import tempfile
 import time
@@ -21,12 +24,14 @@ import torch
 
 from kernelfuse.errors import UsageError
 from kernelfuse.fuzz.device import GpuPool, compile_all, find_nvcc
-from kernelfuse.fuzz.generate import ModelSpec, generate, render
-from kernelfuse.fuzz.run import ModelRun, Outcome, run_problem
+from kernelfuse.fuzz.generate import ModelSpec, render
+from kernelfuse.fuzz.run import Emitted, ModelRun, Outcome
 from kernelfuse.fuzz.shrink import SHRINK_BUDGET_S, shrink
+from kernelfuse.fuzz.worker import Worker
 
 CHUNK = 32  # models per CPU -> nvcc round: a progress line after each; --time acts between models too
 GPU_CHUNK = 64  # per CPU -> GPU round: more models, fewer idle workers while the round's slowest build ends
+CPU_TIMEOUT_S = 600.0  # one model's CPU stages (seconds, typically): past this it counts as a hang
 
 
 def add_fuzz_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,7 +87,13 @@ def run_fuzz(args: argparse.Namespace) -> int:
             if deadline is not None and time.monotonic() >= deadline:
                 print(f"stopped after {time.monotonic() - started:.0f} s (--time {args.time:g})", flush=True)
                 break
-            specs = [generate(args.seed, i) for i in range(lo, min(lo + chunk, args.count))]
+            specs = []
+            for i in range(lo, min(lo + chunk, args.count)):
+                spec = checker.generate(args.seed, i)
+                if isinstance(spec, Outcome):  # the generator's own eager run killed the process
+                    tally.add(ModelSpec(args.seed, i, "float32", False, (), (), ()), spec)
+                else:
+                    specs.append(spec)
             for spec, outcome in checker.run_chunk(specs, deadline):
                 tally.add(spec, outcome)
                 if outcome.failed:
@@ -117,6 +128,7 @@ class _Checker:
         self.workdir, self.gpu = workdir, gpu
         self.nvcc = None if gpu else nvcc  # on a GPU each file is built (and so compiled) by the GPU check
         self.pool = GpuPool(logs or workdir) if gpu else None
+        self.stages = Worker("kernelfuse.fuzz.cpuworker", workdir / "stages.log")
 
     def write(self, spec: ModelSpec) -> Path:
         path = self.workdir / f"{spec.name}.py"
@@ -129,7 +141,7 @@ class _Checker:
             if deadline is not None and time.monotonic() >= deadline:
                 break
             path = self.write(spec)
-            runs.append((spec, path, run_problem(path, self.gpu)))
+            runs.append((spec, path, self.classify(path)))
         if self.nvcc:
             errors = compile_all([e.cuda for _, _, r in runs if r.outcome.status == "ok" for e in r.emitted
                                   if e.cuda], self.nvcc)
@@ -154,7 +166,35 @@ class _Checker:
             if wrong and run.outcome.status == "ok":
                 run.outcome = Outcome("mismatch", "gpu", f"{variant}: {wrong}")
 
+    def generate(self, seed: int, index: int) -> ModelSpec | Outcome:
+        """Model `index` of run `seed`, drawn in the stages' child: drawing runs each op on real tensors (eager can
+        kill the process there too: then the model is invalid)."""
+        answer = self.stages.ask({"generate": [seed, index]}, CPU_TIMEOUT_S)
+        if isinstance(answer, dict):
+            return pickle.loads(base64.b64decode(answer["spec"]))  # noqa: S301 - our own child's answer
+        return Outcome("invalid", "generate", f"drawing the model's ops killed the process: {answer}")
+
+    def classify(self, path: Path) -> ModelRun:
+        """`run.run_problem` in the stages' child process. Where the child dies or hangs, a fresh child runs the
+        model's eager forward alone: if that dies too, eager cannot run the model (invalid); else kernelfuse's
+        stages killed the process, a crash."""
+        answer = self.stages.ask({"problem": str(path), "measure_layouts": self.gpu}, CPU_TIMEOUT_S)
+        if isinstance(answer, dict):
+            return ModelRun(Outcome(answer["status"], answer["stage"], answer["reason"]),
+                            [Emitted(*e) for e in answer["emitted"]])
+        probe = Worker("kernelfuse.fuzz.cpuworker", self.workdir / "eager_probe.log")
+        try:
+            eager = probe.ask({"eager_only": str(path)}, CPU_TIMEOUT_S)
+        finally:
+            probe.close()
+        if eager != {"eager": "ok"}:
+            why = eager if isinstance(eager, str) else eager["eager"]
+            return ModelRun(Outcome("invalid", "eager", f"eager alone, in a process of its own: {why}"))
+        return ModelRun(Outcome("crash", "process", f"the process running kernelfuse's stages: {answer} (log "
+                                                    f"{self.stages.log})"))
+
     def close(self) -> None:
+        self.stages.close()
         if self.pool is not None:
             self.pool.close()
 

@@ -5,15 +5,11 @@ worker processes (`GpuPool`): one model's build, hang or poisoned CUDA context n
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
 import os
 import queue
-import select
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 from collections.abc import Iterable
@@ -23,7 +19,7 @@ from pathlib import Path
 import torch
 
 from kernelfuse.fuzz.run import load_emitted
-from kernelfuse.judge.runner import child_env, kill_group
+from kernelfuse.fuzz.worker import Worker
 from kernelfuse.load import DEFAULT_SEED, load_problem
 from kernelfuse.verify.compare import compare_outputs
 from kernelfuse.verify.float64 import check_float64, float64_model, to_float64
@@ -79,7 +75,7 @@ class GpuPool:
 
     def __init__(self, logs: Path, jobs: int | None = None) -> None:
         self.logs, self.jobs = logs, jobs or min(os.cpu_count() or 1, GPU_JOBS)
-        self.procs: list[subprocess.Popen | None] = [None] * self.jobs
+        self.workers = [Worker("kernelfuse.fuzz.gpuworker", logs / f"gpu_worker_{k}.log") for k in range(self.jobs)]
 
     def check_all(self, tasks: list[tuple[Path, Path]]) -> list[str]:
         """For each (problem file, emitted file): '' if the emitted forward matches eager on the GPU, else why."""
@@ -87,7 +83,7 @@ class GpuPool:
         todo: queue.Queue = queue.Queue()
         for item in enumerate(tasks):
             todo.put(item)
-        threads = [threading.Thread(target=self._serve, args=(k, todo, results)) for k in range(self.jobs)]
+        threads = [threading.Thread(target=self._serve, args=(w, todo, results)) for w in self.workers]
         for t in threads:
             t.start()
         for t in threads:
@@ -95,47 +91,19 @@ class GpuPool:
         return results
 
     def close(self) -> None:
-        for k, proc in enumerate(self.procs):
-            if proc is not None:
-                proc.stdin.close()
-                kill_group(proc.pid)
-                proc.wait()
-                self.procs[k] = None
+        for worker in self.workers:
+            worker.close()
 
-    def _serve(self, k: int, todo: queue.Queue, results: list[str]) -> None:
+    @staticmethod
+    def _serve(worker: Worker, todo: queue.Queue, results: list[str]) -> None:
         while True:
             try:
                 i, (problem, emitted) = todo.get_nowait()
             except queue.Empty:
                 return
-            results[i] = self._ask(k, problem, emitted)
-
-    def _ask(self, k: int, problem: Path, emitted: Path) -> str:
-        proc = self.procs[k]
-        if proc is None or proc.poll() is not None:
-            self.logs.mkdir(parents=True, exist_ok=True)
-            log = open(self.logs / f"gpu_worker_{k}.log", "a")  # noqa: SIM115 - the child's stderr, kept open
-            proc = self.procs[k] = subprocess.Popen(
-                [sys.executable, "-m", "kernelfuse.fuzz.gpuworker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=log, text=True, env=child_env(), start_new_session=True)
-        ready = True
-        try:
-            proc.stdin.write(json.dumps({"problem": str(problem), "emitted": str(emitted)}) + "\n")
-            proc.stdin.flush()
-            ready = bool(select.select([proc.stdout], [], [], GPU_TIMEOUT_S)[0])
-            line = proc.stdout.readline() if ready else ""
-        except (BrokenPipeError, OSError):
-            line = ""
-        if line:
-            return json.loads(line)["wrong"]
-        if ready:  # the worker closed its end: it is exiting, let it say how
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=10)
-        kill_group(proc.pid)
-        proc.wait()
-        self.procs[k] = None
-        what = f"exit {proc.returncode}" if ready else f"no answer within {GPU_TIMEOUT_S:.0f} s"
-        return f"the GPU check's worker died on this model ({what}; log {self.logs}/gpu_worker_{k}.log)"
+            answer = worker.ask({"problem": str(problem), "emitted": str(emitted)}, GPU_TIMEOUT_S)
+            results[i] = answer["wrong"] if isinstance(answer, dict) else (
+                f"the GPU check's worker died on this model ({answer}; log {worker.log})")
 
 
 def gpu_check(problem_path: Path, emitted_path: Path) -> str:

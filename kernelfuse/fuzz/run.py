@@ -41,7 +41,8 @@ STATUSES = ("ok", "mismatch", "crash", "unsupported", "invalid")
 @dataclass(frozen=True)
 class Outcome:
     status: str  # one of STATUSES
-    stage: str  # where it was decided: load, eager, capture, rewrite, plan, codegen, check, file, nvcc, gpu
+    stage: str  # where it was decided: load, eager, capture, rewrite, plan, codegen, check, file, nvcc, gpu,
+    # process (the child running the stages died or hung: cli._Checker.classify)
     reason: str = ""
 
     @property
