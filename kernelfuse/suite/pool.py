@@ -19,6 +19,8 @@ from kernelfuse.suite.child import Children, ChildResult
 from kernelfuse.suite.discover import SuiteProblem
 from kernelfuse.suite.job import JobSpec
 
+CORES_PER_BUILD = 4  # a build job compiles up to ~3 variants (plus torch.compile's workers) at once
+
 
 @dataclass(frozen=True)
 class WorkItem:

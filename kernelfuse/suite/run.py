@@ -17,13 +17,11 @@ from kernelfuse.suite.candidates import find_candidate
 from kernelfuse.suite.child import ChildResult
 from kernelfuse.suite.discover import SuiteError, SuiteProblem, discover
 from kernelfuse.suite.job import JobSpec
-from kernelfuse.suite.pool import Finished, WorkItem, run_local
+from kernelfuse.suite.pool import CORES_PER_BUILD, Finished, WorkItem, run_local
 from kernelfuse.suite.progress import Progress
 from kernelfuse.suite.records import RecordStore
 from kernelfuse.suite.results import make_record
 from kernelfuse.suite.summary import Summary, summarize_records
-
-CORES_PER_BUILD = 4  # a build job compiles up to ~3 variants (plus torch.compile's workers) at once
 
 
 @dataclass(frozen=True)
