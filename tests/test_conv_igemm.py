@@ -3,8 +3,9 @@
 The kernel file is built with the host compiler (tests/emulation_helpers.py): the tensor-core step becomes its
 scalar fallback, which computes the same accumulator elements per lane, so the gather (stride, padding, dilation,
 groups, transposed), the tiling, the edge masks and the epilogue are what the GPU runs. The reference is torch's
-convolution in float64 on the operands rounded to TF32 as the kernel rounds them, then the plan's epilogue: what
-is left is fp32 accumulation error.
+convolution in float64 on the operands rounded to TF32 as the kernel rounds them (unrounded for the depthwise one,
+which runs the direct kernel of conv_depthwise in full fp32), then the plan's epilogue: what is left is fp32
+accumulation error.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from emulation_helpers import emulated
 
 import kernelfuse.codegen.cuda as cuda_module
 from kernelfuse.capture import capture_module
+from kernelfuse.codegen.conv_depthwise import is_depthwise
 from kernelfuse.codegen.conv_igemm import conv_shape, phases, render_conv, tile_config
 from kernelfuse.plan import make_plan, owned_anchor_variants, plan_variants
 from kernelfuse.plan.fuse import PlanOptions
@@ -87,8 +89,9 @@ def _run(model, inputs, graph, plan, tmp_path, exact: bool = False):
         operands = [env[o.ref.name].float() for o in step.epilogue.operands]
         out = getattr(emu.kernels, step.kernel)(*args32, *operands)
         ref_env = dict(env)
+        direct = is_depthwise(conv_shape(graph, step))  # the direct kernel multiplies in full fp32
         for ref, t in zip(node.args[:2], args32[:2], strict=True):
-            ref_env[ref.name] = (t if exact else _tf32(t)).double()
+            ref_env[ref.name] = (t if exact or direct else _tf32(t)).double()
         results.append((step, out, run_fused(plan.graph, step, ref_env)))
     return results
 

@@ -23,6 +23,7 @@ import torch
 from kernelfuse.capture import Graph
 from kernelfuse.codegen.binding import Binding, py_tuple
 from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, apply_function
+from kernelfuse.codegen.conv_depthwise import is_depthwise, render_depthwise
 from kernelfuse.plan.ir import FusedStep, Plan
 
 THREADS = 128  # four warps, each a 32-row slice of the BM = 128 tile
@@ -259,7 +260,8 @@ def phases(s: ConvShape) -> tuple[tuple[int, ...], tuple[int, ...], list[Phase]]
 
 
 def render_conv(plan: Plan, step: FusedStep, out_layout: str = "nchw") -> tuple[str, Binding]:
-    """The kernel, its launcher and its binding for a convolution anchor with its epilogue (`impl` generated).
+    """The kernel, its launcher and its binding for a convolution anchor with its epilogue (`impl` generated): the
+    implicit GEMM, or for a depthwise one the direct kernel of `conv_depthwise`.
     `out_layout`: the output's memory order, "nchw" (contiguous) or "nhwc" (channels-last)."""
     shape = conv_shape(plan.graph, step)
     cfg = tile_config(shape)
@@ -273,15 +275,22 @@ def render_conv(plan: Plan, step: FusedStep, out_layout: str = "nchw") -> tuple[
     ops = range(len(epi.operands))
     operand_params = "".join(f", const {ctype}* __restrict__ in{i}" for i in ops)
     operand_args = "".join(f", in{i}" for i in ops)
-    comment = f"// {k}: {step.chain(plan.graph)}  (implicit GEMM, epilogue inside, {out_layout} output)\n"
-    body, grid = _kernel(k, shape, cfg, ctype, index_t, has_bias, step.anchor.fp32, out_layout, operand_params,
-                         operand_args)
+    if is_depthwise(shape):
+        comment = f"// {k}: {step.chain(plan.graph)}  (direct depthwise convolution, epilogue inside, {out_layout} " \
+                  "output)\n"
+        body, grid, threads = render_depthwise(k, shape, ctype, index_t, has_bias, out_layout, operand_params,
+                                               operand_args)
+    else:
+        comment = f"// {k}: {step.chain(plan.graph)}  (implicit GEMM, epilogue inside, {out_layout} output)\n"
+        body, grid = _kernel(k, shape, cfg, ctype, index_t, has_bias, step.anchor.fp32, out_layout, operand_params,
+                             operand_args)
+        threads = THREADS
     launch_params = "".join(f", const void* in{i}" for i in ops)
     launch_args = "".join(f", (const {ctype}*)in{i}" for i in ops)
     launch = f"""
 KF_EXPORT cudaError_t {k}_launch(const void* x, const void* w, const void* bias, void* out{launch_params}, cudaStream_t stream) {{
   dim3 grid({grid[0]}, {grid[1]}, {grid[2]});
-  {k}_kernel<<<grid, {THREADS}, 0, stream>>>((const {ctype}*)x, (const {ctype}*)w, (const {ctype}*)bias, ({ctype}*)out{launch_args});
+  {k}_kernel<<<grid, {threads}, 0, stream>>>((const {ctype}*)x, (const {ctype}*)w, (const {ctype}*)bias, ({ctype}*)out{launch_args});
   return cudaGetLastError();
 }}
 """
