@@ -12,8 +12,7 @@ from emulation_helpers import emulated
 
 import kernelfuse.codegen.cuda as cuda_module
 from kernelfuse.capture import capture_module
-from kernelfuse.codegen.conv_depthwise import is_depthwise
-from kernelfuse.codegen.conv_igemm import conv_shape, render_conv
+from kernelfuse.codegen.conv_igemm import render_conv
 from kernelfuse.plan import make_plan
 from kernelfuse.plan.fuse import PlanOptions
 from kernelfuse.plan.interpret import run_env, run_fused
@@ -45,7 +44,7 @@ def test_depthwise_kernels_match_float64(tmp_path, monkeypatch, layout):
     graph = capture_module(model, inputs)
     monkeypatch.setattr(cuda_module, "render_conv", functools.partial(render_conv, out_layout=layout))
     plan = make_plan(graph, PlanOptions(conv_layout="nchw", conv_impl="generated", cudnn_fused_relu=False))
-    assert len(plan.fused) == 5 and all(is_depthwise(conv_shape(graph, s)) for s in plan.fused)
+    assert len(plan.fused) == 5 and all(s.anchor.impl == "direct" for s in plan.fused)
     assert cuda_module.generate(plan).cuda.count("direct depthwise convolution") == 5
     emu = emulated(plan, tmp_path)
     state = {k: v.detach().double() for k, v in [*model.named_parameters(), *model.named_buffers()]}
@@ -64,5 +63,5 @@ def test_depthwise_kernels_match_float64(tmp_path, monkeypatch, layout):
 def test_a_grouped_convolution_with_several_input_channels_stays_an_implicit_gemm():
     graph = capture_module(torch.nn.Conv2d(4, 4, 3, groups=2), [torch.randn(1, 4, 6, 6)])
     plan = make_plan(graph, PlanOptions(conv_layout="nchw", conv_impl="generated", cudnn_fused_relu=False))
-    assert not is_depthwise(conv_shape(graph, plan.fused[0]))
+    assert plan.fused[0].anchor.impl == "generated"
     assert "implicit GEMM, epilogue inside" in cuda_module.generate(plan).cuda

@@ -19,7 +19,6 @@ from emulation_helpers import emulated
 
 import kernelfuse.codegen.cuda as cuda_module
 from kernelfuse.capture import capture_module
-from kernelfuse.codegen.conv_depthwise import is_depthwise
 from kernelfuse.codegen.conv_igemm import conv_shape, phases, render_conv, tile_config
 from kernelfuse.plan import make_plan, owned_anchor_variants, plan_variants
 from kernelfuse.plan.fuse import PlanOptions
@@ -89,7 +88,7 @@ def _run(model, inputs, graph, plan, tmp_path, exact: bool = False):
         operands = [env[o.ref.name].float() for o in step.epilogue.operands]
         out = getattr(emu.kernels, step.kernel)(*args32, *operands)
         ref_env = dict(env)
-        direct = is_depthwise(conv_shape(graph, step))  # the direct kernel multiplies in full fp32
+        direct = step.anchor.impl == "direct"  # the direct kernel multiplies in full fp32
         for ref, t in zip(node.args[:2], args32[:2], strict=True):
             ref_env[ref.name] = (t if exact or direct else _tf32(t)).double()
         results.append((step, out, run_fused(plan.graph, step, ref_env)))
@@ -98,15 +97,20 @@ def _run(model, inputs, graph, plan, tmp_path, exact: bool = False):
 
 def test_every_convolution_is_generated_with_its_epilogue_inside(model_and_plan):
     _, _, graph = model_and_plan
-    (plan,) = owned_anchor_variants(graph)
+    plan, direct = owned_anchor_variants(graph)
     assert plan.variant == "fused-igemm"
-    assert len(plan.fused) == 10 and all(s.anchor.impl == "generated" and s.needs_kernel for s in plan.fused)
+    impls = [s.anchor.impl for s in plan.fused]
+    assert len(plan.fused) == 10 and all(s.needs_kernel for s in plan.fused)
+    assert impls == ["generated"] * 2 + ["direct"] + ["generated"] * 7  # the depthwise one: the direct kernel
+    # the second variant: the depthwise convolution ours, every other one cuDNN's
+    assert direct.variant == "fused-nchw-direct"
+    assert [s.anchor.impl for s in direct.fused] == ["library"] * 2 + ["direct"] + ["library"] * 7
     assert not any(s.anchor.fused_relu for s in plan.fused)  # the ReLU is an epilogue statement here
     # nothing measured: fp32 accuracy (3xTF32) everywhere, as cuDNN computes small convolutions exactly
     assert all(s.anchor.fp32 for s in plan.fused) and "generated implicit GEMM 3xTF32 [nchw]" in plan.summary()
     convs = frozenset(s.anchor.node.name for s in plan.fused)
     exact = sorted(convs)[0]
-    (measured,) = owned_anchor_variants(graph, measured=convs, fp32_convs=frozenset({exact}))
+    measured = owned_anchor_variants(graph, measured=convs, fp32_convs=frozenset({exact}))[0]
     assert [s.anchor.fp32 for s in measured.fused] == [s.anchor.node.name == exact for s in measured.fused]
     assert "generated implicit GEMM TF32 [nchw], epilogue inside" in measured.summary()
     assert all(s.anchor.impl == "library" for p in plan_variants(graph) for s in p.fused)  # unchanged
@@ -119,10 +123,12 @@ def test_graph_without_convolution_has_no_generated_variant():
 
 def test_report_says_where_the_epilogue_runs(model_and_plan):
     _, _, graph = model_and_plan
-    (igemm,) = owned_anchor_variants(graph)
+    igemm = owned_anchor_variants(graph)[0]
     anchors = [k for k in plan_json(igemm)["kernels"] if "impl" in k]
     assert len(anchors) == 10
-    assert all(k["impl"] == "generated" and k["epilogue_in_anchor"] and not k["epilogue_kernel"] for k in anchors)
+    assert all(k["epilogue_in_anchor"] and not k["epilogue_kernel"] for k in anchors)
+    assert [(k["impl"], k["family"]) for k in anchors].count(("direct", "conv-direct")) == 1
+    assert [k["impl"] for k in anchors].count("generated") == 9
     library = [k for p in plan_variants(graph) for k in plan_json(p)["kernels"] if "impl" in k]
     assert library and all(k["impl"] == "library" and k["library"] == "cuDNN" for k in library)
     # every library anchor here has ops behind cuDNN's call: they run in an epilogue kernel of their own
@@ -132,7 +138,7 @@ def test_report_says_where_the_epilogue_runs(model_and_plan):
 def test_transposed_convolutions_split_into_phases(model_and_plan):
     """Each phase reads only the taps that reach an input position: a quarter (2-d, stride 2) of the kernel."""
     _, _, graph = model_and_plan
-    (plan,) = owned_anchor_variants(graph)
+    plan = owned_anchor_variants(graph)[0]
     shapes = [conv_shape(graph, s) for s in plan.fused]
     step, scale, up = phases(shapes[6])
     assert step == (2, 2) and scale == (1, 1) and len(up) == 4

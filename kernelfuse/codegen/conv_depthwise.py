@@ -21,17 +21,12 @@ if TYPE_CHECKING:  # conv_igemm dispatches here
 
 THREADS = 256
 ROWS = 4  # outputs per thread, down the second-to-last dimension
-MAX_TAPS = 64  # kernel volumes up to 8x8 (taps in registers); larger ones stay implicit GEMMs
-
-
-def is_depthwise(s: ConvShape) -> bool:
-    """A forward convolution whose every group reads one input channel, with a kernel small enough to unroll."""
-    return not s.transposed and s.cig == 1 and s.kv <= MAX_TAPS
-
-
 def render_depthwise(k: str, s: ConvShape, ctype: str, index_t: str, has_bias: bool, out_layout: str,
                      operand_params: str, operand_args: str) -> tuple[str, tuple[int, int, int], int]:
-    """(kernel source, grid, threads) of `k`_kernel with the same arguments as the implicit GEMM's."""
+    """(kernel source, grid, threads) of `k`_kernel with the same arguments as the implicit GEMM's, for a
+    convolution the planner found depthwise (kernelfuse.plan.fuse.depthwise)."""
+    if s.transposed or s.cig != 1:
+        raise ValueError(f"kernelfuse: {k}: not a depthwise convolution (groups {s.groups}, {s.cin} channels in)")
     pad = 2 - len(s.kernel) if len(s.kernel) < 2 else 0  # a 1-d convolution: one output row per plane
     kernel, stride = (1,) * pad + s.kernel, (1,) * pad + s.stride
     padding, dilation = (0,) * pad + s.padding, (1,) * pad + s.dilation

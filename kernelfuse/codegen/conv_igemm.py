@@ -23,7 +23,7 @@ import torch
 from kernelfuse.capture import Graph
 from kernelfuse.codegen.binding import Binding, py_tuple
 from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, apply_function
-from kernelfuse.codegen.conv_depthwise import is_depthwise, render_depthwise
+from kernelfuse.codegen.conv_depthwise import render_depthwise
 from kernelfuse.plan.ir import FusedStep, Plan
 
 THREADS = 128  # four warps, each a 32-row slice of the BM = 128 tile
@@ -275,7 +275,7 @@ def render_conv(plan: Plan, step: FusedStep, out_layout: str = "nchw") -> tuple[
     ops = range(len(epi.operands))
     operand_params = "".join(f", const {ctype}* __restrict__ in{i}" for i in ops)
     operand_args = "".join(f", in{i}" for i in ops)
-    if is_depthwise(shape):
+    if step.anchor.impl == "direct":  # planned for a depthwise convolution (kernelfuse.plan.fuse.depthwise)
         comment = f"// {k}: {step.chain(plan.graph)}  (direct depthwise convolution, epilogue inside, {out_layout} " \
                   "output)\n"
         body, grid, threads = render_depthwise(k, shape, ctype, index_t, has_bias, out_layout, operand_params,

@@ -54,7 +54,9 @@ class PlanOptions:
     # "library" (one torch SDPA call on the same strided views: cuDNN/flash/efficient kernels), "split" (our kernel,
     # hand-written fp32 attention too in 3xTF32 on tensor cores, as torch's fp32 SDPA computes), or "off"
     attention: str = "kernel"
-    conv_impl: str = "library"  # "generated": eligible convolutions run kernelfuse's implicit GEMM, epilogue inside
+    # "generated": eligible convolutions run kernelfuse's own kernels, epilogue inside (the implicit GEMM; a
+    # depthwise one the direct kernel); "direct": the depthwise ones only, the rest stay library calls
+    conv_impl: str = "library"
 
 
 def plan_variants(graph: Graph, precision: str = "strict", max_fusions: int | None = None,
@@ -124,7 +126,10 @@ def owned_anchor_variants(graph: Graph, precision: str = "strict", max_fusions: 
                           matmul_tf32=precision == "tf32", max_fusions=max_fusions, conv_impl="generated",
                           keep=tuple(sorted(keep)))
     plan = make_plan(graph, options)
-    return [plan] if any(s.anchor.epilogue_inside for s in plan.fused) else []
+    plans = [plan] if any(s.anchor.epilogue_inside for s in plan.fused) else []
+    if any(s.anchor.impl == "direct" for s in plan.fused) and any(s.anchor.impl == "generated" for s in plan.fused):
+        plans.append(make_plan(graph, replace(options, conv_impl="direct")))  # depthwise ours, the rest cuDNN's
+    return plans
 
 
 def igemm_refusal(graph: Graph, node: Node) -> str:
@@ -140,6 +145,17 @@ def igemm_refusal(graph: Graph, node: Node) -> str:
     if math.prod(x.shape[1:]) > int32 or node.meta.numel // max(node.meta.shape[1], 1) >= int32 or w.numel > int32:
         return "an input image, the output pixel count or the weight over 2^31 elements"
     return ""
+
+
+MAX_DIRECT_TAPS = 64  # kernel volumes up to 8x8: the direct kernel holds a channel's taps in registers
+
+
+def depthwise(graph: Graph, node: Node) -> bool:
+    """A forward convolution whose every group reads one input channel (weight (C_out, 1, k...)), its kernel small
+    enough for the direct kernel (kernelfuse.codegen.conv_depthwise)."""
+    w = graph[node.args[1]].meta
+    return not node.args[6] and w is not None and len(w.shape) >= 3 and w.shape[1] == 1 \
+        and math.prod(w.shape[2:]) <= MAX_DIRECT_TAPS
 
 
 def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
@@ -187,10 +203,13 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
         elif node.name not in done and node.op not in ("input", "param", "buffer"):
             steps.append(TorchStep(node, reasons.get(node.name) or _unfused_reason(graph, node)))
     layouts = sorted({s.anchor.layout for s in steps if isinstance(s, FusedStep) and s.anchor.family == "conv"
-                      and channels_last_ok(graph, s.anchor.node)})
+                      and not s.anchor.epilogue_inside                      and channels_last_ok(graph, s.anchor.node)})
     variant = f"fused-{'+'.join(layouts)}" if layouts else "fused"
-    if any(isinstance(s, FusedStep) and s.anchor.epilogue_inside for s in steps):
+    impls = {s.anchor.impl for s in steps if isinstance(s, FusedStep)}
+    if "generated" in impls:
         variant = "fused-igemm"
+    elif "direct" in impls:
+        variant += "-direct"
     if options.matmul_tf32 and any(isinstance(s, FusedStep) and s.anchor.tf32 for s in steps):
         variant += "-tf32"
     if options.attention == "library" and attention:
@@ -311,10 +330,15 @@ def _fuse_behind(graph: Graph, anchor_node: Node, options: PlanOptions, kernel: 
         return None
     out_node = graph[members[-1].name] if members else graph[acc_name]
     epilogue = _epilogue(graph, members, acc_name, out_node.meta)
-    generated = family == "conv" and options.conv_impl == "generated" and not igemm_refusal(graph, anchor_node)
+    impl = "library"
+    if family == "conv" and options.conv_impl != "library" and not igemm_refusal(graph, anchor_node):
+        impl = "direct" if depthwise(graph, anchor_node) else "generated" if options.conv_impl == "generated" \
+            else "library"
+    if impl != "library":
+        layout = "nchw"  # our kernels read the input as it is (NCHW) and, here, store NCHW
     anchor = Anchor(anchor_node, family, fused_relu, layout, tf32=options.matmul_tf32 and family == "matmul",
-                    fp32=(layout == "nhwc" or generated) and anchor_node.name in options.fp32_convs,
-                    impl="generated" if generated else "library")
+                    fp32=(layout == "nhwc" or impl != "library") and anchor_node.name in options.fp32_convs,
+                    impl=impl)
     replaces = (anchor_node.name,) + ((acc_name,) if fused_relu else ()) + tuple(m.name for m in members)
     return FusedStep(kernel, anchor, epilogue, replaces, out_node.name)
 

@@ -60,8 +60,9 @@ class Anchor:
     layout: str = "nchw"  # conv: "nchw", or "nhwc" (channels-last 2-d/3-d conv; the epilogue transposes back)
     tf32: bool = False  # matmul under the tf32 policy: cuBLAS may use TF32 tensor cores for this call
     fp32: bool = False  # conv: cuDNN's TF32 off for this call (eager's NCHW call computes in full fp32 here)
-    # "library" (cuBLAS/cuDNN, the epilogue a kernel of its own) | "generated" (kernelfuse's own kernel with the
-    # epilogue inside: kernelfuse.codegen.conv_igemm) | "template" (reserved)
+    # "library" (cuBLAS/cuDNN, the epilogue a kernel of its own) | "generated" (kernelfuse's implicit GEMM with the
+    # epilogue inside: kernelfuse.codegen.conv_igemm) | "direct" (a depthwise convolution's direct kernel, epilogue
+    # inside: kernelfuse.codegen.conv_depthwise) | "template" (reserved)
     impl: str = "library"
 
     @property
@@ -265,8 +266,9 @@ class Plan:
             layout = f" [{s.anchor.layout}]" if s.anchor.family == "conv" else ""
             kernel = " + epilogue kernel" if s.needs_kernel else " (read channels-last)" if s.keeps_layout else ""
             if s.anchor.epilogue_inside:
-                lib, kernel = f"{s.anchor.impl} implicit GEMM" + (" 3xTF32" if s.anchor.fp32 else " TF32"), \
-                    ", epilogue inside"
+                lib = "direct depthwise fp32" if s.anchor.impl == "direct" else \
+                    "generated implicit GEMM" + (" 3xTF32" if s.anchor.fp32 else " TF32")
+                kernel = ", epilogue inside"
                 extra = ""
             lines.append(f"  fused {s.kernel}: {s.chain(self.graph)}  ({lib}{extra}{layout}{kernel})")
         for g in self.generated:
