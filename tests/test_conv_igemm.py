@@ -11,6 +11,7 @@ accumulation error.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from emulation_helpers import emulated
 import kernelfuse.codegen.cuda as cuda_module
 from kernelfuse.capture import capture_module
 from kernelfuse.codegen.conv_igemm import conv_shape, phases, render_conv, tile_config
-from kernelfuse.plan import make_plan, owned_anchor_variants, plan_variants
+from kernelfuse.plan import make_plan, optimizer_variants, owned_anchor_variants, plan_variants
 from kernelfuse.plan.fuse import PlanOptions
 from kernelfuse.plan.interpret import run_env, run_fused
 from kernelfuse.report import plan_json
@@ -97,14 +98,17 @@ def _run(model, inputs, graph, plan, tmp_path, exact: bool = False):
 
 def test_every_convolution_is_generated_with_its_epilogue_inside(model_and_plan):
     _, _, graph = model_and_plan
-    plan, direct = owned_anchor_variants(graph)
+    (plan,) = owned_anchor_variants(graph)
     assert plan.variant == "fused-igemm"
     impls = [s.anchor.impl for s in plan.fused]
     assert len(plan.fused) == 10 and all(s.needs_kernel for s in plan.fused)
     assert impls == ["generated"] * 2 + ["direct"] + ["generated"] * 7  # the depthwise one: the direct kernel
-    # the second variant: the depthwise convolution ours, every other one cuDNN's
-    assert direct.variant == "fused-nchw-direct"
+    # one more variant: the best library plan (channels-last first, unmeasured) with the depthwise convolution ours
+    *library, igemm, direct = optimizer_variants(graph)
+    assert igemm.variant == "fused-igemm" and direct.variant == "fused-nhwc-direct"
+    assert direct.options == replace(library[0].options, conv_impl="direct")
     assert [s.anchor.impl for s in direct.fused] == ["library"] * 2 + ["direct"] + ["library"] * 7
+    assert direct.fused[2].anchor.layout == "nchw"  # the direct kernel reads and writes NCHW
     assert not any(s.anchor.fused_relu for s in plan.fused)  # the ReLU is an epilogue statement here
     # nothing measured: fp32 accuracy (3xTF32) everywhere, as cuDNN computes small convolutions exactly
     assert all(s.anchor.fp32 for s in plan.fused) and "generated implicit GEMM 3xTF32 [nchw]" in plan.summary()

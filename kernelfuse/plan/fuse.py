@@ -106,8 +106,21 @@ def optimizer_variants(graph: Graph, precision: str = "strict", max_fusions: int
     """Every variant the optimizer judges: the library-anchor plans of `plan_variants`, then the implicit-GEMM one.
     `conv_layouts`: each convolution's layout as timed on this GPU (None: not measured), `fp32_convs`: those eager
     computes in full fp32; an unmeasured convolution's implicit GEMM keeps fp32 accuracy."""
-    return plan_variants(graph, precision, max_fusions, conv_layouts, fp32_convs, keep) + \
-        owned_anchor_variants(graph, precision, max_fusions, fp32_convs, keep, frozenset(conv_layouts or {}))
+    library = plan_variants(graph, precision, max_fusions, conv_layouts, fp32_convs, keep)
+    owned = owned_anchor_variants(graph, precision, max_fusions, fp32_convs, keep, frozenset(conv_layouts or {}))
+    return library + owned + direct_variants(library[0], owned)
+
+
+def direct_variants(best_library: Plan, owned: list[Plan]) -> list[Plan]:
+    """The first library plan with its depthwise convolutions run by the direct kernel, the rest as it planned them
+    (cuDNN at their measured layouts): for models whose regular convolutions cuDNN wins but whose depthwise ones it
+    runs far from the memory floor. None where the owned-anchor plan already is exactly that (every convolution
+    depthwise) or there is no depthwise one."""
+    if not isinstance(best_library.options, PlanOptions) or \
+            not any(s.anchor.impl == "generated" for p in owned for s in p.fused):
+        return []
+    plan = make_plan(best_library.graph, replace(best_library.options, conv_impl="direct"))
+    return [plan] if any(s.anchor.impl == "direct" for s in plan.fused) else []
 
 
 def owned_anchor_variants(graph: Graph, precision: str = "strict", max_fusions: int | None = None,
@@ -126,10 +139,7 @@ def owned_anchor_variants(graph: Graph, precision: str = "strict", max_fusions: 
                           matmul_tf32=precision == "tf32", max_fusions=max_fusions, conv_impl="generated",
                           keep=tuple(sorted(keep)))
     plan = make_plan(graph, options)
-    plans = [plan] if any(s.anchor.epilogue_inside for s in plan.fused) else []
-    if any(s.anchor.impl == "direct" for s in plan.fused) and any(s.anchor.impl == "generated" for s in plan.fused):
-        plans.append(make_plan(graph, replace(options, conv_impl="direct")))  # depthwise ours, the rest cuDNN's
-    return plans
+    return [plan] if any(s.anchor.epilogue_inside for s in plan.fused) else []
 
 
 def igemm_refusal(graph: Graph, node: Node) -> str:
