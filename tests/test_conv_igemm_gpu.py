@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_conv_depthwise import INPUTS as DEPTHWISE_INPUTS
+from test_conv_depthwise import Depthwise
 from test_conv_igemm import INPUTS, Convs
 
 from kernelfuse.capture import capture_module
@@ -64,10 +66,25 @@ def test_generated_convolutions_match_eager(scale: int) -> None:
     inputs = [torch.randn((s[0] * scale, *s[1:]), device="cuda") for s in INPUTS]
     graph = capture_module(model, inputs)
     plan = _plan(graph, model, inputs)
-    assert all(s.anchor.impl == "generated" for s in plan.fused)
+    assert [s.anchor.impl for s in plan.fused].count("direct") == 1  # the depthwise one; the rest implicit GEMMs
+    assert {s.anchor.impl for s in plan.fused} == {"generated", "direct"}
     fused = build_module(model, plan, generate(plan))
     with torch.no_grad():
         _check(model, fused, inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale", [1, 16])
+def test_direct_depthwise_convolutions_match_eager(scale: int) -> None:
+    """The direct kernel (1/2/3-d, strided, padded, dilated, a channel multiplier) against eager and float64."""
+    torch.manual_seed(0)
+    model = Depthwise().cuda().eval()
+    inputs = [torch.randn((s[0] * scale, *s[1:]), device="cuda") for s in DEPTHWISE_INPUTS]
+    graph = capture_module(model, inputs)
+    plan = _plan(graph, model, inputs)
+    assert [s.anchor.impl for s in plan.fused] == ["direct"] * 5
+    with torch.no_grad():
+        _check(model, build_module(model, plan, generate(plan)), inputs)
 
 
 @pytest.mark.gpu
