@@ -55,3 +55,30 @@ def test_ray_builds_run_as_tasks_of_their_own_then_judges_on_their_node(tmp_path
     assert ran and len(records) == len(EXPECTED_STATUS)
     assert all(r["worker"].startswith("ray:") for r in ran)
     assert all(r["build_phase"] is not None for r in ran), [r["build_phase"] for r in ran]
+
+
+def test_phase_children_get_the_drivers_threads_not_rays_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray sets OMP_NUM_THREADS to a task's CPU count (1 for a judge); a phase's child must run as in the local
+    pool, with the driver's setting (here none)."""
+    ray = pytest.importorskip("ray", reason="Ray is optional: pip install 'kernelfuse[ray]'")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    import subprocess
+
+    from kernelfuse.judge.runner import child_env
+    from kernelfuse.suite import ray_pool
+
+    def child_threads(undo: bool) -> str:
+        if undo:
+            ray_pool._threads_as_driver(None)
+        code = "import os; print(os.environ.get('OMP_NUM_THREADS'))"
+        return subprocess.run([sys.executable, "-c", code], env=child_env(), capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(ray_pool.__file__).parents[2])}})
+    try:
+        task = ray.remote(num_cpus=1)(child_threads)
+        assert ray.get(task.remote(False)) == "1"  # Ray's setting, which the fix undoes
+        assert ray.get(task.remote(True)) == "None"
+    finally:
+        ray.shutdown()

@@ -47,12 +47,23 @@ class NodeZygote:
     """A Ray actor holding one node's judge zygote (`judge_zygote`) open while the suite runs; the zygote exits
     with it."""
 
-    def __init__(self) -> None:
-        self._block = judge_zygote()
+    def __init__(self, omp: str | None) -> None:
+        _threads_as_driver(omp)  # the zygote's children take their environment from each request, but torch's
+        self._block = judge_zygote()  # imports happen here
         self._block.__enter__()
 
     def address(self) -> str | None:
         return os.environ.get(ZYGOTE_ENV)
+
+
+def _threads_as_driver(omp: str | None) -> None:
+    """Undo Ray's OMP_NUM_THREADS (it sets the task's CPU count, 1 for a judge) so that a phase's child runs with
+    the threads it has in the local pool: the driver's setting, or torch's default. One thread made the CPU side
+    of a judge (inputs drawn with torch.randn, tens of millions of elements) several seconds slower."""
+    if omp is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = omp
 
 
 def _start_zygotes(ray: Any) -> list[Any]:
@@ -61,14 +72,17 @@ def _start_zygotes(ray: Any) -> list[Any]:
 
     actor = ray.remote(num_cpus=0)(NodeZygote)
     return [actor.options(name=ZYGOTE_ACTOR + node["NodeID"],
-                          scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote()
+                          scheduling_strategy=NodeAffinitySchedulingStrategy(node["NodeID"], soft=False)).remote(
+                              os.environ.get("OMP_NUM_THREADS"))
             for node in ray.nodes() if node.get("Alive")]
 
 
-def _join_node_zygote() -> None:
-    """In a task: fork this task's children from its node's zygote, where the suite started one."""
+def _join_node_zygote(omp: str | None) -> None:
+    """In a task: the driver's thread setting, and this task's children forked from its node's zygote, where the
+    suite started one."""
     import ray
 
+    _threads_as_driver(omp)
     try:
         actor = ray.get_actor(ZYGOTE_ACTOR + ray.get_runtime_context().get_node_id())
     except ValueError:  # none on this node (it joined after the suite started): children are spawned
@@ -88,23 +102,23 @@ def run_ray(items: list[WorkItem], address: str | None, cpu_only: bool, timeout_
     texts = {item.problem.key: _texts(item) for item in items}
     zygotes = _start_zygotes(ray)
     try:
-        yield from _drive(ray, items, build, judge, texts, cpu_only, timeout_s)
+        yield from _drive(ray, items, build, judge, texts, cpu_only, timeout_s, os.environ.get("OMP_NUM_THREADS"))
     finally:
         for zygote in zygotes:
             ray.kill(zygote)
 
 
 def _drive(ray: Any, items: list[WorkItem], build: Any, judge: Any, texts: dict[str, Any], cpu_only: bool,
-           timeout_s: float) -> Iterator[Finished]:
+           timeout_s: float, omp: str | None) -> Iterator[Finished]:
     """Submit every build (CPU-only: every judge), each judge as its build lands, and yield each judged problem."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     pending: dict[Any, tuple[WorkItem, str]] = {}
     for item in items:
         if cpu_only:
-            pending[judge.remote(item.spec, None, texts[item.problem.key], timeout_s)] = (item, "judge")
+            pending[judge.remote(item.spec, None, texts[item.problem.key], timeout_s, omp)] = (item, "judge")
         else:
-            pending[build.remote(item.spec, texts[item.problem.key], timeout_s)] = (item, "build")
+            pending[build.remote(item.spec, texts[item.problem.key], timeout_s, omp)] = (item, "build")
     built: dict[str, ChildResult] = {}
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1)
@@ -122,7 +136,7 @@ def _drive(ray: Any, items: list[WorkItem], build: Any, judge: Any, texts: dict[
             built[item.problem.key] = ChildResult.from_json(result)
             where = NodeAffinitySchedulingStrategy(node_id, soft=True)  # its cache; elsewhere it builds again
             ref = judge.options(scheduling_strategy=where).remote(item.spec, workdir, texts[item.problem.key],
-                                                                   timeout_s)
+                                                                   timeout_s, omp)
             pending[ref] = (item, "judge")
             continue
         judged, output, node = answer
@@ -157,24 +171,24 @@ def _local_spec(spec: JobSpec, texts: tuple[str, str, str | None, str | None], w
                    output=str(files / "out" / Path(spec.output).name))
 
 
-def build_remote(spec: JobSpec, texts: tuple[str, str, str | None, str | None],
-                 timeout_s: float) -> tuple[str, dict[str, Any], str]:
+def build_remote(spec: JobSpec, texts: tuple[str, str, str | None, str | None], timeout_s: float,
+                 omp: str | None) -> tuple[str, dict[str, Any], str]:
     """One build task: its work folder on this node, the build phase's result, and this node's Ray id."""
     import ray
 
-    _join_node_zygote()
+    _join_node_zygote(omp)
     workdir = Path(tempfile.mkdtemp(prefix="kernelfuse_ray_"))
     build = Children().run(_local_spec(spec, texts, workdir), "build", workdir / "job", timeout_s)
     return str(workdir), build.to_json(), ray.get_runtime_context().get_node_id()
 
 
 def judge_remote(spec: JobSpec, workdir: str | None, texts: tuple[str, str, str | None, str | None],
-                 timeout_s: float) -> tuple[dict[str, Any], str | None, str]:
+                 timeout_s: float, omp: str | None) -> tuple[dict[str, Any], str | None, str]:
     """One judge task (in its build's folder where it runs on the build's node): the judge phase's result, the
     optimizer's file (optimize mode) and this node's name."""
     import platform
 
-    _join_node_zygote()
+    _join_node_zygote(omp)
     folder = Path(workdir) if workdir and Path(workdir).is_dir() else Path(tempfile.mkdtemp(prefix="kernelfuse_ray_"))
     local = _local_spec(spec, texts, folder)
     judged = Children().run(local, "judge", folder / "job", timeout_s)
