@@ -292,3 +292,19 @@ def test_replays_count_as_fused_calls_and_declined_calls_say_why(tmp_path: Path)
     assert stats["fused_calls"] == 1 and stats["fallback_reasons"] == {"device": 1, "shape": 1}
     assert stats["last_fallback"] == "input x has shape [5, 8], the kernels were built for [4, 8]"
     assert len([w for w in caught if issubclass(w.category, namespace["KernelfuseFallbackWarning"])]) == 2
+
+
+def test_launch_bound_choice_also_graphs_the_plan_with_the_least_gpu_time(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Path) -> None:
+    """Timed without a graph, launch overhead decides between plans; a graph removes it. The plan that ships
+    ungraphed (channels-last, fastest at 2.5 ms) is graphed, and so is the one with the least GPU time (NCHW,
+    busy 1.0 ms): its graph is faster and ships."""
+    script = {"fused-nhwc+graph": _verdict(True, 1.6, eager=2.8), "fused-nchw+graph": _verdict(True, 1.1, eager=2.8),
+              "fused-nhwc": _busy(_verdict(True, 2.5, eager=2.8), 1.5),
+              "fused-nchw": _busy(_verdict(True, 2.6, eager=2.8), 1.0),
+              "fused-igemm": _busy(_verdict(True, 2.7, eager=2.8), 1.2),
+              "unfused": _verdict(True, 2.8, eager=2.8)}
+    result, text, judged = _run(monkeypatch, tmp_path, "conv2d_relu_biasadd", script)
+    assert judged[-2:] == ["fused-nhwc+graph", "fused-nchw+graph"]
+    assert result.shipped == "fused-nchw+graph" and result.final.runtime_ms == 1.1
+    assert "graph.replay(" in text
