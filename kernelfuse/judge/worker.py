@@ -365,11 +365,12 @@ def _check_streams(out: Outcome, models: Models, problem: Any, settings: TrialSe
     """Record the CUDA streams the candidate's kernels use beyond the reference's, and the share of its GPU time
     in kernels of its own (kernelfuse.judge.accounting)."""
     pristine = problem.make_inputs(settings.seed, settings.device)
-    try:
+    try:  # each call's private inputs copied before the profiler starts: the copy is not the model's GPU work
+        ref_inputs, cand_inputs = inputs_to(pristine, settings.device), inputs_to(pristine, settings.device)
         settings.default_flags.apply()
-        ref = kernel_streams(lambda: models.reference(*inputs_to(pristine, settings.device)))
+        ref = kernel_streams(lambda: models.reference(*ref_inputs))
         settings.candidate_flags.apply()
-        cand = kernel_streams(lambda: models.candidate(*inputs_to(pristine, settings.device)))
+        cand = kernel_streams(lambda: models.candidate(*cand_inputs))
         settings.default_flags.apply()
     except CandidateCallError:
         raise
