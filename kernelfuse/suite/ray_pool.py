@@ -1,13 +1,13 @@
 """`bench --ray [ADDRESS]`: the same two phases as the local pool, as Ray tasks.
 
 Ray is optional (`pip install kernelfuse[ray]`) and imported only here. As in the local pool, builds run ahead of
-the GPUs: every problem's build is a task of its own (CORES_PER_BUILD CPUs and a sliver of one GPU, which the
+the GPUs: every problem's build is a task of its own (CORES_PER_BUILD - 1 CPUs and a sliver of one GPU, which the
 build needs visible to pick the kernels' architecture), and when it lands its judge task is submitted on the same
 node (the extension cache is per node), taking JUDGE_GPU_SHARE of a GPU: more than half, so one judge times on a
 GPU at a time, with room beside it for builds. Tasks carry the problem's and the candidate's text, so a node needs
 kernelfuse installed but not the suite's files; each phase runs in a child process on its node, forked warm from
 that node's judge zygote (owned by a `NodeZygote` actor per node, as the local pool forks from its own): spawned
-cold, a judge child spent ~15 s more per problem importing torch and Inductor (measured on 2 H200s). Ray sets
+cold, the judge phases of 10 level-2 problems took 297 s in all, forked 245 s (2 H200s). Ray sets
 CUDA_VISIBLE_DEVICES for a task, and the children inherit it. CPU-only: judge tasks alone, no GPU.
 """
 
