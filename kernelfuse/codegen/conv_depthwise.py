@@ -21,6 +21,8 @@ if TYPE_CHECKING:  # conv_igemm dispatches here
 
 THREADS = 256
 ROWS = 4  # outputs per thread, down the second-to-last dimension
+
+
 def render_depthwise(k: str, s: ConvShape, ctype: str, index_t: str, has_bias: bool, out_layout: str,
                      operand_params: str, operand_args: str) -> tuple[str, tuple[int, int, int], int]:
     """(kernel source, grid, threads) of `k`_kernel with the same arguments as the implicit GEMM's, for a
