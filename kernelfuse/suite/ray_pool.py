@@ -1,7 +1,7 @@
 """`bench --ray [ADDRESS]`: the same two phases as the local pool, as Ray tasks.
 
 Ray is optional (`pip install kernelfuse[ray]`) and imported only here. As in the local pool, builds run ahead of
-the GPUs: every problem's build is a task of its own (CORES_PER_BUILD - 1 CPUs and a sliver of one GPU, which the
+the GPUs: every problem's build is a task of its own (CORES_PER_BUILD CPUs and a sliver of one GPU, which the
 build needs visible to pick the kernels' architecture), and when it lands its judge task is submitted on the same
 node (the extension cache is per node), taking JUDGE_GPU_SHARE of a GPU: more than half, so one judge times on a
 GPU at a time, with room beside it for builds. Tasks carry the problem's and the candidate's text, so a node needs
@@ -97,8 +97,11 @@ def run_ray(items: list[WorkItem], address: str | None, cpu_only: bool, timeout_
     ray = import_ray()
     if not ray.is_initialized():
         ray.init(address=address, ignore_reinit_error=True, log_to_driver=False, include_dashboard=False)
-    build = ray.remote(num_gpus=BUILD_GPU_SHARE, num_cpus=CORES_PER_BUILD - 1, max_retries=0)(build_remote)
-    judge = ray.remote(num_gpus=0 if cpu_only else JUDGE_GPU_SHARE, num_cpus=1, max_retries=0)(judge_remote)
+    # the local pool's shares: builds of CORES_PER_BUILD cores each, a judge limited by its GPU alone (CPU-only:
+    # by one core, else nothing would limit them)
+    build = ray.remote(num_gpus=BUILD_GPU_SHARE, num_cpus=CORES_PER_BUILD, max_retries=0)(build_remote)
+    judge = ray.remote(num_gpus=0 if cpu_only else JUDGE_GPU_SHARE, num_cpus=1 if cpu_only else 0,
+                       max_retries=0)(judge_remote)
     texts = {item.problem.key: _texts(item) for item in items}
     zygotes = _start_zygotes(ray)
     try:
