@@ -57,34 +57,32 @@ def _check(model: torch.nn.Module, fused: torch.nn.Module, inputs: list[torch.Te
         assert accuracy_ok(ours_err, eager_err, r.abs().max().item()), (i, ours_err, eager_err)
 
 
+def _run_scaled(module: type[torch.nn.Module], shapes: list[tuple[int, ...]], scale: int) -> list[str]:
+    """`module`'s convolutions planned as the optimizer plans them, built and checked against eager and float64
+    with the batch `scale` times larger; the anchors' implementations."""
+    torch.manual_seed(0)
+    model = module().cuda().eval()
+    inputs = [torch.randn((s[0] * scale, *s[1:]), device="cuda") for s in shapes]
+    graph = capture_module(model, inputs)
+    plan = _plan(graph, model, inputs)
+    with torch.no_grad():
+        _check(model, build_module(model, plan, generate(plan)), inputs)
+    return [s.anchor.impl for s in plan.fused]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("scale", [1, 8])
 def test_generated_convolutions_match_eager(scale: int) -> None:
     """Every kind the kernel covers, at the CPU test's sizes and with a batch 8 times larger (many blocks)."""
-    torch.manual_seed(0)
-    model = Convs().cuda().eval()
-    inputs = [torch.randn((s[0] * scale, *s[1:]), device="cuda") for s in INPUTS]
-    graph = capture_module(model, inputs)
-    plan = _plan(graph, model, inputs)
-    assert [s.anchor.impl for s in plan.fused].count("direct") == 1  # the depthwise one; the rest implicit GEMMs
-    assert {s.anchor.impl for s in plan.fused} == {"generated", "direct"}
-    fused = build_module(model, plan, generate(plan))
-    with torch.no_grad():
-        _check(model, fused, inputs)
+    impls = _run_scaled(Convs, INPUTS, scale)
+    assert impls.count("direct") == 1 and set(impls) == {"generated", "direct"}  # the depthwise one is direct
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scale", [1, 16])
 def test_direct_depthwise_convolutions_match_eager(scale: int) -> None:
     """The direct kernel (1/2/3-d, strided, padded, dilated, a channel multiplier) against eager and float64."""
-    torch.manual_seed(0)
-    model = Depthwise().cuda().eval()
-    inputs = [torch.randn((s[0] * scale, *s[1:]), device="cuda") for s in DEPTHWISE_INPUTS]
-    graph = capture_module(model, inputs)
-    plan = _plan(graph, model, inputs)
-    assert [s.anchor.impl for s in plan.fused] == ["direct"] * 5
-    with torch.no_grad():
-        _check(model, build_module(model, plan, generate(plan)), inputs)
+    assert _run_scaled(Depthwise, DEPTHWISE_INPUTS, scale) == ["direct"] * 5
 
 
 @pytest.mark.gpu

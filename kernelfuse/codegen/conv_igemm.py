@@ -264,7 +264,6 @@ def render_conv(plan: Plan, step: FusedStep, out_layout: str = "nchw") -> tuple[
     implicit GEMM, or for a depthwise one the direct kernel of `conv_depthwise`.
     `out_layout`: the output's memory order, "nchw" (contiguous) or "nhwc" (channels-last)."""
     shape = conv_shape(plan.graph, step)
-    cfg = tile_config(shape)
     epi, k = step.epilogue, step.kernel
     if step.anchor.node.meta.dtype != torch.float32:  # the operands are copied to shared memory as they are
         raise ValueError(f"kernelfuse: {k}: the generated convolution takes fp32 tensors, not "
@@ -282,7 +281,7 @@ def render_conv(plan: Plan, step: FusedStep, out_layout: str = "nchw") -> tuple[
                                                operand_args)
     else:
         comment = f"// {k}: {step.chain(plan.graph)}  (implicit GEMM, epilogue inside, {out_layout} output)\n"
-        body, grid = _kernel(k, shape, cfg, ctype, index_t, has_bias, step.anchor.fp32, out_layout, operand_params,
+        body, grid = _kernel(k, shape, tile_config(shape), ctype, index_t, has_bias, step.anchor.fp32, out_layout, operand_params,
                              operand_args)
         threads = THREADS
     launch_params = "".join(f", const void* in{i}" for i in ops)
