@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
 from suite_support import EXPECTED_STATUS, candidates_folder, kernelbench_tree
 
+from kernelfuse.suite import ray_pool
 from kernelfuse.suite.discover import SuiteError
 from kernelfuse.suite.ray_pool import import_ray
 from kernelfuse.suite.records import read_records
@@ -49,6 +51,12 @@ def test_ray_builds_run_as_tasks_of_their_own_then_judges_on_their_node(tmp_path
     ray.init(num_cpus=4, num_gpus=1, include_dashboard=False, log_to_driver=False)
     try:
         records, _ = run_suite([root], options, log=lambda s: None)
+        # a worker serves more than one task holding a GPU share (Ray's default retires it after one): one
+        # build's process also runs the next build and the judges, instead of a fresh Python importing torch
+        shares = ray_pool.task_options(cpu_only=False)
+        pids = [ray.get(ray.remote(**shares[phase])(lambda: os.getpid()).remote())
+                for phase in ("build", "build", "judge")]
+        assert len(set(pids)) == 1, pids
     finally:
         ray.shutdown()
     ran = [r for r in records if r["status"] != "no_candidate"]
@@ -65,7 +73,6 @@ def test_phase_children_get_the_drivers_threads_not_rays_one(monkeypatch: pytest
     import subprocess
 
     from kernelfuse.judge.runner import child_env
-    from kernelfuse.suite import ray_pool
 
     def child_threads(undo: bool) -> str:
         if undo:
