@@ -120,3 +120,20 @@ def test_a_binding_check_raises_and_a_right_call_computes(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match=r"has strides \[1, 8\], the kernel was built for \[100, 1\]"):
         ext.k0(torch.zeros(100, 8, device="cuda").t())
     assert torch.allclose(ext.k0(torch.ones(8, 100, device="cuda")), torch.full((8, 100), 0.01, device="cuda"))
+
+
+@pytest.mark.gpu
+def test_arg_reductions_match_eager_index_for_index(tmp_path: Path) -> None:
+    """argmin/argmax kernels (strided rows, contiguous rows, a split over every dim) give eager's int64 indices
+    exactly, ties and NaNs included, and they are the kernels that ran."""
+    ref, new, inputs = _pair(tmp_path, FIXTURES / "zoo_arg.py", 0)
+    with torch.no_grad():
+        expected = ref(*inputs)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            got = new(*inputs)
+            torch.cuda.synchronize()
+    for i, (e, g) in enumerate(zip(expected, got, strict=True)):
+        assert g.dtype == torch.int64 and g.shape == e.shape, i
+        assert torch.equal(g, e), (i, (g != e).sum().item())
+    ran = {e.key for e in prof.key_averages()}
+    assert not any("argm" in k.lower() for k in ran), sorted(ran)  # no ATen arg-reduction ran

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kernelfuse.capture import TensorMeta
+from kernelfuse.codegen.arg_reduce import ARG_PRELUDE, INDEX_KINDS
 from kernelfuse.codegen.attention import render_attention
 from kernelfuse.codegen.attention_prelude import ATTENTION_PRELUDE
 from kernelfuse.codegen.binding import Binding, kernels_class, pointer_launcher, py_tuple
@@ -118,6 +119,8 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
     cuda = [HEADER, prelude_for(_rows_used(plan))]
     if gens:
         cuda.append(REDUCE_PRELUDE)
+    if any(g.spec is not None and g.spec.kind in INDEX_KINDS for g in gens):  # type: ignore[attr-defined]
+        cuda.append(ARG_PRELUDE)
     if any(keeps_rows_on_chip(g) for g in gens):
         cuda.append(ONCHIP_PRELUDE)
     if attention:

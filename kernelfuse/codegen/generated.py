@@ -22,6 +22,7 @@ from kernelfuse.codegen.iteration import (
     shape_numel,
     space_of,
     tensor_args,
+    value_dtype,
     value_lambda,
 )
 from kernelfuse.codegen.pool import pool_kernel
@@ -38,7 +39,7 @@ __all__ = ["REDUCE_PRELUDE", "render_generated", "tensor_args"]  # tensor_args: 
 
 def render_generated(plan: Plan, step: GenStep) -> tuple[str, Binding]:
     """(CUDA kernel + launcher, its Python binding) for one GenStep."""
-    ctype = C_TYPES[step.out_meta.dtype]
+    ctype = C_TYPES[value_dtype(step)]
     family = _family(step)
     if family == "flat":
         body = _flat_kernel(step, ctype)
@@ -162,7 +163,7 @@ def _binding(plan: Plan, step: GenStep) -> Binding:
     args = tensor_args(step)
     metas = {name: plan.graph[ref].meta for name, ref in args}  # type: ignore[index]
     metas["src"] = step.source.meta  # the layout the kernel reads (a channels-last convolution's, say)
-    dtype = step.out_meta.dtype
+    dtype = value_dtype(step)  # of the tensors it reads; an argmax's output is int64
     lines = [f"# {k}: {step.chain(plan.graph)}",
              f"def {k}(self, {', '.join(name for name, _ in args)}):"]
     for name, ref in args:
@@ -170,10 +171,11 @@ def _binding(plan: Plan, step: GenStep) -> Binding:
         lines.append(f'    _check({name}, "{k} {name} (%{ref.name})", {py_tuple(meta.shape)}, {py_tuple(meta.stride)}, '  # type: ignore[attr-defined]
                      f"{dtype if meta.dtype != torch.bool else torch.bool})")  # type: ignore[attr-defined]
     strides = step.permuted_out
+    of_dtype = "" if step.out_meta.dtype == dtype else f", dtype={step.out_meta.dtype}"
     if strides:  # eager's permuted layout, which later views and kernels were captured against
-        lines.append(f"    out = src.new_empty_strided({py_tuple(step.out_meta.shape)}, {py_tuple(strides)})")
+        lines.append(f"    out = src.new_empty_strided({py_tuple(step.out_meta.shape)}, {py_tuple(strides)}{of_dtype})")
     else:
-        lines.append(f"    out = src.new_empty({py_tuple(step.out_meta.shape)})")
+        lines.append(f"    out = src.new_empty({py_tuple(step.out_meta.shape)}{of_dtype})")
     ptrs = "".join(f"{name}.data_ptr(), " for name, _ in args) + "out.data_ptr()"
     workspace = workspace_floats(step)
     if workspace:  # a split kernel's partial results, a split norm's statistics, an on-chip row kernel's partials

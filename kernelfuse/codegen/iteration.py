@@ -156,6 +156,17 @@ def operand_ctype(step: GenStep, name: str, ctype: str) -> str:
     return ctype
 
 
+def value_dtype(step: GenStep) -> torch.dtype:
+    """The dtype a kernel reads and computes in: its output's, except for an index result (argmax/argmin write
+    int64), where it is the source's."""
+    return step.source.meta.dtype if step.out_meta.dtype == torch.int64 else step.out_meta.dtype
+
+
+def out_ctype(step: GenStep, ctype: str) -> str:
+    """The C type of the kernel's output: the kernel's `ctype`, or a 64-bit integer for an index result."""
+    return "long long" if step.out_meta.dtype == torch.int64 else ctype
+
+
 def pointer_params(step: GenStep, ctype: str) -> str:
     params = [f"const {ctype}* __restrict__ src"]
     params += [f"const {operand_ctype(step, f'in{i}', ctype)}* __restrict__ p_in{i}_p"
@@ -173,7 +184,7 @@ def pointer_params(step: GenStep, ctype: str) -> str:
     if step.mapped is not None:
         params += [f"const {operand_ctype(step, f'm{i}', ctype)}* __restrict__ m_in{i}_p"
                    for i in range(len(step.mapped.operands))]
-    params.append(f"{ctype}* __restrict__ out")
+    params.append(f"{out_ctype(step, ctype)}* __restrict__ out")
     return ", ".join(params)
 
 
@@ -206,7 +217,7 @@ def launcher(step: GenStep, ctype: str, grid: str) -> str:
     params, args = launch_params(step, ctype)
     return f"""
 KF_EXPORT cudaError_t {k}_launch({params}, void* out, cudaStream_t stream) {{
-  {k}_kernel<<<{grid}, {BLOCK}, 0, stream>>>({args}, ({ctype}*)out);
+  {k}_kernel<<<{grid}, {BLOCK}, 0, stream>>>({args}, ({out_ctype(step, ctype)}*)out);
   return cudaGetLastError();
 }}
 """

@@ -9,7 +9,8 @@ and `split` for a few long rows (kernelfuse.codegen.split, which shares this mod
 too long for a block's registers is shared by several blocks that keep it on chip (kernelfuse.codegen.onchip).
 The CUDA helpers these kernels call are in kernelfuse.codegen.reduce_prelude.
 
-Kinds (kernelfuse.ops.reductions): one pass for sum/mean/prod/amax/amin; logsumexp and softmax find the max and
+Kinds (kernelfuse.ops.reductions): one pass for sum/mean/prod/amax/amin (and argmax/argmin, whose (value, index)
+pairs are kernelfuse.codegen.arg_reduce's); logsumexp and softmax find the max and
 the sum of exp(x - max) in one pass (a larger max rescales the sum: one read of the row fewer than ATen's max pass
 then sum pass, ~1e-7 relative apart); norms take the mean and the biased variance in one Welford pass (as ATen's
 CUDA norms do; as accurate as two passes, unlike one-pass sums of squares). Passes re-read the row and recompute
@@ -22,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kernelfuse.capture.graph import contiguous_strides
+from kernelfuse.codegen.arg_reduce import INDEX_KINDS, arg_row_lines
 from kernelfuse.codegen.common import program_lines
 from kernelfuse.codegen.iteration import (
     BLOCK,
@@ -180,6 +182,8 @@ def _chunk_pass(body: list[str]) -> list[str]:
 def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tpr: int, limit: int,
                 blocks: int) -> list[str]:
     lines = [f"    constexpr INDEX RED = {red};"]
+    if kind in INDEX_KINDS:  # an int64 index, not a float (kernelfuse.codegen.arg_reduce)
+        return lines + arg_row_lines(kind, red, tpr)
     mapped = step.mapped is not None
     if blocks:  # the block's chunk lives in shared memory; its statistic is combined across the row's blocks
         lines += [f"    constexpr int PER = {-(-chunk_of(red, blocks) // tpr)};"]

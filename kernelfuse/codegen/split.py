@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kernelfuse.codegen.arg_reduce import INDEX_KINDS, arg_split_combine, arg_split_partial, arg_workspace
 from kernelfuse.codegen.iteration import (
     BLOCK,
     Space,
@@ -17,6 +18,7 @@ from kernelfuse.codegen.iteration import (
     epilogue_lines,
     index_type,
     launch_params,
+    out_ctype,
     pointer_params,
     shape_numel,
     space_of,
@@ -33,7 +35,8 @@ from kernelfuse.codegen.reduce import (
 from kernelfuse.ops import float_literal
 from kernelfuse.plan.ir import GenStep
 
-SPLIT_KINDS = frozenset({*REDUCE_OPS, "norm"})  # norm: the statistics split, then one pass over every element
+# norm: the statistics split, then one pass over every element; argmax/argmin: (value, index) partials
+SPLIT_KINDS = frozenset({*REDUCE_OPS, *INDEX_KINDS, "norm"})
 SPLIT_MAX_ROWS = 264  # two rows per SM of an H100: fewer rows than this leave multiprocessors idle
 SPLIT_MIN_ROW = 65536
 SPLIT_TARGET_BLOCKS = 1024
@@ -85,6 +88,8 @@ def split_workspace(step: GenStep) -> int:
     if chunks == 1:
         return 0
     rows = space_of(step).count("k")
+    if step.spec.kind in INDEX_KINDS:  # type: ignore[attr-defined]
+        return arg_workspace(rows, chunks)
     return 2 * rows * chunks + 2 * rows if step.spec.kind == "norm" else rows * chunks  # type: ignore[attr-defined]
 
 
@@ -128,6 +133,11 @@ def split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
             elements = space.count("r")  # a thread per column
         passes = [("moments", partial_grid, "float*"), ("combine", combine_grid, "float*"),
                   ("normalise", f"kf_blocks({elements}LL, {BLOCK})", "const float*")]
+    elif spec.kind in INDEX_KINDS:  # type: ignore[attr-defined]
+        lines += _split_partial(step, ctype, chunks, "partial", None)
+        combine = arg_split_combine(spec.kind, rows, chunks)  # type: ignore[attr-defined]
+        lines += [*_combine_head(step, ctype, "combine", True), *combine, "}", ""]
+        passes = [("partial", partial_grid, "float*"), ("combine", combine_grid, "const float*")]
     else:
         finish = [f"  s = s * {scale};  // ATen's mean: sum times 1/N"] if spec.kind == "mean" else []  # type: ignore[attr-defined]
         finish += [ln[2:] for ln in reduced_store(step, "s", ctype)]
@@ -136,7 +146,8 @@ def split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
         lines += _split_combine(step, ctype, chunks, "combine", op, identity, finish, const=True)
         passes = [("partial", partial_grid, "float*"), ("combine", combine_grid, "const float*")]
     params, args = launch_params(step, ctype)
-    launches = "\n".join(f"  {k}_{name}<<<{grid}, {BLOCK}, 0, stream>>>({args}, ({ctype}*)out, ({work})work);"
+    launches = "\n".join(f"  {k}_{name}<<<{grid}, {BLOCK}, 0, stream>>>({args}, ({out_ctype(step, ctype)}*)out, "
+                         f"({work})work);"
                          for name, grid, work in passes)
     lines.append(f"""
 KF_EXPORT cudaError_t {k}_launch({params}, void* out, void* work, cudaStream_t stream) {{
@@ -150,7 +161,7 @@ KF_EXPORT cudaError_t {k}_launch({params}, void* out, void* work, cudaStream_t s
 def _split_partial(step: GenStep, ctype: str, chunks: int, name: str, reduce: tuple[str, str] | None) -> list[str]:
     """Kernel `{k}_{name}`: each block combines value(r) with `reduce` (its op and identity) over one chunk of its
     row(s) into work[row * chunks + chunk]; `reduce` None: the chunk's mean and squared deviations instead
-    (Welford), the latter rows * chunks further on."""
+    (Welford), the latter rows * chunks further on; or an argmax/argmin's (value, index) pair."""
     space = space_of(step)
     rows, red = space.count("k"), space.count("r")
     chunk = -(-red // chunks)
@@ -175,6 +186,9 @@ def _split_partial(step: GenStep, ctype: str, chunks: int, name: str, reduce: tu
     lines += value_lambda(step, space, "r", "row_")
     lines += [f"  const INDEX begin = (INDEX)blockIdx.x * {chunk};",
               f"  const INDEX end = begin + {chunk} < (INDEX){red} ? begin + {chunk} : (INDEX){red};"]
+    kind = step.spec.kind  # type: ignore[attr-defined]
+    if kind in INDEX_KINDS:
+        return lines + arg_split_partial(kind, rows, chunks, strided, strided_tile(rows), UNROLL)
     if reduce is None:
         return lines + _welford_partial(strided, rows, chunks)
     op, identity = reduce
@@ -216,6 +230,18 @@ def _welford_partial(strided: bool, rows: int, chunks: int) -> list[str]:
                     f"  work[{rows * chunks} + row * {chunks} + blockIdx.x] = m2;", "}", ""]
 
 
+def _combine_head(step: GenStep, ctype: str, name: str, const: bool) -> list[str]:
+    """The opening of a combine kernel `{k}_{name}`: a warp (TPR lanes) per `row`, rows past the last return."""
+    rows = space_of(step).count("k")
+    return [f"__global__ void __launch_bounds__({BLOCK}) {step.kernel}_{name}({pointer_params(step, ctype)}, "
+            f"{'const ' if const else ''}float* __restrict__ work) {{",
+            f"  typedef {index_type(step)} INDEX;",
+            "  constexpr int TPR = 32;",
+            "  const int lane = threadIdx.x % TPR;",
+            f"  const INDEX row = (INDEX)blockIdx.x * {BLOCK // 32} + threadIdx.x / TPR;",
+            f"  if (row >= {rows}) return;"]
+
+
 def _split_combine_welford(step: GenStep, ctype: str, chunks: int, finish: list[str]) -> list[str]:
     """Kernel `{k}_combine` of a split norm: a warp per row merges the row's chunk moments (Chan's formula, each
     chunk weighted by its length) in a fixed order into `n`, `mean`, `m2`, then `finish`."""
@@ -242,14 +268,7 @@ def _split_combine_welford(step: GenStep, ctype: str, chunks: int, finish: list[
 def _split_combine(step: GenStep, ctype: str, chunks: int, name: str, op: str, identity: str, finish: list[str],
                    const: bool = False) -> list[str]:
     """Kernel `{k}_{name}`: a warp per row combines the row's partials in a fixed order into `s`, then `finish`."""
-    rows = space_of(step).count("k")
-    return [f"__global__ void __launch_bounds__({BLOCK}) {step.kernel}_{name}({pointer_params(step, ctype)}, "
-            f"{'const ' if const else ''}float* __restrict__ work) {{",
-            f"  typedef {index_type(step)} INDEX;",
-            "  constexpr int TPR = 32;",
-            "  const int lane = threadIdx.x % TPR;",
-            f"  const INDEX row = (INDEX)blockIdx.x * {BLOCK // 32} + threadIdx.x / TPR;",
-            f"  if (row >= {rows}) return;",
+    return [*_combine_head(step, ctype, name, const),
             f"  float s = {identity};",
             f"  for (int c = lane; c < {chunks}; c += TPR) s = {op}()(s, work[row * {chunks} + c]);",
             f"  s = kf_row_reduce<TPR>(s, {op}());",

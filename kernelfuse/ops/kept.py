@@ -11,9 +11,5 @@ KEPT_AS_TORCH: dict[str, str] = {
     "empty.memory_format": "allocation only (batch norm's reserve buffer): no data moved",
     "triu.default": "library at the floor: ATen's masked copy reads and writes each element once",
     "tril.default": "library at the floor: ATen's masked copy reads and writes each element once",
-    "argmin.default": "library at the floor: ATen's reduction reads the input once, vectorised; its int64 index "
-                      "result has nothing to fuse behind it",
-    "argmax.default": "library at the floor: ATen's reduction reads the input once, vectorised; its int64 index "
-                      "result has nothing to fuse behind it",
     "add_.Tensor": "in-place state update of a buffer (batch norm's step counter): one element",
 }

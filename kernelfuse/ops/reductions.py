@@ -4,7 +4,8 @@ A row reads the node's arguments and says how to iterate it: the `space` (the in
 op's semantics need it, e.g. group norm's [N, G, C/G, HxW]), which of its dims are reduced, and the op's constants
 and affine operands. `kind` names the CUDA algorithm (kernelfuse.codegen.reduce renders each kind):
 
-- reducing kinds write one value per row (the kept dims): sum, mean, amax, amin, prod, logsumexp;
+- reducing kinds write one value per row (the kept dims): sum, mean, amax, amin, prod, logsumexp; the index kinds
+  argmax and argmin write the row's int64 index of its first extreme (INDEX_KINDS);
 - broadcasting kinds write the whole space, each element transformed by its row's statistics: softmax,
   log_softmax, norm (layer/group/batch norm in training mode: mean and biased variance), and affine_norm
   (batch norm in eval mode: running statistics, no reduction);
@@ -24,6 +25,8 @@ import torch
 from kernelfuse.capture import Graph, Node, Ref
 
 BROADCAST_KINDS = frozenset({"softmax", "log_softmax", "norm", "affine_norm"})
+# kinds whose value is an int64 index into the row, not a float: nothing pointwise fuses behind them
+INDEX_KINDS = frozenset({"argmax", "argmin"})
 
 
 @dataclass(frozen=True)
@@ -149,6 +152,23 @@ def _dim_reduction(kind: str, dims_pos: int, keep_pos: int, dtype_kw: bool = Fal
         if isinstance(dims, str):
             return dims
         return ReduceSpec(kind, ref, shape, dims, stride, out_index=out_index)
+
+    return parse
+
+
+def _arg_reduction(kind: str) -> Parse:
+    """argmax/argmin: the index along `dim` of the row's first extreme (NaN counts as the extreme); no dim: the
+    index into the flattened tensor, one row of every element (row-major, as the kernel numbers a row's elements).
+    keepdim only shapes the output."""
+
+    def parse(graph: Graph, node: Node) -> ReduceSpec | str:
+        src = _source(graph, node)
+        if isinstance(src, str):
+            return src
+        ref, shape, stride = src
+        dim = _arg(node, 1, "dim")
+        dims = tuple(range(len(shape))) if dim is None else (int(dim) % len(shape),)  # type: ignore[call-overload]
+        return ReduceSpec(kind, ref, shape, dims, stride)
 
     return parse
 
@@ -317,6 +337,8 @@ REDUCTION_OPS: tuple[ReductionOp, ...] = (
     ReductionOp("min.dim", "amin", _dim_reduction("amin", 1, 2, out_index=0)),
     ReductionOp("prod.dim_int", "prod", _dim_reduction("prod", 1, 2, dtype_kw=True)),
     ReductionOp("logsumexp.default", "logsumexp", _dim_reduction("logsumexp", 1, 2)),
+    ReductionOp("argmax.default", "argmax", _arg_reduction("argmax")),
+    ReductionOp("argmin.default", "argmin", _arg_reduction("argmin")),
     ReductionOp("_softmax.default", "softmax", _softmax("softmax")),
     ReductionOp("_log_softmax.default", "log_softmax", _softmax("log_softmax")),
     ReductionOp("native_layer_norm.default", "norm", _layer_norm),

@@ -221,7 +221,10 @@ def _reduction_kernel(graph: Graph, node: Node, prologue: _Chain | None, used: s
     if spec.result is not None:  # a scan's absorbed flip precedes it: the chain reads in graph order
         order = {n.name: i for i, n in enumerate(graph.nodes)}
         replaces.sort(key=order.__getitem__)
-    epi_chain = _grow(graph, [graph[value]], out_meta, used | set(replaces)) if graph.users(value) else None
+    # an index result (argmax's int64) takes no epilogue: the float programs cannot hold it, its readers stay
+    # torch calls or start kernels of their own (argmin(x, 1).float() * 2: the mul reads the float copy)
+    epi_chain = _grow(graph, [graph[value]], out_meta, used | set(replaces)) \
+        if graph.users(value) and out_meta.dtype in FLOAT_DTYPES else None
     # the chain in graph order: a producer it pulled in for a later member (floor(s1) in floor(s1) - softmax(x),
     # grown from softmax(x)) may precede the reduction itself, which is not one of its epilogue's statements
     epi_members = [m for m in epi_chain.members if m.name != value] if epi_chain else []
