@@ -1,12 +1,17 @@
 """Times the generated kernels of a few problems against eager and torch.compile, in one process, on one GPU.
 
     PYTHONPATH=. python benchmarks/level1_probe.py PROBLEM.py [PROBLEM.py ...] [--out TABLE.md]
+        [--onchip 512:48,256:24s,...]
 
 For each problem every fused plan variant is emitted as a ModelNew file, built and timed whether or not the
 optimizer would ship it (the probe asks how fast the kernels are, not what ships); its largest error against eager
 on the same inputs is printed beside it. Times are medians of CUDA events with the L2 flushed before each call
 (kernelfuse.bench.timer); the floor is the bytes a forward must move (inputs, state, outputs) over the measured
 device-to-device copy bandwidth (kernelfuse.bench.floor).
+
+--onchip times each plan once per configuration of the long-row kernel (kernelfuse.codegen.onchip): THREADS:KB
+is its block size and the row chunk each block keeps in shared memory; a trailing `s` copies the chunk element by
+element instead of 16 bytes at a time, `o` computes the statistics in one pass (online softmax, Welford).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import argparse
 import importlib.util
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -22,6 +29,7 @@ import torch
 from kernelfuse.bench.floor import measure_ceilings, min_bytes
 from kernelfuse.bench.timer import Timer, median_event_ms
 from kernelfuse.capture import capture
+from kernelfuse.codegen import onchip, reduce
 from kernelfuse.load import load_problem
 from kernelfuse.pipeline import emit_file
 from kernelfuse.plan import plan_variants
@@ -49,10 +57,38 @@ def _load_modelnew(text: str, folder: Path, name: str) -> type:
     return module.ModelNew
 
 
-def probe(path: Path, bandwidth: float, folder: Path) -> list[str]:
-    """Table rows for one problem: eager, torch.compile and each plan variant."""
+@contextmanager
+def onchip_config(config: str | None) -> Iterator[None]:
+    """The long-row kernel built as `config` says (THREADS:KB[s][o]) while the block runs; None: as shipped."""
+    if config is None:
+        yield
+        return
+    saved = (onchip.ONCHIP_THREADS, onchip.CHUNK_BYTES, onchip.VECTOR_COPIES, onchip.ONCHIP_MAX_ROW,
+             onchip.TWO_PASS_STATISTICS)
+    threads, kb = config.rstrip("so").split(":")
+    onchip.ONCHIP_THREADS = reduce.ONCHIP_THREADS = int(threads)
+    onchip.CHUNK_BYTES = int(kb) * 1024
+    flags = config.split(":")[1].lstrip("0123456789")
+    onchip.VECTOR_COPIES = "s" not in flags
+    onchip.TWO_PASS_STATISTICS = "o" not in flags
+    onchip.ONCHIP_MAX_ROW = onchip.ONCHIP_MAX_BLOCKS * onchip.CHUNK_BYTES // 4
+    try:
+        yield
+    finally:
+        (onchip.ONCHIP_THREADS, onchip.CHUNK_BYTES, onchip.VECTOR_COPIES, onchip.ONCHIP_MAX_ROW,
+         onchip.TWO_PASS_STATISTICS) = saved
+        reduce.ONCHIP_THREADS = saved[0]
+
+
+def probe(path: Path, bandwidth: float, folder: Path, configs: list[str | None]) -> list[str]:
+    """Table rows for one problem: eager, torch.compile and each plan variant (under each on-chip config)."""
     problem = load_problem(path)
-    plans = [p for p in plan_variants(rewrite(capture(problem))) if p.generated or p.fused]
+    built = []
+    for config in configs:
+        with onchip_config(config):
+            for plan in plan_variants(rewrite(capture(problem))):
+                if plan.generated or plan.fused:
+                    built.append((plan, config, emit_file(problem, plan, "")))
     model = problem.make_model().cuda()
     inputs = [t.cuda() if isinstance(t, torch.Tensor) else t for t in problem.make_inputs(0)]
     with torch.no_grad():
@@ -66,16 +102,17 @@ def probe(path: Path, bandwidth: float, folder: Path) -> list[str]:
                 f"{eager / floor:.2f} |",
                 f"| {problem.name} | torch.compile | {compile_ms:.3f} | {eager / compile_ms:.3f}x | 1.000x | "
                 f"{_max_error(expected, compiled(*inputs)):.1e} | {floor:.3f} | {compile_ms / floor:.2f} |"]
-        for i, plan in enumerate(plans):
+        for i, (plan, config, text) in enumerate(built):
             label = f"ours ({plan.variant}: {', '.join(g.family for g in plan.generated) or 'anchors'})"
-            cls = _load_modelnew(emit_file(problem, plan, ""), folder, f"probe_{problem.name}_{i}")
+            label += f" [on-chip {config}]" if config else ""
+            cls = _load_modelnew(text, folder, f"probe_{problem.name}_{i}")
             ours = cls(*problem.init_inputs()).cuda()
             ours.load_state_dict(model.state_dict())  # the same weights and running statistics as eager's now
             error = _max_error(model(*inputs), ours(*inputs))
             ms = median_event_ms(lambda m=ours: m(*inputs), REPS)
             rows.append(f"| {problem.name} | {label} | {ms:.3f} | {eager / ms:.3f}x | {compile_ms / ms:.3f}x | "
                         f"{error:.1e} | {floor:.3f} | {ms / floor:.2f} |")
-        if not plans:
+        if not built:
             rows.append(f"| {problem.name} | ours | - | - | - | - | {floor:.3f} | - |")
     return rows
 
@@ -84,6 +121,8 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("problems", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, default=None, help="also write the table here (markdown)")
+    parser.add_argument("--onchip", default=None,
+                        help="long-row kernel configurations THREADS:KB[s][o], comma-separated")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("level1_probe: no CUDA device; run it on the GPU host", file=sys.stderr)
@@ -97,7 +136,7 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for path in args.problems:
             try:
-                rows = probe(path, ceilings.bytes_per_s, Path(tmp))
+                rows = probe(path, ceilings.bytes_per_s, Path(tmp), args.onchip.split(",") if args.onchip else [None])
             except Exception as err:  # noqa: BLE001 - one problem's failure is a row, the others still run
                 rows = [f"| {path.stem} | failed | {type(err).__name__}: {str(err)[:200]} | | | | | |"]
             print("\n".join(rows), flush=True)

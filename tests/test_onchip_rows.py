@@ -21,6 +21,7 @@ from kernelfuse.plan import schedule
 
 CASES = {  # forward, input shape, on-chip kernel expected
     "softmax_long": ("torch.softmax(x, dim=-1)", (4, 9000), True),
+    "softmax_odd_row": ("torch.softmax(x, dim=-1)", (4, 9001), True),
     "softmax_cached": ("torch.softmax(x, dim=-1)", (4, 8000), False),  # 32 per thread: registers hold it
     "log_softmax_most_blocks": ("torch.log_softmax(x, dim=1)", (2, ONCHIP_MAX_ROW), True),
     "too_long_for_the_chip": ("torch.log_softmax(x, dim=1)", (2, ONCHIP_MAX_ROW + 4), False),
@@ -46,6 +47,9 @@ def test_which_rows_stay_on_chip(name: str, tmp_path: Path) -> None:
         blocks = int(sources.cuda.split("sm_80+: ")[1].split(" ")[0])
         assert 2 <= blocks <= ONCHIP_MAX_BLOCKS
         assert "kf_row_cache[j * TPR + lane]" in sources.cuda and "kf_grid_reduce" in sources.cuda
+        # 16-byte copies only where four neighbouring row elements are neighbours in memory
+        vector = "true" if shape[-1] % 4 == 0 else "false"
+        assert f"constexpr bool KF_VECTOR_COPIES = {vector};" in sources.cuda
 
 
 def test_onchip_kernels_compile_for_sm80_and_sm90(tmp_path: Path) -> None:

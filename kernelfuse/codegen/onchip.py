@@ -33,6 +33,10 @@ CHUNK_BYTES = 48 * 1024
 # Of blocks for one row (6 MB of row): at least this many must be resident at once.
 ONCHIP_MAX_BLOCKS = 128
 ONCHIP_UNROLL = 8
+# Switches that benchmarks/level1_probe.py --onchip turns off to measure what each brings: 16-byte asynchronous
+# copies where the row allows; a thread's statistics in two passes over shared memory (codegen.reduce)
+VECTOR_COPIES = True
+TWO_PASS_STATISTICS = True
 # The longest row kept on chip, in 4-byte elements (kernelfuse.plan.schedule restates it as MAPPED_MAX_ROW).
 ONCHIP_MAX_ROW = ONCHIP_MAX_BLOCKS * CHUNK_BYTES // 4
 
@@ -43,6 +47,11 @@ ONCHIP_PRELUDE = r"""
 __device__ __forceinline__ void kf_cp_async4(float* dst, const float* src) {
   const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(d), "l"(src));
+}
+// Four elements at once, bypassing L1 (both addresses 16-byte aligned): a quarter of the copy instructions.
+__device__ __forceinline__ void kf_cp_async16(float* dst, const float* src) {
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
 }
 __device__ __forceinline__ void kf_cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
 // The next (row, chunk) work item of a grid kernel, the same for every thread of the block.
@@ -178,6 +187,37 @@ KF_EXPORT cudaError_t {k}_launch({params}, void* out, void* work, cudaStream_t s
   return cudaGetLastError();
 }}
 """
+
+
+def copies_vectors(space: Space) -> bool:
+    """Can the chunk copy move 16 bytes at a time? Four consecutive row elements must be neighbours in memory:
+    the fastest reduced dim has unit stride and a multiple of 4 elements (chunks start at multiples of 4). The
+    kernel still checks the chunk's address at run time and copies element by element where it is unaligned."""
+    last = space.dims("r")[-1]
+    return VECTOR_COPIES and space.strides["src"][last] == 1 and space.sizes[last] % 4 == 0
+
+
+def chunk_copy(slot: str, element_pass: list[str]) -> list[str]:
+    """Lines that copy this block's chunk of the row into shared memory (`slot` at chunk offset j * TPR + lane)
+    and wait for it: 16-byte copies where the kernel's KF_VECTOR_COPIES (`copies_vectors`) holds and the chunk's
+    address is aligned, else `element_pass` (one copy per element, each thread's own: no barrier needed, the
+    block-wide one follows vector copies). KF_ROW_CONTIGUOUS: the row is one run of
+    memory, so no element's address needs the reduced dims' decomposition."""
+    first = slot.replace("j * TPR + lane", "q")
+    return ["    {",
+            "      const INDEX kf_base = kf_rank * CHUNK;",
+            "      const INDEX kf_len = (INDEX)RED - kf_base < CHUNK ? (INDEX)RED - kf_base : CHUNK;",
+            "      const float* const kf_from = source_ptr(kf_base);",
+            "      if (KF_VECTOR_COPIES && (reinterpret_cast<size_t>(kf_from) & 15) == 0) {",
+            "#pragma unroll 1",  # the copies are asynchronous: unrolled, the loop spilled on sm_80
+            "        for (INDEX q = 4 * (INDEX)threadIdx.x; q < kf_len; q += 4 * TPR)",
+            f"          kf_cp_async16(&{first}, KF_ROW_CONTIGUOUS ? kf_from + q : source_ptr(kf_base + q));",
+            "      } else {",
+            *[f"    {ln}" for ln in element_pass],
+            "      }",
+            "    }",
+            "    kf_cp_async_wait_all();",
+            "    if (KF_VECTOR_COPIES) __syncthreads();  // a 16-byte copy fills other threads' elements"]
 
 
 def source_pointer_lambda(space: Space) -> list[str]:

@@ -10,12 +10,13 @@ too long for a block's registers is shared by several blocks that keep it on chi
 The CUDA helpers these kernels call are in kernelfuse.codegen.reduce_prelude.
 
 Kinds (kernelfuse.ops.reductions): one pass for sum/mean/prod/amax/amin (and argmax/argmin, whose (value, index)
-pairs are kernelfuse.codegen.arg_reduce's); logsumexp and softmax find the max and
-the sum of exp(x - max) in one pass (a larger max rescales the sum: one read of the row fewer than ATen's max pass
-then sum pass, ~1e-7 relative apart); norms take the mean and the biased variance in one Welford pass (as ATen's
-CUDA norms do; as accurate as two passes, unlike one-pass sums of squares). Passes re-read the row and recompute
-the prologue instead of storing it. Numerics follow ATen: float accumulation, NaN-propagating max/min, logsumexp's infinite max replaced by
-0, softmax as exp(x - max) / sum, batch norm's running statistics with the unbiased variance.
+pairs are kernelfuse.codegen.arg_reduce's); logsumexp and softmax find the max and the sum of exp(x - max) in one
+pass (a larger max rescales the sum: one read of the row fewer than ATen's max pass then sum pass, ~1e-7 relative
+apart); norms take the mean and the biased variance in one Welford pass (as ATen's CUDA norms do; as accurate as
+two passes, unlike one-pass sums of squares). A chunk kept on chip instead takes two passes over shared memory per
+thread, cheaper in instructions (`_onchip_two_passes`). Passes re-read the row and recompute the prologue instead
+of storing it. Numerics follow ATen: float accumulation, NaN-propagating max/min, logsumexp's infinite max
+replaced by 0, softmax as exp(x - max) / sum, batch norm's running statistics with the unbiased variance.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kernelfuse.capture.graph import contiguous_strides
+from kernelfuse.codegen import onchip
 from kernelfuse.codegen.arg_reduce import INDEX_KINDS, arg_row_lines
 from kernelfuse.codegen.common import program_lines
 from kernelfuse.codegen.iteration import (
@@ -41,8 +43,10 @@ from kernelfuse.codegen.onchip import (
     ONCHIP_THREADS,
     ONCHIP_UNROLL,
     blocks_per_sm,
+    chunk_copy,
     chunk_of,
     combine_across_blocks,
+    copies_vectors,
     onchip_launcher,
     onchip_workspace,
     row_blocks,
@@ -123,8 +127,10 @@ def _row_body(step: GenStep, ctype: str, space: Space, tpr: int, first_row: str,
         tensors += ["out"] + [f"m{i}" for i in range(len(step.mapped.operands))]
     lines = [f"  typedef {index_type(step)} INDEX;", f"  constexpr int TPR = {tpr};", "  const int lane = threadIdx.x % TPR;"]
     if blocks:
-        lines += ["  extern __shared__ float kf_row_cache[];  // this block's chunk of the row, read from memory once",
+        lines += ["  extern __shared__ __align__(16) float kf_row_cache[];  // this block's chunk of the row, read from memory once",
                   f"  constexpr INDEX CHUNK = {chunk_of(red, blocks)};",
+                  f"  constexpr bool KF_VECTOR_COPIES = {str(copies_vectors(space)).lower()};",
+                  f"  constexpr bool KF_ROW_CONTIGUOUS = {str(len(space.dims('r')) == 1).lower()};",
                   f"  unsigned* const kf_claim = (unsigned*)(kf_work + {3 * rows * blocks});",
                   "  unsigned* const kf_arrived = kf_claim + 1;",
                   "  for (;;) {",
@@ -153,7 +159,7 @@ def _loop(body: list[str], cache: str | None = None, raw: bool = False, onchip: 
         take = f"const float raw = {slot};\nconst float v = value_at(r, raw);"
         passes = _chunk_pass([take, *body])
         if cache == "fill":
-            passes = _chunk_pass([f"kf_cp_async4(&{slot}, source_ptr(r));"]) + ["    kf_cp_async_wait_all();"] + passes
+            passes = chunk_copy(slot, _chunk_pass([f"kf_cp_async4(&{slot}, source_ptr(r));"])) + passes
         return passes
     slot = "cache[j]"
     if raw:
@@ -177,6 +183,20 @@ def _chunk_pass(body: list[str]) -> list[str]:
     return [f"#pragma unroll {ONCHIP_UNROLL}", "    for (int j = 0; j < PER; ++j) {",
             "      const INDEX r = kf_rank * CHUNK + lane + (INDEX)j * TPR;",
             "      if (r < (INDEX)RED && j * TPR + lane < CHUNK) {", *[f"        {t}" for t in lines], "      }", "    }"]
+
+
+def _onchip_two_passes(kind: str) -> list[str]:
+    """A thread's statistics of its elements of an on-chip chunk, in two passes over shared memory: the max, then
+    the sum of exp(v - max) (softmax kinds); the sum, then the squared deviations from the thread's mean (norms).
+    The one-pass updates (a rescaled sum at each new max; Welford's division per element) cost more instructions
+    than the memory allows: the on-chip LogSoftmax issued on 57% of cycles at 58% of DRAM bandwidth (ncu, H100).
+    The per-thread results merge across threads and blocks as the one-pass ones do."""
+    if kind == "norm":
+        return [*_loop(["n += 1.0f;", "mean += v;"], "fill", onchip=True),
+                "    mean = n > 0.0f ? mean / n : 0.0f;",
+                *_loop(["const float d = v - mean;", "m2 += d * d;"], None, onchip=True)]
+    return [*_loop(["m = kf_max_op()(m, v);"], "fill", onchip=True),
+            *_loop(["s += (v == -INFINITY) ? 0.0f : expf(v - m);"], None, onchip=True)]
 
 
 def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tpr: int, limit: int,
@@ -210,7 +230,8 @@ def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tp
         return lines + epilogue_lines(step, "row", "    ") + _mapped_store(step, ctype, space, again, oc)
     if kind in ("logsumexp", "softmax", "log_softmax"):
         lines.append("    float m = -INFINITY, s = 0.0f;")
-        lines += _loop(["kf_online_add(m, s, v);"], first, onchip=oc)
+        lines += _onchip_two_passes(kind) if oc and onchip.TWO_PASS_STATISTICS else _loop(
+            ["kf_online_add(m, s, v);"], first, onchip=oc)
         lines.append("    kf_row_reduce_online<TPR>(m, s);")
         if blocks:
             lines.append(f"    {{ float unused = 0.0f; {combine_across_blocks(blocks, ('m', 's', 'unused'), 'kf_online_merge3')} }}")
@@ -222,7 +243,8 @@ def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tp
         return lines + _broadcast_store(step, expr, ctype, [], space, again, oc)
     # norm: mean and biased variance in one Welford pass; affine; batch norm updates its running statistics
     lines.append("    float n = 0.0f, mean = 0.0f, m2 = 0.0f;")
-    lines += _loop(["kf_welford_add(n, mean, m2, v);"], first, onchip=oc)
+    lines += _onchip_two_passes(kind) if oc and onchip.TWO_PASS_STATISTICS else _loop(
+        ["kf_welford_add(n, mean, m2, v);"], first, onchip=oc)
     lines.append("    kf_row_reduce_welford<TPR>(n, mean, m2);")
     if blocks:
         lines.append(f"    {combine_across_blocks(blocks, ('n', 'mean', 'm2'), 'kf_welford_merge3')}")
