@@ -122,8 +122,10 @@ def _optimize(problem_path: str | Path, out_path: str | Path, options: OptimizeO
     disabled = RULE_NAMES if options.no_rewrites else options.disabled_rewrites
     rewritten = apply_rules(captured, disabled)
     graph = rewritten.graph
-    mode = "training" if graph.training else "eval"
-    log(f"[2/5] captured {len(graph.nodes)} ATen nodes on fake tensors ({mode} mode); {rewritten.summary()}")
+    mode = "training mode" if graph.training else "eval mode"
+    if graph.mixed_modes:
+        mode = f"mixed modes: {graph.modes.count('0')} of {len(graph.modes)} modules in eval mode"
+    log(f"[2/5] captured {len(graph.nodes)} ATen nodes on fake tensors ({mode}); {rewritten.summary()}")
     result = OptimizeResult(out_path, "unfused", [], [], rewrites=rewritten.fired)
     for fallback in rewritten.failed:
         _fall_back(result, fallback, log)

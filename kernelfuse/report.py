@@ -55,11 +55,12 @@ def _anchor_json(step: FusedStep, ops: list[str]) -> dict[str, Any]:
 
 def optimize_json(result: OptimizeResult, problem_path: str, precision: str) -> dict[str, Any]:
     """The whole report: problem, plans, CPU checks, GPU verdicts (null without a GPU), what shipped and why."""
-    training = result.plans[0].graph.training if result.plans else None
+    graph = result.plans[0].graph if result.plans else None
+    mode = None if graph is None else "mixed" if graph.mixed_modes else "train" if graph.training else "eval"
     return {
         "schema_version": SCHEMA_VERSION,
         "kernelfuse_version": __version__,
-        "problem": {"path": problem_path, "captured_mode": "train" if training else "eval"},
+        "problem": {"path": problem_path, "captured_mode": mode},
         "precision": precision,
         "output": str(result.output),
         "shipped": result.shipped,

@@ -107,3 +107,54 @@ def test_interpreter_equals_model_in_eval_mode():
         with torch.no_grad():
             check = compare(plan.variant, model(x), interpret(plan, state, [x]), [x])
         assert check.ok, check.note
+
+
+MIXED = Path(__file__).parent / "fixtures" / "problems" / "tiny_mixed_modes.py"
+
+
+def test_mixed_modes_are_recorded_per_module_and_guarded_per_module():
+    """A training-mode model holding an eval-mode body (a wrapper around a library model built with .eval()):
+    the fused path serves the modes as constructed, and model.train() (which flips the body to training mode:
+    batch statistics, dropout) or model.eval() runs the original ops instead of kernels planned for other modes."""
+    problem, graph, plans = pipeline(MIXED)
+    assert graph.mixed_modes and graph.modes == "100001"  # Model, body, Linear, BatchNorm1d, Dropout, head
+    text = emit_file(problem, plans[0], "test")
+    assert 'CAPTURED_MODES = "1" + "0" * 4 + "1"' in text
+    ns: dict = {"__name__": "emitted"}
+    exec(compile(text, "emitted.py", "exec"), ns)  # noqa: S102 - our generated file
+    guard, model, x = ns["_fallback_reason"], ns["ModelNew"](*problem.init_inputs()), AsCuda(torch.rand(8, 16))
+    with torch.no_grad():
+        assert guard(AsCuda(model), (x,)) is None  # as constructed
+        model.train()
+        assert guard(AsCuda(model), (x,))[0] == "mode"
+        model.eval()
+        assert guard(AsCuda(model), (x,))[0] == "mode"
+
+
+def test_mixed_modes_plan_equals_the_model_as_constructed():
+    problem, _, _ = pipeline(MIXED)
+    model = problem.make_model()
+    with torch.no_grad():  # running statistics that differ from a batch's: a training-mode BatchNorm would differ
+        model.body[1].running_mean.fill_(0.5)
+        model.body[1].running_var.fill_(3.0)
+    x = torch.rand(8, 16)
+    graph = rewrite(capture_module(model, [x]))
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    for plan in plan_variants(graph):
+        with torch.no_grad():
+            check = compare(plan.variant, model(x), interpret(plan, state, [x]), [x])
+        assert check.ok, check.note
+
+
+def test_in_process_wrapper_guards_the_wrapped_models_modes():
+    from kernelfuse.emit.module import build_module
+
+    problem, _, plans = pipeline(MIXED)
+    model = problem.make_model()
+    wrapped = build_module(model, plans[0], None)
+    guard = type(wrapped).forward.__globals__["_fallback_reason"]
+    x = AsCuda(torch.rand(8, 16))
+    with torch.no_grad():
+        assert guard(AsCuda(wrapped), (x,)) is None
+        wrapped.train()
+        assert guard(AsCuda(wrapped), (x,))[0] == "mode"

@@ -77,11 +77,15 @@ class Node:
 @dataclass(frozen=True)
 class Graph:
     """The forward as traced; `training` is the module mode it was traced in (BatchNorm, Dropout and any op eager
-    switches on `module.training` were recorded in that mode only, so the fused forward serves only that mode)."""
+    switches on `module.training` were recorded in that mode only, so the fused forward serves only that mode),
+    `modes` each submodule's."""
 
     nodes: tuple[Node, ...]
     outputs: tuple[Ref, ...]
     training: bool = True
+    # every module's mode at trace time, in `model.modules()` order ("1" training, "0" eval); "" where not known (a
+    # graph built by hand: all in `training`). A wrapper may hold an eval-mode model: the modes are then mixed
+    modes: str = ""
     # how forward is called and what it returns (None: a graph built by hand, positional tensors in and out)
     call: CallSpec | None = field(default=None, compare=False, hash=False, repr=False)
     _index: dict[str, Node] = field(default_factory=dict, compare=False, repr=False)
@@ -90,6 +94,11 @@ class Graph:
 
     def __post_init__(self) -> None:
         self._index.update({n.name: n for n in self.nodes})
+
+    @property
+    def mixed_modes(self) -> bool:
+        """Were some modules traced in training mode and others in eval mode?"""
+        return "0" in self.modes and "1" in self.modes
 
     def __getitem__(self, name: str | Ref) -> Node:
         return self._index[name.name if isinstance(name, Ref) else name]

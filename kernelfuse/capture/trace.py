@@ -137,7 +137,8 @@ def _capture_call(model: torch.nn.Module, params: tuple[Param, ...], tensors: li
         raise
     except Exception as err:  # noqa: BLE001 - tracing failures of arbitrary models become one clear error
         raise _capture_error(err, what) from None
-    return _to_graph(gm, names, kinds, model.training, CallSpec(params, returned[-1]))
+    modes = "".join("1" if m.training else "0" for m in model.modules())
+    return _to_graph(gm, names, kinds, model.training, CallSpec(params, returned[-1]), modes)
 
 
 def _ops_to_keep_whole(model: torch.nn.Module, attention: bool = False) -> dict:
@@ -268,7 +269,7 @@ def _quiet() -> Iterator[None]:
 
 
 def _to_graph(gm: torch.fx.GraphModule, state_names: list[str], kinds: list[str], training: bool,
-              call: CallSpec) -> Graph:
+              call: CallSpec, modes: str) -> Graph:
     nodes: list[Node] = []
     outputs: tuple[Ref, ...] = ()
     placeholder = 0
@@ -295,7 +296,7 @@ def _to_graph(gm: torch.fx.GraphModule, state_names: list[str], kinds: list[str]
             nodes.append(Node(fx_node.name, op, args, meta))
         elif fx_node.op == "output":
             outputs = tuple(Ref(r.name) for r in fx_node.args[0])  # the returned tensors, flat (see `call`)
-    return Graph(tuple(nodes), outputs, training, call)
+    return Graph(tuple(nodes), outputs, training, modes, call)
 
 
 def _constant(name: str, value: torch.Tensor) -> Node:

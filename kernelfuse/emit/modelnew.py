@@ -90,11 +90,18 @@ class KernelfuseFallbackWarning(UserWarning):
 def _fallback_reason(module, inputs):
     """None where the fused path serves the call, else why not, as (kind, words). The kernels serve inference (no
     autograd) on contiguous CUDA tensors of the captured shapes and dtypes, in the captured train/eval mode
-    (INPUT_SPECS, CAPTURED_TRAINING). Kinds: "mode", "autograd", "shape", "dtype", "device", "layout" (and "call"
-    from _use_kernels). The words are formatted only for a declined call."""
-    if any(m.training != CAPTURED_TRAINING for m in module.modules()):
-        mode = "training" if CAPTURED_TRAINING else "eval"  # BatchNorm, Dropout...: planned for that mode
-        return "mode", f"training mode differs: the kernels were built for the model and its submodules in {mode} mode"
+    (INPUT_SPECS; CAPTURED_TRAINING, or CAPTURED_MODES per module where the modes were mixed). Kinds: "mode",
+    "autograd", "shape", "dtype", "device", "layout" (and "call" from _use_kernels). The words are formatted only
+    for a declined call."""
+    if CAPTURED_MODES is None:
+        if any(m.training != CAPTURED_TRAINING for m in module.modules()):
+            mode = "training" if CAPTURED_TRAINING else "eval"  # BatchNorm, Dropout...: planned for that mode
+            return "mode", (f"training mode differs: the kernels were built for the model and its submodules in {mode} "
+                            "mode")
+    elif "".join("1" if m.training else "0" for m in module.modules()) != CAPTURED_MODES:
+        return "mode", ("training mode differs: the kernels were built for each submodule in the mode it was traced in "
+                        f"({CAPTURED_MODES.count('0')} of {len(CAPTURED_MODES)} modules in eval mode, the others in "
+                        "training mode)")
     if torch.is_grad_enabled() and (
         any(p.requires_grad for p in module.parameters()) or any(t.requires_grad for t in inputs)
     ):
@@ -237,11 +244,33 @@ def emit_modelnew(problem: Problem, plan: Plan, sources: CudaSources | None, rep
         specs = ", ".join(f"({name!r}, {shape}, {dtype})" for name, shape, dtype in input_specs(plan, call))
         served = "".join(f"# {line}\n" for line in served_calls(plan, call))
         parts.append(f"{served}INPUT_SPECS = [{specs}]  # (input, shape, dtype)\n"
-                     f"CAPTURED_TRAINING = {plan.graph.training}\n")
+                     f"CAPTURED_TRAINING = {plan.graph.training}\n"
+                     f"CAPTURED_MODES = {modes_literal(captured_modes(plan))}{MODES_COMMENT}\n")
     if sources is not None:
         parts.append(f"NAME = {problem.name!r}\n")
         parts.append(f'CUDA_SRC = r"""\n{sources.cuda}"""\n')
     return _tidy("\n\n".join(p.strip("\n") + "\n" for p in parts))
+
+
+MODES_COMMENT = "  # per module of modules() where the modes were mixed: 1 training, 0 eval"
+
+
+def captured_modes(plan: Plan, wrapper: bool | None = None) -> str | None:
+    """CAPTURED_MODES: each module's traced mode where they were mixed (a model holding an eval-mode submodule),
+    else None (all in CAPTURED_TRAINING). `wrapper`: the mode of a module wrapping the traced one, first in its
+    modules()."""
+    graph = plan.graph
+    if not graph.mixed_modes:
+        return None
+    return ("" if wrapper is None else "1" if wrapper else "0") + graph.modes
+
+
+def modes_literal(modes: str | None) -> str:
+    """CAPTURED_MODES as a short Python expression: runs of one mode as "0" * n."""
+    if modes is None:
+        return "None"
+    runs = [(c, len(m.group())) for m in re.finditer(r"0+|1+", modes) for c in [m.group()[0]]]
+    return " + ".join(f'"{c}" * {n}' if n > 1 else f'"{c}"' for c, n in runs)
 
 
 def input_specs(plan: Plan, call: CallText) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
@@ -254,6 +283,10 @@ def served_calls(plan: Plan, call: CallText) -> list[str]:
     """In plain words, the calls the fused kernels serve (the guard's conditions) and what happens to the others."""
     mode = ("training mode (as constructed; after model.eval() the original ops run)" if plan.graph.training else
             "eval mode (model.eval(); in training mode the original ops run)")
+    if plan.graph.mixed_modes:
+        evals = plan.graph.modes.count("0")
+        mode = (f"the mode it was traced in ({evals} of {len(plan.graph.modes)} modules in eval mode, the others in "
+                "training mode; after model.train() or model.eval() the original ops run)")
     items = [f"input {name}: shape {list(shape)}, {dtype}, contiguous, on a CUDA device"
              for name, shape, dtype in input_specs(plan, call)]
     if call.test:

@@ -18,7 +18,14 @@ from kernelfuse.capture.signature import forward_signature
 from kernelfuse.codegen import CudaSources
 from kernelfuse.codegen.binding import runtime_source
 from kernelfuse.emit.calltext import call_text, output_classes
-from kernelfuse.emit.modelnew import LOADER, forward_source, input_specs, runtime_text, served_calls
+from kernelfuse.emit.modelnew import (
+    LOADER,
+    captured_modes,
+    forward_source,
+    input_specs,
+    runtime_text,
+    served_calls,
+)
 from kernelfuse.plan.ir import Plan
 
 WRAPPER = '''
@@ -44,6 +51,7 @@ def build_module(model: torch.nn.Module, plan: Plan, sources: CudaSources | None
     header, defaults = _header(model)
     text = call_text(call, header)
     namespace = _namespace(INPUT_SPECS=input_specs(plan, text), CAPTURED_TRAINING=plan.graph.training,
+                           CAPTURED_MODES=captured_modes(plan, wrapper=model.training),
                            _DEFAULTS=defaults, **{c.__qualname__: c for c in output_classes(call.output)})
     if sources is not None:
         namespace.update(NAME=type(model).__name__.lower(), CUDA_SRC=sources.cuda)
