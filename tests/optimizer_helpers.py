@@ -101,3 +101,19 @@ def run_kernelfuse(*args: str, timeout: float = 120) -> subprocess.CompletedProc
 
 def fused_names(plan: Plan) -> set[str]:
     return {name for step in plan.fused for name in step.replaces}
+
+
+class AsCuda:
+    """A tensor or module seen as if it lived on a CUDA device (for an emitted guard run without a GPU); everything
+    else is the real object's."""
+
+    is_cuda = True
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def parameters(self):
+        return [AsCuda(p) for p in self._inner.parameters()]

@@ -12,9 +12,16 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
+from optimizer_helpers import AsCuda
 
+from kernelfuse.capture import capture
 from kernelfuse.fuzz import device
-from kernelfuse.fuzz.run import run_problem
+from kernelfuse.fuzz.run import load_emitted, run_problem
+from kernelfuse.load import load_problem
+from kernelfuse.pipeline import emit_file
+from kernelfuse.plan import plan_variants
+from kernelfuse.rewrite import rewrite
 
 ZOO = Path(__file__).resolve().parents[1] / "benchmarks" / "zoo"
 MODELS = sorted(ZOO.glob("*.py"))
@@ -52,3 +59,24 @@ def test_zoo_model_passes_the_cpu_check_and_compiles(path, tmp_path):
         return
     first = next(e.cuda for e in run.emitted if e.cuda)
     assert device.compile_all([first], nvcc) == {}
+
+
+@pytest.mark.parametrize("path", MODELS, ids=[p.stem for p in MODELS])
+def test_zoo_model_as_constructed_takes_the_fused_path(path, tmp_path):
+    """Most zoo models are a training-mode wrapper around a library model built with .eval(): as constructed, the
+    emitted guard must let the kernels serve the call (one mode flag for the whole model made it fall back on
+    every call), and in other modes it must not (eval-mode kernels on training-mode BatchNorm/Dropout)."""
+    for package in ("transformers", "torchvision"):
+        if f"import {package}" in path.read_text() or f"from {package} " in path.read_text():
+            if importlib.util.find_spec(package) is None:
+                pytest.skip(f"{package} is not installed (pip install 'kernelfuse[zoo]')")
+    small = shrunk(path, tmp_path)
+    problem = load_problem(small)
+    plan = plan_variants(rewrite(capture(problem)))[0]
+    scope = load_emitted(emit_file(problem, plan, "zoo test"), f"zoo_{path.stem}")
+    model = scope["ModelNew"](*problem.init_inputs())
+    inputs = tuple(AsCuda(t) for t in problem.make_inputs(0) if isinstance(t, torch.Tensor))
+    with torch.no_grad():
+        assert scope["_fallback_reason"](AsCuda(model), inputs) is None
+        model.train(not model.training)  # every module in the other mode than the top one was built in
+        assert scope["_fallback_reason"](AsCuda(model), inputs)[0] == "mode"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from optimizer_helpers import pipeline
+from optimizer_helpers import AsCuda, pipeline
 
 from kernelfuse.capture import capture_module
 from kernelfuse.cpucheck import compare
@@ -20,21 +20,6 @@ from kernelfuse.plan import interpret, plan_variants
 from kernelfuse.rewrite import rewrite
 
 FIXTURE = Path(__file__).parent / "fixtures" / "problems" / "tiny_bn_dropout.py"
-
-
-class AsCuda:
-    """A tensor or module seen as if it lived on a CUDA device; everything else is the real object's."""
-
-    is_cuda = True
-
-    def __init__(self, inner):
-        self._inner = inner
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def parameters(self):
-        return [AsCuda(p) for p in self._inner.parameters()]
 
 
 @pytest.fixture(scope="module")
