@@ -48,8 +48,9 @@ def add_eval_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--float64", choices=["always", "auto", "never"], default="always",
                         help="compare with a float64 reference: always (default), auto, never")
     parser.add_argument("--mode", choices=["train", "eval", "both"], default="train",
-                        help="train: models as constructed (default, the benchmark's way); eval: .eval() on both; "
-                             "both: correctness judged in each")
+                        help="train: models as constructed, each submodule's train/eval flag as built (default, "
+                             "the benchmark's way; no .train() call); eval: .eval() on both; both: correctness "
+                             "judged in each")
     parser.add_argument("--robust", action="store_true",
                         help="extra trials on standard-normal, x100 and all-negative inputs, reported in the verdict's "
                              "`robust` field (the main verdict is unchanged)")

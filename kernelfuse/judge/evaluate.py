@@ -287,7 +287,8 @@ def _status(run: ChildRun, out: dict[str, Any], failure: dict[str, Any] | None, 
     failed = [t for t in trials if not t.get("passed")]
     if failed:
         first = failed[0]
-        mode = f" ({first['mode']} mode)" if opts.mode != "train" and first.get("mode") else ""
+        label = {"train": "as constructed"}.get(first.get("mode"), first.get("mode"))
+        mode = f" ({label} mode)" if opts.mode != "train" and first.get("mode") else ""
         reason = f"{len(failed)} of {len(trials)} trials failed; first{mode}: {first.get('reason')}"
         params = out.get("params") or {}
         if params.get("ok") is False and first.get("defence") == "mismatch":

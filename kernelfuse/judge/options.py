@@ -46,7 +46,8 @@ class EvalOptions:
     input_sets: distinct input sets the timing loop rotates over (fewer where device memory is short).
     implausible_margin: a median runtime below this fraction of the floor estimate is the verdict "implausible"
     (0 turns the verdict off; below 0.8 x the floor is always a warning). mode: "train" (as constructed, the
-    benchmark's way), "eval" (.eval() on both models) or "both" (correctness judged in each; timed in train mode).
+    benchmark's way: every submodule's train/eval flag as the model was built, never `.train(True)`), "eval"
+    (.eval() on both models) or "both" (correctness judged in each; timed as constructed).
     robust: extra trials on inputs of other distributions (standard normal, x100, all negative), reported in the
     verdict's `robust` field without changing `correct`. call_checks: False switches off the per-call checks added
     against timing games (timed-call comparison, input rotation, determinism, output type and aliasing, device state

@@ -10,7 +10,9 @@ NaN; every call gets its own copy of the inputs. So:
 - threads still running after a call are reported, and so is device state a call changed (judge.devicestate);
 - outputs must be plain tensors owning their storage (judge.outputs);
 - the two candidate runs on the same inputs must agree within the tolerance (else "nondeterministic");
-- precision lowered below the policy fails the float64 rule (kernelfuse.verify.float64).
+- precision lowered below the policy fails the float64 rule (kernelfuse.verify.float64), unless the reference's
+  forward draws random numbers (dropout in training mode, stochastic depth): a float64 copy draws different ones
+  (on CUDA the generator's use differs by dtype), so it is no reference, and eager's comparison stands alone.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ from kernelfuse.verify import (
 MIN_POISON_RESERVE = 256 << 20
 BASELINE_LABELS = {"fp32": "eager", "tf32": "eager with TF32", "bf16": "eager under bf16 autocast"}
 STOPPING_DEFENCES = ("threads", "patched", "device_state")  # after these, further calls of the candidate prove nothing
+RANDOM_FORWARD = ("the forward draws random numbers: a float64 copy draws different ones, so it is no reference "
+                  "(neither accepts nor fails a candidate)")
 
 
 class CandidateCallError(Exception):
@@ -144,6 +148,22 @@ def call_reference(model: torch.nn.Module, pristine: list[Any], settings: TrialS
     return out, inputs
 
 
+def _rng_states(device: torch.device) -> list[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def draws_random(rng_seed: int, device: torch.device) -> bool:
+    """Whether the call just made after `torch.manual_seed(rng_seed)` (call_reference's) drew random numbers: the
+    default generators (the CPU's, and the device's on CUDA) are no longer where that seed put them. Call it right
+    after the reference call; it reseeds them with `rng_seed` (every judged call seeds its own anyway)."""
+    after = _rng_states(device)
+    torch.manual_seed(rng_seed)
+    return any(not torch.equal(a, b) for a, b in zip(after, _rng_states(device), strict=True))
+
+
 def call_candidate(model: torch.nn.Module, pristine: list[Any], settings: TrialSettings, rng_seed: int,
                    when: str) -> tuple[Any, list[Any], tuple[str, str] | None]:
     """Poison free memory, run the candidate on its own input copy, synchronise.
@@ -232,6 +252,7 @@ def run_trial(problem: Problem, models: Models, settings: TrialSettings, index: 
     if issue_a:
         return _fail(index, *issue_a)
     ref_out, ref_in = call_reference(models.reference, pristine, settings, rng)
+    random = models.reference64 is not None and draws_random(rng, device)
     out_b, in_b, issue_b = call_candidate(models.candidate, pristine, settings, rng,
                                           f"trial {index}, run after the reference")
     if issue_b:
@@ -260,7 +281,8 @@ def run_trial(problem: Problem, models: Models, settings: TrialSettings, index: 
 
     f64 = None
     means: tuple[float | None, float | None] = (None, None)
-    ref64_out, float64_skipped = reference64_output(models, pristine, device, rng)
+    ref64_out, float64_skipped = ((None, RANDOM_FORWARD) if random else
+                                  reference64_output(models, pristine, device, rng))
     if ref64_out is not None:
         base = ref_out
         if policy.baseline == "tf32":
@@ -291,7 +313,8 @@ def run_trial(problem: Problem, models: Models, settings: TrialSettings, index: 
     errors = dict(max_abs=worst.max_abs, max_rel=worst.max_rel, mean_abs=worst.mean_abs,
                   err64_ours=f64.ours_err if f64 else None, err64_eager=f64.eager_err if f64 else None,
                   err64_base=f64.base_err if f64 else None, err64_scale=f64.ref_scale if f64 else None,
-                  err64_bound=f64.bound if f64 else None, err64_mean_ours=means[0], err64_mean_base=means[1])
+                  err64_bound=f64.bound if f64 else None, err64_mean_ours=means[0], err64_mean_base=means[1],
+                  float64_skipped=float64_skipped)
     print_b = fingerprint(out_b)
     stale_of = next((i for i, fp in enumerate(earlier) if fp == print_b), None)
     earlier.append(print_b)
@@ -320,7 +343,7 @@ def run_trial(problem: Problem, models: Models, settings: TrialSettings, index: 
         return _fail(index, "mismatch", f"{where}: {comp.reason}", **errors)
     if f64 is not None and not f64.ok:
         return _fail(index, "precision", f"trial {index}: {f64.reason}", **errors)
-    return TrialResult(index, True, None, None, **errors, by_accuracy=by_accuracy, float64_skipped=float64_skipped)
+    return TrialResult(index, True, None, None, **errors, by_accuracy=by_accuracy)
 
 
 def reference64_output(models: Models, pristine: list[Any], device: torch.device, rng: int

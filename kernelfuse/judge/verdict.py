@@ -170,7 +170,8 @@ class Verdict:
             where = f"line {signal['line']}: " if signal.get("line") else ""
             lines.append(f"  signal      {signal['code']}: {where}{signal['message']}")
         if self.mode != "train":
-            lines.append(f"  mode        {self.mode} (.eval() {'on both models' if self.mode == 'eval' else 'also'})")
+            lines.append(f"  mode        {self.mode} ("
+                         + (".eval() on both models)" if self.mode == "eval" else "as constructed, then .eval())"))
         if self.robust is not None:
             robust = "yes: other input distributions pass too" if self.robust else f"NO: {ROBUST_NOTE}"
             lines.append(f"  robust      {robust}")

@@ -43,7 +43,8 @@ from kernelfuse.verify import NumericsFlags, compare_state, float64_model, get_p
 from kernelfuse.verify.memory import float64_need, place_float64
 
 CANDIDATE_MODULE = "kernelfuse_candidate"
-MODE_RUNS = {"train": ("train",), "eval": ("eval",), "both": ("train", "eval")}
+MODE_RUNS = {"train": ("train",), "eval": ("eval",), "both": ("train", "eval")}  # "train": as constructed
+MODE_LABELS = {"train": "as constructed", "eval": "eval"}
 ROBUST_INPUTS = {  # --robust: other input distributions (float inputs only), each from the problem's own seed
     "standard normal": lambda x, seed: torch.randn(x.shape, dtype=x.dtype,
                                                    generator=torch.Generator().manual_seed(seed)),
@@ -154,6 +155,7 @@ def run(request: WorkerRequest, out: Outcome) -> None:
 
     out.stage("reference")
     reference = problem.make_model(request.seed, init_inputs)
+    constructed = {id(reference): constructed_modes(reference)}  # per module, before anything flips them
 
     builds: list[ExtensionBuild] = []
     stub = NO_DEVICE if (want_cuda and not has_cuda) else None
@@ -183,6 +185,7 @@ def run(request: WorkerRequest, out: Outcome) -> None:
             extensions=[b.to_dict() for b in builds])
     if not isinstance(candidate, torch.nn.Module):
         raise out.fail("construct_error", f"ModelNew(...) returned {type(candidate).__name__}, not an nn.Module")
+    constructed[id(candidate)] = constructed_modes(candidate)
 
     out.stage("guard")
     patched = snapshot.changes()
@@ -234,6 +237,8 @@ def run(request: WorkerRequest, out: Outcome) -> None:
                        "uses_tf32": probe.uses_tf32, "output": probe.output, "peak_bytes": probe.peak_bytes},
                 float64_reference=reference64 is not None,
                 float64_device=None if where64 is None else where64.type)
+        if reference64 is not None:  # a copy of the reference as constructed (float64_model copies the flags)
+            constructed[id(reference64)] = constructed_modes(reference64)
         models = Models(reference, candidate, reference64, where64)
 
         out.stage("trials")
@@ -251,7 +256,7 @@ def run(request: WorkerRequest, out: Outcome) -> None:
         for mode in MODE_RUNS[request.mode]:
             for model in (reference, candidate, reference64):  # the float64 reference judges in the same mode
                 if model is not None:
-                    model.train(mode == "train")
+                    set_mode(model, mode, constructed[id(model)])
             try:
                 trials = run_trials(problem, models, settings, request.trials, after_trial)
             except CandidateCallError as err:
@@ -265,7 +270,7 @@ def run(request: WorkerRequest, out: Outcome) -> None:
             out.set(robust=_robust_trials(problem, models, settings, request))
         for model in (reference, candidate, reference64):
             if model is not None:
-                model.train(MODE_RUNS[request.mode][0] == "train")
+                set_mode(model, MODE_RUNS[request.mode][0], constructed[id(model)])
         if not passed and not request.time_incorrect:
             return
 
@@ -311,7 +316,23 @@ def _note_compiler_threads(out: Outcome, before: frozenset[threading.Thread]) ->
 
 
 def _in_mode(when: str, mode: str, request: WorkerRequest) -> str:
-    return when if request.mode == "train" else f"{when}, {mode} mode"
+    return when if request.mode == "train" else f"{when}, {MODE_LABELS[mode]} mode"
+
+
+def constructed_modes(model: torch.nn.Module) -> list[tuple[torch.nn.Module, bool]]:
+    """Each module's training flag as it is now: taken right after construction, the model as its author built it
+    (torchvision's `resnet50().eval()` inside a module left in training mode, say)."""
+    return [(module, module.training) for module in model.modules()]
+
+
+def set_mode(model: torch.nn.Module, mode: str, constructed: list[tuple[torch.nn.Module, bool]]) -> None:
+    """Mode "eval": `.eval()`; mode "train" (the models as constructed): every module's flag as recorded by
+    `constructed_modes`, not `.train(True)`, which would flip eval-mode submodules (BatchNorm, Dropout) to training."""
+    if mode == "eval":
+        model.eval()
+        return
+    for module, training in constructed:
+        module.training = training
 
 
 def _robust_trials(problem: Any, models: Models, settings: TrialSettings, request: WorkerRequest) -> dict[str, Any]:
