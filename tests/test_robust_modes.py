@@ -85,6 +85,11 @@ def test_interpreter_equals_model_in_eval_mode():
         for _ in range(3):
             model(torch.rand(8, 16) * 3)
     model.eval()
+    _assert_every_plan_interprets_like(model)
+
+
+def _assert_every_plan_interprets_like(model: torch.nn.Module) -> None:
+    """Captured in the model's current modes, every plan variant interpreted equals the model."""
     x = torch.rand(8, 16)
     graph = rewrite(capture_module(model, [x]))
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
@@ -122,13 +127,7 @@ def test_mixed_modes_plan_equals_the_model_as_constructed():
     with torch.no_grad():  # running statistics that differ from a batch's: a training-mode BatchNorm would differ
         model.body[1].running_mean.fill_(0.5)
         model.body[1].running_var.fill_(3.0)
-    x = torch.rand(8, 16)
-    graph = rewrite(capture_module(model, [x]))
-    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    for plan in plan_variants(graph):
-        with torch.no_grad():
-            check = compare(plan.variant, model(x), interpret(plan, state, [x]), [x])
-        assert check.ok, check.note
+    _assert_every_plan_interprets_like(model)
 
 
 def test_in_process_wrapper_guards_the_wrapped_models_modes():
