@@ -101,3 +101,17 @@ def test_residual_of_the_norms_own_input_is_not_read_again(expr: str, on_chip: b
     step = next(g for g in plan.generated if g.spec is not None and g.spec.kind == "norm")
     out, expected, _, _ = emulated_run(emulated(plan, tmp_path), plan, step, seed=3)
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("sizes", "strides", "vector"), [
+    ((8, 64, 64), (4096, 64, 1), True),  # rows of 64 x 64, contiguous
+    ((8, 64, 64), (4290, 66, 1), False),  # a padded view: rows 66 apart, so a group of four can start unaligned
+    ((8, 64, 62), (3968, 62, 1), False),  # 62 columns: a group of four would cross into the next row
+    ((8, 4096), (4096, 1), True),
+])
+def test_16_byte_copies_need_every_group_of_four_aligned(sizes, strides, vector) -> None:
+    from kernelfuse.codegen.iteration import Space
+    from kernelfuse.codegen.onchip import copies_vectors
+
+    space = Space(sizes, ("k",) + ("r",) * (len(sizes) - 1), {"src": strides})
+    assert copies_vectors(space) is vector

@@ -191,10 +191,13 @@ KF_EXPORT cudaError_t {k}_launch({params}, void* out, void* work, cudaStream_t s
 
 def copies_vectors(space: Space) -> bool:
     """Can the chunk copy move 16 bytes at a time? Four consecutive row elements must be neighbours in memory:
-    the fastest reduced dim has unit stride and a multiple of 4 elements (chunks start at multiples of 4). The
-    kernel still checks the chunk's address at run time and copies element by element where it is unaligned."""
-    last = space.dims("r")[-1]
-    return VECTOR_COPIES and space.strides["src"][last] == 1 and space.sizes[last] % 4 == 0
+    the fastest reduced dim has unit stride and a multiple of 4 elements (chunks start at multiples of 4), and the
+    other reduced dims' strides are multiples of 4 (each group of four then stays as aligned as the chunk's start).
+    The kernel still checks the chunk's address at run time and copies element by element where it is unaligned."""
+    *outer, last = space.dims("r")
+    src = space.strides["src"]
+    return (VECTOR_COPIES and src[last] == 1 and space.sizes[last] % 4 == 0
+            and all(src[d] % 4 == 0 for d in outer))
 
 
 def chunk_copy(slot: str, element_pass: list[str]) -> list[str]:
