@@ -1,7 +1,7 @@
 """Times the generated kernels of a few problems against eager and torch.compile, in one process, on one GPU.
 
     PYTHONPATH=. python benchmarks/level1_probe.py PROBLEM.py [PROBLEM.py ...] [--out TABLE.md]
-        [--onchip 512:48,256:24s,...]
+        [--onchip 512:48,256:24,...]
 
 For each problem every fused plan variant is emitted as a ModelNew file, built and timed whether or not the
 optimizer would ship it (the probe asks how fast the kernels are, not what ships); its largest error against eager
@@ -10,8 +10,8 @@ on the same inputs is printed beside it. Times are medians of CUDA events with t
 device-to-device copy bandwidth (kernelfuse.bench.floor).
 
 --onchip times each plan once per configuration of the long-row kernel (kernelfuse.codegen.onchip): THREADS:KB
-is its block size and the row chunk each block keeps in shared memory; a trailing `s` copies the chunk element by
-element instead of 16 bytes at a time, `o` computes the statistics in one pass (online softmax, Welford).
+is its block size and the row chunk each block keeps in shared memory. (Stop 31 also compared 4-byte against
+16-byte copies and one-pass against two-pass statistics, with switches since removed: benchmarks/NOTES.md.)
 """
 
 from __future__ import annotations
@@ -59,24 +59,19 @@ def _load_modelnew(text: str, folder: Path, name: str) -> type:
 
 @contextmanager
 def onchip_config(config: str | None) -> Iterator[None]:
-    """The long-row kernel built as `config` says (THREADS:KB[s][o]) while the block runs; None: as shipped."""
+    """The long-row kernel built as `config` says (THREADS:KB) while the block runs; None: as shipped."""
     if config is None:
         yield
         return
-    saved = (onchip.ONCHIP_THREADS, onchip.CHUNK_BYTES, onchip.VECTOR_COPIES, onchip.ONCHIP_MAX_ROW,
-             onchip.TWO_PASS_STATISTICS)
-    threads, kb = config.rstrip("so").split(":")
+    saved = onchip.ONCHIP_THREADS, onchip.CHUNK_BYTES, onchip.ONCHIP_MAX_ROW
+    threads, kb = config.split(":")
     onchip.ONCHIP_THREADS = reduce.ONCHIP_THREADS = int(threads)
     onchip.CHUNK_BYTES = int(kb) * 1024
-    flags = config.split(":")[1].lstrip("0123456789")
-    onchip.VECTOR_COPIES = "s" not in flags
-    onchip.TWO_PASS_STATISTICS = "o" not in flags
     onchip.ONCHIP_MAX_ROW = onchip.ONCHIP_MAX_BLOCKS * onchip.CHUNK_BYTES // 4
     try:
         yield
     finally:
-        (onchip.ONCHIP_THREADS, onchip.CHUNK_BYTES, onchip.VECTOR_COPIES, onchip.ONCHIP_MAX_ROW,
-         onchip.TWO_PASS_STATISTICS) = saved
+        onchip.ONCHIP_THREADS, onchip.CHUNK_BYTES, onchip.ONCHIP_MAX_ROW = saved
         reduce.ONCHIP_THREADS = saved[0]
 
 
@@ -122,7 +117,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("problems", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, default=None, help="also write the table here (markdown)")
     parser.add_argument("--onchip", default=None,
-                        help="long-row kernel configurations THREADS:KB[s][o], comma-separated")
+                        help="long-row kernel configurations THREADS:KB, comma-separated")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("level1_probe: no CUDA device; run it on the GPU host", file=sys.stderr)

@@ -33,10 +33,6 @@ CHUNK_BYTES = 48 * 1024
 # Of blocks for one row (6 MB of row): at least this many must be resident at once.
 ONCHIP_MAX_BLOCKS = 128
 ONCHIP_UNROLL = 8
-# Switches that benchmarks/level1_probe.py --onchip turns off to measure what each brings: 16-byte asynchronous
-# copies where the row allows; a thread's statistics in two passes over shared memory (codegen.reduce)
-VECTOR_COPIES = True
-TWO_PASS_STATISTICS = True
 # The longest row kept on chip, in 4-byte elements (kernelfuse.plan.schedule restates it as MAPPED_MAX_ROW).
 ONCHIP_MAX_ROW = ONCHIP_MAX_BLOCKS * CHUNK_BYTES // 4
 
@@ -196,8 +192,7 @@ def copies_vectors(space: Space) -> bool:
     The kernel still checks the chunk's address at run time and copies element by element where it is unaligned."""
     *outer, last = space.dims("r")
     src = space.strides["src"]
-    return (VECTOR_COPIES and src[last] == 1 and space.sizes[last] % 4 == 0
-            and all(src[d] % 4 == 0 for d in outer))
+    return src[last] == 1 and space.sizes[last] % 4 == 0 and all(src[d] % 4 == 0 for d in outer)
 
 
 def chunk_copy(slot: str, element_pass: list[str]) -> list[str]:

@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kernelfuse.capture.graph import contiguous_strides
-from kernelfuse.codegen import onchip
 from kernelfuse.codegen.arg_reduce import INDEX_KINDS, arg_row_lines
 from kernelfuse.codegen.common import program_lines
 from kernelfuse.codegen.iteration import (
@@ -230,8 +229,7 @@ def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tp
         return lines + epilogue_lines(step, "row", "    ") + _mapped_store(step, ctype, space, again, oc)
     if kind in ("logsumexp", "softmax", "log_softmax"):
         lines.append("    float m = -INFINITY, s = 0.0f;")
-        lines += _onchip_two_passes(kind) if oc and onchip.TWO_PASS_STATISTICS else _loop(
-            ["kf_online_add(m, s, v);"], first, onchip=oc)
+        lines += _onchip_two_passes(kind) if oc else _loop(["kf_online_add(m, s, v);"], first)
         lines.append("    kf_row_reduce_online<TPR>(m, s);")
         if blocks:
             lines.append(f"    {{ float unused = 0.0f; {combine_across_blocks(blocks, ('m', 's', 'unused'), 'kf_online_merge3')} }}")
@@ -243,8 +241,7 @@ def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tp
         return lines + _broadcast_store(step, expr, ctype, [], space, again, oc)
     # norm: mean and biased variance in one Welford pass; affine; batch norm updates its running statistics
     lines.append("    float n = 0.0f, mean = 0.0f, m2 = 0.0f;")
-    lines += _onchip_two_passes(kind) if oc and onchip.TWO_PASS_STATISTICS else _loop(
-        ["kf_welford_add(n, mean, m2, v);"], first, onchip=oc)
+    lines += _onchip_two_passes(kind) if oc else _loop(["kf_welford_add(n, mean, m2, v);"], first)
     lines.append("    kf_row_reduce_welford<TPR>(n, mean, m2);")
     if blocks:
         lines.append(f"    {combine_across_blocks(blocks, ('n', 'mean', 'm2'), 'kf_welford_merge3')}")
