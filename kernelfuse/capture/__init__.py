@@ -9,8 +9,10 @@ from kernelfuse.capture.graph import (
     aten_overload,
     contiguous_strides,
     draws_random_numbers,
+    schema_args,
 )
 from kernelfuse.capture.trace import build_model, capture, capture_module, module_state
 
 __all__ = ["Arg", "Graph", "Node", "Ref", "TensorMeta", "aten_overload", "build_model", "capture", "capture_module",
-           "contiguous_strides", "draws_random_numbers", "module_state"]
+           "contiguous_strides", "draws_random_numbers", "module_state",
+           "schema_args"]

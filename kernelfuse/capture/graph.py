@@ -67,6 +67,16 @@ class Node:
     def refs(self) -> tuple[Ref, ...]:
         return tuple(_iter_refs(self.args))
 
+    @cached_property
+    def positional(self) -> tuple[Arg, ...]:
+        """The arguments passed by position (keyword arguments are recorded as ("kw", name, value) after them)."""
+        return tuple(a for a in self.args if not _is_keyword(a))
+
+    @cached_property
+    def keywords(self) -> dict[str, Arg]:
+        """The arguments passed by keyword, by name."""
+        return {a[1]: a[2] for a in self.args if _is_keyword(a)}  # type: ignore[index,misc]
+
     def __str__(self) -> str:
         if self.op in ("input", "param", "buffer"):
             return f"%{self.name} = {self.op}({self.target!r}) : {self.meta}"
@@ -159,6 +169,19 @@ def aten_overload(op: str) -> torch._ops.OpOverload | None:
     return getattr(getattr(torch.ops.aten, packet, None), overload, None) if overload else None
 
 
+def _is_keyword(arg: object) -> bool:
+    return isinstance(arg, tuple) and len(arg) == 3 and arg[0] == "kw"
+
+
+def schema_args(node: Node) -> dict[str, object]:
+    """An ATen node's arguments by schema name, defaults filled in (keyword ones never taken for positional)."""
+    schema = aten_overload(node.op)._schema.arguments  # type: ignore[union-attr]
+    args: dict[str, object] = {a.name: a.default_value for a in schema if a.has_default_value()}
+    args.update(zip((a.name for a in schema), node.positional, strict=False))
+    args.update(node.keywords)
+    return args
+
+
 def draws_random_numbers(graph: Graph) -> bool:
     """Whether any op of the graph draws random numbers: ATen tags such ops nondeterministic_seeded, but dropout
     (and the recurrent ops' dropout between layers) with probability 0 or outside training draws none."""
@@ -166,10 +189,7 @@ def draws_random_numbers(graph: Graph) -> bool:
         op = aten_overload(node.op)
         if op is None or torch.Tag.nondeterministic_seeded not in op.tags:
             continue
-        schema = op._schema.arguments
-        args = {a.name: a.default_value for a in schema if a.has_default_value()}
-        args.update(zip((a.name for a in schema), node.args, strict=False))
-        args.update((a[1], a[2]) for a in node.args if isinstance(a, tuple) and len(a) == 3 and a[0] == "kw")
+        args = schema_args(node)
         probability = next((args[k] for k in ("p", "dropout", "dropout_p") if k in args), None)
         if isinstance(probability, (int, float)) and (probability == 0 or args.get("train") is False):
             continue

@@ -547,11 +547,10 @@ def _attention_lines(graph, step: AttnStep, names: dict[str, str]) -> list[str]:
 def _call(node: Node, names: dict[str, str]) -> str:
     if node.op == "constant":  # written to or returned: made in every call (capture limits its size)
         return f"torch.tensor({_py(node.args[0], names)}, dtype={node.meta.dtype}, device=_device).reshape({list(node.meta.shape)})"
-    plain = [a for a in node.args if not (isinstance(a, tuple) and len(a) == 3 and a[0] == "kw")]
-    kwargs = [a for a in node.args if isinstance(a, tuple) and len(a) == 3 and a[0] == "kw"]
+    plain, kwargs = node.positional, node.keywords
     if node.op in PY_SPELLING and not kwargs and len(plain) == PY_SPELLING[node.op].count("{"):
         return PY_SPELLING[node.op].format(*(_py(a, names) for a in plain))
-    args = [_py(a, names) for a in plain] + [f"{k}={_py(v, names)}" for _, k, v in kwargs]
+    args = [_py(a, names) for a in plain] + [f"{k}={_py(v, names)}" for k, v in kwargs.items()]
     packet, overload = node.op.split(".")
     return f"torch.ops.aten.{packet}.{overload}({', '.join(args)})"
 

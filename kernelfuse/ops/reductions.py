@@ -100,19 +100,12 @@ def _prod(values) -> int:
     return n
 
 
-def _plain(node: Node) -> list[object]:
-    return [a for a in node.args if not (isinstance(a, tuple) and len(a) == 3 and a[0] == "kw")]
-
-
 def _kw(node: Node, name: str, default: object = None) -> object:
-    for a in node.args:
-        if isinstance(a, tuple) and len(a) == 3 and a[0] == "kw" and a[1] == name:
-            return a[2]
-    return default
+    return node.keywords.get(name, default)
 
 
 def _arg(node: Node, pos: int, name: str, default: object = None) -> object:
-    plain = _plain(node)
+    plain = node.positional
     return plain[pos] if pos < len(plain) else _kw(node, name, default)
 
 

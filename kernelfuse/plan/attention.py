@@ -20,7 +20,7 @@ from dataclasses import replace
 
 import torch
 
-from kernelfuse.capture import Graph, Node, Ref, TensorMeta, aten_overload
+from kernelfuse.capture import Graph, Node, Ref, TensorMeta, schema_args
 from kernelfuse.plan.ir import AttnInput, AttnStep
 from kernelfuse.plan.schedule import FLOAT_DTYPES
 
@@ -120,7 +120,7 @@ def _to_output(out: torch.Tensor, step: AttnStep) -> torch.Tensor:
 
 
 def _from_sdpa(graph: Graph, node: Node, kernel: str) -> AttnStep | str:
-    args = _schema_args(node)
+    args = schema_args(node)
     q, k, v = (graph[args[n]].meta for n in ("query", "key", "value"))
     if node.meta is None or q.dtype not in FLOAT_DTYPES or not q.dtype == k.dtype == v.dtype == node.meta.dtype:
         return "dtypes differ or are not floating point"
@@ -314,14 +314,3 @@ def _only_reader(graph: Graph, node: Node) -> Node | None:
 
 def _scalar(a: object) -> float | None:
     return float(a) if isinstance(a, (int, float)) and not isinstance(a, bool) else None
-
-
-def _schema_args(node: Node) -> dict[str, object]:
-    """The node's arguments by schema name, defaults filled in."""
-    op = aten_overload(node.op)
-    schema = op._schema.arguments  # type: ignore[union-attr]
-    args = {a.name: a.default_value for a in schema if a.has_default_value()}
-    plain = [a for a in node.args if not (isinstance(a, tuple) and len(a) == 3 and a[0] == "kw")]
-    args.update(zip((a.name for a in schema), plain, strict=False))
-    args.update((a[1], a[2]) for a in node.args if isinstance(a, tuple) and len(a) == 3 and a[0] == "kw")
-    return args

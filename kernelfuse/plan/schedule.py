@@ -443,10 +443,8 @@ def _broadcasts(shape: tuple[int, ...], out: tuple[int, ...]) -> bool:
 def constant_arg(node: Node, pos: int | str, default: object) -> object:
     """A constant argument by keyword name or by position; an omitted or None (optional) one is the default."""
     if isinstance(pos, str):
-        for a in node.args:
-            if isinstance(a, tuple) and len(a) == 3 and a[0] == "kw" and a[1] == pos:
-                return default if a[2] is None else a[2]
-        return default
-    plain = [a for a in node.args if not (isinstance(a, tuple) and len(a) == 3 and a[0] == "kw")]
+        got = node.keywords.get(pos, default)
+        return default if got is None else got
+    plain = node.positional
     got = plain[pos] if pos < len(plain) else default
     return default if got is None else got
