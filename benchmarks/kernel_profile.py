@@ -1,7 +1,8 @@
 """Where a forward's GPU time goes, kernel by kernel: eager's and a ModelNew candidate's, side by side.
 
 Run on the device from the repo root (the candidate is an emitted file, e.g. from `kernelfuse optimize -o`):
-    PYTHONPATH=. python benchmarks/kernel_profile.py PROBLEM.py [CANDIDATE.py] > $OUT/profile.md
+    PYTHONPATH=. python benchmarks/kernel_profile.py PROBLEM.py [CANDIDATE.py] [--compile] > $OUT/profile.md
+--compile adds torch.compile's (default mode) table, to see what Inductor fuses that the candidate does not.
 Each table lists the kernels of 10 forwards (after a warm-up) by total device time, with calls per forward.
 """
 
@@ -36,7 +37,7 @@ def _table(title: str, call) -> None:  # noqa: ANN001
         print(f"| `{e.key[:90]}` | {e.self_device_time_total / 1000 / REPEATS:.4f} | {e.count / REPEATS:g} |")
 
 
-def main(problem_path: str, candidate_path: str | None) -> None:
+def main(problem_path: str, candidate_path: str | None, with_compile: bool = False) -> None:
     problem = load_problem(problem_path)
     inputs = [t.cuda() if isinstance(t, torch.Tensor) else t for t in problem.make_inputs(0)]
     torch.manual_seed(0)
@@ -49,9 +50,13 @@ def main(problem_path: str, candidate_path: str | None) -> None:
             torch.manual_seed(0)
             new = ns["ModelNew"](*ns["get_init_inputs"]()).cuda()
             _table(f"candidate {candidate_path}", lambda: new(*inputs))
+        if with_compile:
+            compiled = torch.compile(model)
+            _table("torch.compile (default mode)", lambda: compiled(*inputs))
 
 
 if __name__ == "__main__":
-    if len(sys.argv) not in (2, 3):
+    args = [a for a in sys.argv[1:] if a != "--compile"]
+    if len(args) not in (1, 2):
         sys.exit(__doc__)
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) == 3 else None)
+    main(args[0], args[1] if len(args) == 2 else None, "--compile" in sys.argv[1:])

@@ -13,9 +13,9 @@ Kinds (kernelfuse.ops.reductions): one pass for sum/mean/prod/amax/amin (and arg
 pairs are kernelfuse.codegen.arg_reduce's); logsumexp and softmax find the max and the sum of exp(x - max) in one
 pass (a larger max rescales the sum: one read of the row fewer than ATen's max pass then sum pass, ~1e-7 relative
 apart); norms take the mean and the biased variance in one Welford pass (as ATen's CUDA norms do; as accurate as
-two passes, unlike one-pass sums of squares). A chunk kept on chip instead takes two passes over shared memory per
-thread, cheaper in instructions (`_onchip_two_passes`). Passes re-read the row and recompute the prologue instead
-of storing it. Numerics follow ATen: float accumulation, NaN-propagating max/min, logsumexp's infinite max
+two passes, unlike one-pass sums of squares). A row kept in registers, or a chunk kept on chip, instead takes two
+passes per thread over what it keeps, cheaper in instructions (`_two_passes`). Passes re-read the row and recompute
+the prologue instead of storing it. Numerics follow ATen: float accumulation, NaN-propagating max/min, logsumexp's infinite max
 replaced by 0, softmax as exp(x - max) / sum, batch norm's running statistics with the unbiased variance.
 """
 
@@ -184,18 +184,21 @@ def _chunk_pass(body: list[str]) -> list[str]:
             "      if (r < (INDEX)RED && j * TPR + lane < CHUNK) {", *[f"        {t}" for t in lines], "      }", "    }"]
 
 
-def _onchip_two_passes(kind: str) -> list[str]:
-    """A thread's statistics of its elements of an on-chip chunk, in two passes over shared memory: the max, then
-    the sum of exp(v - max) (softmax kinds); the sum, then the squared deviations from the thread's mean (norms).
-    The one-pass updates (a rescaled sum at each new max; Welford's division per element) cost more instructions
-    than the memory allows: the on-chip LogSoftmax issued on 57% of cycles at 58% of DRAM bandwidth (ncu, H100).
-    The per-thread results merge across threads and blocks as the one-pass ones do."""
+def _two_passes(kind: str, onchip: bool) -> list[str]:
+    """A thread's statistics of its elements kept on chip (an on-chip chunk in shared memory, or the row in
+    registers), in two passes over them: the max, then the sum of exp(v - max) (softmax kinds); the sum, then the
+    squared deviations from the thread's mean (norms). The one-pass updates (a rescaled sum at each new max;
+    Welford's division per element) cost more instructions than the memory allows: the on-chip LogSoftmax issued
+    on 57% of cycles at 58% of DRAM bandwidth (ncu, H100), BERT's add + LayerNorm (rows of 768 in registers) ran at
+    a third of Inductor's bandwidth (2 H200s). The per-thread results merge across threads and blocks as the
+    one-pass ones do."""
+    again = None if onchip else "read"  # shared memory is read by both passes; registers are filled, then read
     if kind == "norm":
-        return [*_loop(["n += 1.0f;", "mean += v;"], "fill", onchip=True),
+        return [*_loop(["n += 1.0f;", "mean += v;"], "fill", onchip=onchip),
                 "    mean = n > 0.0f ? mean / n : 0.0f;",
-                *_loop(["const float d = v - mean;", "m2 += d * d;"], None, onchip=True)]
-    return [*_loop(["m = kf_max_op()(m, v);"], "fill", onchip=True),
-            *_loop(["s += (v == -INFINITY) ? 0.0f : expf(v - m);"], None, onchip=True)]
+                *_loop(["const float d = v - mean;", "m2 += d * d;"], again, onchip=onchip)]
+    return [*_loop(["m = kf_max_op()(m, v);"], "fill", onchip=onchip),
+            *_loop(["s += (v == -INFINITY) ? 0.0f : expf(v - m);"], again, onchip=onchip)]
 
 
 def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tpr: int, limit: int,
@@ -229,7 +232,7 @@ def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tp
         return lines + epilogue_lines(step, "row", "    ") + _mapped_store(step, ctype, space, again, oc)
     if kind in ("logsumexp", "softmax", "log_softmax"):
         lines.append("    float m = -INFINITY, s = 0.0f;")
-        lines += _onchip_two_passes(kind) if oc else _loop(["kf_online_add(m, s, v);"], first)
+        lines += _two_passes(kind, oc) if cached else _loop(["kf_online_add(m, s, v);"])
         lines.append("    kf_row_reduce_online<TPR>(m, s);")
         if blocks:
             lines.append(f"    {{ float unused = 0.0f; {combine_across_blocks(blocks, ('m', 's', 'unused'), 'kf_online_merge3')} }}")
@@ -241,7 +244,7 @@ def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tp
         return lines + _broadcast_store(step, expr, ctype, [], space, again, oc)
     # norm: mean and biased variance in one Welford pass; affine; batch norm updates its running statistics
     lines.append("    float n = 0.0f, mean = 0.0f, m2 = 0.0f;")
-    lines += _onchip_two_passes(kind) if oc else _loop(["kf_welford_add(n, mean, m2, v);"], first)
+    lines += _two_passes(kind, oc) if cached else _loop(["kf_welford_add(n, mean, m2, v);"])
     lines.append("    kf_row_reduce_welford<TPR>(n, mean, m2);")
     if blocks:
         lines.append(f"    {combine_across_blocks(blocks, ('n', 'mean', 'm2'), 'kf_welford_merge3')}")
