@@ -470,3 +470,30 @@ def test_conv_bias_stays_with_cudnn_fused_relu():
     """conv2d -> relu keeps its bias: cuDNN's fused convolution + bias + ReLU adds it in the product's epilogue."""
     fn = lambda m, x, w, b: torch.relu(nn.functional.conv2d(x, w, b)) * 2.0  # noqa: E731
     prove(fn, signed(2, 4, 5, 5), signed(6, 4, 3, 3), signed(6), rule="conv_bias_to_epilogue", fires=False)
+
+
+# ---- an N-d Linear's bias moves into the kernel after its view ---------------------------------------------------
+
+_LINEAR = nn.functional.linear
+
+
+@pytest.mark.parametrize("fn", [
+    lambda m, x, w, b: nn.functional.gelu(_LINEAR(x, w, b)),  # BERT's FFN up-projection
+    lambda m, x, w, b: nn.functional.layer_norm(_LINEAR(x, w, b) + x, (6,)),  # a residual add, then the norm
+])
+def test_linear_bias_to_kernel_on_nd_inputs(fn):
+    r = prove(fn, specials(2, 3, 6), signed(6, 6), signed(6), rule="linear_bias_to_kernel")
+    ops = [n.op for n in r.graph.nodes]
+    assert "addmm.default" not in ops and "mm.default" in ops
+    views = {n.name for n in r.graph.nodes if n.op == "view.default" and r.graph[n.args[0]].op == "mm.default"}
+    # the bias is added after the view: no anchor epilogue takes the add alone, in a pass of its own
+    assert any(n.op == "add.Tensor" and n.args[0].name in views for n in r.graph.nodes)
+
+
+@pytest.mark.parametrize("fn, x", [
+    (lambda m, x, w, b: torch.relu(_LINEAR(x, w, b)), signed(4, 6)),  # 2-d: the anchor's epilogue plans it
+    (lambda m, x, w, b: _LINEAR(x, w, b), signed(2, 3, 6)),  # nothing after it: the output itself
+    (lambda m, x, w, b: _LINEAR(x, w, b).view(2, 3, 2, 3).transpose(1, 2) * 2.0, signed(2, 3, 6)),  # heads
+])
+def test_linear_bias_to_kernel_negative(fn, x):
+    prove(fn, x, signed(6, 6), signed(6), rule="linear_bias_to_kernel", fires=False)

@@ -16,7 +16,7 @@ import torch
 
 from kernelfuse.capture import Graph, Node, Ref
 from kernelfuse.errors import Fallback, KernelfuseError, one_line
-from kernelfuse.rewrite.anchors import conv_bias_to_epilogue
+from kernelfuse.rewrite.anchors import conv_bias_to_epilogue, linear_bias_to_kernel
 from kernelfuse.rewrite.chains import collapse_clamps, common_subexpressions, double_views, neutral_scalars
 from kernelfuse.rewrite.dropout import dropout_as_on_cuda
 from kernelfuse.rewrite.engine import Match, RuleFiring, drop_dead, rebuild, rewire, run_local
@@ -153,6 +153,7 @@ RULES: tuple[Rule, ...] = (
     _local(reduce_linear_output),
     _local(avg_pool_linear_output),
     _local(conv_bias_to_epilogue),
+    _local(linear_bias_to_kernel),
 )
 RULE_NAMES: tuple[str, ...] = tuple(r.name for r in RULES)
 
