@@ -76,6 +76,7 @@ def test_unfused_ship_graphs_the_fastest_verified_plan(monkeypatch: pytest.Monke
     result, text, judged = _run(monkeypatch, tmp_path, "gemm_add_relu", script)
     assert judged == ["fused", "unfused", "fused+graph"]
     assert result.shipped == "fused+graph" and "graph.replay((x,))" in text
+    assert result.notes[-1] == "fused+graph ships: 1.400 ms against 2.800 ms without the graph"
 
 
 def test_random_ops_are_never_graphed() -> None:
