@@ -36,7 +36,7 @@ def _scan(kind: str, out_index: int | None = None) -> Parse:
         meta = graph[src].meta
         if meta.dtype not in (torch.float32, torch.float16, torch.bfloat16) or not meta.shape or meta.numel == 0:
             return f"scan of a {meta.dtype} tensor of shape {list(meta.shape)}"
-        if any(isinstance(a, tuple) and a[:2] == ("kw", "dtype") and a[2] is not None for a in node.args):
+        if node.keywords.get("dtype") is not None:
             return "scan with a dtype argument"
         dim = int(node.args[1]) % len(meta.shape)  # type: ignore[call-overload]
         spec = ReduceSpec(kind, src, meta.shape, (dim,), meta.stride, out_index=out_index)

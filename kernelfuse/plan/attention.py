@@ -283,8 +283,8 @@ def _peel(graph: Graph, ref: object, chain: set[str]) -> Node:
     while node.op in _LAYOUT_OPS and _private(graph, node, chain):
         if node.op == "expand.default" and node.meta.shape != graph[node.args[0]].meta.shape:
             break
-        if node.op == "clone.default" and any(isinstance(a, tuple) and a[:2] == ("kw", "memory_format")
-                                              and a[2] != torch.contiguous_format for a in node.args):
+        if node.op == "clone.default" \
+                and node.keywords.get("memory_format", torch.contiguous_format) != torch.contiguous_format:
             break
         chain.add(node.name)
         node = graph[node.args[0]]

@@ -57,13 +57,8 @@ def call_aten(node: Node, env: dict[str, object]) -> object:
         return constant_value(node)
     packet, overload = node.op.split(".")
     fn = getattr(getattr(torch.ops.aten, packet), overload)
-    args, kwargs = [], {}
-    for a in node.args:
-        if isinstance(a, tuple) and len(a) == 3 and a[0] == "kw":
-            kwargs[a[1]] = _value(a[2], env)
-        else:
-            args.append(_value(a, env))
-    return fn(*args, **kwargs)
+    args = [_value(a, env) for a in node.positional]
+    return fn(*args, **{k: _value(v, env) for k, v in node.keywords.items()})
 
 
 def run_fused(graph: Graph, step: FusedStep, env: dict[str, object]) -> torch.Tensor:

@@ -36,7 +36,7 @@ def _non_decreasing(graph: Graph, f: Node, dims: tuple[int, ...], keeps_rank: bo
     keeps the rank, else the operand would broadcast against other dims). NOT gelu, silu, mish, hardswish, or
     anything of unknown sign such as a multiplication by a parameter: those are not monotonic.
     """
-    if any(isinstance(a, tuple) and a[:1] == ("kw",) for a in f.args) or not f.args:
+    if f.keywords or not f.args:
         return None
     x, rest = f.args[0], f.args[1:]
     if f.op in ("mul.Tensor", "add.Tensor") and not isinstance(x, Ref) and rest and isinstance(rest[0], Ref):

@@ -33,7 +33,7 @@ def as_reduction(graph: Graph, node: Node) -> Reduction | None:
     if node.op not in LIST_REDUCTIONS | INDEXED_REDUCTIONS or len(node.args) < 2:
         return None
     x, dims = node.args[0], node.args[1]
-    if not isinstance(x, Ref) or any(isinstance(a, tuple) and a[:1] == ("kw",) for a in node.args):
+    if not isinstance(x, Ref) or node.keywords:
         return None
     meta = graph[x].meta
     dims = (dims,) if isinstance(dims, int) else dims

@@ -58,8 +58,7 @@ def drop_identities(graph: Graph) -> Graph:
     rename: dict[str, Ref] = {}
     kept = []
     for node in graph.nodes:
-        if node.op in IDENTITY_OPS and not any(isinstance(a, tuple) and a[:1] == ("kw",) for a in node.args) \
-                and node.name not in returned_copies:
+        if node.op in IDENTITY_OPS and not node.keywords and node.name not in returned_copies:
             rename[node.name] = _resolve(node.args[0], rename)
             continue
         kept.append(rewire(node, rename))

@@ -18,7 +18,7 @@ def vector_norm_as_reduction(graph: Graph, node: Node) -> Replacement | None:
     reductions' do. No dtype argument; other orders keep the torch call."""
     if node.op != "linalg_vector_norm.default" or not isinstance(node.args[0], Ref):
         return None
-    if any(isinstance(a, tuple) and a[:1] == ("kw",) for a in node.args):
+    if node.keywords:
         return None
     x = node.args[0]
     meta = graph[x].meta
