@@ -507,3 +507,15 @@ def test_a_half_kernel_rounds_each_op_as_eager_does(tmp_path, dtype, ctype):
     else:
         assert all(f"kf_load(kf_store<{ctype}>(" in ln for ln in statements)
         assert f"const float p_acc_r = kf_load(kf_store<{ctype}>(acc));" in cuda
+
+
+def test_nd_linear_runs_mm_and_its_bias_joins_the_kernel_behind_the_view(tmp_path):
+    """A Linear on a 3-d input (rewrite linear_bias_to_kernel): mm stays the library call and says where its
+    epilogue runs; the bias add and the GELU are one generated kernel."""
+    problem, g, plan = _plan(tmp_path, """
+    return torch.nn.functional.gelu(y)
+    """, inputs="[torch.randn(2, 4, 16)]")
+    (mm,) = [s for s in plan.steps if isinstance(s, TorchStep) and s.node.op == "mm.default"]
+    assert mm.reason == "library call; the generated kernel reading it through a view runs its epilogue"
+    (gen,) = plan.generated
+    assert [g[n].op for n in gen.replaces] == ["add.Tensor", "gelu.default"]

@@ -211,7 +211,7 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
         if node.name in by_out:
             steps.append(by_out[node.name])
         elif node.name not in done and node.op not in ("input", "param", "buffer"):
-            steps.append(TorchStep(node, reasons.get(node.name) or _unfused_reason(graph, node)))
+            steps.append(TorchStep(node, reasons.get(node.name) or _unfused_reason(graph, node, done)))
     layouts = sorted({s.anchor.layout for s in steps if isinstance(s, FusedStep) and s.anchor.family == "conv"
                       and not s.anchor.epilogue_inside                      and channels_last_ok(graph, s.anchor.node)})
     variant = f"fused-{'+'.join(layouts)}" if layouts else "fused"
@@ -406,7 +406,8 @@ def _epilogue(graph: Graph, members: list[Node], acc_name: str, out: TensorMeta)
     return Epilogue(program.statements, program.operands, out)
 
 
-def _unfused_reason(graph: Graph, node: Node) -> str:
+def _unfused_reason(graph: Graph, node: Node, fused: set[str]) -> str:
+    """Why `node` stays a torch call (`fused`: the nodes the plan's kernels took)."""
     if node.op in VIEW_OPS:
         return "view"
     if node.op == "constant":
@@ -414,7 +415,18 @@ def _unfused_reason(graph: Graph, node: Node) -> str:
     family = family_of(node.op)
     if node.op in ANCHOR_OPS:
         ok, why = anchor_supported(graph, node)
+        readers = _readers_through_views(graph, node.name)
+        if ok and any(r in fused and graph[r].op in POINTWISE_BY_ATEN for r in readers):
+            return "library call; the generated kernel reading it through a view runs its epilogue"
         return "library call, nothing to fuse behind it" if ok else f"library call: {why}"
     if node.op in POINTWISE_BY_ATEN:
         return "pointwise op not fused: no library call before it, or its input is needed elsewhere"
     return KEPT_AS_TORCH.get(node.op) or f"{family}: no kernel yet"
+
+
+def _readers_through_views(graph: Graph, name: str) -> list[str]:
+    """The nodes reading `name`'s value, directly or through a chain of views."""
+    readers: list[str] = []
+    for user in graph.users(name):
+        readers += _readers_through_views(graph, user.name) if user.op in VIEW_OPS else [user.name]
+    return readers
