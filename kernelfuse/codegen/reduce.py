@@ -15,8 +15,9 @@ pass (a larger max rescales the sum: one read of the row fewer than ATen's max p
 apart); norms take the mean and the biased variance in one Welford pass (as ATen's CUDA norms do; as accurate as
 two passes, unlike one-pass sums of squares). A row kept in registers, or a chunk kept on chip, instead takes two
 passes per thread over what it keeps, cheaper in instructions (`_two_passes`). Passes re-read the row and recompute
-the prologue instead of storing it. Numerics follow ATen: float accumulation, NaN-propagating max/min, logsumexp's infinite max
-replaced by 0, softmax as exp(x - max) / sum, batch norm's running statistics with the unbiased variance.
+the prologue instead of storing it. Numerics follow ATen: float accumulation, NaN-propagating max/min,
+logsumexp's infinite max replaced by 0, softmax as exp(x - max) / sum, batch norm's running statistics with the
+unbiased variance.
 """
 
 from __future__ import annotations

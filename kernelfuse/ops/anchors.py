@@ -20,6 +20,12 @@ VIEW_OPS: frozenset[str] = frozenset(
      "slice.Tensor", "select.int", "narrow.default"}
 )
 
+# Reshapes that keep the element order: inside a kernel they rename a value (the flat index is unchanged).
+RESHAPES: frozenset[str] = frozenset(
+    {"view.default", "_unsafe_view.default", "reshape.default", "squeeze.dim", "squeeze.dims", "squeeze.default",
+     "unsqueeze.default", "flatten.using_ints"}
+)
+
 # Families recognised for reporting; they are planned as torch calls until their kernels exist.
 UNFUSED_FAMILIES: dict[str, str] = {
     "sum.dim_IntList": "reduction", "mean.dim": "reduction", "amax.default": "reduction", "amin.default": "reduction",

@@ -415,8 +415,7 @@ def _unfused_reason(graph: Graph, node: Node, fused: set[str]) -> str:
     family = family_of(node.op)
     if node.op in ANCHOR_OPS:
         ok, why = anchor_supported(graph, node)
-        readers = [r for v in graph.users(node.name) if v.op in VIEW_OPS for r in _readers_through_views(graph, v.name)]
-        if ok and any(r in fused and graph[r].op in POINTWISE_BY_ATEN for r in readers):
+        if ok and any(r in fused and graph[r].op in POINTWISE_BY_ATEN for r in _readers_behind_views(graph, node.name)):
             return "library call; the generated kernel reading it through a view runs its epilogue"
         return "library call, nothing to fuse behind it" if ok else f"library call: {why}"
     if node.op in POINTWISE_BY_ATEN:
@@ -424,9 +423,8 @@ def _unfused_reason(graph: Graph, node: Node, fused: set[str]) -> str:
     return KEPT_AS_TORCH.get(node.op) or f"{family}: no kernel yet"
 
 
-def _readers_through_views(graph: Graph, name: str) -> list[str]:
-    """The nodes reading `name`'s value, directly or through a chain of views (the views themselves excluded)."""
-    readers: list[str] = []
-    for user in graph.users(name):
-        readers += _readers_through_views(graph, user.name) if user.op in VIEW_OPS else [user.name]
-    return readers
+def _readers_behind_views(graph: Graph, name: str) -> list[str]:
+    """The nodes, views excepted, reading `name`'s value through one or more views."""
+    views = [u.name for u in graph.users(name) if u.op in VIEW_OPS]
+    return [u.name for v in views for u in graph.users(v) if u.op not in VIEW_OPS] + \
+        [r for v in views for r in _readers_behind_views(graph, v)]

@@ -15,14 +15,12 @@ import torch
 
 from kernelfuse.capture import Graph, Node, Ref, TensorMeta
 from kernelfuse.ops import POINTWISE_BY_ATEN
+from kernelfuse.ops.anchors import RESHAPES
 from kernelfuse.ops.reductions import ReduceSpec
 from kernelfuse.ops.scans import GENERATED_BY_ATEN
 from kernelfuse.plan.ir import EArg, GenStep, Operand, Program, Statement
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Reshapes that keep the element order: inside a kernel they rename a value (the flat index is unchanged).
-RESHAPES = frozenset({"view.default", "_unsafe_view.default", "reshape.default", "squeeze.dim", "squeeze.dims",
-                      "squeeze.default", "unsqueeze.default", "flatten.using_ints"})
 
 
 @dataclass

@@ -4,6 +4,7 @@ that follows it, where it costs no memory traffic."""
 from __future__ import annotations
 
 from kernelfuse.capture import Graph, Node, Ref
+from kernelfuse.ops.anchors import RESHAPES
 from kernelfuse.ops.pointwise import POINTWISE_BY_ATEN
 from kernelfuse.rewrite.engine import FLOATS, Builder, Replacement
 
@@ -46,9 +47,6 @@ def cuda_adds_bias_after(transposed: bool, groups: int, in_channels: int) -> boo
     """Does ATen's CUDA convolution add the bias after the product? Yes outside the native depthwise kernels
     (non-transposed, groups == in_channels > 1), which start each sum from the bias."""
     return transposed or groups == 1 or groups != in_channels
-
-
-RESHAPES = ("view.default", "_unsafe_view.default", "reshape.default")
 
 
 def linear_bias_to_kernel(graph: Graph, node: Node) -> Replacement | None:
