@@ -381,3 +381,30 @@ def test_model_without_its_own_constructor_gets_one_that_builds_the_kernels(tmp_
     x = problem.make_inputs(0)
     with torch.no_grad():
         assert torch.equal(ns["ModelNew"]()(*x), problem.make_model()(*x))  # CPU: the reference path
+
+
+def test_the_captured_ops_alone_define_the_constants_they_make(tmp_path):
+    """A plan without kernels (what ships unfused under bf16: the captured ops) still makes a tensor forward builds
+    from literals through the emitted `_constant`, so the file must define it (GPT-2's empty KV-cache tensor)."""
+    path = write_problem(tmp_path, "empty_constant", textwrap.dedent("""
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x):
+            empty = torch.tensor([], dtype=x.dtype, device=x.device)
+            return torch.cat([empty, self.lin(x).flatten()]).view(4, 16) + 1
+        """), "[torch.randn(4, 16)]")
+    problem = load_problem(path)
+    ops_only = plan_variants(rewrite(capture(problem)), max_fusions=0)[0]
+    text = emit_file(problem, ops_only, "the captured ops")
+    assert "_constant(" in text
+    namespace = {}
+    exec(compile(text, str(path), "exec"), namespace)  # noqa: S102 - our emitted file
+    model = namespace["ModelNew"]()
+    torch.manual_seed(0)
+    reference = load_problem(path).make_model()
+    model.load_state_dict(reference.state_dict())
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        assert torch.equal(model(x), reference(x))

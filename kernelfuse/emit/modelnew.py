@@ -246,6 +246,8 @@ def emit_modelnew(problem: Problem, plan: Plan, sources: CudaSources | None, rep
         parts.append(f"{served}INPUT_SPECS = [{specs}]  # (input, shape, dtype)\n"
                      f"CAPTURED_TRAINING = {plan.graph.training}\n"
                      f"CAPTURED_MODES = {modes_literal(captured_modes(plan))}{MODES_COMMENT}\n")
+    elif shared_constants(plan.graph):  # the captured ops alone (no kernel, no guard) still make their constants once
+        parts.append(CONSTANT_RUNTIME)
     if sources is not None:
         parts.append(f"NAME = {problem.name!r}\n")
         parts.append(f'CUDA_SRC = r"""\n{sources.cuda}"""\n')
