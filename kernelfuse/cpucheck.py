@@ -26,7 +26,7 @@ from kernelfuse.capture import Graph, capture
 from kernelfuse.capture.signature import CallSpec
 from kernelfuse.capture.trace import module_state
 from kernelfuse.load import Problem
-from kernelfuse.plan import Plan, interpret, make_plan
+from kernelfuse.plan import Plan, PlanOptions, interpret, make_plan
 from kernelfuse.rewrite import rewrite
 from kernelfuse.rewrite.anchors import cuda_adds_bias_after
 
@@ -113,7 +113,8 @@ def _small_twins(problem: Problem, model: torch.nn.Module, graph: Graph, plans: 
         return None  # already small: check the plans themselves
     for min_rank in (1, 2):  # every input's batch, or only the matrices' (a vector may broadcast along a row)
         try:
-            small_graph = prepare(capture(problem, model, batch=CHECK_BATCH, min_rank=min_rank))
+            small_graph = prepare(capture(problem, model, batch=CHECK_BATCH, min_rank=min_rank,
+                                          autocast=graph.autocast))
             if [n.op for n in small_graph.nodes] != [n.op for n in graph.nodes]:
                 continue
             twins = [make_plan(small_graph, p.options) if p.options is not None else None for p in plans]
@@ -135,6 +136,9 @@ def _run_all(model: torch.nn.Module, checkable: list[tuple[Plan, list[torch.Tens
     expected: dict[object, object] = {}  # by id(inputs); by (cuda, layouts, id) once a comparison needs it
     checks = []
     for ship, (plan, inputs) in zip(shipped, checkable, strict=True):
+        if plan.graph.autocast is not None:
+            checks.append(_check_autocast(ship.variant, plan, state, before, inputs))
+            continue
         if id(inputs) not in expected:
             expected[id(inputs)] = _run_model(model, plan.graph.call_spec, inputs, state, before)
         try:
@@ -171,6 +175,23 @@ def _run_all(model: torch.nn.Module, checkable: list[tuple[Plan, list[torch.Tens
             check = _float64_rule(ship.variant, model, plan.graph.call_spec, inputs, closest, got) or check
         checks.append(check)
     return checks
+
+
+def _check_autocast(variant: str, plan: Plan, state: dict[str, torch.Tensor], before: dict[str, torch.Tensor],
+                    inputs: list[torch.Tensor]) -> CpuCheck:
+    """A plan of a graph captured under CUDA autocast (the bf16 policy) against that graph's own ops, run one by one
+    on the CPU: the CPU's autocast casts other ops than CUDA's, so the model itself is no reference here. This
+    checks the fusion; the GPU judge checks the whole against the model under CUDA autocast. The tolerance is the
+    autocast dtype's: a fused kernel rounds each statement to bf16 as the ops do, but sums in another order."""
+    ops = make_plan(plan.graph, PlanOptions(max_fusions=0, generated=False, attention="off"))
+    with torch.no_grad():
+        reference = interpret(ops, {**state, **{k: v.clone() for k, v in before.items()}}, inputs)
+        try:
+            got = interpret(plan, {**state, **{k: v.clone() for k, v in before.items()}}, inputs)
+        except Exception as err:  # noqa: BLE001 - the check reports, the pipeline decides
+            return CpuCheck(variant, False, None, f"interpreter raised {type(err).__name__}: {_first_line(err)}")
+    check = compare(variant, reference, got, inputs, TOLERANCE[plan.graph.autocast])
+    return replace(check, note=f"{check.note} (against the captured autocast ops)")
 
 
 def _distance(expected: object, got: list[torch.Tensor]) -> float:
@@ -296,8 +317,9 @@ def _run_model(model: torch.nn.Module, call: CallSpec, inputs: list[torch.Tensor
         _restore(state, before)
 
 
-def compare(variant: str, expected: object, got: list[torch.Tensor], inputs: list[torch.Tensor]) -> CpuCheck:
-    """Same count, shapes and dtypes, values within the dtype's tolerance (NaN where NaN)."""
+def compare(variant: str, expected: object, got: list[torch.Tensor], inputs: list[torch.Tensor],
+            tolerance: float | None = None) -> CpuCheck:
+    """Same count, shapes and dtypes, values within the dtype's tolerance, or `tolerance` (NaN where NaN)."""
     expected = list(expected) if isinstance(expected, (tuple, list)) else [expected]
     if len(expected) != len(got):
         return CpuCheck(variant, False, None, f"{len(got)} outputs, model returns {len(expected)}")
@@ -306,7 +328,7 @@ def compare(variant: str, expected: object, got: list[torch.Tensor], inputs: lis
         if not isinstance(e, torch.Tensor) or e.shape != g.shape or e.dtype != g.dtype:
             what = f"output {tuple(g.shape)} {g.dtype} vs {getattr(e, 'shape', e)} {getattr(e, 'dtype', '')}"
             return CpuCheck(variant, False, None, what)
-        tol = TOLERANCE.get(e.dtype, DEFAULT_TOLERANCE)
+        tol = tolerance if tolerance is not None else TOLERANCE.get(e.dtype, DEFAULT_TOLERANCE)
         err = max_abs_diff(g, e, ignore_nan=True)
         if not all(torch.allclose(gc, ec, atol=tol, rtol=tol, equal_nan=True) for gc, ec in _chunks(g, e)):
             return CpuCheck(variant, False, err, f"mismatch, max abs error {err:.3g} (tolerance {tol:g})")

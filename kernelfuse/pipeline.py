@@ -37,6 +37,7 @@ from kernelfuse.judge.runner import judge_zygote
 from kernelfuse.load import Problem, check_output_path, load_problem
 from kernelfuse.plan import Plan, optimizer_variants, plan_variants
 from kernelfuse.rewrite import RULE_NAMES, RuleFiring, apply_rules
+from kernelfuse.verify.policy import get_policy
 
 # A CUDA-graph variant is judged where its predicted time beats the shipped forward's by GRAPH_MIN_GAIN: the
 # replay keeps the GPU busy as long as the forward's kernels (the judge's profile) plus the copies it adds (inputs
@@ -111,7 +112,7 @@ def _optimize(problem_path: str | Path, out_path: str | Path, options: OptimizeO
     model = build_model(problem)
     try:
         check_emittable(problem)
-        captured = capture(problem, model)
+        captured = capture(problem, model, autocast=get_policy(options.precision).autocast)
     except Unsupported as why:  # found before any planning: the original module ships, saying why
         result = OptimizeResult(out_path, "unfused", [], [])
         _fall_back(result, why.fallback, log)
@@ -409,8 +410,16 @@ def judge_options(options: OptimizeOptions, baselines: tuple[str, ...]) -> EvalO
 def _ship_unfused(problem: Problem, result: OptimizeResult, log: Callable[[str], None],
                   options: OptimizeOptions | None = None) -> OptimizeResult:
     """Ship the original ops; with `options` (a GPU) the judge also verifies and times them against the
-    baselines, so a suite's record of an unfused problem carries eager's and torch.compile's times too."""
-    result.output.write_text(emit_reference(problem, "; ".join(result.notes)))
+    baselines, so a suite's record of an unfused problem carries eager's and torch.compile's times too. Under a
+    policy that captures under autocast (bf16) the original ops are the captured ones, autocast's casts included:
+    the original module would run in fp32."""
+    graph = result.plans[0].graph if result.plans else None
+    if graph is not None and graph.autocast is not None:
+        ops = plan_variants(graph, options.precision if options else "bf16", max_fusions=0)[0]
+        result.output.write_text(emit_file(problem, ops, "unfused: the captured ops under autocast; "
+                                           + "; ".join(result.notes)))
+    else:
+        result.output.write_text(emit_reference(problem, "; ".join(result.notes)))
     result.shipped = "unfused"
     log(f"wrote {result.output} (unfused): " + "; ".join(result.notes))
     if options is not None:

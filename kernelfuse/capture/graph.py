@@ -98,6 +98,8 @@ class Graph:
     modes: str = ""
     # how forward is called and what it returns (None: a graph built by hand, positional tensors in and out)
     call: CallSpec | None = field(default=None, compare=False, hash=False, repr=False)
+    # the dtype of CUDA autocast the forward was traced under (the bf16 policy; its casts are nodes), or None
+    autocast: torch.dtype | None = None
     _index: dict[str, Node] = field(default_factory=dict, compare=False, repr=False)
     _users: dict[str, list[Node]] = field(default_factory=dict, compare=False, repr=False)
     _first: dict[tuple, Node] = field(default_factory=dict, compare=False, repr=False)

@@ -15,6 +15,7 @@ import operator
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
@@ -77,13 +78,14 @@ def module_state(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def capture(problem: Problem, model: torch.nn.Module | None = None, batch: int | None = None,
-            min_rank: int = 1) -> Graph:
+            min_rank: int = 1, autocast: torch.dtype | None = None) -> Graph:
     """The problem's forward as a Graph of normalised ATen ops, traced on fake inputs and fake copies of the state.
 
     `model`: an already built model (else `build_model`). `batch`: cut the leading dimension of every input tensor
     of at least `min_rank` dimensions to at most this (the CPU check re-captures at its own, smaller shapes).
     Non-tensor inputs (numbers, None, tuples, lists and dicts of tensors) and forward's defaults are bound as
-    `kernelfuse.capture.signature` describes; one it cannot specialise to raises Unsupported.
+    `kernelfuse.capture.signature` describes; one it cannot specialise to raises Unsupported. `autocast`: trace
+    forward as it runs under CUDA autocast to that dtype (see `_capture_call`).
     """
     model = build_model(problem) if model is None else model
     mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -93,35 +95,49 @@ def capture(problem: Problem, model: torch.nn.Module | None = None, batch: int |
     if batch is not None:
         with mode:
             tensors = [_cut_batch(t, batch) if t.dim() >= min_rank else t for t in tensors]
-    return _capture_call(model, params, tensors, mode, str(problem.path))
+    return _capture_call(model, params, tensors, mode, str(problem.path), autocast)
 
 
 def capture_module(model: torch.nn.Module, example_inputs: list, mode: FakeTensorMode | None = None,
-                   what: str | None = None) -> Graph:
+                   what: str | None = None, autocast: torch.dtype | None = None) -> Graph:
     """A live module's forward as a Graph: its tensors are mirrored as fake tensors, no data is touched.
     `example_inputs`: forward's positional arguments (tensors, numbers, None, containers of tensors)."""
     params, tensors = bind(model, list(example_inputs), what or f"{type(model).__name__} example inputs")
-    return _capture_call(model, params, tensors, mode, what)
+    return _capture_call(model, params, tensors, mode, what, autocast)
 
 
 def _capture_call(model: torch.nn.Module, params: tuple[Param, ...], tensors: list[torch.Tensor],
-                  mode: FakeTensorMode | None, what: str | None) -> Graph:
-    """Trace forward called with `params`' patterns, `tensors` (the graph's inputs) in their places."""
+                  mode: FakeTensorMode | None, what: str | None, autocast: torch.dtype | None = None) -> Graph:
+    """Trace forward called with `params`' patterns, `tensors` (the graph's inputs) in their places.
+
+    With `autocast` (the bf16 policy) forward is traced as it runs under `torch.autocast("cuda", autocast)`: the
+    fake tensors live on a fake CUDA device (no GPU needed) so that CUDA's autocast lists apply, and the graph
+    holds autocast's casts as `_to_copy` nodes. A returned tensor that autocast narrowed is cast back to float32
+    when no input or state tensor has the narrow dtype: the fused model returns what the model returns.
+    """
     mode = FakeTensorMode(allow_non_fake_inputs=True) if mode is None else mode
     state = module_state(model)
     names = [n for n, _ in state]
     kinds = ["param" if isinstance(t, torch.nn.Parameter) else "buffer" for _, t in state]
     flat = [_fake(mode, t) for _, t in state] + [_fake(mode, t) for t in tensors]
+    if autocast is not None:
+        with mode:
+            flat = [t.to("cuda") if isinstance(t, torch.Tensor) else t for t in flat]
+    narrow_given = autocast is not None and any(isinstance(t, torch.Tensor) and t.dtype == autocast for t in flat)
     n_state = len(names)
     call = CallSpec(params, Output("tensor"))
     returned: list[Output] = []
 
     def forward(*flat_args: torch.Tensor) -> list[torch.Tensor]:
         args, kwargs = call.arguments(list(flat_args[n_state:]))
-        out = torch.func.functional_call(model, dict(zip(names, flat_args[:n_state], strict=True)),
-                                         tuple(args), kwargs)
+        with _autocast_cuda(autocast):
+            out = torch.func.functional_call(model, dict(zip(names, flat_args[:n_state], strict=True)),
+                                             tuple(args), kwargs)
         returned.append(describe_output(out))
-        return returned[-1].tensors(out)
+        tensors = returned[-1].tensors(out)
+        if autocast is not None and not narrow_given:
+            tensors = [t.float() if isinstance(t, torch.Tensor) and t.dtype == autocast else t for t in tensors]
+        return tensors
 
     what = what or type(model).__name__
 
@@ -129,8 +145,8 @@ def _capture_call(model: torch.nn.Module, params: tuple[Param, ...], tensors: li
         with mode, torch.no_grad(), _quiet(), _composite_ops_whole(model, attention):
             return make_fx(forward, tracing_mode="real")(*flat)
 
-    try:
-        gm = trace(False)
+    try:  # on a fake CUDA device (autocast) attention reached through a registry decomposes to its math form
+        gm = trace(autocast is not None)
         if any(CPU_ATTENTION in str(n.target) for n in gm.graph.nodes):  # attention reached through a registry
             gm = trace(True)
     except (ProblemError, Unsupported):
@@ -138,7 +154,36 @@ def _capture_call(model: torch.nn.Module, params: tuple[Param, ...], tensors: li
     except Exception as err:  # noqa: BLE001 - tracing failures of arbitrary models become one clear error
         raise _capture_error(err, what) from None
     modes = "".join("1" if m.training else "0" for m in model.modules())
-    return _to_graph(gm, names, kinds, model.training, CallSpec(params, returned[-1]), modes)
+    graph = _to_graph(gm, names, kinds, model.training, CallSpec(params, returned[-1]), modes)
+    if autocast is None:
+        return graph
+    # traced on a fake CUDA device: the graph's devices say "cpu", as a CPU trace's do (the emitted forward uses its
+    # inputs' device wherever the graph names one; the CPU check interprets the graph on the CPU)
+    nodes = tuple(replace(n, args=_on_cpu(n.args)) for n in graph.nodes)
+    return replace(graph, nodes=nodes, autocast=autocast)
+
+
+def _on_cpu(args: tuple) -> tuple:
+    return tuple(torch.device("cpu") if isinstance(a, torch.device) else _on_cpu(a) if isinstance(a, tuple) else a
+                 for a in args)
+
+
+@contextmanager
+def _autocast_cuda(dtype: torch.dtype | None) -> Iterator[None]:
+    """CUDA autocast to `dtype` around the traced call (nothing when None). Set through the dispatcher's own
+    switches: `torch.autocast("cuda")` turns itself off on a machine without a GPU, while fake CUDA tensors need
+    none."""
+    if dtype is None:
+        yield
+        return
+    enabled, before = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+    torch.set_autocast_enabled("cuda", True)
+    torch.set_autocast_dtype("cuda", dtype)
+    try:
+        yield
+    finally:
+        torch.set_autocast_enabled("cuda", enabled)
+        torch.set_autocast_dtype("cuda", before)
 
 
 def _ops_to_keep_whole(model: torch.nn.Module, attention: bool = False) -> dict:

@@ -31,6 +31,7 @@ from kernelfuse.judge.trials import (
     TrialSettings,
     as_accurate_as_tf32_eager,
     call_reference,
+    cast_like,
     draws_random,
     reference64_output,
 )
@@ -149,6 +150,10 @@ class TimedInputs:
             return
         policy = self.settings.policy
         comp = compare_outputs(ref, out, policy.atol, policy.rtol)
+        if not comp.ok and policy.autocast is not None:  # as in the trials: eager under autocast is the reference
+            auto, _ = call_reference(self.models.reference, self.current, self.settings, self.call_seed, autocast=True)
+            under = compare_outputs(cast_like(auto, ref), out, policy.atol, policy.rtol)
+            comp = under if under.ok else comp
         if not comp.ok and exact:  # as in the trials: the exact answer counts
             comp = self._against_float64(out, ref) or comp
         if not comp.ok:

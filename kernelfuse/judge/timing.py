@@ -76,8 +76,20 @@ def run_timing(problem: Problem, models: Models, settings: TrialSettings, probe:
     runners: dict[str, Callable[[], Any]] = {"candidate": lambda: models.candidate(*own["candidate"])}
     flags = {"candidate": settings.candidate_flags}
     warnings: list[str] = []
+    # under the bf16 policy the baselines run as the candidate was made: eager and torch.compile under CUDA autocast
+    autocast = settings.policy.autocast if device.type == "cuda" else None
+
+    def under_autocast(run: Callable[[], Any]) -> Callable[[], Any]:
+        if autocast is None:
+            return run
+
+        def autocast_run() -> Any:
+            with torch.autocast(device.type, dtype=autocast):
+                return run()
+        return autocast_run
+
     if "eager" in baselines:
-        runners["eager"] = lambda: models.reference(*own["eager"])
+        runners["eager"] = under_autocast(lambda: models.reference(*own["eager"]))
         flags["eager"] = settings.default_flags
     compile_error = None
     compile_seconds: dict[str, float] = {}
@@ -86,10 +98,10 @@ def run_timing(problem: Problem, models: Models, settings: TrialSettings, probe:
         compiled = torch.compile(models.reference, mode=COMPILE_MODES[name])
         try:
             start = time.perf_counter()
-            compiled(*own[name])
+            under_autocast(lambda compiled=compiled, name=name: compiled(*own[name]))()
             timer.clock.synchronize()
             compile_seconds[name] = round(time.perf_counter() - start, 3)
-            runners[name] = lambda compiled=compiled, name=name: compiled(*own[name])
+            runners[name] = under_autocast(lambda compiled=compiled, name=name: compiled(*own[name]))
             flags[name] = settings.default_flags
         except Exception as err:  # noqa: BLE001 - a baseline that fails is reported, not fatal
             error = f"{type(err).__name__}: {str(err)[:500]}"

@@ -67,11 +67,12 @@ def build(spec: JobSpec) -> dict[str, Any]:
         from kernelfuse.load import load_problem
         from kernelfuse.plan import optimizer_variants
         from kernelfuse.rewrite import rewrite
+        from kernelfuse.verify.policy import get_policy
 
         problem = load_problem(spec.problem)
         try:
             check_emittable(problem)
-            graph = rewrite(capture(problem))
+            graph = rewrite(capture(problem, autocast=get_policy(spec.precision).autocast))
             plans = [p for p in optimizer_variants(graph, spec.precision) if p.launches_kernels]
         except Unsupported:  # the original module ships (the judge phase's optimizer says why): nothing to build
             plans = []
