@@ -26,7 +26,7 @@ from kernelfuse.capture import Graph, capture
 from kernelfuse.capture.signature import CallSpec
 from kernelfuse.capture.trace import module_state
 from kernelfuse.load import Problem
-from kernelfuse.plan import Plan, PlanOptions, interpret, make_plan
+from kernelfuse.plan import Plan, interpret, make_plan, torch_calls_plan
 from kernelfuse.rewrite import rewrite
 from kernelfuse.rewrite.anchors import cuda_adds_bias_after
 
@@ -183,7 +183,7 @@ def _check_autocast(variant: str, plan: Plan, state: dict[str, torch.Tensor], be
     on the CPU: the CPU's autocast casts other ops than CUDA's, so the model itself is no reference here. This
     checks the fusion; the GPU judge checks the whole against the model under CUDA autocast. The tolerance is the
     autocast dtype's: a fused kernel rounds each statement to bf16 as the ops do, but sums in another order."""
-    ops = make_plan(plan.graph, PlanOptions(max_fusions=0, generated=False, attention="off"))
+    ops = torch_calls_plan(plan.graph)
     with torch.no_grad():
         reference = interpret(ops, {**state, **{k: v.clone() for k, v in before.items()}}, inputs)
         try:

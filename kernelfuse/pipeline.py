@@ -35,7 +35,7 @@ from kernelfuse.fallback import plans_with_fallbacks, run_stage
 from kernelfuse.judge import EvalOptions, Verdict, evaluate
 from kernelfuse.judge.runner import judge_zygote
 from kernelfuse.load import Problem, check_output_path, load_problem
-from kernelfuse.plan import Plan, optimizer_variants, plan_variants
+from kernelfuse.plan import Plan, optimizer_variants, plan_variants, torch_calls_plan
 from kernelfuse.rewrite import RULE_NAMES, RuleFiring, apply_rules
 from kernelfuse.verify.policy import get_policy
 
@@ -415,9 +415,8 @@ def _ship_unfused(problem: Problem, result: OptimizeResult, log: Callable[[str],
     the original module would run in fp32."""
     graph = result.plans[0].graph if result.plans else None
     if graph is not None and graph.autocast is not None:
-        ops = plan_variants(graph, options.precision if options else "bf16", max_fusions=0)[0]
-        result.output.write_text(emit_file(problem, ops, "unfused: the captured ops under autocast; "
-                                           + "; ".join(result.notes)))
+        report = "unfused: the captured ops under autocast; " + "; ".join(result.notes)
+        result.output.write_text(emit_file(problem, torch_calls_plan(graph), report))
     else:
         result.output.write_text(emit_reference(problem, "; ".join(result.notes)))
     result.shipped = "unfused"

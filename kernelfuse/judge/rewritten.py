@@ -21,14 +21,14 @@ def rewritten_flops(problem: Problem, model: torch.nn.Module, inputs: Sequence[t
     graph cannot run here (the floor then keeps the reference's count)."""
     from kernelfuse.capture import capture
     from kernelfuse.capture.trace import module_state
-    from kernelfuse.plan import PlanOptions, interpret, make_plan
+    from kernelfuse.plan import interpret, torch_calls_plan
     from kernelfuse.rewrite import apply_rules
 
     try:
         result = apply_rules(capture(problem))  # traced on fake tensors: the real model is only read below
         if not result.fired:
             return None
-        plan = make_plan(result.graph, PlanOptions(max_fusions=0, generated=False))  # every node a torch call
+        plan = torch_calls_plan(result.graph)
         # buffers are copied: running statistics must not move because the floor was measured
         state = {name: t if isinstance(t, torch.nn.Parameter) else t.clone() for name, t in module_state(model)}
         with torch.no_grad():

@@ -151,7 +151,8 @@ class TimedInputs:
         policy = self.settings.policy
         comp = compare_outputs(ref, out, policy.atol, policy.rtol)
         if not comp.ok and policy.autocast is not None:  # as in the trials: eager under autocast is the reference
-            auto, _ = call_reference(self.models.reference, self.current, self.settings, self.call_seed, autocast=True)
+            auto, _ = call_reference(self.models.reference, self.current, self.settings, self.call_seed,
+                                     autocast=policy.autocast)
             under = compare_outputs(cast_like(auto, ref), out, policy.atol, policy.rtol)
             comp = under if under.ok else comp
         if not comp.ok and exact:  # as in the trials: the exact answer counts

@@ -134,13 +134,14 @@ def synchronize(device: torch.device) -> None:
 
 
 def call_reference(model: torch.nn.Module, pristine: list[Any], settings: TrialSettings, rng_seed: int,
-                   flags: NumericsFlags | None = None, autocast: bool = False) -> tuple[Any, list[Any]]:
-    """Run the reference on its own copy of the inputs under `flags` (default: the flags before import)."""
+                   flags: NumericsFlags | None = None, autocast: torch.dtype | None = None) -> tuple[Any, list[Any]]:
+    """Run the reference on its own copy of the inputs under `flags` (default: the flags before import), and
+    under autocast to `autocast` where given."""
     inputs = inputs_to(pristine, settings.device)
     torch.manual_seed(rng_seed)
     with flags_applied(flags or settings.default_flags):
-        if autocast:
-            with torch.autocast(settings.device.type, dtype=torch.bfloat16):
+        if autocast is not None:
+            with torch.autocast(settings.device.type, dtype=autocast):
                 out = model(*inputs)
         else:
             out = model(*inputs)
@@ -280,7 +281,7 @@ def run_trial(problem: Problem, models: Models, settings: TrialSettings, index: 
     del in_a, in_b, ref_in
 
     # the bf16 policy's reference: eager under CUDA autocast (what a bf16 candidate computes), beside fp32 eager
-    autocast_out = (call_reference(models.reference, pristine, settings, rng, autocast=True)[0]
+    autocast_out = (call_reference(models.reference, pristine, settings, rng, autocast=policy.autocast)[0]
                     if policy.autocast is not None and device.type == "cuda" else None)
     f64 = None
     means: tuple[float | None, float | None] = (None, None)
@@ -293,7 +294,7 @@ def run_trial(problem: Problem, models: Models, settings: TrialSettings, index: 
             base, _ = call_reference(models.reference, pristine, settings, rng, flags=tf32)
         elif policy.baseline == "bf16":
             base = autocast_out if autocast_out is not None else \
-                call_reference(models.reference, pristine, settings, rng, autocast=True)[0]
+                call_reference(models.reference, pristine, settings, rng, autocast=policy.autocast)[0]
         label = BASELINE_LABELS.get(policy.baseline, "eager")
         f64_a = check_float64(out_a, base, ref_out, ref64_out, label)
         f64_b = check_float64(out_b, base, ref_out, ref64_out, label)
@@ -305,10 +306,10 @@ def run_trial(problem: Problem, models: Models, settings: TrialSettings, index: 
     by_accuracy = False
     for label, out in (("before", out_a), ("after", out_b)):
         comp = compare_outputs(ref_out, out, policy.atol, policy.rtol)
-        # eager is an approximation too: within tolerance of the exact (float64) answer also passes
-        if not comp.ok and autocast_out is not None:
+        if not comp.ok and autocast_out is not None:  # the bf16 policy: eager under autocast is the reference
             under = compare_outputs(cast_like(autocast_out, ref_out), out, policy.atol, policy.rtol)
             comp = under if under.ok else comp
+        # eager is an approximation too: within tolerance of the exact (float64) answer also passes
         if not comp.ok and ref64_out is not None:
             alt = compare_outputs(cast_like(ref64_out, ref_out), out, policy.atol, policy.rtol)
             tf32 = not alt.ok and as_accurate_as_tf32_eager(settings, out, ref_out, ref64_out)

@@ -1,6 +1,13 @@
 """Stage 4 — plan: library anchors with fused epilogues, torch calls for the rest; a CPU interpreter checks it."""
 
-from kernelfuse.plan.fuse import PlanOptions, make_plan, optimizer_variants, owned_anchor_variants, plan_variants
+from kernelfuse.plan.fuse import (
+    PlanOptions,
+    make_plan,
+    optimizer_variants,
+    owned_anchor_variants,
+    plan_variants,
+    torch_calls_plan,
+)
 from kernelfuse.plan.interpret import interpret
 from kernelfuse.plan.ir import (
     Anchor,
@@ -28,6 +35,7 @@ __all__ = [
     "Program",
     "Statement",
     "TorchStep",
+    "torch_calls_plan",
     "broadcast_strides",
     "interpret",
     "make_plan",

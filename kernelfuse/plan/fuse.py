@@ -168,6 +168,12 @@ def depthwise(graph: Graph, node: Node) -> bool:
         and math.prod(w.shape[2:]) <= MAX_DIRECT_TAPS
 
 
+def torch_calls_plan(graph: Graph) -> Plan:
+    """The captured graph with every node a torch call: no fusion, no generated kernel (a reference to check and
+    count against, and what ships unfused when the captured graph differs from the module: autocast's casts)."""
+    return make_plan(graph, PlanOptions(max_fusions=0, generated=False))
+
+
 def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
     """Anchors take their pointwise epilogues; the scheduler turns the rest into generated kernels; an anchor's
     epilogue whose only reader is a reduction kernel moves into that kernel's prologue (one pass, not two)."""
