@@ -119,6 +119,36 @@ def test_problem_capture_under_bf16_matches_capture_module() -> None:
     assert checks and all(c.ok and not c.skipped for c in checks), [c.note for c in checks]
 
 
+def _bf16_outputs(seed: int, noise: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(float64 answer, fp32 eager, bf16 eager up to 4 bf16 ulps above it, a candidate up to `noise` ulps below)."""
+    g = torch.Generator().manual_seed(seed)
+    exact = torch.randn(4096, generator=g, dtype=torch.float64) * 3
+    ulp = exact.abs() * 2.0 ** -8
+    bf16_eager = (exact + 4 * ulp * torch.rand(4096, generator=g, dtype=torch.float64)).to(torch.bfloat16)
+    candidate = exact - noise * ulp * torch.rand(4096, generator=g, dtype=torch.float64)
+    return exact, exact.float(), bf16_eager, candidate.float()
+
+
+@pytest.mark.parametrize(("noise", "passes"), [(4.0, True), (12.0, False)])
+def test_bf16_rule_accepts_what_is_as_accurate_as_eager_under_autocast(noise: float, passes: bool) -> None:
+    # two bf16 computations rounding at other points differ by bf16 eager's own error, far beyond 1e-2 on values
+    # of a few units: the judge then asks whether the candidate is as accurate as eager under autocast
+    from kernelfuse.judge.trials import TrialSettings, as_accurate_as_baseline
+    from kernelfuse.verify import NumericsFlags, compare_outputs
+
+    exact, fp32, bf16_eager, candidate = _bf16_outputs(0, noise)
+    policy = get_policy("bf16")
+    assert not compare_outputs(bf16_eager.float(), candidate, policy.atol, policy.rtol).ok
+    settings = TrialSettings(torch.device("cpu"), policy, 0, NumericsFlags.capture(), NumericsFlags.capture(),
+                             False, 0)
+    assert as_accurate_as_baseline(settings, candidate, fp32, exact, bf16_eager) is passes
+    strict = replace(settings, policy=get_policy("strict"))  # no autocast baseline: the rule does not apply
+    assert not as_accurate_as_baseline(strict, candidate, fp32, exact, bf16_eager)
+    nan = candidate.clone()
+    nan[7] = float("nan")  # a NaN where eager under autocast has none fails whatever the errors
+    assert not as_accurate_as_baseline(settings, nan, fp32, exact, bf16_eager)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["gemm_add_relu", "conv2d_relu_biasadd"])
 def test_bf16_optimize_verifies_against_eager_under_autocast(name: str, tmp_path: Path) -> None:

@@ -58,7 +58,9 @@ class _KernelLibrary:
                                or (lambda index: torch.cuda.current_stream(index).cuda_stream))
 
     def __init__(self, path):
-        self._lib = ctypes.CDLL(path)
+        # PyDLL: a launcher keeps the GIL, as torch's own ops do. CDLL would release and retake it around every
+        # launch, and the retake waits whenever another Python thread (a data loader, a compiler's worker) runs.
+        self._lib = ctypes.PyDLL(path)
         self._lib.kf_error_string.argtypes = [ctypes.c_int]
         self._lib.kf_error_string.restype = ctypes.c_char_p
 

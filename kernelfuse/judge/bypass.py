@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 SUBCLASS, FALLBACK, COMPILER, NO_SOURCE = "subclasses_reference", "fallback_to_torch", "compiler", "no_kernel_source"
-BUILD_CALLS = {"load_inline", "CDLL", "LoadLibrary", "load_library", "RawKernel", "RawModule", "SourceModule"}
+BUILD_CALLS = {"load_inline", "CDLL", "PyDLL", "LoadLibrary", "load_library", "RawKernel", "RawModule", "SourceModule"}
 KERNEL_DECORATORS = {"triton.jit", "triton.autotune", "cute.kernel", "cute.jit", "cuda.jit", "numba.cuda.jit"}
 TORCH_PREFIXES = ("torch.", "F.", "nn.", "super.", "super().")
 

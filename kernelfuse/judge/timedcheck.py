@@ -29,7 +29,7 @@ from kernelfuse.judge.outputs import impure_output
 from kernelfuse.judge.trials import (
     Models,
     TrialSettings,
-    as_accurate_as_tf32_eager,
+    as_accurate_as_baseline,
     call_reference,
     cast_like,
     draws_random,
@@ -150,22 +150,24 @@ class TimedInputs:
             return
         policy = self.settings.policy
         comp = compare_outputs(ref, out, policy.atol, policy.rtol)
+        auto = None
         if not comp.ok and policy.autocast is not None:  # as in the trials: eager under autocast is the reference
             auto, _ = call_reference(self.models.reference, self.current, self.settings, self.call_seed,
                                      autocast=policy.autocast)
             under = compare_outputs(cast_like(auto, ref), out, policy.atol, policy.rtol)
             comp = under if under.ok else comp
         if not comp.ok and exact:  # as in the trials: the exact answer counts
-            comp = self._against_float64(out, ref) or comp
+            comp = self._against_float64(out, ref, auto) or comp
         if not comp.ok:
             self.failure = ("timed_output_mismatch", f"timed call {index} of {len(self.checked)} checked (input set "
                             f"{(self.calls['candidate'] - 1) % len(self.pool)}): the output differs from the "
                             f"reference's for the same inputs: {comp.reason}; correct while checked, wrong while "
                             "timed")
 
-    def _against_float64(self, out: Any, ref: Any) -> Any:
-        """A passing comparison when the output is within the tolerance of the exact answer, or (eager running
-        TF32) no less accurate than eager against it, as in the trials; else None."""
+    def _against_float64(self, out: Any, ref: Any, auto: Any = None) -> Any:
+        """A passing comparison when the output is within the tolerance of the exact answer, or no less accurate
+        than the policy's baseline against it (eager running TF32; `auto`, eager under autocast), as in the
+        trials; else None."""
         # as in the trials: too big or not runnable in float64, eager's comparison stands alone
         ref64, _ = reference64_output(self.models, self.current, self.settings.device, self.call_seed)
         like = ref64.to(ref.device, ref.dtype) if isinstance(ref64, torch.Tensor) and isinstance(ref, torch.Tensor) \
@@ -175,6 +177,6 @@ class TimedInputs:
         comp = compare_outputs(like, out, self.settings.policy.atol, self.settings.policy.rtol)
         if comp.ok:
             return comp
-        if as_accurate_as_tf32_eager(self.settings, out, ref, ref64):
+        if as_accurate_as_baseline(self.settings, out, ref, ref64, auto):
             return Comparison(True, None, comp.max_abs, comp.max_rel, comp.mean_abs, 0, 0, comp.numel)
         return None
