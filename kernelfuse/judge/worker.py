@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import traceback
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -389,7 +390,10 @@ def _check_streams(out: Outcome, models: Models, problem: Any, settings: TrialSe
     try:  # each call's private inputs copied before the profiler starts: the copy is not the model's GPU work
         ref_inputs, cand_inputs = inputs_to(pristine, settings.device), inputs_to(pristine, settings.device)
         settings.default_flags.apply()
-        ref = kernel_streams(lambda: models.reference(*ref_inputs))
+        # eager as it is timed: under the policy's autocast (its busy time and kernel names are the bf16 ones)
+        autocast = settings.policy.autocast if settings.device.type == "cuda" else None
+        with torch.autocast(settings.device.type, dtype=autocast) if autocast is not None else nullcontext():
+            ref = kernel_streams(lambda: models.reference(*ref_inputs))
         settings.candidate_flags.apply()
         cand = kernel_streams(lambda: models.candidate(*cand_inputs))
         settings.default_flags.apply()
