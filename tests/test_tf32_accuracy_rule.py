@@ -137,7 +137,7 @@ def test_timed_calls_are_checked_by_the_same_rule(tmp_path, candidate: torch.nn.
     timed = TimedInputs(load_problem(tmp_path / "p.py"), models, _settings(uses_tf32), ["candidate"], 2, 3)
     for _ in range(3):
         inputs = timed.inputs("candidate")
-        timed.before_candidate()
+        timed.before_call("candidate")
         timed.check_result(candidate(*inputs))
     assert (timed.failure is None) == passes, timed.failure
     assert timed.n_checked == (3 if passes else 1)  # checks stop at the first failure

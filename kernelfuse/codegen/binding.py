@@ -56,6 +56,8 @@ class _KernelLibrary:
     # torch's current stream as an integer: the private accessor Inductor's generated code uses, where it exists
     _raw_stream = staticmethod(getattr(torch._C, "_cuda_getCurrentRawStream", None)
                                or (lambda index: torch.cuda.current_stream(index).cuda_stream))
+    # the current device without torch.cuda's lazy-init test (a CUDA tensor exists: CUDA is initialised)
+    _current_device = staticmethod(getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device)
 
     def __init__(self, path):
         # PyDLL: a launcher keeps the GIL, as torch's own ops do. CDLL would release and retake it around every
@@ -73,8 +75,8 @@ class _KernelLibrary:
 
     def _launch(self, function, kernel, tensor, *args):
         """`function(*args, stream)` on `tensor`'s device and torch's current stream there; a CUDA error raises."""
-        index = tensor.device.index
-        if index != torch.cuda.current_device():  # the runtime launches on its current device: make it tensor's
+        index = tensor.get_device()
+        if index != self._current_device():  # the runtime launches on its current device: make it tensor's
             with torch.cuda.device(index):
                 return self._launch(function, kernel, tensor, *args)
         error = function(*args, self._raw_stream(index))

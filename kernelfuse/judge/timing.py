@@ -114,16 +114,18 @@ def run_timing(problem: Problem, models: Models, settings: TrialSettings, probe:
     threads_seen: list[str] = []
     before = python_threads()
 
+    # the same work around every version's timed call (what it leaves in caches is then the same for all);
+    # only the candidate's threads and device state are judged
     def before_call(name: str) -> None:
         flags[name].apply()
         own[name] = pool.inputs(name)
-        if name == "candidate":
-            pool.before_candidate()
+        pool.before_call(name)
 
     def after_call(name: str) -> None:
+        threads = new_threads(before)
         if name == "candidate":
-            threads_seen.extend(t for t in new_threads(before) if t not in threads_seen)
-            pool.after_candidate()
+            threads_seen.extend(t for t in threads if t not in threads_seen)
+        pool.after_call(name)
 
     def on_result(name: str, result: Any) -> None:
         if name == "candidate":
