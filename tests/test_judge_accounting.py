@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ctypes.util
 
+import torch
+
 from kernelfuse.judge.accounting import account_kernels, base_name, candidate_libraries, mapped_libraries
 
 SOURCE = '''
@@ -104,7 +106,8 @@ def test_profiled_calls_do_not_include_the_input_copies(monkeypatch, tmp_path):
     models = SimpleNamespace(reference=lambda *a: None, candidate=lambda *a: None)
     problem = SimpleNamespace(make_inputs=lambda seed, device: [1.0])
     flags = SimpleNamespace(apply=lambda: None)
-    settings = SimpleNamespace(seed=0, device="cpu", default_flags=flags, candidate_flags=flags)
+    settings = SimpleNamespace(seed=0, device=torch.device("cpu"), default_flags=flags, candidate_flags=flags,
+                               policy=SimpleNamespace(autocast=None))
     candidate = tmp_path / "c.py"
     candidate.write_text("# no kernels\n")
     worker._check_streams(out, models, problem, settings, SimpleNamespace(candidate_path=str(candidate)),

@@ -101,7 +101,9 @@ CASES: dict[str, tuple[str, str, bool]] = {
     "maximum-left": ("maximum.default", f"{A}.maximum.default(self.w, y)", False),
     "minimum": ("minimum.default", f"{A}.minimum.default(y, self.w)", False),
     "minimum-left": ("minimum.default", f"{A}.minimum.default(self.w, y)", False),
-    "clone": ("clone.default", f"{A}.clone.default(y)", False),
+    # a cast to the same dtype here (one epilogue, one dtype); casts between dtypes: tests/test_mixed_dtypes.py
+    "cast": ("_to_copy.default", f"{A}._to_copy.default(y, dtype=torch.float32)", True),
+    "clone": ("clone.default", f"{A}.clone.default(y)", False),  # last: the returned clone is kept
 }
 
 BODY = """

@@ -55,10 +55,11 @@ def program_lines(program: Program | Epilogue, acc: str, offsets: dict[str, str]
     """Statements of a pointwise program as float locals named `{names_prefix}...`; operand i is loaded from the
     pointer `{names_prefix}in{i}_p` at `offsets["in{i}"]`; the value ends in `{names_prefix}result`.
 
-    In a half or bfloat16 kernel the value entering and every statement's result are rounded to that type, as
-    eager rounds each op's output: the fused chain then computes eager's values, not more precise ones that
-    differ by an ulp per op (an fp16 SwiGLU's silu * up, rounded once, missed the float64 rule after the down
-    projection; found by the GPU fuzzer)."""
+    In a half or bfloat16 kernel the value entering and every statement's result are rounded to that type (a
+    statement's own dtype where it has one: a kernel may mix dtypes), as eager rounds each op's output: the
+    fused chain then computes eager's values, not more precise ones that differ by an ulp per op (an fp16
+    SwiGLU's silu * up, rounded once, missed the float64 rule after the down projection; found by the GPU
+    fuzzer)."""
     lines = []
     names = {"acc": acc}
     if ctype != "float":
@@ -75,7 +76,8 @@ def program_lines(program: Program | Epilogue, acc: str, offsets: dict[str, str]
         args = [names[a] if isinstance(a, str) else float_literal(a) for a in st.args]
         var = f"{names_prefix}v_{st.name}"
         value = render_cuda(row, args, list(st.params))
-        value = value if ctype == "float" else _rounded(value, ctype)
+        rounding = ctype if st.dtype is None else C_TYPES.get(st.dtype, "float")  # a bool result: 1.0f or 0.0f
+        value = value if rounding == "float" else _rounded(value, rounding)
         lines.append(f"{ind}const float {var} = {value};  // {st.aten.split('.')[0]}")
         names[st.name] = var
     lines.append(f"{ind}const float {names_prefix}result = {names[program.result]};")

@@ -7,8 +7,6 @@ pooling in kernelfuse.codegen.pool, scans in kernelfuse.codegen.scan; the shared
 
 from __future__ import annotations
 
-import torch
-
 from kernelfuse.capture import contiguous_strides
 from kernelfuse.codegen.binding import Binding, pointer_launcher, py_tuple
 from kernelfuse.codegen.common import C_TYPES
@@ -18,10 +16,12 @@ from kernelfuse.codegen.iteration import (
     epilogue_lines,
     index_type,
     launch_params,
+    operand_ctype,
     pointer_params,
     shape_numel,
     space_of,
     tensor_args,
+    tensor_dtype,
     value_dtype,
     value_lambda,
 )
@@ -35,6 +35,8 @@ from kernelfuse.ops.scans import SCAN_KINDS
 from kernelfuse.plan.ir import GenStep, Plan
 
 __all__ = ["REDUCE_PRELUDE", "render_generated", "tensor_args"]  # tensor_args: the emitted call passes them
+
+BYTES = {"float": 4, "__half": 2, "__nv_bfloat16": 2}  # of an element, for the widest 16-byte pack
 
 
 def render_generated(plan: Plan, step: GenStep) -> tuple[str, Binding]:
@@ -79,8 +81,10 @@ def workspace_floats(step: GenStep) -> int:
 
 def _flat_kernel(step: GenStep, ctype: str) -> str:
     """Pointwise over the whole space (and eval-mode batch norm, an affine map per channel). Where the source is
-    contiguous over the space, VEC elements move per 16-byte access (the launcher checks alignment)."""
+    contiguous over the space, VEC elements move per access, 16 bytes of the wider of the source's and the
+    output's types (the launcher checks alignment)."""
     k = step.kernel
+    src_t = operand_ctype(step, "src")  # the output's type, or another where the kernel mixes dtypes
     space = space_of(step)
     index_t = index_type(step)
     numel = shape_numel(step.prologue.space)
@@ -110,7 +114,7 @@ def _flat_kernel(step: GenStep, ctype: str) -> str:
               "    const INDEX stride = (INDEX)gridDim.x * blockDim.x;"]
     if vectorised:
         lines += ["    for (INDEX v = first; v < NUMEL / VEC; v += stride) {",
-                  f"      const kf_pack<{ctype}, VEC> p = reinterpret_cast<const kf_pack<{ctype}, VEC>*>(src)[v];",
+                  f"      const kf_pack<{src_t}, VEC> p = reinterpret_cast<const kf_pack<{src_t}, VEC>*>(src)[v];",
                   f"      kf_pack<{ctype}, VEC> q;",
                   "#pragma unroll",
                   f"      for (int j = 0; j < VEC; ++j) q.v[j] = kf_store<{ctype}>(element(v * VEC + j, kf_load(p.v[j])));",
@@ -127,7 +131,7 @@ def _flat_kernel(step: GenStep, ctype: str) -> str:
         lines += ["    for (INDEX i = first; i < NUMEL; i += stride)",
                   f"      out[i] = kf_store<{ctype}>(element(i, source(i)));"]
     lines += ["  }", "}", ""]
-    vec = 16 // {"float": 4}.get(ctype, 2) if vectorised else 1
+    vec = 16 // max(BYTES[ctype], BYTES[src_t]) if vectorised else 1
     return "\n".join(lines) + _flat_launcher(step, ctype, numel, vec)
 
 
@@ -169,7 +173,7 @@ def _binding(plan: Plan, step: GenStep) -> Binding:
     for name, ref in args:
         meta = metas[name]
         lines.append(f'    _check({name}, "{k} {name} (%{ref.name})", {py_tuple(meta.shape)}, {py_tuple(meta.stride)}, '  # type: ignore[attr-defined]
-                     f"{dtype if meta.dtype != torch.bool else torch.bool})")  # type: ignore[attr-defined]
+                     f"{tensor_dtype(step, name)})")  # the type its pointer has in the kernel
     strides = step.permuted_out
     of_dtype = "" if step.out_meta.dtype == dtype else f", dtype={step.out_meta.dtype}"
     if strides:  # eager's permuted layout, which later views and kernels were captured against

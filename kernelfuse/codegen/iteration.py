@@ -147,13 +147,23 @@ def epilogue_lines(step: GenStep, index: str, ind: str) -> list[str]:
     return program_lines(step.epilogue, "y", offsets, "e_", ind, C_TYPES.get(step.out_meta.dtype, "float"))
 
 
-def operand_ctype(step: GenStep, name: str, ctype: str) -> str:
-    """The C type of tensor `name` of tensor_args: the kernel's, or bool for a mask read as an operand."""
+def tensor_dtype(step: GenStep, name: str) -> torch.dtype:
+    """The dtype the kernel reads tensor `name` of tensor_args as: an operand's own (a bool mask read as 1.0f or
+    0.0f; another float dtype in a pointwise kernel that mixes them), the source's in a pointwise kernel, else
+    the kernel's (value_dtype). The binding checks each tensor against it."""
     programs = {"in": step.prologue, "ep": step.epilogue, "m": step.mapped}
     for prefix, program in programs.items():
         if program is not None and name.startswith(prefix) and name[len(prefix):].isdigit():
-            return "bool" if program.operands[int(name[len(prefix):])].meta.dtype == torch.bool else ctype
-    return ctype
+            return program.operands[int(name[len(prefix):])].meta.dtype
+    if name == "src" and step.spec is None:
+        return step.source.meta.dtype
+    return value_dtype(step)
+
+
+def operand_ctype(step: GenStep, name: str) -> str:
+    """The C type of tensor `name` of tensor_args (tensor_dtype's)."""
+    dtype = tensor_dtype(step, name)
+    return "bool" if dtype == torch.bool else C_TYPES[dtype]
 
 
 def value_dtype(step: GenStep) -> torch.dtype:
@@ -168,8 +178,8 @@ def out_ctype(step: GenStep, ctype: str) -> str:
 
 
 def pointer_params(step: GenStep, ctype: str) -> str:
-    params = [f"const {ctype}* __restrict__ src"]
-    params += [f"const {operand_ctype(step, f'in{i}', ctype)}* __restrict__ p_in{i}_p"
+    params = [f"const {operand_ctype(step, 'src')}* __restrict__ src"]
+    params += [f"const {operand_ctype(step, f'in{i}')}* __restrict__ p_in{i}_p"
                for i in range(len(step.prologue.operands))]
     spec = step.spec
     if spec is not None:
@@ -179,10 +189,10 @@ def pointer_params(step: GenStep, ctype: str) -> str:
             params.append(f"const {ctype}* __restrict__ bias")
         if spec.running is not None:  # type: ignore[attr-defined]
             params += [f"{ctype}* __restrict__ run_mean", f"{ctype}* __restrict__ run_var"]
-    params += [f"const {operand_ctype(step, f'ep{i}', ctype)}* __restrict__ e_in{i}_p"
+    params += [f"const {operand_ctype(step, f'ep{i}')}* __restrict__ e_in{i}_p"
                for i in range(len(step.epilogue.operands))]
     if step.mapped is not None:
-        params += [f"const {operand_ctype(step, f'm{i}', ctype)}* __restrict__ m_in{i}_p"
+        params += [f"const {operand_ctype(step, f'm{i}')}* __restrict__ m_in{i}_p"
                    for i in range(len(step.mapped.operands))]
     params.append(f"{out_ctype(step, ctype)}* __restrict__ out")
     return ", ".join(params)
@@ -208,7 +218,7 @@ def launch_params(step: GenStep, ctype: str) -> tuple[str, str]:
     """The launcher's pointer parameters and the casts that pass them to the kernel."""
     const = {name: "" if name in ("run_mean", "run_var") else "const " for name, _ in tensor_args(step)}
     params = ", ".join(f"{const[name]}void* {name}" for name in const)
-    args = ", ".join(f"({const[name]}{operand_ctype(step, name, ctype)}*){name}" for name in const)
+    args = ", ".join(f"({const[name]}{operand_ctype(step, name)}*){name}" for name in const)
     return params, args
 
 

@@ -38,7 +38,9 @@ class PointwiseOp:
     arguments that become float literals. `cuda` is the expression template; `torch_fn(*operands, *params)` is
     the reference the CPU interpreter runs. `helpers` are the device functions of pointwise_helpers the
     expression calls; `render(operands, params)` replaces the template where the expression depends on a
-    parameter's value; `result` is "bool" for comparisons; `bool_args` are the operand positions read as bool.
+    parameter's value; `result` is "bool" for comparisons; `bool_args` are the operand positions read as bool;
+    `keywords`, where given, are the keyword arguments a call must have, exactly (a cast that also moves the
+    tensor to a device or a layout is no pointwise op).
     """
 
     aten: str
@@ -51,12 +53,13 @@ class PointwiseOp:
     render: Callable[[list[str], list[object]], str] | None = None
     result: str = "float"
     bool_args: tuple[int, ...] = ()
+    keywords: tuple[str, ...] | None = None
 
 
 def _row(aten_name: str, ir: str, cuda: str, fn: Callable, operands=(0,), params=(), helpers=(), render=None,
-         result: str = "float", bool_args=()) -> PointwiseOp:
+         result: str = "float", bool_args=(), keywords=None) -> PointwiseOp:
     return PointwiseOp(aten_name, ir, tuple(operands), cuda, fn, tuple(params), tuple(helpers), render, result,
-                       tuple(bool_args))
+                       tuple(bool_args), keywords)
 
 
 def _f32(value: object) -> float:
@@ -162,6 +165,9 @@ POINTWISE_OPS: tuple[PointwiseOp, ...] = (
     _row("round.default", "round", "nearbyintf({0})", torch.round),  # half to even
     _row("trunc.default", "trunc", "truncf({0})", torch.trunc),
     _row("clone.default", "clone", "{0}", lambda x: x.clone()),  # layout is the plan's business, not the value's
+    # a cast between float dtypes (autocast's, `.float()`): the value itself; the statement's dtype rounds it
+    _row("_to_copy.default", "cast", "{0}", lambda x, dtype: x.to(dtype), params=(("dtype", None),),
+         render=lambda ops, params: ops[0], keywords=("dtype",)),
     _row("pow.Tensor_Scalar", "pow", "powf({0}, {p0})", aten.pow.Tensor_Scalar, params=((1, 1.0),),
          render=_pow_scalar),
     # ---- binary arithmetic: operands may be tensors or Python scalars

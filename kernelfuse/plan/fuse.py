@@ -263,8 +263,7 @@ def _merge_into_reductions(graph: Graph, by_out: dict[str, Step]) -> None:
             Statement(reshape.name, "reshape", reshape.op, (step.epilogue.result,), (gen.prologue.space,)),)
         renamed = {"acc": reshape.name if reshape is not None else step.epilogue.result}
         renamed.update({f"in{i}": f"in{i + shift}" for i in range(len(gen.prologue.operands))})
-        later = tuple(Statement(st.name, st.op, st.aten, tuple(renamed.get(a, a) if isinstance(a, str) else a
-                                                                for a in st.args), st.params)
+        later = tuple(replace(st, args=tuple(renamed.get(a, a) if isinstance(a, str) else a for a in st.args))
                       for st in gen.prologue.statements)
         prologue = Program(step.epilogue.statements + regroup + later, tuple(first) + gen.prologue.operands,
                            gen.prologue.space)

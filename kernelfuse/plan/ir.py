@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch
+
 from kernelfuse.capture import Graph, Node, Ref, TensorMeta, contiguous_strides
 
 EArg = str | float  # a value name ("acc", "in0", a statement name) or a float constant
@@ -32,6 +34,9 @@ class Statement:
     aten: str  # the ATen overload, to find the table row
     args: tuple[EArg, ...]
     params: tuple[object, ...]
+    # the value's dtype (each statement's result is rounded to it, as eager rounds each op's output); None: the
+    # program's. A kernel may mix dtypes (a bf16 value added to an fp32 one, a cast), see plan.schedule.
+    dtype: torch.dtype | None = None
 
     def __str__(self) -> str:
         args = ", ".join(a if isinstance(a, str) else repr(a) for a in self.args)

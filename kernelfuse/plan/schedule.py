@@ -21,6 +21,7 @@ from kernelfuse.ops.scans import GENERATED_BY_ATEN
 from kernelfuse.plan.ir import EArg, GenStep, Operand, Program, Statement
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CASTS = frozenset({"_to_copy.default"})
 
 
 @dataclass
@@ -51,55 +52,68 @@ def schedule(graph: Graph, taken: set[str], first_kernel: int, max_kernels: int 
     return steps, reasons
 
 
-def can_fuse_pointwise(graph: Graph, node: Node, space: TensorMeta) -> tuple[bool, str]:
+def can_fuse_pointwise(graph: Graph, node: Node, space: TensorMeta, mixed: bool = False) -> tuple[bool, str]:
     """Can `node` join a pointwise chain over `space`? As many elements (a reshape keeps the flat order), the same
     float dtype, and every tensor it reads broadcasts to its own shape. A bool tensor in memory may be an operand
     (`x * mask`: loaded as 1.0f or 0.0f, ATen's promotion), beside at least one operand of the kernel's dtype.
     A comparison of such values (a bool result) may join as well, and a where/masked_fill may read one as its
     condition: inside a kernel the condition is a 1.0f/0.0f float that is never stored (the chain checks that it
-    is computed inside, `_conditions_inside`)."""
+    is computed inside, `_conditions_inside`). `mixed`: a chain of a pointwise kernel of its own may mix float
+    dtypes (a bf16 Linear output added to an fp32 residual, autocast's casts): each operand is loaded from its
+    own type and each value rounded to its own (kernelfuse.codegen.common.program_lines)."""
     if node.op not in POINTWISE_BY_ATEN and node.op not in RESHAPES:
         return False, "not a pointwise op of the table"
     if node.meta is None or not (node.meta.dtype in FLOAT_DTYPES or _is_comparison(node)):
         return False, "not a floating-point tensor"
-    if node.meta.numel != space.numel or (node.meta.dtype != space.dtype and not _is_comparison(node)):
+    if node.meta.numel != space.numel or (node.meta.dtype != space.dtype and not _is_comparison(node)
+                                          and not mixed):
         return False, f"size or dtype differs from the kernel's {space}"
     if node.op in RESHAPES:
         return (True, "") if len(node.refs) == 1 else (False, "reshape of a computed shape")
+    row = POINTWISE_BY_ATEN[node.op]
+    if row.keywords is not None and tuple(sorted(node.keywords)) != row.keywords:
+        return False, f"called with {sorted(node.keywords)}, the kernel takes {list(row.keywords)}"
     conditions = _condition_refs(node)
     for ref in node.refs:
         meta = graph[ref].meta
         in_kernel_bool = ref in conditions and _is_comparison(graph[ref])
         promoted = meta is not None and meta.dtype == torch.bool and ref not in conditions  # loaded as 1.0f/0.0f
-        if meta is None or (meta.dtype != space.dtype and not in_kernel_bool and not promoted):
+        other = meta is not None and meta.dtype != space.dtype and not (mixed and meta.dtype in FLOAT_DTYPES)
+        if meta is None or (other and not in_kernel_bool and not promoted):
             return False, f"operand %{ref.name} has another dtype"
-    if not any(graph[r].meta.dtype == space.dtype for r in node.refs if graph[r].meta is not None):
-        return False, "no operand of the kernel's dtype (a bool tensor in memory is an operand, never the source)"
         if not _broadcasts(meta.shape, node.meta.shape):
             return False, f"operand %{ref.name} does not broadcast to the output"
+    floats = [graph[r].meta.dtype for r in node.refs if graph[r].meta is not None]
+    if not any(d == space.dtype or (mixed and d in FLOAT_DTYPES) for d in floats):
+        return False, "no operand of the kernel's dtype (a bool tensor in memory is an operand, never the source)"
     return True, ""
 
 
 def _kernel_from(graph: Graph, seed: Node, used: set[str], kernel: str, reasons: dict[str, str]) -> GenStep | None:
     if seed.op in GENERATED_BY_ATEN:
         return _reduction_kernel(graph, seed, None, used, kernel, reasons)
-    ok, why = can_fuse_pointwise(graph, seed, seed.meta) if seed.op in POINTWISE_BY_ATEN else (False, "")
+    ok, why = can_fuse_pointwise(graph, seed, seed.meta, mixed=True) if seed.op in POINTWISE_BY_ATEN else (False, "")
     if ok and _is_comparison(seed):
         ok, why = False, "a comparison's bool result is fused only into the where/masked_fill that reads it"
-    producers = _private_producers(graph, seed, set(), seed.meta, used) if ok else []
+    producers = _private_producers(graph, seed, set(), seed.meta, used, mixed=True) if ok else []
     if ok and not _conditions_inside(seed, {p.name for p in producers}):
         ok, why = False, "its condition is a bool tensor computed elsewhere"
     if not ok:
         if why:
             reasons[seed.name] = why
         return None
-    chain = _grow(graph, [*producers, seed], seed.meta, used)
+    chain = _grow(graph, [*producers, seed], seed.meta, used, mixed=True)
     if _is_comparison(chain.members[-1]):
         reasons[seed.name] = "the chain would end in a stored bool"
+        return None
+    # a weight's cast under autocast, an activation's before a GEMM: nothing to fuse it with
+    if all(m.op in CASTS or m.op in RESHAPES for m in chain.members):
+        reasons[seed.name] = "a cast alone: torch's copy is the same single pass (no kernel to build)"
         return None
     last = chain.members[-1]
     readers = graph.users(last.name)
     if len(readers) == 1 and readers[0].op in GENERATED_BY_ATEN and not graph.is_output(last.name) \
+            and not _mixes_dtypes(graph, chain) \
             and readers[0].name not in used and readers[0].args and readers[0].args[0] == Ref(last.name):
         step = _reduction_kernel(graph, readers[0], chain, used, kernel, reasons)
         if step is not None:
@@ -120,15 +134,16 @@ def _buildable(graph: Graph, chain: _Chain) -> _Chain:
     return _Chain(members, {m.name for m in members})
 
 
-def _grow(graph: Graph, members: list[Node], space: TensorMeta, used: set[str]) -> _Chain:
-    """Extend a chain with later pointwise nodes reading it; then shrink until only its last value escapes."""
+def _grow(graph: Graph, members: list[Node], space: TensorMeta, used: set[str], mixed: bool = False) -> _Chain:
+    """Extend a chain with later pointwise nodes reading it; then shrink until only its last value escapes.
+    `mixed`: float dtypes may mix (a pointwise kernel of its own, see can_fuse_pointwise)."""
     inside = {m.name for m in members}
     start = graph.nodes.index(members[-1])
     for node in graph.nodes[start + 1:]:
         if node.name in used or node.name in inside or not any(r.name in inside for r in node.refs):
             continue
-        if can_fuse_pointwise(graph, node, space)[0]:
-            producers = _private_producers(graph, node, inside, space, used)
+        if can_fuse_pointwise(graph, node, space, mixed)[0]:
+            producers = _private_producers(graph, node, inside, space, used, mixed)
             if not _conditions_inside(node, inside | {p.name for p in producers}):
                 continue
             for producer in producers:
@@ -143,6 +158,14 @@ def _grow(graph: Graph, members: list[Node], space: TensorMeta, used: set[str]) 
     while len(members) > 1 and (_escaping(graph, members, inside) or _is_comparison(members[-1])):
         inside.discard(members.pop().name)
     return _Chain(members, inside)
+
+
+def _mixes_dtypes(graph: Graph, chain: _Chain) -> bool:
+    """Does the chain compute or read more than one float dtype? Only a pointwise kernel of its own takes such a
+    chain; a reduction's prologue keeps one dtype."""
+    dtypes = {m.meta.dtype for m in chain.members if m.meta is not None} | \
+        {graph[r].meta.dtype for m in chain.members for r in m.refs if graph[r].meta is not None}
+    return len(dtypes & set(FLOAT_DTYPES)) > 1
 
 
 def _is_comparison(node: Node) -> bool:
@@ -164,7 +187,8 @@ def _conditions_inside(node: Node, inside: set[str]) -> bool:
     return all(ref.name in inside for ref in _condition_refs(node))
 
 
-def _private_producers(graph: Graph, node: Node, inside: set[str], space: TensorMeta, used: set[str]) -> list[Node]:
+def _private_producers(graph: Graph, node: Node, inside: set[str], space: TensorMeta, used: set[str],
+                       mixed: bool = False) -> list[Node]:
     """The pointwise nodes, in graph order, that compute `node`'s other operands over the same space and are read
     by nothing else: the chain pulls them in (x * f(x): the f(x) branch joins the kernel that multiplies, instead
     of a kernel of its own whose output makes a round trip through memory)."""
@@ -176,7 +200,7 @@ def _private_producers(graph: Graph, node: Node, inside: set[str], space: Tensor
             p = graph[ref]
             if p.name in taken or p.name in used or p.op not in POINTWISE_BY_ATEN or graph.is_output(p.name):
                 continue  # a reshape stays a free view outside the kernel
-            if can_fuse_pointwise(graph, p, space)[0] and all(u.name in taken for u in graph.users(p.name)):
+            if can_fuse_pointwise(graph, p, space, mixed)[0] and all(u.name in taken for u in graph.users(p.name)):
                 taken.add(p.name)
                 pull(p)
                 pulled.append(p)
@@ -372,7 +396,7 @@ def build_program(graph: Graph, members: list[Node], meta: TensorMeta, space: tu
         row = POINTWISE_BY_ATEN[node.op]
         args = tuple(value(a) for a in _read_args(node))
         params = tuple(constant_arg(node, pos, default) for pos, default in row.params)
-        statements.append(Statement(node.name, row.ir, row.aten, args, params))
+        statements.append(Statement(node.name, row.ir, row.aten, args, params, node.meta.dtype))
         names[node.name] = node.name
     src = source[0] if source else None
     if not ok:

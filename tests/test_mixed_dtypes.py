@@ -1,0 +1,139 @@
+"""Pointwise kernels that mix float dtypes: a bf16 value meeting an fp32 one, and casts (`_to_copy`) inside.
+
+Under CUDA autocast a model's graph is full of them: GPT-2's tanh GELU computes `pow` in fp32 between bf16 ops,
+a bf16 Linear output is added to an fp32 residual, and a cast to bf16 precedes every Linear. One dtype per kernel
+left each of these a torch call; now a pointwise kernel of its own loads each operand from its own type and
+rounds each value to its own dtype, as eager rounds each op's output. Reductions keep one dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from optimizer_helpers import assert_interpreter_matches, pipeline, write_problem
+
+from kernelfuse.capture import capture
+from kernelfuse.codegen import generate
+from kernelfuse.cpucheck import check_plans
+from kernelfuse.load import load_problem
+from kernelfuse.pipeline import build_model
+from kernelfuse.plan import GenStep, plan_variants
+from kernelfuse.rewrite import rewrite
+
+GELU_MLP = f"""
+def __init__(self):
+    super().__init__()
+    self.fc = nn.Linear(64, 256)
+    self.proj = nn.Linear(256, 64)
+
+def forward(self, x):
+    h = self.fc(x)
+    h = 0.5 * h * (1.0 + torch.tanh({math.sqrt(2.0 / math.pi)!r} * (h + 0.044715 * torch.pow(h, 3.0))))
+    return x + self.proj(h)
+"""
+
+
+def _bf16_plan(tmp_path: Path):
+    path = write_problem(tmp_path, "gelu_mlp", GELU_MLP, "[torch.randn(8, 32, 64)]")
+    problem = load_problem(path)
+    model = build_model(problem)
+    graph = rewrite(capture(problem, model, autocast=torch.bfloat16))
+    return problem, model, graph, plan_variants(graph, "bf16")[0]
+
+
+def _step_with(plan, op: str) -> GenStep:
+    return next(s for s in plan.generated if any(st.aten == op for st in s.prologue.statements))
+
+
+def test_gpt2_gelu_under_autocast_is_one_kernel_from_bf16_to_bf16(tmp_path):
+    problem, model, graph, plan = _bf16_plan(tmp_path)
+    gelu = _step_with(plan, "tanh.default")
+    ops = [st.aten.split(".")[0] for st in gelu.prologue.statements]
+    assert ops[0] == "mul" and ops[-1] == "_to_copy" and {"pow", "tanh", "_to_copy"} <= set(ops), ops
+    assert gelu.source.meta.dtype == torch.bfloat16 and gelu.out_meta.dtype == torch.bfloat16
+    dtypes = {st.aten.split(".")[0]: st.dtype for st in gelu.prologue.statements}
+    assert dtypes["pow"] == torch.float32 and dtypes["tanh"] == torch.float32  # autocast's fp32 ops stay fp32
+    # the residual: an fp32 input plus the bf16 Linear output, one kernel writing fp32
+    residual = next(s for s in plan.generated if s.out == graph[graph.outputs[0]].name)
+    assert residual.out_meta.dtype == torch.float32
+    assert {residual.source.meta.dtype, *(o.meta.dtype for o in residual.prologue.operands)} == \
+        {torch.float32, torch.bfloat16}
+    (check,) = check_plans(problem, model, graph, [plan])
+    assert check.ok, check
+    # a cast alone (a weight's, the input's before the first Linear) stays torch's copy: no kernel to build
+    lone = [line for line in plan.summary().splitlines() if "_to_copy.default (a cast alone" in line]
+    assert len(lone) == 5, plan.summary()  # two weights, two biases, the input
+
+
+def test_mixed_kernel_source_reads_each_pointer_as_its_own_type(tmp_path):
+    _, _, graph, plan = _bf16_plan(tmp_path)
+    cuda = generate(plan).cuda
+    residual = next(s for s in plan.generated if s.out == graph[graph.outputs[0]].name)
+    signature = cuda[cuda.index(f"{residual.kernel}_kernel("):].split(")", 1)[0]
+    assert "const float* __restrict__ src" in signature or "const __nv_bfloat16* __restrict__ src" in signature
+    assert "__nv_bfloat16" in signature and "float* __restrict__ out" in signature, signature
+    gelu = _step_with(plan, "tanh.default")
+    body = cuda[cuda.index(f"{gelu.kernel}_kernel("):]
+    body = body[:body.index("KF_EXPORT")]
+    # each bf16 value is rounded to bf16, the fp32 ones are not: the pow, tanh and their neighbours
+    assert body.count("kf_store<__nv_bfloat16>((p_acc_r * 0.5f))") == 1
+    assert "tanhf(" in body and "kf_store<__nv_bfloat16>(tanhf" not in body
+
+
+def test_binding_checks_each_tensor_against_its_own_dtype(tmp_path):
+    _, _, graph, plan = _bf16_plan(tmp_path)
+    binding = generate(plan).binding
+    residual = next(s for s in plan.generated if s.out == graph[graph.outputs[0]].name)
+    method = binding[binding.index(f"def {residual.kernel}(self"):]
+    method = method[:method.index("return out")]
+    assert "torch.float32)" in method and "torch.bfloat16)" in method, method
+
+
+CASTS = """
+def forward(self, x):
+    y = (x.half() * 3.0).float() + x
+    return torch.exp(y.to(torch.bfloat16)).float()
+"""
+
+
+def test_casts_in_an_fp32_model_fuse_and_match_eager_exactly(tmp_path):
+    path = write_problem(tmp_path, "casts", CASTS, "[torch.randn(4, 256)]")
+    problem, graph, plans = pipeline(path)
+    (plan,) = plans
+    assert plan.unfused == [], plan.summary()
+    (step,) = plan.generated
+    assert [st.dtype for st in step.prologue.statements][:2] == [torch.float16, torch.float16]
+    assert_interpreter_matches(problem, plan)  # the ops themselves, one by one: bitwise equal
+
+
+REDUCED = """
+def forward(self, x):
+    return (x.float() * 2.0).sum(-1)
+"""
+
+
+def test_a_reduction_keeps_one_dtype(tmp_path):
+    path = write_problem(tmp_path, "reduced", REDUCED, "[torch.randn(8, 512).half()]")
+    problem, graph, plans = pipeline(path)
+    (plan,) = plans
+    reduction = next(s for s in plan.generated if s.reduce_node is not None)
+    assert all(st.aten != "_to_copy.default" for st in reduction.prologue.statements)
+    assert reduction.source.meta.dtype == torch.float32
+    assert_interpreter_matches(problem, plan)
+
+
+MOVED = """
+def forward(self, x):
+    return x.to(torch.float16, memory_format=torch.channels_last) * 2.0
+"""
+
+
+def test_a_cast_that_also_changes_the_layout_is_no_pointwise_op(tmp_path):
+    path = write_problem(tmp_path, "moved", MOVED, "[torch.randn(2, 3, 4, 5)]")
+    _, graph, plans = pipeline(path)
+    cast = next(n for n in graph.nodes if n.op == "_to_copy.default")
+    assert all(cast.name not in s.replaces for s in plans[0].generated)
+    assert any(cast.name in line and "memory_format" in line for line in plans[0].summary().splitlines()), \
+        plans[0].summary()
