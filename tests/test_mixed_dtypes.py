@@ -137,3 +137,22 @@ def test_a_cast_that_also_changes_the_layout_is_no_pointwise_op(tmp_path):
     assert all(cast.name not in s.replaces for s in plans[0].generated)
     assert any(cast.name in line and "memory_format" in line for line in plans[0].summary().splitlines()), \
         plans[0].summary()
+
+
+WIDENED = """
+def forward(self, x):
+    return x.float() * 2.0
+"""
+
+
+def test_the_vector_path_packs_16_bytes_of_the_wider_type(tmp_path):
+    # fp16 in, fp32 out: 4 elements per access (8 bytes read, 16 written), each pack of its own type
+    path = write_problem(tmp_path, "widened", WIDENED, "[torch.randn(64, 256).half()]")
+    problem, _, plans = pipeline(path)
+    (plan,) = plans
+    (step,) = plan.generated
+    assert step.source.meta.dtype == torch.float16 and step.out_meta.dtype == torch.float32
+    cuda = generate(plan).cuda
+    assert "kf_pack<__half, VEC> p" in cuda and "kf_pack<float, VEC> q" in cuda
+    assert f"{step.kernel}_kernel<4><<<" in cuda and f"{step.kernel}_kernel<8>" not in cuda
+    assert_interpreter_matches(problem, plan)

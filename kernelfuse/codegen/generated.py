@@ -36,8 +36,6 @@ from kernelfuse.plan.ir import GenStep, Plan
 
 __all__ = ["REDUCE_PRELUDE", "render_generated", "tensor_args"]  # tensor_args: the emitted call passes them
 
-BYTES = {"float": 4, "__half": 2, "__nv_bfloat16": 2}  # of an element, for the widest 16-byte pack
-
 
 def render_generated(plan: Plan, step: GenStep) -> tuple[str, Binding]:
     """(CUDA kernel + launcher, its Python binding) for one GenStep."""
@@ -131,7 +129,7 @@ def _flat_kernel(step: GenStep, ctype: str) -> str:
         lines += ["    for (INDEX i = first; i < NUMEL; i += stride)",
                   f"      out[i] = kf_store<{ctype}>(element(i, source(i)));"]
     lines += ["  }", "}", ""]
-    vec = 16 // max(BYTES[ctype], BYTES[src_t]) if vectorised else 1
+    vec = 16 // max(value_dtype(step).itemsize, tensor_dtype(step, "src").itemsize) if vectorised else 1
     return "\n".join(lines) + _flat_launcher(step, ctype, numel, vec)
 
 
