@@ -16,10 +16,11 @@ import torch
 from optimizer_helpers import AsCuda
 
 from kernelfuse.capture import capture
+from kernelfuse.cpucheck import check_plans
 from kernelfuse.fuzz import device
 from kernelfuse.fuzz.run import load_emitted, run_problem
 from kernelfuse.load import load_problem
-from kernelfuse.pipeline import emit_file
+from kernelfuse.pipeline import build_model, emit_file
 from kernelfuse.plan import plan_variants
 from kernelfuse.rewrite import rewrite
 
@@ -80,3 +81,20 @@ def test_zoo_model_as_constructed_takes_the_fused_path(path, tmp_path):
         assert scope["_fallback_reason"](AsCuda(model), inputs) is None
         model.train(not model.training)  # every module in the other mode than the top one was built in
         assert scope["_fallback_reason"](AsCuda(model), inputs)[0] == "mode"
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_zoo_model_captures_under_bf16_autocast_without_a_gpu(name, tmp_path):
+    # GPT-2's KV cache makes `torch.tensor([], device=x.device)` in forward: on the fake CUDA device of the bf16
+    # capture that asked torch to initialise CUDA ("no NVIDIA driver") until the trace kept it fake
+    if importlib.util.find_spec("transformers") is None:
+        pytest.skip("transformers is not installed (pip install 'kernelfuse[zoo]')")
+    problem = load_problem(shrunk(ZOO / f"{name}.py", tmp_path))
+    model = build_model(problem)
+    graph = rewrite(capture(problem, model, autocast=torch.bfloat16))
+    plans = plan_variants(graph, "bf16")
+    assert graph.autocast == torch.bfloat16 and any(n.op == "_to_copy.default" for n in graph.nodes)
+    assert any(st.aten == "_to_copy.default" for p in plans[:1] for s in p.generated for st in s.prologue.statements), \
+        "no cast fused into a kernel"
+    (check,) = check_plans(problem, model, graph, plans[:1])
+    assert check.ok, check

@@ -19,6 +19,7 @@ from dataclasses import replace
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from kernelfuse.capture.graph import Arg, Graph, Node, Ref, TensorMeta
@@ -142,7 +143,7 @@ def _capture_call(model: torch.nn.Module, params: tuple[Param, ...], tensors: li
     what = what or type(model).__name__
 
     def trace(attention: bool) -> torch.fx.GraphModule:
-        with mode, torch.no_grad(), _quiet(), _composite_ops_whole(model, attention):
+        with mode, torch.no_grad(), _quiet(), _composite_ops_whole(model, attention), _fake_cuda_init(autocast):
             return make_fx(forward, tracing_mode="real")(*flat)
 
     try:  # on a fake CUDA device (autocast) attention reached through a registry decomposes to its math form
@@ -166,6 +167,23 @@ def _capture_call(model: torch.nn.Module, params: tuple[Param, ...], tensors: li
 def _on_cpu(args: tuple) -> tuple:
     return tuple(torch.device("cpu") if isinstance(a, torch.device) else _on_cpu(a) if isinstance(a, tuple) else a
                  for a in args)
+
+
+@contextmanager
+def _fake_cuda_init(autocast: torch.dtype | None) -> Iterator[None]:
+    """Under autocast on a machine without a GPU, so that a tensor the forward makes on its inputs' device
+    (`torch.tensor([], device=x.device)`: GPT-2's KV cache) is a fake CUDA tensor like the rest, not a "no NVIDIA
+    driver" error: torch's CUDA initialisation is a no-op around the trace, and make_fx does not compute small
+    constants for real (it would run the op on the device). Nothing runs on the device in a fake trace."""
+    if autocast is None or torch.cuda.is_available():
+        yield
+        return
+    lazy_init, limit = torch.cuda._lazy_init, proxy_tensor.CONSTANT_NUMEL_LIMIT
+    torch.cuda._lazy_init, proxy_tensor.CONSTANT_NUMEL_LIMIT = (lambda: None), -1
+    try:
+        yield
+    finally:
+        torch.cuda._lazy_init, proxy_tensor.CONSTANT_NUMEL_LIMIT = lazy_init, limit
 
 
 @contextmanager
