@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import pytest
 import torch
 
 from kernelfuse.bench import (
     Ceilings,
+    Clock,
     Sample,
     Timer,
+    balanced_orders,
     below_floor,
     count_flops,
     escaped_work,
     floor_estimate,
     min_bytes,
     percentile,
-    rotated,
     speedup,
     summarize,
     time_alternating,
@@ -42,10 +44,34 @@ def test_percentile_and_speedup():
     assert speedup(2.0, 1.0) == 2.0 and speedup(None, 1.0) is None and speedup(1.0, 0.0) is None
 
 
-def test_rotation_puts_each_version_first_in_turn():
-    names = ["candidate", "eager", "compile"]
-    assert [rotated(names, r)[0] for r in range(4)] == ["candidate", "eager", "compile", "candidate"]
-    assert rotated([], 3) == []
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_every_version_runs_first_and_after_every_other_equally_often(n):
+    names = [f"v{i}" for i in range(n)]
+    orders = balanced_orders(names)
+    assert all(sorted(order) == names for order in orders)
+    assert len({order[0] for order in orders}) == n and len(orders) % n == 0
+    after = Counter((a, b) for order in orders for a, b in zip(order, order[1:], strict=False))
+    assert set(after) == {(a, b) for a in names for b in names if a != b}
+    assert len(set(after.values())) == 1  # a rotation of [c, e, k] puts c after k in every round
+
+
+def test_identical_versions_time_alike_when_the_previous_call_slows_the_next():
+    """The host-cache effect of a heavy version (torch.compile's Python) on the call after it, simulated: a version
+    run after `heavy` takes 2 units, otherwise 1. Two identical versions must get the same median."""
+    previous: list[str] = ["heavy"]
+    clock = {"t": 0.0}
+
+    def runner(name: str):
+        def run() -> None:
+            clock["t"] += 2.0 if previous[0] == "heavy" and name != "heavy" else 1.0
+            previous[0] = name
+        return run
+
+    fake = Clock(lambda: clock["t"] / 1e3, lambda: None, None, None, None)
+    runners = {name: runner(name) for name in ("candidate", "eager", "heavy")}
+    samples = time_alternating(runners, Timer(torch.device("cpu"), clock=fake, flush=False), reps=24, warmup=1)
+    mean = {name: sum(s.host_ms for s in values) / len(values) for name, values in samples.items()}
+    assert mean["candidate"] == pytest.approx(mean["eager"])
 
 
 def test_escape_cross_check():

@@ -54,8 +54,13 @@ class AsCuda:
     def __getattr__(self, name: str) -> object:
         return getattr(self._inner, name)
 
-    def parameters(self) -> list[AsCuda]:
-        return [AsCuda(p) for p in self._inner.parameters()]
+    @property
+    def _parameters(self) -> dict[str, AsCuda]:  # the guard walks the module tree through these two
+        return {k: AsCuda(p) for k, p in self._inner._parameters.items() if p is not None}
+
+    @property
+    def _modules(self) -> dict[str, AsCuda]:
+        return {k: AsCuda(m) for k, m in self._inner._modules.items() if m is not None}
 
 
 def test_cpu_calls_are_counted_and_warned_once(tmp_path: Path) -> None:

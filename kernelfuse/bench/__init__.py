@@ -4,7 +4,7 @@ CUDA events around each call, a warm-up, median of at least 20 with the spread, 
 escaping the events, and a floor estimate (FLOPs over peak, bytes over bandwidth) measured on the device.
 """
 
-from kernelfuse.bench.alternate import rotated, time_alternating
+from kernelfuse.bench.alternate import balanced_orders, time_alternating
 from kernelfuse.bench.crosscheck import escaped_work
 from kernelfuse.bench.floor import (
     Ceilings,
@@ -21,8 +21,8 @@ from kernelfuse.bench.stats import TimingStats, percentile, speedup, summarize
 from kernelfuse.bench.timer import Clock, Sample, Timer
 
 __all__ = [
-    "Ceilings", "Clock", "Floor", "Sample", "Timer", "TimingStats", "below_floor", "capped_by", "count_flops",
-    "escaped_work",
-    "floor_estimate", "measure_ceilings", "min_bytes", "percentile", "rotated", "speedup", "summarize",
+    "Ceilings", "Clock", "Floor", "Sample", "Timer", "TimingStats", "balanced_orders", "below_floor", "capped_by",
+    "count_flops", "escaped_work",
+    "floor_estimate", "measure_ceilings", "min_bytes", "percentile", "speedup", "summarize",
     "tensor_bytes", "time_alternating",
 ]

@@ -1,6 +1,9 @@
 """Time several versions of one computation in the same process, alternating, so clock and thermal drift cancel.
 
-Round r runs every version once, in an order rotated by r, so no version always runs first or after a given other.
+Round r runs every version once, in the orders of a Williams design: over a cycle of rounds every version runs
+after every other one equally often. A plain rotation keeps the cyclic order (with candidate, eager, compile the
+candidate always ran after torch.compile, whose Python evicts the host's caches: identical code timed 4-15% slower
+as the candidate on a launch-bound problem).
 """
 
 from __future__ import annotations
@@ -11,12 +14,17 @@ from typing import Any
 from kernelfuse.bench.timer import Sample, Timer
 
 
-def rotated(names: list[str], r: int) -> list[str]:
-    """`names` rotated left by r (mod len)."""
-    if not names:
-        return []
-    k = r % len(names)
-    return names[k:] + names[:k]
+def balanced_orders(names: list[str]) -> list[list[str]]:
+    """A Williams design over `names`: n orders (2n where n is odd) in which each version runs first equally often
+    and directly after each other version equally often (first-order carry-over balanced)."""
+    n = len(names)
+    if n < 2:
+        return [list(names)]
+    first = [0]
+    for i in range(1, n):
+        first.append((i + 1) // 2 if i % 2 else n - i // 2)
+    rows = [[names[(j + r) % n] for j in first] for r in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 else rows
 
 
 def time_alternating(
@@ -44,8 +52,9 @@ def time_alternating(
                 after_call(name)
     timer.clock.synchronize()
     samples: dict[str, list[Sample]] = {name: [] for name in names}
+    orders = balanced_orders(names)
     for r in range(reps):
-        for name in rotated(names, r):
+        for name in orders[r % len(orders)]:
             if before_call:
                 before_call(name)
             sample, result = timer.time(runners[name])

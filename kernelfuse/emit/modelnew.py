@@ -96,14 +96,35 @@ class KernelfuseFallbackWarning(UserWarning):
     """A call ran the original ops, not the fused kernels (once per module and kind of reason; filter it by class)."""
 
 
+def _module_tree(module):
+    """(whether a submodule's train/eval mode differs from CAPTURED_TRAINING, whether a parameter is off CUDA,
+    whether a parameter requires grad), in one walk over the tree: modules() and parameters() build a prefixed
+    name for every entry and cost several µs even on a module without children, on every call."""
+    mode_differs = off_cuda = trainable = False
+    seen, stack = set(), [module]
+    while stack:
+        m = stack.pop()
+        if m is None or id(m) in seen:
+            continue
+        seen.add(id(m))
+        mode_differs = mode_differs or m.training != CAPTURED_TRAINING
+        for p in m._parameters.values():
+            if p is not None:
+                off_cuda = off_cuda or not p.is_cuda
+                trainable = trainable or p.requires_grad
+        stack.extend(m._modules.values())
+    return mode_differs, off_cuda, trainable
+
+
 def _fallback_reason(module, inputs):
     """None where the fused path serves the call, else why not, as (kind, words). The kernels serve inference (no
     autograd) on contiguous CUDA tensors of the captured shapes and dtypes, in the captured train/eval mode
     (INPUT_SPECS; CAPTURED_TRAINING, or CAPTURED_MODES per module where the modes were mixed). Kinds: "mode",
     "autograd", "shape", "dtype", "device", "layout" (and "call" from _use_kernels). The words are formatted only
     for a declined call."""
+    mode_differs, off_cuda, trainable = _module_tree(module)
     if CAPTURED_MODES is None:
-        if any(m.training != CAPTURED_TRAINING for m in module.modules()):
+        if mode_differs:
             mode = "training" if CAPTURED_TRAINING else "eval"  # BatchNorm, Dropout...: planned for that mode
             return "mode", (f"training mode differs: the kernels were built for the model and its submodules in {mode} "
                             "mode")
@@ -111,9 +132,7 @@ def _fallback_reason(module, inputs):
         return "mode", ("training mode differs: the kernels were built for each submodule in the mode it was traced in "
                         f"({CAPTURED_MODES.count('0')} of {len(CAPTURED_MODES)} modules in eval mode, the others in "
                         "training mode)")
-    if torch.is_grad_enabled() and (
-        any(p.requires_grad for p in module.parameters()) or any(t.requires_grad for t in inputs)
-    ):
+    if torch.is_grad_enabled() and (trainable or any(t.requires_grad for t in inputs)):
         return "autograd", "grad mode with trainable parameters or inputs (the kernels have no backward)"
     for t, (name, shape, dtype) in zip(inputs, INPUT_SPECS):
         if t.shape != shape:
@@ -124,7 +143,7 @@ def _fallback_reason(module, inputs):
             return "device", f"input {name} is a {t.device.type.upper()} tensor, the kernels run on CUDA"
         if not t.is_contiguous():
             return "layout", f"input {name} is not contiguous, the kernels were built for a contiguous one"
-    if not all(p.is_cuda for p in module.parameters()):
+    if off_cuda:
         return "device", "a parameter is not on a CUDA device, the kernels run on CUDA"
     return None
 
