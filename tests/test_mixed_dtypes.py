@@ -9,14 +9,17 @@ rounds each value to its own dtype, as eager rounds each op's output. Reductions
 from __future__ import annotations
 
 import math
+import runpy
 from pathlib import Path
 
+import pytest
 import torch
 from optimizer_helpers import assert_interpreter_matches, pipeline, write_problem
 
 from kernelfuse.capture import capture
 from kernelfuse.codegen import generate
 from kernelfuse.cpucheck import check_plans
+from kernelfuse.emit import emit_modelnew
 from kernelfuse.load import load_problem
 from kernelfuse.pipeline import build_model
 from kernelfuse.plan import GenStep, plan_variants
@@ -156,3 +159,30 @@ def test_the_vector_path_packs_16_bytes_of_the_wider_type(tmp_path):
     assert "kf_pack<__half, VEC> p" in cuda and "kf_pack<float, VEC> q" in cuda
     assert f"{step.kernel}_kernel<4><<<" in cuda and f"{step.kernel}_kernel<8>" not in cuda
     assert_interpreter_matches(problem, plan)
+
+
+@pytest.mark.gpu
+def test_mixed_dtype_kernels_match_eager_under_autocast_on_the_gpu(tmp_path):
+    """The GELU MLP's bf16 plan run as an emitted file on the GPU: its bf16-in, bf16-out GELU kernel (fp32 pow and
+    tanh inside) and its fp32 + bf16 residual kernel give eager-under-autocast's result, through the kernels."""
+    problem, model, graph, plan = _bf16_plan(tmp_path)
+    assert any(_mixes(step) for step in plan.generated)
+    path = tmp_path / "gelu_mlp_bf16.py"
+    path.write_text(emit_modelnew(problem, plan, generate(plan), "GPU test"))
+    ns = runpy.run_path(str(path))
+    fused = ns["ModelNew"]().cuda()
+    fused.load_state_dict(model.state_dict())
+    reference = model.cuda()
+    torch.manual_seed(3)
+    x = torch.randn(8, 32, 64, device="cuda")
+    with torch.no_grad():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            expected = reference(x)
+        got = fused(x)
+    assert fused.kernelfuse_stats()["fused_calls"] == 1
+    assert got.dtype == expected.dtype == torch.float32
+    assert torch.allclose(got, expected, atol=1e-2, rtol=1e-2), (got - expected).abs().max().item()
+
+
+def _mixes(step: GenStep) -> bool:
+    return len({st.dtype for st in step.prologue.statements if st.dtype is not None}) > 1
