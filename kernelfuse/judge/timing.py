@@ -1,9 +1,10 @@
 """The timing phase inside the worker: candidate, eager and torch.compile alternating over a pool of input sets.
 
 Each requested torch.compile baseline (default mode, reduce-overhead, max-autotune-no-cudagraphs) is compiled first
-(its compile time measured), then every version gets warm-up calls, then rounds of
-timed calls with the order rotated each round. The candidate's timed calls are checked as they happen
-(judge.timedcheck: fresh inputs, plain outputs, device state, sampled comparison with the reference). Afterwards:
+(its compile time measured), then every version gets warm-up calls, then rounds of timed calls in a Williams order
+(bench.alternate: each version runs after every other equally often). The candidate's timed calls are checked as
+they happen (judge.timedcheck: fresh inputs, plain outputs, device state, sampled comparison with the reference).
+Afterwards:
 the host-time cross-check and the floor estimate; a runtime below `implausible_margin` x the floor is a verdict.
 """
 
