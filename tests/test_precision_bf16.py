@@ -14,10 +14,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernelfuse.capture import capture, capture_module
-from kernelfuse.cpucheck import check_plans, check_plans_on
+from kernelfuse.capture.trace import module_state
+from kernelfuse.cpucheck import _autocast_rule, check_plans, check_plans_on
 from kernelfuse.load import load_problem
 from kernelfuse.pipeline import OptimizeOptions, optimize_file
-from kernelfuse.plan import Epilogue, Program, plan_variants
+from kernelfuse.plan import Epilogue, Program, interpret, plan_variants, torch_calls_plan
 from kernelfuse.rewrite import rewrite
 from kernelfuse.verify.policy import get_policy
 
@@ -96,6 +97,28 @@ def test_cpu_check_of_a_wrong_plan_fails() -> None:
     assert wrong.steps != plan.steps, "the plan has no generated gelu to break"
     (check,) = check_plans_on(model, [wrong], [torch.randn(4, 16)])
     assert not check.ok and "mismatch" in check.note
+
+
+def test_cpu_check_applies_the_accuracy_rule_where_roundings_drift_apart() -> None:
+    """Past the bf16 tolerance, a plan passes when it is no less accurate than the captured ops against the model in
+    fp32 (in max and mean error, NaN where they have NaN): the ops' errors mirrored pass, amplified ones fail."""
+    model = Block().eval()
+    x = [torch.randn(4, 16)]
+    graph = rewrite(capture_module(model, x, autocast=torch.bfloat16))
+    plan = plan_variants(graph, "bf16")[0]
+    state = dict(module_state(model))
+    before = {k: v.clone() for k, v in state.items() if not isinstance(v, torch.nn.Parameter)}
+    with torch.no_grad():
+        ops = interpret(torch_calls_plan(graph), dict(state), x)
+        exact = model(*x)
+    mirrored = [2 * e - o for e, o in zip(exact, ops, strict=True)]  # as far from fp32 as the ops, other side
+    amplified = [o + 3 * (o - e) for e, o in zip(exact, ops, strict=True)]
+    with_nan = [t.clone() for t in mirrored]
+    with_nan[0][0, 0] = float("nan")
+    check = _autocast_rule("fused", model, plan, state, before, x, ops, mirrored)
+    assert check is not None and check.ok and "accuracy rule" in check.note
+    assert _autocast_rule("fused", model, plan, state, before, x, ops, amplified) is None
+    assert _autocast_rule("fused", model, plan, state, before, x, ops, with_nan) is None
 
 
 def test_optimize_on_the_cpu_writes_the_autocast_plan(tmp_path: Path) -> None:
