@@ -279,6 +279,23 @@ def test_neutral_scalars_negative(fn, x):
 
 
 @pytest.mark.parametrize("fn", [
+    lambda m, x: torch.softmax(torch.cat([x.new_zeros(0), x.t()], -2), -1),  # legacy 1-d empty: a KV cache's start
+    lambda m, x: torch.cat([x[:, :0], x * 2, x[:, 3:3]], 1).sigmoid(),  # size 0 along the dim
+    lambda m, x: torch.cat([x[:0], x, x.new_zeros(0), x + 1], 0),  # two operands stay: a smaller cat
+])
+def test_cat_without_empties(fn):
+    r = prove(fn, specials(4, 6), rule="cat_without_empties", rtol=0)
+    cats = [n for n in r.graph.nodes if n.op == "cat.default"]
+    assert all(len(n.args[0]) == 2 for n in cats) and len(cats) <= 1
+
+
+def test_cat_without_empties_keeps_a_promoting_empty():
+    """cat promotes over the empty operand too: float32 empty with a float16 tensor is float32, kept as traced."""
+    prove(lambda m, x: torch.cat([torch.zeros(0, dtype=torch.float64), x.half()], 0), signed(4, 6),
+          rule="cat_without_empties", fires=False)
+
+
+@pytest.mark.parametrize("fn", [
     lambda m, x: torch.sigmoid(x.t().t()),
     lambda m, x: torch.sigmoid(x.transpose(0, 1).transpose(1, 0)),
     lambda m, x: torch.sigmoid(x.unsqueeze(0).permute(1, 2, 0).permute(2, 0, 1)),

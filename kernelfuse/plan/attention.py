@@ -145,9 +145,27 @@ def _from_sdpa(graph: Graph, node: Node, kernel: str) -> AttnStep | str:
         mask, kind = AttnInput(mask_ref, meta), "keep" if meta.dtype == torch.bool else "add"
     scale = args.get("scale")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    inputs = [AttnInput(args[n], graph[args[n]].meta) for n in ("query", "key", "value")]
+    chain = {node.name}
+    refs = [_past_copies(graph, args[n], chain) for n in ("query", "key", "value")]
+    inputs = [AttnInput(ref, graph[ref].meta) for ref in refs]
     return _step(graph, kernel, inputs, mask, kind, bool(args.get("is_causal", False)), scale, False,
-                 (batch, heads, kv_heads, q.shape[-2], length, d), node, (node.name,), "sdpa")
+                 (batch, heads, kv_heads, q.shape[-2], length, d), node,
+                 (node.name, *sorted(chain - {node.name})), "sdpa")
+
+
+def _past_copies(graph: Graph, ref: Ref, chain: set[str]) -> Ref:
+    """An SDPA input read past the contiguous copies that only the attention reads (transformers' KV cache on a
+    first call: `cat` of an empty cache and the transposed keys, a copy once the empty operand is gone): the
+    kernel, or torch's SDPA, reads the strided source. The copies join `chain`."""
+    node = graph[ref]
+    while node.op == "clone.default" and node.meta is not None and _private(graph, node, chain) \
+            and node.keywords.get("memory_format", torch.contiguous_format) == torch.contiguous_format \
+            and isinstance(node.args[0], Ref) and graph[node.args[0]].meta is not None \
+            and graph[node.args[0]].meta.shape == node.meta.shape:
+        chain.add(node.name)
+        ref = node.args[0]
+        node = graph[ref]
+    return ref
 
 
 def _from_handwritten(graph: Graph, pv: Node, kernel: str) -> AttnStep | str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from kernelfuse.capture import Graph, Node, Ref
 from kernelfuse.rewrite.engine import Builder, Replacement, pure, scalar, single_use
 
@@ -35,6 +37,38 @@ def neutral_scalars(graph: Graph, node: Node) -> Replacement | None:
     if not isinstance(x, Ref) or scalar(c) != NEUTRAL[node.op] or graph[x].meta != node.meta:
         return None
     return Builder(graph, node).done(x, f"{node.op.split('.')[0]} by {c!r} is the identity")
+
+
+def cat_without_empties(graph: Graph, node: Node) -> Replacement | None:
+    """cat drops the operands that add nothing: size 0 along the dim, or ATen's legacy 1-d empty of shape (0,),
+    which cat skips whatever the dim (transformers' KV cache: an empty tensor concatenated with the first keys and
+    values in every layer). With one operand left the cat is a copy of it: a plain `clone` of a contiguous operand,
+    which drop_identities bypasses where nothing in the graph is mutated in place, else a contiguous one (cat's
+    output is contiguous: the copy stays, the empty tensor's making goes). Exact: the same values, only where the
+    result keeps the remaining operands' dtype (cat promotes over every operand, the empty ones included)."""
+    if node.op != "cat.default" or not node.args or not isinstance(node.args[0], (list, tuple)) or node.meta is None:
+        return None
+    tensors, rank = node.args[0], len(node.meta.shape)
+    dim = node.args[1] if len(node.args) > 1 else 0
+    if rank == 0 or not isinstance(dim, int) or not all(isinstance(t, Ref) and graph[t].meta for t in tensors):
+        return None
+    dim %= rank
+
+    def adds_nothing(t: Ref) -> bool:
+        shape = tuple(graph[t].meta.shape)
+        return shape == (0,) or (len(shape) == rank and shape[dim] == 0)
+
+    kept = [t for t in tensors if not adds_nothing(t)]
+    if not kept or len(kept) == len(tensors) or any(graph[t].meta.dtype != node.meta.dtype for t in kept):
+        return None
+    b = Builder(graph, node)
+    if len(kept) > 1:
+        out = b.add("cat.default", tuple(kept), dim)
+    elif graph[kept[0]].meta.stride == node.meta.stride:
+        out = b.add("clone.default", kept[0])
+    else:
+        out = b.add("clone.default", kept[0], ("kw", "memory_format", torch.contiguous_format))
+    return b.done(out, f"cat without its {len(tensors) - len(kept)} empty operand(s)")
 
 
 def _clamp_bounds(node: Node) -> tuple[float, float] | None:

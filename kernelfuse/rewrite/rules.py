@@ -17,7 +17,13 @@ import torch
 from kernelfuse.capture import Graph, Node, Ref
 from kernelfuse.errors import Fallback, KernelfuseError, one_line
 from kernelfuse.rewrite.anchors import conv_bias_to_epilogue, linear_bias_to_kernel
-from kernelfuse.rewrite.chains import collapse_clamps, common_subexpressions, double_views, neutral_scalars
+from kernelfuse.rewrite.chains import (
+    cat_without_empties,
+    collapse_clamps,
+    common_subexpressions,
+    double_views,
+    neutral_scalars,
+)
 from kernelfuse.rewrite.dropout import dropout_as_on_cuda
 from kernelfuse.rewrite.engine import Match, RuleFiring, drop_dead, rebuild, rewire, run_local
 from kernelfuse.rewrite.inplace import inplace_to_functional
@@ -144,6 +150,7 @@ RULES: tuple[Rule, ...] = (
     _local(vector_norm_as_reduction),
     _local(common_subexpressions),
     _local(neutral_scalars),
+    _local(cat_without_empties),
     _local(double_views),
     _local(collapse_clamps),
     _local(size1_reductions),
