@@ -115,5 +115,10 @@ class AsCuda:
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    def parameters(self):
-        return [AsCuda(p) for p in self._inner.parameters()]
+    @property
+    def _parameters(self):  # the guard walks the module tree through these two
+        return {k: AsCuda(p) for k, p in self._inner._parameters.items() if p is not None}
+
+    @property
+    def _modules(self):
+        return {k: AsCuda(m) for k, m in self._inner._modules.items() if m is not None}

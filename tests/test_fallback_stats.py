@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from optimizer_helpers import AsCuda
 
 from kernelfuse.capture import capture, capture_module
 from kernelfuse.emit.module import build_module
@@ -41,26 +42,6 @@ def _model(ns: dict) -> torch.nn.Module:
 
 def _fallback_warnings(caught: list[warnings.WarningMessage], ns: dict) -> list[str]:
     return [str(w.message) for w in caught if issubclass(w.category, ns["KernelfuseFallbackWarning"])]
-
-
-class AsCuda:
-    """A tensor or module seen as if it lived on a CUDA device; everything else is the real object's."""
-
-    is_cuda = True
-
-    def __init__(self, inner: object) -> None:
-        self._inner = inner
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._inner, name)
-
-    @property
-    def _parameters(self) -> dict[str, AsCuda]:  # the guard walks the module tree through these two
-        return {k: AsCuda(p) for k, p in self._inner._parameters.items() if p is not None}
-
-    @property
-    def _modules(self) -> dict[str, AsCuda]:
-        return {k: AsCuda(m) for k, m in self._inner._modules.items() if m is not None}
 
 
 def test_cpu_calls_are_counted_and_warned_once(tmp_path: Path) -> None:
