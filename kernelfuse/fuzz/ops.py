@@ -47,6 +47,8 @@ UNARY = (
     "F.relu6({a0})", "F.logsigmoid({a0})", "torch.square({a0})", "2.0 ** {a0}", "torch.nan_to_num({a0})",
     "{a0}.float()", "torch.clamp({a0}, min=-2.0)", "{a0} * 1e-3 + 60000.0",
     "({a0}.float() * 1.5).to({a0}.dtype)",  # in fp16/bf16: a cast each way inside one kernel
+    # a cat with an operand that adds nothing (a KV cache's first call): the rewrite cat_without_empties
+    "torch.cat([{a0}[:0], {a0}], 0)", "torch.cat([{a0}.new_zeros(0), {a0}], -1)",
 )
 # Step functions: in fp16/bf16 a one-ulp difference in their input (a norm's reduction order) moves the output by
 # a whole step, so a differential check cannot judge them there; the generator keeps them to fp32 models.
