@@ -151,6 +151,26 @@ def test_attention_becomes_one_step_proven_in_float64(name):
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10, equal_nan=True)
 
 
+def test_a_copy_protecting_keys_from_a_later_in_place_op_is_kept():
+    """The KV cache's copy, then the keys mutated in place: attention must read the copy, not the mutated keys."""
+    def fn(m, q, k, v):
+        kc, vc = (torch.cat([t.new_zeros(0), t.transpose(1, 2)], -2) for t in (k, v))
+        k.mul_(2.0)
+        return F.scaled_dot_product_attention(q, kc, vc, is_causal=True)
+
+    torch.manual_seed(0)
+    model = Fn(fn).double()
+    inputs = [_randn(1, 2, 67, 64).double(), _randn(1, 67, 2, 64).double(), _randn(1, 67, 2, 64).double()]
+    graph = rewrite(capture_module(model, [t.clone() for t in inputs]))
+    plan = make_plan(graph)
+    assert all(graph[n].op != "clone.default" for s in plan.attention for n in s.replaces)
+    with torch.no_grad():
+        expected = model(*[t.clone() for t in inputs])
+        got = interpret(plan, {**dict(model.named_parameters()), **dict(model.named_buffers())},
+                        [t.clone() for t in inputs])[0]
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
 def test_handwritten_absorbs_every_copy_around_attention():
     """minGPT's form: the three copies feeding the bmms and the copy after them are the kernel's strides."""
     _, _, graph, plan = _planned("handwritten_causal_d96")

@@ -156,8 +156,11 @@ def _from_sdpa(graph: Graph, node: Node, kernel: str) -> AttnStep | str:
 def _past_copies(graph: Graph, ref: Ref, chain: set[str]) -> Ref:
     """An SDPA input read past the contiguous copies that only the attention reads (transformers' KV cache on a
     first call: `cat` of an empty cache and the transposed keys, a copy once the empty operand is gone): the
-    kernel, or torch's SDPA, reads the strided source. The copies join `chain`."""
+    kernel, or torch's SDPA, reads the strided source. The copies join `chain`. Not where the graph mutates anything
+    in place: a copy may then be protecting the value it took (as in rewrite's drop_identities)."""
     node = graph[ref]
+    if any(n.op.split(".")[0].endswith("_") for n in graph.nodes):
+        return ref
     while node.op == "clone.default" and node.meta is not None and _private(graph, node, chain) \
             and node.keywords.get("memory_format", torch.contiguous_format) == torch.contiguous_format \
             and isinstance(node.args[0], Ref) and graph[node.args[0]].meta is not None \
