@@ -57,7 +57,7 @@ def test_every_version_runs_first_and_after_every_other_equally_often(n):
 
 def test_identical_versions_time_alike_when_the_previous_call_slows_the_next():
     """The host-cache effect of a heavy version (torch.compile's Python) on the call after it, simulated: a version
-    run after `heavy` takes 2 units, otherwise 1. Two identical versions must get the same median."""
+    run after `heavy` takes 2 units, otherwise 1. Two identical versions must get the same mean time."""
     previous: list[str] = ["heavy"]
     clock = {"t": 0.0}
 
