@@ -8,7 +8,7 @@ import torch
 
 from kernelfuse.capture import capture_module, module_state
 from kernelfuse.capture.signature import bind, forward_signature
-from kernelfuse.codegen import generate
+from kernelfuse.codegen import generate, generate_checked
 from kernelfuse.emit.modelnew import reserved_parameter
 from kernelfuse.emit.module import build_module
 from kernelfuse.errors import Fallback, Unsupported, one_line
@@ -45,7 +45,7 @@ def optimize(model: torch.nn.Module, example_inputs: list | tuple, precision: st
     call = graph.call_spec
     tensors = bind(model, inputs, "example inputs")[1]
     plans, fallbacks = plans_with_fallbacks(graph, lambda keep: plan_variants(graph, precision, keep=keep),
-                                            lambda plan: run_stage("codegen", generate, plan))
+                                            lambda plan: run_stage("codegen", generate_checked, plan))
     for fallback in (*rewritten.failed, *fallbacks):
         warnings.warn(f"kernelfuse: {fallback.describe()}", stacklevel=2)
     plans = [p for p in plans if p.launches_kernels]

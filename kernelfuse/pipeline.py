@@ -26,7 +26,7 @@ import torch
 
 from kernelfuse.bench.layout import LayoutTiming, measure_conv_layouts
 from kernelfuse.capture import Graph, build_model, capture, draws_random_numbers
-from kernelfuse.codegen import generate
+from kernelfuse.codegen import generate, generate_checked
 from kernelfuse.compilecheck import CompileCheck, check_files
 from kernelfuse.cpucheck import CpuCheck, check_plans
 from kernelfuse.emit import check_emittable, emit_modelnew, emit_reference
@@ -181,8 +181,8 @@ def _optimize(problem_path: str | Path, out_path: str | Path, options: OptimizeO
 
 def _render(problem: Problem, plan: Plan) -> None:
     """Generate and emit `plan` once, so a kernel that code generation or emission fails on is found before any
-    check (kernelfuse.fallback keeps its nodes as torch calls)."""
-    sources = run_stage("codegen", generate, plan)
+    check (kernelfuse.fallback keeps its nodes as torch calls); the binding is dry-run too (check_bindings)."""
+    sources = run_stage("codegen", generate_checked, plan)
     run_stage("emit", emit_modelnew, problem, plan, sources, "")
 
 

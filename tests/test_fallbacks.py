@@ -11,6 +11,7 @@ import torch
 from test_pipeline_choice import _run, _verdict
 
 import kernelfuse.codegen.cuda as cuda
+import kernelfuse.codegen.dryrun as dryrun
 import kernelfuse.pipeline as pipeline
 import kernelfuse.plan.schedule as schedule
 import kernelfuse.rewrite.rules as rules
@@ -108,6 +109,7 @@ def test_failure_with_nothing_to_blame_ships_the_original_ops(problem, capsys, m
         raise RuntimeError("generator broke")
 
     monkeypatch.setattr(pipeline, "generate", failing)
+    monkeypatch.setattr(dryrun, "generate", failing)  # the generator behind the render's dry run
     code, report, stdout, out = optimize(problem, capsys)
     assert code == 0
     assert report["shipped"] == "unfused"

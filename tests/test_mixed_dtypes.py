@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import runpy
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,9 +18,10 @@ import torch
 from optimizer_helpers import assert_interpreter_matches, pipeline, write_problem
 
 from kernelfuse.capture import capture
-from kernelfuse.codegen import generate
+from kernelfuse.codegen import BindingMismatch, check_bindings, dryrun, generate
 from kernelfuse.cpucheck import check_plans
 from kernelfuse.emit import emit_modelnew
+from kernelfuse.fallback import plans_with_fallbacks, run_stage
 from kernelfuse.load import load_problem
 from kernelfuse.pipeline import build_model
 from kernelfuse.plan import GenStep, plan_variants
@@ -38,8 +40,8 @@ def forward(self, x):
 """
 
 
-def _bf16_plan(tmp_path: Path):
-    path = write_problem(tmp_path, "gelu_mlp", GELU_MLP, "[torch.randn(8, 32, 64)]")
+def _bf16_plan(tmp_path: Path, body: str = GELU_MLP):
+    path = write_problem(tmp_path, "gelu_mlp", body, "[torch.randn(8, 32, 64)]")
     problem = load_problem(path)
     model = build_model(problem)
     graph = rewrite(capture(problem, model, autocast=torch.bfloat16))
@@ -92,6 +94,53 @@ def test_binding_checks_each_tensor_against_its_own_dtype(tmp_path):
     method = binding[binding.index(f"def {residual.kernel}(self"):]
     method = method[:method.index("return out")]
     assert "torch.float32)" in method and "torch.bfloat16)" in method, method
+
+
+# GPT-2's order: the bf16 Linear output first, the fp32 residual second (`attn_output + residual`)
+RESIDUAL_SECOND = GELU_MLP.replace("return x + self.proj(h)", "return self.proj(h) + x")
+
+
+def test_a_bf16_source_plus_an_fp32_residual_allocates_fp32(tmp_path):
+    # The binding allocated out from its source's dtype: bf16 here, for a kernel that writes fp32, so on the GPU
+    # the kernel wrote past the buffer's end (GPT-2's bf16 file failed its next kernel's dtype check)
+    _, _, graph, plan = _bf16_plan(tmp_path, RESIDUAL_SECOND)
+    residual = next(s for s in plan.generated if s.out == graph[graph.outputs[0]].name)
+    assert residual.source.meta.dtype == torch.bfloat16 and residual.out_meta.dtype == torch.float32
+    sources = generate(plan)
+    method = sources.binding[sources.binding.index(f"def {residual.kernel}(self"):]
+    assert "new_empty((8, 32, 64), dtype=torch.float32)" in method[:method.index("return out")], method
+    check_bindings(plan, sources)  # every kernel's method, dry-run on meta tensors
+
+
+def test_the_binding_dry_run_catches_an_output_of_the_wrong_dtype(tmp_path):
+    _, _, graph, plan = _bf16_plan(tmp_path, RESIDUAL_SECOND)
+    sources = generate(plan)
+    broken = replace(sources, binding=sources.binding.replace(", dtype=torch.float32)", ")"))
+    assert broken.binding != sources.binding
+    with pytest.raises(BindingMismatch, match="allocates torch.bfloat16 .* writes torch.float32"):
+        check_bindings(plan, broken)
+
+
+def test_a_failed_binding_dry_run_keeps_that_kernel_as_torch_calls(tmp_path, monkeypatch):
+    # kernelfuse.fallback: the kernel whose binding fails is given up, the rest of the plan stays fused
+    path = write_problem(tmp_path, "gelu_mlp", RESIDUAL_SECOND, "[torch.randn(8, 32, 64)]")
+    graph = rewrite(capture(load_problem(path), autocast=torch.bfloat16))
+    real = dryrun.check_bindings
+    first = plan_variants(graph, "bf16")[0]
+    blamed = next(s for s in first.generated if s.out == graph[graph.outputs[0]].name)
+
+    def failing(plan, sources):
+        for step in plan.generated:
+            if step.out == blamed.out:
+                raise BindingMismatch(f"{step.kernel}: injected")
+        real(plan, sources)
+
+    monkeypatch.setattr(dryrun, "check_bindings", failing)
+    plans, fallbacks = plans_with_fallbacks(graph, lambda keep: plan_variants(graph, "bf16", keep=keep),
+                                            lambda plan: run_stage("codegen", dryrun.generate_checked, plan))
+    assert fallbacks and "injected" in fallbacks[0].describe()
+    assert plans and all(blamed.out not in s.replaces for p in plans for s in p.generated)
+    assert any(p.generated for p in plans)
 
 
 CASTS = """
@@ -162,10 +211,12 @@ def test_the_vector_path_packs_16_bytes_of_the_wider_type(tmp_path):
 
 
 @pytest.mark.gpu
-def test_mixed_dtype_kernels_match_eager_under_autocast_on_the_gpu(tmp_path):
+@pytest.mark.parametrize("body", [GELU_MLP, RESIDUAL_SECOND], ids=["residual_first", "residual_second"])
+def test_mixed_dtype_kernels_match_eager_under_autocast_on_the_gpu(tmp_path, body):
     """The GELU MLP's bf16 plan run as an emitted file on the GPU: its bf16-in, bf16-out GELU kernel (fp32 pow and
-    tanh inside) and its fp32 + bf16 residual kernel give eager-under-autocast's result, through the kernels."""
-    problem, model, graph, plan = _bf16_plan(tmp_path)
+    tanh inside) and its fp32 + bf16 residual kernel (either operand its source) give eager-under-autocast's
+    result, through the kernels."""
+    problem, model, graph, plan = _bf16_plan(tmp_path, body)
     assert any(_mixes(step) for step in plan.generated)
     path = tmp_path / "gelu_mlp_bf16.py"
     path.write_text(emit_modelnew(problem, plan, generate(plan), "GPU test"))

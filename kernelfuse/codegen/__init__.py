@@ -2,5 +2,7 @@
 
 from kernelfuse.codegen.common import offset_expr
 from kernelfuse.codegen.cuda import CodegenOptions, CudaSources, generate
+from kernelfuse.codegen.dryrun import BindingMismatch, check_bindings, generate_checked
 
-__all__ = ["CodegenOptions", "CudaSources", "generate", "offset_expr"]
+__all__ = ["BindingMismatch", "CodegenOptions", "CudaSources", "check_bindings", "generate", "generate_checked",
+           "offset_expr"]

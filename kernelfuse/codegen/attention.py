@@ -93,7 +93,8 @@ def _binding(plan: Plan, step: AttnStep) -> Binding:
         meta = inp.meta
         lines.append(f'    _check({name}, "{k} {name} (%{inp.ref.name})", {py_tuple(meta.shape)}, '
                      f"{py_tuple(meta.stride)}, {meta.dtype})")
-    lines.append(f"    out = q.new_empty_strided({py_tuple(step.out_meta.shape)}, {py_tuple(step.out_meta.stride)})")
+    lines.append(f"    out = q.new_empty_strided({py_tuple(step.out_meta.shape)}, {py_tuple(step.out_meta.stride)}, "
+                 f"dtype={step.out_meta.dtype})")
     ptrs = ", ".join(f"{n}.data_ptr()" for n in [*names, "out"])
     lines.append(f'    self._launch(self._{k}, "{k}", q, {ptrs})')
     lines.append("    return out")

@@ -165,7 +165,6 @@ def _binding(plan: Plan, step: GenStep) -> Binding:
     args = tensor_args(step)
     metas = {name: plan.graph[ref].meta for name, ref in args}  # type: ignore[index]
     metas["src"] = step.source.meta  # the layout the kernel reads (a channels-last convolution's, say)
-    dtype = value_dtype(step)  # of the tensors it reads; an argmax's output is int64
     lines = [f"# {k}: {step.chain(plan.graph)}",
              f"def {k}(self, {', '.join(name for name, _ in args)}):"]
     for name, ref in args:
@@ -173,7 +172,9 @@ def _binding(plan: Plan, step: GenStep) -> Binding:
         lines.append(f'    _check({name}, "{k} {name} (%{ref.name})", {py_tuple(meta.shape)}, {py_tuple(meta.stride)}, '  # type: ignore[attr-defined]
                      f"{tensor_dtype(step, name)})")  # the type its pointer has in the kernel
     strides = step.permuted_out
-    of_dtype = "" if step.out_meta.dtype == dtype else f", dtype={step.out_meta.dtype}"
+    # out is allocated from src: its dtype is named wherever src's differs (an argmax's int64; a pointwise kernel
+    # adding an fp32 residual to a bf16 source writes fp32)
+    of_dtype = "" if step.out_meta.dtype == tensor_dtype(step, "src") else f", dtype={step.out_meta.dtype}"
     if strides:  # eager's permuted layout, which later views and kernels were captured against
         lines.append(f"    out = src.new_empty_strided({py_tuple(step.out_meta.shape)}, {py_tuple(strides)}{of_dtype})")
     else:

@@ -24,7 +24,7 @@ import torch
 
 from kernelfuse.bench.layout import measure_conv_layouts
 from kernelfuse.capture import Graph, build_model, capture
-from kernelfuse.codegen import generate
+from kernelfuse.codegen import generate_checked
 from kernelfuse.cpucheck import DEFAULT_TOLERANCE, TOLERANCE, CpuCheck, check_plans_on
 from kernelfuse.emit import emit_modelnew
 from kernelfuse.errors import KernelfuseError
@@ -150,7 +150,7 @@ def _plan_variants(graph: Graph, measure_layouts: bool) -> list[Plan]:
 
 
 def _emit(problem: Problem, plan: Plan) -> tuple[str, str | None]:
-    sources = generate(plan)
+    sources = generate_checked(plan)
     text = emit_modelnew(problem, plan, sources, f"kernelfuse fuzz: variant {plan.variant}")
     return text, None if sources is None else sources.cuda
 
