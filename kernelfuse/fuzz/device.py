@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kernelfuse.fuzz.run import load_emitted
+from kernelfuse.fuzz.run import load_emitted, loosest_tolerance
 from kernelfuse.fuzz.worker import Worker
 from kernelfuse.load import DEFAULT_SEED, load_problem
 from kernelfuse.verify.compare import compare_outputs
@@ -127,8 +127,7 @@ def gpu_check(problem_path: Path, emitted_path: Path) -> str:
         torch.cuda.synchronize()
     except Exception as err:  # noqa: BLE001 - the emitted file does not build or run on the GPU
         return f"the emitted file raised on the GPU: {type(err).__name__}: {str(err).strip()[:300]}"
-    dtype = next((t.dtype for t in _leaves(expected)), torch.float32)
-    tol = TOLERANCE.get(dtype, STRICT)
+    tol = loosest_tolerance([*problem.make_inputs(1, "cuda"), expected], TOLERANCE, STRICT)
     verdict = compare_outputs(expected, got, tol, tol)
     if verdict.ok:
         return ""
@@ -139,9 +138,3 @@ def gpu_check(problem_path: Path, emitted_path: Path) -> str:
     rule = check_float64(got, expected, expected, ref64)
     path = "fused" if declined is None else f"original ops (the fused path's guard declined: {declined[1]})"
     return "" if rule.ok else f"{path}: {verdict.reason}; {rule.reason}"
-
-
-def _leaves(out: object) -> list[torch.Tensor]:
-    if isinstance(out, (tuple, list)):
-        return [t for o in out for t in _leaves(o)]
-    return [out] if isinstance(out, torch.Tensor) and out.is_floating_point() else []

@@ -47,6 +47,9 @@ UNARY = (
     "F.relu6({a0})", "F.logsigmoid({a0})", "torch.square({a0})", "2.0 ** {a0}", "torch.nan_to_num({a0})",
     "{a0}.float()", "torch.clamp({a0}, min=-2.0)", "{a0} * 1e-3 + 60000.0",
     "({a0}.float() * 1.5).to({a0}.dtype)",  # in fp16/bf16: a cast each way inside one kernel
+    # in fp16/bf16: a half-precision source meeting an fp32 operand, written as fp32 (GPT-2's residual under
+    # autocast), in either order
+    "{a0} + {a0}.float() * 0.5", "{a0}.float() - {a0}",
     # a cat with an operand that adds nothing (a KV cache's first call): the rewrite cat_without_empties
     "torch.cat([{a0}[:0], {a0}], 0)", "torch.cat([{a0}.new_zeros(0), {a0}], -1)",
 )
