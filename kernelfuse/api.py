@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
@@ -15,6 +16,7 @@ from kernelfuse.errors import Fallback, Unsupported, one_line
 from kernelfuse.fallback import plans_with_fallbacks, run_stage
 from kernelfuse.plan import interpret, plan_variants
 from kernelfuse.rewrite import apply_rules
+from kernelfuse.verify.float64 import no_less_accurate
 from kernelfuse.verify.policy import get_policy
 
 
@@ -28,12 +30,12 @@ def optimize(model: torch.nn.Module, example_inputs: list | tuple, precision: st
     arguments, as for a problem's get_inputs() (tensors, numbers, None, tuples, lists and dicts of tensors).
     """
     inputs = list(example_inputs)
-    tol = get_policy(precision).atol
+    policy = get_policy(precision)
     try:
         clash = reserved_parameter(list(forward_signature(model).parameters))
         if clash:
             raise Unsupported(Fallback("capture", f"{type(model).__name__}.forward", clash))
-        rewritten = apply_rules(capture_module(model, inputs))
+        rewritten = apply_rules(capture_module(model, inputs, autocast=policy.autocast))
     except Unsupported as why:
         warnings.warn(f"kernelfuse: {why}; returning the model unchanged", stacklevel=2)
         return model
@@ -58,21 +60,46 @@ def optimize(model: torch.nn.Module, example_inputs: list | tuple, precision: st
         return model
     state = dict(module_state(model))  # parameters, buffers and plain tensor attributes, as captured
     with torch.no_grad():
-        expected = call.run(model, tensors)
+        with _autocast(policy.autocast):
+            expected = call.run(model, tensors)
+        # under bf16 the plan carries autocast's casts: it runs with autocast off, and its accuracy is measured
+        # against the model in fp32 where roundings drift apart past the tolerance (the CPU check's rule)
+        with _autocast(False):
+            fp32 = call.run(model, tensors) if policy.autocast is not None else [None] * len(expected)
         for plan in plans:
-            interpreted = interpret(plan, state, tensors)
-            try:
-                fused = build_module(model, plan, generate(plan))
-            except Exception as err:  # noqa: BLE001 - a build failure means: keep the original model
-                warnings.warn(f"kernelfuse: building {plan.variant} failed ({type(err).__name__}: {err})",
-                              stacklevel=2)
-                continue
-            got = call.output.tensors(fused(*inputs))
-            if all(_close(e, i, tol) and _close(e, g, tol) for e, i, g in zip(expected, interpreted, got, strict=True)):
+            with _autocast(None if policy.autocast is None else False):
+                interpreted = interpret(plan, state, tensors)
+                try:
+                    fused = build_module(model, plan, generate(plan))
+                except Exception as err:  # noqa: BLE001 - a build failure means: keep the original model
+                    warnings.warn(f"kernelfuse: building {plan.variant} failed ({type(err).__name__}: {err})",
+                                  stacklevel=2)
+                    continue
+                got = call.output.tensors(fused(*inputs))
+            if all(_matches(e, i, policy.atol, r) and _matches(e, g, policy.atol, r)
+                   for e, i, g, r in zip(expected, interpreted, got, fp32, strict=True)):
                 return fused
     warnings.warn("kernelfuse: no fused plan matched the model on the example inputs; returning it unchanged",
                   stacklevel=2)
     return model
+
+
+def _autocast(dtype: torch.dtype | bool | None) -> contextlib.AbstractContextManager:
+    """CUDA autocast to `dtype`; False: autocast off (a plan that carries its casts); None: as the caller has it."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    if dtype is False:
+        return torch.autocast("cuda", enabled=False)
+    return torch.autocast("cuda", dtype=dtype)
+
+
+def _matches(expected: object, got: object, tol: float, fp32: object) -> bool:
+    """Within `tol` of the model's output, or (under autocast, `fp32` being the model's output without it) no
+    less accurate than autocast's own result against that."""
+    if _close(expected, got, tol):
+        return True
+    return fp32 is not None and isinstance(got, torch.Tensor) and isinstance(expected, torch.Tensor) \
+        and got.shape == expected.shape and got.dtype == expected.dtype and no_less_accurate(got, expected, fp32)
 
 
 def _close(a: object, b: object, tol: float) -> bool:

@@ -106,3 +106,36 @@ def test_in_process_module_without_kernels_guards_and_falls_back_on_cpu() -> Non
     fused = build_module(model, plan, None)
     with torch.no_grad():
         torch.testing.assert_close(fused(x), model(x), atol=0, rtol=0)
+
+
+def test_bf16_captures_under_autocast_before_it_needs_a_gpu(monkeypatch) -> None:
+    # the plan's graph is autocast's (its casts part of it): seen through the plans the API builds on the CPU
+    import kernelfuse.api as api
+
+    graphs = []
+    real = api.plan_variants
+    monkeypatch.setattr(api, "plan_variants", lambda graph, *a, **k: graphs.append(graph) or real(graph, *a, **k))
+    with pytest.warns(UserWarning, match="not on a CUDA device"):
+        kernelfuse.optimize(LinearGeluScale(), [torch.randn(8, 64)], precision="bf16")
+    assert graphs and graphs[0].autocast == torch.bfloat16
+    assert any(n.op == "_to_copy.default" for n in graphs[0].nodes)
+
+
+@pytest.mark.gpu
+def test_gpu_module_under_bf16_runs_autocasts_numerics_and_falls_back_under_autocast() -> None:
+    torch.manual_seed(0)
+    model = LinearGeluScale().cuda()
+    x = torch.randn(32, 64, device="cuda")
+    fused = kernelfuse.optimize(model, [x], precision="bf16")
+    assert fused is not model
+    with torch.no_grad():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            expected = model(x)
+        got = fused(x)  # no autocast needed: the plan carries its casts
+        assert got.dtype == expected.dtype
+        torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
+        assert fused.kernelfuse_stats()["fused_calls"] >= 2
+        with pytest.warns(UserWarning, match="the kernels were built for"):  # another batch: the original ops,
+            other = fused(x[:16])  # run under the autocast the plan was captured under
+        assert other.dtype == expected.dtype
+        torch.testing.assert_close(other, expected[:16], atol=1e-2, rtol=1e-2)

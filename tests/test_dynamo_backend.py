@@ -76,3 +76,52 @@ def test_a_lazy_graph_module_is_captured_with_its_real_parameters():
     torch.compile(LinearReLU(), backend=backend)(torch.randn(4, 16))
     (call,) = seen
     assert call.plain and [p.name for p in call.params][-1] == "L_x_"
+
+
+@pytest.fixture
+def ambient_autocast():
+    """CUDA autocast switched on as `torch.autocast("cuda")` would (which turns itself off without a GPU)."""
+    enabled, dtype = torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda")
+
+    def switch(to: torch.dtype) -> None:
+        torch.set_autocast_enabled("cuda", True)
+        torch.set_autocast_dtype("cuda", to)
+
+    yield switch
+    torch.set_autocast_enabled("cuda", enabled)
+    torch.set_autocast_dtype("cuda", dtype)
+
+
+def test_inside_bf16_autocast_the_backend_fuses_under_the_bf16_policy(ambient_autocast, monkeypatch):
+    import kernelfuse.dynamo as dynamo
+
+    asked = []
+    monkeypatch.setattr(dynamo, "optimize", lambda gm, inputs, precision: asked.append(precision) or gm)
+    gm = torch.fx.symbolic_trace(LinearReLU())
+    kernelfuse_backend(gm, [torch.randn(4, 16)])
+    ambient_autocast(torch.bfloat16)
+    kernelfuse_backend(gm, [torch.randn(4, 16)])
+    kernelfuse_backend(gm, [torch.randn(4, 16)], {"precision": "bf16"})
+    assert asked == ["strict", "bf16", "bf16"]
+    # fp16 autocast has no policy; strict asked for inside bf16 autocast contradicts it: the graph as captured
+    with pytest.warns(UserWarning, match="precision 'strict' was asked for inside CUDA autocast"):
+        assert kernelfuse_backend(gm, [torch.randn(4, 16)], {"precision": "strict"}) == gm.forward
+    ambient_autocast(torch.float16)
+    with pytest.warns(UserWarning, match="autocast to torch.float16 has no kernelfuse policy"):
+        assert kernelfuse_backend(gm, [torch.randn(4, 16)]) == gm.forward
+    assert len(asked) == 3
+
+
+@pytest.mark.gpu
+def test_backend_inside_bf16_autocast_returns_kernels_with_autocast_numerics():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(0)
+    model = LinearReLU().cuda()
+    x = torch.randn(64, 16, device="cuda")
+    torch._dynamo.reset()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        expected = model(x)
+        got = torch.compile(model, backend=kernelfuse_backend)(x)
+    assert got.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)

@@ -38,7 +38,10 @@ class FusedModule(torch.nn.Module):
         self.training = inner.training  # the wrapper is in the mode of the model it wraps (the guard checks both)
 
     def _reference_forward(self, *args, **kwargs):
-        return self.inner(*args, **kwargs)
+        if AUTOCAST is None:
+            return self.inner(*args, **kwargs)
+        with torch.autocast("cuda", dtype=AUTOCAST):  # the model as it was captured: under CUDA autocast
+            return self.inner(*args, **kwargs)
 
 {forward}
 '''
@@ -46,13 +49,15 @@ class FusedModule(torch.nn.Module):
 
 def build_module(model: torch.nn.Module, plan: Plan, sources: CudaSources | None) -> torch.nn.Module:
     """A module whose forward runs `plan` (its kernels built now), falling back to `model` like a ModelNew; its
-    forward takes the arguments `model.forward` takes, with the same defaults."""
+    forward takes the arguments `model.forward` takes, with the same defaults. A plan captured under CUDA
+    autocast carries autocast's casts itself; its fallback runs `model` under the same autocast."""
     call = plan.graph.call_spec
     header, defaults = _header(model)
     text = call_text(call, header)
     namespace = _namespace(INPUT_SPECS=input_specs(plan, text), CAPTURED_TRAINING=plan.graph.training,
                            CAPTURED_MODES=captured_modes(plan, wrapper=model.training),
-                           _DEFAULTS=defaults, **{c.__qualname__: c for c in output_classes(call.output)})
+                           _DEFAULTS=defaults, AUTOCAST=plan.graph.autocast,
+                           **{c.__qualname__: c for c in output_classes(call.output)})
     if sources is not None:
         namespace.update(NAME=type(model).__name__.lower(), CUDA_SRC=sources.cuda)
     exec(compile(runtime_text(plan, sources), "<kernelfuse runtime>", "exec"), namespace)  # noqa: S102 - our own generated code
