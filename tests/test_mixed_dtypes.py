@@ -143,6 +143,72 @@ def test_a_failed_binding_dry_run_keeps_that_kernel_as_torch_calls(tmp_path, mon
     assert any(p.generated for p in plans)
 
 
+CONV_BN_RELU = """
+def __init__(self):
+    super().__init__()
+    self.conv = nn.Conv2d(8, 16, 3, padding=1)
+    self.bn = nn.BatchNorm2d(16)
+    with torch.no_grad():
+        self.bn.running_mean.uniform_(-0.5, 0.5)
+        self.bn.running_var.uniform_(0.5, 2.0)
+        self.bn.weight.uniform_(0.5, 1.5)
+        self.bn.bias.uniform_(-0.5, 0.5)
+
+def forward(self, x):
+    h = self.conv(x)  # bf16 under autocast: a residual of the norm's own dtype joins its kernel
+    return torch.relu(self.bn(h) + h)
+"""
+
+
+def _conv_bn_plan(tmp_path: Path, training: bool = False):
+    path = write_problem(tmp_path, "conv_bn_relu", CONV_BN_RELU, "[torch.randn(2, 8, 12, 12)]")
+    problem = load_problem(path)
+    model = build_model(problem).train(training)
+    graph = rewrite(capture(problem, model, autocast=torch.bfloat16))
+    return problem, model, graph, plan_variants(graph, "bf16")[0]
+
+
+def test_eval_batch_norm_under_autocast_reads_fp32_parameters_from_a_bf16_source(tmp_path):
+    # autocast's capture gives `_native_batch_norm_legit_no_training` (bf16 input, fp32 weight, bias and running
+    # statistics); it was left a torch call ("no kernel yet"), and ResNet-50 under bf16 kept 53 of them
+    problem, model, graph, plan = _conv_bn_plan(tmp_path)
+    (bn,) = [s for s in plan.generated if s.spec is not None and s.spec.kind == "affine_norm"]
+    assert bn.spec.param_dtype == torch.float32 and bn.source.meta.dtype == torch.bfloat16
+    assert [st.aten.split(".")[0] for st in bn.epilogue.statements] == ["add", "relu"]
+    assert not any("batch_norm" in line for line in plan.summary().splitlines() if "unfused" in line)
+    sources = generate(plan)
+    signature = sources.cuda[sources.cuda.index(f"{bn.kernel}_kernel("):].split(")", 1)[0]
+    assert "const __nv_bfloat16* __restrict__ src" in signature and "const float* __restrict__ weight" in signature
+    assert "float* __restrict__ run_var" in signature and "__nv_bfloat16* __restrict__ out" in signature
+    check_bindings(plan, sources)  # the binding checks the parameters as fp32, allocates bf16
+    (check,) = check_plans(problem, model, graph, [plan])
+    assert check.ok, check
+
+
+def test_training_batch_norm_under_autocast_stays_a_torch_call(tmp_path):
+    # training mode updates fp32 running statistics from bf16 batch statistics: not built (one dtype there)
+    _, _, _, plan = _conv_bn_plan(tmp_path, training=True)
+    assert not any(s.spec is not None and s.spec.kind in ("norm", "affine_norm") for s in plan.generated)
+
+
+@pytest.mark.gpu
+def test_eval_batch_norm_under_autocast_matches_eager_on_the_gpu(tmp_path):
+    problem, model, graph, plan = _conv_bn_plan(tmp_path)
+    path = tmp_path / "conv_bn_relu_bf16.py"
+    path.write_text(emit_modelnew(problem, plan, generate(plan), "GPU test"))
+    fused = runpy.run_path(str(path))["ModelNew"]().cuda().eval()
+    fused.load_state_dict(model.state_dict())
+    reference = model.cuda()
+    x = torch.randn(2, 8, 12, 12, device="cuda")
+    with torch.no_grad():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            expected = reference(x)
+        got = fused(x)
+    assert fused.kernelfuse_stats()["fused_calls"] == 1
+    assert got.dtype == expected.dtype == torch.bfloat16
+    assert torch.allclose(got.float(), expected.float(), atol=1e-2, rtol=1e-2), (got - expected).abs().max().item()
+
+
 CASTS = """
 def forward(self, x):
     y = (x.half() * 3.0).float() + x

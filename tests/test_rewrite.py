@@ -239,3 +239,23 @@ def test_rewrite_work_grows_with_firings_not_graph_size_times_firings(tmp_path, 
     ops = [n.op for n in result.graph.nodes]
     assert ops.count("tanh.default") == 60 and ops.count("add.Tensor") == 60 and ops.count("mul.Tensor") == 60
     assert copies <= 6 * firings, copies  # whole-graph copies would be ~120 x 300 node copies
+
+
+@pytest.mark.parametrize(("body", "kept"), [
+    ("    torch.empty_like(y)\n    return y * 2.0", False),  # nothing reads it: no effect, dropped
+    ("    buf = torch.empty_like(y)\n    buf.copy_(y)\n    return buf * 2.0", True),  # written, then read
+])
+def test_an_allocation_nothing_reads_is_dropped(tmp_path, body, kept):
+    # batch norm's reserve buffer: under autocast an `empty` per norm stayed in the forward, a call each
+    from kernelfuse.rewrite import apply_rules
+
+    problem, graph = _graph(tmp_path, body)
+    assert any(op.startswith("empty") for op in _ops(graph))
+    out = apply_rules(graph).graph
+    assert any(op.startswith("empty") for op in _ops(out)) == kept, _ops(out)
+    plan = make_plan(out)
+    x = problem.make_inputs(0)
+    model = problem.make_model()
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    with torch.no_grad():
+        assert torch.equal(interpret(plan, state, x)[0], model(*x))

@@ -147,16 +147,22 @@ def epilogue_lines(step: GenStep, index: str, ind: str) -> list[str]:
     return program_lines(step.epilogue, "y", offsets, "e_", ind, C_TYPES.get(step.out_meta.dtype, "float"))
 
 
+AFFINE_TENSORS = ("weight", "bias", "run_mean", "run_var")
+
+
 def tensor_dtype(step: GenStep, name: str) -> torch.dtype:
     """The dtype the kernel reads tensor `name` of tensor_args as: an operand's own (a bool mask read as 1.0f or
-    0.0f; another float dtype in a pointwise kernel that mixes them), the source's in a pointwise kernel, else
-    the kernel's (value_dtype). The binding checks each tensor against it."""
+    0.0f; another float dtype in a pointwise kernel that mixes them), the source's in a pointwise kernel, an
+    affine parameter's own where the spec says (param_dtype), else the kernel's (value_dtype). The binding checks
+    each tensor against it."""
     programs = {"in": step.prologue, "ep": step.epilogue, "m": step.mapped}
     for prefix, program in programs.items():
         if program is not None and name.startswith(prefix) and name[len(prefix):].isdigit():
             return program.operands[int(name[len(prefix):])].meta.dtype
     if name == "src" and step.spec is None:
         return step.source.meta.dtype
+    if name in AFFINE_TENSORS and getattr(step.spec, "param_dtype", None) is not None:
+        return step.spec.param_dtype  # type: ignore[union-attr]
     return value_dtype(step)
 
 
@@ -184,11 +190,11 @@ def pointer_params(step: GenStep, ctype: str) -> str:
     spec = step.spec
     if spec is not None:
         if spec.weight is not None:  # type: ignore[attr-defined]
-            params.append(f"const {ctype}* __restrict__ weight")
+            params.append(f"const {operand_ctype(step, 'weight')}* __restrict__ weight")
         if spec.bias is not None:  # type: ignore[attr-defined]
-            params.append(f"const {ctype}* __restrict__ bias")
+            params.append(f"const {operand_ctype(step, 'bias')}* __restrict__ bias")
         if spec.running is not None:  # type: ignore[attr-defined]
-            params += [f"{ctype}* __restrict__ run_mean", f"{ctype}* __restrict__ run_var"]
+            params += [f"{operand_ctype(step, n)}* __restrict__ {n}" for n in ("run_mean", "run_var")]
     params += [f"const {operand_ctype(step, f'ep{i}')}* __restrict__ e_in{i}_p"
                for i in range(len(step.epilogue.operands))]
     if step.mapped is not None:

@@ -24,6 +24,8 @@ import torch
 
 from kernelfuse.capture import Graph, Node, Ref
 
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
 BROADCAST_KINDS = frozenset({"softmax", "log_softmax", "norm", "affine_norm"})
 # kinds whose value is an int64 index into the row, not a float: nothing pointwise fuses behind them
 INDEX_KINDS = frozenset({"argmax", "argmin"})
@@ -69,6 +71,9 @@ class ReduceSpec:
     exclusive: bool = False
     result: str | None = None  # the node carrying the value where it is not the op's own (the cat, the flip back)
     absorbs: tuple[str, ...] = ()  # further nodes the kernel computes (the cat's zeros, the flips)
+    # the dtype of the affine parameters and running statistics where it is not the source's (an eval-mode batch
+    # norm under autocast: bf16 input, fp32 parameters); None: the source's
+    param_dtype: torch.dtype | None = None
 
     @property
     def broadcast(self) -> bool:
@@ -236,27 +241,37 @@ def _batch_norm(graph: Graph, node: Node) -> ReduceSpec | str:
     ref, shape, _ = src
     if len(shape) < 2 or not graph[ref].meta.is_contiguous:
         return "batch norm over a non-contiguous or 1-d input"
-    x, w, b, rm, rv, training, momentum, eps = node.args[:8]
+    if node.op == "_native_batch_norm_legit_no_training.default":  # the eval-mode form autocast's capture gives
+        x, w, b, rm, rv, momentum, eps = node.args[:7]
+        training = False
+    else:
+        x, w, b, rm, rv, training, momentum, eps = node.args[:8]
     n, c = shape[0], shape[1]
     hw = _prod(shape[2:])
     space, strides = (n, c, hw), (c * hw, hw, 1)
     dtype = graph[ref].meta.dtype
-    weight = _affine(graph, w, (0, 1, 0), dtype)
-    bias = _affine(graph, b, (0, 1, 0), dtype)
+    # eval mode under autocast: a half-precision input with fp32 parameters and statistics, computed in fp32 as
+    # ATen and cuDNN do; each parameter is read in its own type
+    params = dtype
+    if not training and dtype in HALF_DTYPES:
+        first = next((a for a in (rm, w, b) if isinstance(a, Ref)), None)
+        params = torch.float32 if first is not None and graph[first].meta.dtype == torch.float32 else dtype
+    weight = _affine(graph, w, (0, 1, 0), params)
+    bias = _affine(graph, b, (0, 1, 0), params)
     if isinstance(weight, str) or isinstance(bias, str):
         return weight if isinstance(weight, str) else bias  # type: ignore[return-value]
     running = None
     if rm is not None or rv is not None:
         if not (isinstance(rm, Ref) and isinstance(rv, Ref)):
             return "only one running statistic given"
-        if any(graph[r].meta.dtype != dtype for r in (rm, rv)):
+        if any(graph[r].meta.dtype != (dtype if training else params) for r in (rm, rv)):
             return "running statistics of another dtype"
         running = (rm, rv)
     if not training:
         if running is None:
             return "eval-mode batch norm without running statistics"
         return ReduceSpec("affine_norm", ref, space, (), strides, weight, bias, running, eps=float(eps),
-                          out_index=0)
+                          out_index=0, param_dtype=params if params != dtype else None)
     return ReduceSpec("norm", ref, space, (0, 2), strides, weight, bias, running, eps=float(eps),
                       momentum=float(momentum), out_index=0)
 
@@ -337,6 +352,7 @@ REDUCTION_OPS: tuple[ReductionOp, ...] = (
     ReductionOp("native_layer_norm.default", "norm", _layer_norm),
     ReductionOp("native_group_norm.default", "norm", _group_norm),
     ReductionOp("native_batch_norm.default", "norm", _batch_norm),
+    ReductionOp("_native_batch_norm_legit_no_training.default", "norm", _batch_norm),
     ReductionOp("max_pool1d_with_indices.default", "max_pool", _pool("max_pool", 1)),
     ReductionOp("max_pool2d_with_indices.default", "max_pool", _pool("max_pool", 2)),
     ReductionOp("max_pool3d_with_indices.default", "max_pool", _pool("max_pool", 3)),

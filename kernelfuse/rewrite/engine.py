@@ -23,6 +23,7 @@ from kernelfuse.plan.interpret import call_aten
 # Ops that must not be merged or dropped although their schema says no argument is written: uninitialised
 # values, and batch norm, which updates its running statistics in training mode.
 IMPURE_MARKERS = ("empty", "batch_norm")
+ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 # Values that share storage with an input, a parameter or another value: an output must not become one of them.
 ALIASING_OPS = VIEW_OPS | {"input", "param", "buffer"}
 MAX_FIRINGS = 1000  # per rule and graph: every rule shrinks the work, this only guards against a rule that loops
@@ -150,9 +151,16 @@ def splice(graph: Graph, node: Node, rep: Replacement) -> Graph:
 
 def drop_dead(graph: Graph) -> Graph:
     """The graph without the pure nodes no output or impure node depends on (a pool's unused indices, squeezed:
-    a reader that is itself dead must not keep them alive)."""
+    a reader that is itself dead must not keep them alive), and without the allocations nothing reads (batch
+    norm's reserve buffer under autocast: an `empty` per norm, left in the forward once the norm is a kernel)."""
     live = _live(graph)
-    return rebuild(graph, [n for n in graph.nodes if n.name in live or not pure(n)], graph.outputs)
+    return rebuild(graph, [n for n in graph.nodes if n.name in live or not (pure(n) or _allocation(n.op))],
+                   graph.outputs)
+
+
+def _allocation(op: str) -> bool:
+    """An uninitialised allocation: impure (two are never merged), yet without effect when nothing reads it."""
+    return op.split(".")[0] in ALLOCATIONS
 
 
 def rebuild(graph: Graph, nodes: list[Node] | tuple[Node, ...], outputs: tuple[Ref, ...]) -> Graph:
@@ -211,8 +219,8 @@ def single_use(graph: Graph, name: str) -> Node | None:
 
 
 def _live(graph: Graph) -> set[str]:
-    """Nodes the outputs or an impure node (a state update, a random draw) depend on."""
-    live = {r.name for r in graph.outputs} | {n.name for n in graph.nodes if not pure(n)}
+    """Nodes the outputs or an impure node (a state update, a random draw; not an allocation) depend on."""
+    live = {r.name for r in graph.outputs} | {n.name for n in graph.nodes if not (pure(n) or _allocation(n.op))}
     for node in reversed(graph.nodes):
         if node.name in live:
             live.update(r.name for r in node.refs)
