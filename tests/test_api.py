@@ -32,7 +32,7 @@ def test_capture_module_uses_fake_tensors_only() -> None:
 
 
 def test_sequential_state_paths_are_valid_python() -> None:
-    from kernelfuse.emit.modelnew import forward_source
+    from kernelfuse.emit.forward import forward_source
     from kernelfuse.plan import plan_variants
     from kernelfuse.rewrite import rewrite
 

@@ -311,7 +311,7 @@ def test_library_variant_forward_matches_eager(name):
     import types
 
     from kernelfuse.emit.calltext import call_text
-    from kernelfuse.emit.modelnew import forward_source
+    from kernelfuse.emit.forward import forward_source
 
     model, inputs, graph, _ = _planned(name)
     plan = make_plan(graph, PlanOptions(attention="library"))

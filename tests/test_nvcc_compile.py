@@ -91,7 +91,7 @@ def test_every_binding_reaches_an_exported_launcher_of_its_arity(sources, tmp_pa
 
 def test_the_emitted_loader_builds_with_the_flags_the_compile_check_uses():
     from kernelfuse.compilecheck import LOADER_FLAGS
-    from kernelfuse.emit.modelnew import LOADER
+    from kernelfuse.emit.runtime import LOADER
 
     assert '"-fvisibility=hidden"' in LOADER and "-fvisibility=hidden" in LOADER_FLAGS
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kernelfuse.capture import capture
-from kernelfuse.emit.modelnew import runtime_text
+from kernelfuse.emit.runtime import runtime_text
 from kernelfuse.load import load_problem
 from kernelfuse.pipeline import OptimizeOptions, optimize_file
 from kernelfuse.plan import plan_variants

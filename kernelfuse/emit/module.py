@@ -18,14 +18,9 @@ from kernelfuse.capture.signature import forward_signature
 from kernelfuse.codegen import CudaSources
 from kernelfuse.codegen.binding import runtime_source
 from kernelfuse.emit.calltext import call_text, output_classes
-from kernelfuse.emit.modelnew import (
-    LOADER,
-    captured_modes,
-    forward_source,
-    input_specs,
-    runtime_text,
-    served_calls,
-)
+from kernelfuse.emit.forward import forward_source
+from kernelfuse.emit.modelnew import captured_modes, input_specs, served_calls
+from kernelfuse.emit.runtime import LOADER, runtime_text
 from kernelfuse.plan.ir import Plan
 
 WRAPPER = '''
