@@ -42,8 +42,7 @@ def emulated(plan: Plan, tmp_path: Path) -> Emulated:
     if cxx is None:
         pytest.skip("no host C++ compiler (g++/c++) on PATH")
     sources = generate(plan)
-    lines = [ln for ln in sources.cuda.splitlines()
-             if not ln.startswith("#include") and "__half" not in ln and "__nv_bfloat16" not in ln]
+    lines = [ln for ln in sources.cuda.splitlines() if not ln.startswith("#include")]
     text = re.sub(r"(\w+(?:<[^<>]*>)?)<<<(.*?), (\w+), [^,<>]+, stream>>>\((.*)\);",
                   r"kf_emu_launch(dim3(\2), \3, [&]{ \1(\4); });", "\n".join(lines))
     for g in plan.generated:

@@ -185,6 +185,11 @@ def test_eval_batch_norm_under_autocast_reads_fp32_parameters_from_a_bf16_source
     assert check.ok, check
 
 
+def test_eval_batch_norm_under_autocast_emulated_on_the_cpu_computes_what_the_ops_compute(tmp_path):
+    _, _, _, plan = _conv_bn_plan(tmp_path)
+    assert _emulated_against_interpreter(plan, tmp_path) == 1
+
+
 def test_training_batch_norm_under_autocast_stays_a_torch_call(tmp_path):
     # training mode updates fp32 running statistics from bf16 batch statistics: not built (one dtype there)
     _, _, _, plan = _conv_bn_plan(tmp_path, training=True)
@@ -207,6 +212,42 @@ def test_eval_batch_norm_under_autocast_matches_eager_on_the_gpu(tmp_path):
     assert fused.kernelfuse_stats()["fused_calls"] == 1
     assert got.dtype == expected.dtype == torch.bfloat16
     assert torch.allclose(got.float(), expected.float(), atol=1e-2, rtol=1e-2), (got - expected).abs().max().item()
+
+
+def _emulated_against_interpreter(plan, tmp_path: Path) -> int:
+    """Every generated kernel of `plan` run on the CPU (tests/fixtures/cuda_emulation.h, its fp16/bf16 conversions
+    round as CUDA's do) through the emitted binding, against the plan interpreter's ATen ops on the same random
+    tensors (variances positive): equal up to one ulp of the output's dtype, where the CPU's libm and CUDA's may
+    round a float differently before the final rounding. Returns how many kernels were compared."""
+    from emulation_helpers import emulated
+
+    from kernelfuse.codegen.iteration import tensor_args
+    from kernelfuse.plan.interpret import _run_generated
+
+    emu = emulated(plan, tmp_path)
+    torch.manual_seed(0)
+    for step in plan.generated:
+        env, tensors = {}, []
+        for name, ref in tensor_args(step):
+            meta = step.source.meta if name == "src" else plan.graph[ref].meta
+            value = torch.randn(meta.shape).abs() + 0.5 if name == "run_var" else torch.randn(meta.shape) * 2
+            env.setdefault(ref.name, torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype).copy_(value))
+            tensors.append(env[ref.name].clone())
+        got = getattr(emu.kernels, step.kernel)(*tensors)
+        expected = _run_generated(step, env)
+        assert got.dtype == expected.dtype == step.out_meta.dtype and got.shape == expected.shape, step.kernel
+        ulp = torch.finfo(got.dtype).eps
+        assert torch.allclose(got.float(), expected.float(), rtol=ulp, atol=ulp, equal_nan=True), \
+            (step.kernel, (got.float() - expected.float()).abs().max().item())
+    return len(plan.generated)
+
+
+@pytest.mark.parametrize("body", [GELU_MLP, RESIDUAL_SECOND], ids=["residual_first", "residual_second"])
+def test_mixed_dtype_kernels_emulated_on_the_cpu_compute_what_the_ops_compute(tmp_path, body):
+    # the GELU with fp32 pow and tanh between bf16 roundings, and the bf16 + fp32 residual written as fp32 (its
+    # binding allocating bf16 made the kernel write past the buffer: here the result would be wrong or crash)
+    _, _, _, plan = _bf16_plan(tmp_path, body)
+    assert _emulated_against_interpreter(plan, tmp_path) == 2
 
 
 CASTS = """
