@@ -250,6 +250,41 @@ def test_mixed_dtype_kernels_emulated_on_the_cpu_compute_what_the_ops_compute(tm
     assert _emulated_against_interpreter(plan, tmp_path) == 2
 
 
+NORM_THEN_LINEAR = """
+def __init__(self):
+    super().__init__()
+    self.ln = nn.LayerNorm({n})
+    self.fc = nn.Linear({n}, 16)
+    self.proj = nn.Parameter(torch.randn({n}, 16))
+
+def forward(self, x):
+    return self.fc(self.ln(x)) + torch.softmax(x, -1) @ self.proj
+"""
+
+
+@pytest.mark.parametrize(("n", "rows", "family"), [(64, 256, "row"), (65536, 2, "split")])
+def test_a_norm_and_a_softmax_store_autocasts_bf16_cast_themselves(tmp_path, n, rows, family):
+    # autocast casts a LayerNorm's (and a softmax's) fp32 output to bf16 before the Linear: the row kernel
+    # computes in fp32 and rounds once where it stores bf16, instead of a torch copy after it
+    from kernelfuse.codegen.generated import _family
+
+    path = write_problem(tmp_path, "norm_linear", NORM_THEN_LINEAR.format(n=n), f"[torch.randn({rows}, {n})]")
+    problem = load_problem(path)
+    model = build_model(problem)
+    graph = rewrite(capture(problem, model, autocast=torch.bfloat16))
+    plan = plan_variants(graph, "bf16")[0]
+    rows_steps = [s for s in plan.generated if s.spec is not None and s.spec.kind in ("norm", "softmax")]
+    assert len(rows_steps) == 2, plan.summary()
+    for step in rows_steps:
+        assert step.source.meta.dtype == torch.float32 and step.out_meta.dtype == torch.bfloat16, step.kernel
+        assert step.epilogue.statements[-1].aten == "_to_copy.default"
+    norm = next(s for s in rows_steps if s.spec.kind == "norm")
+    assert _family(norm) == family  # one row per group of threads, or each row split in chunks across blocks
+    assert _emulated_against_interpreter(plan, tmp_path) == len(plan.generated)
+    (check,) = check_plans(problem, model, graph, [plan])
+    assert check.ok, check
+
+
 CASTS = """
 def forward(self, x):
     y = (x.half() * 3.0).float() + x

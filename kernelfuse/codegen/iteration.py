@@ -144,7 +144,7 @@ def epilogue_lines(step: GenStep, index: str, ind: str) -> list[str]:
     """The epilogue at output flat index `index` (operands indexed through the output's shape)."""
     shape = step.epilogue.space  # the reduction's value; a reshape after it keeps the flat index
     offsets = {f"in{i}": offset_expr(o.strides, shape, f"({index})") for i, o in enumerate(step.epilogue.operands)}
-    return program_lines(step.epilogue, "y", offsets, "e_", ind, C_TYPES.get(step.out_meta.dtype, "float"))
+    return program_lines(step.epilogue, "y", offsets, "e_", ind, C_TYPES.get(value_dtype(step), "float"))
 
 
 AFFINE_TENSORS = ("weight", "bias", "run_mean", "run_var")
@@ -173,14 +173,17 @@ def operand_ctype(step: GenStep, name: str) -> str:
 
 
 def value_dtype(step: GenStep) -> torch.dtype:
-    """The dtype a kernel reads and computes in: its output's, except for an index result (argmax/argmin write
-    int64), where it is the source's."""
-    return step.source.meta.dtype if step.out_meta.dtype == torch.int64 else step.out_meta.dtype
+    """The dtype a kernel reads and computes in: a reduction's source's (it may write another: argmax/argmin an
+    int64 index, a norm whose epilogue ends in autocast's cast to bf16), else a pointwise kernel's output's."""
+    if step.spec is not None or step.out_meta.dtype == torch.int64:
+        return step.source.meta.dtype
+    return step.out_meta.dtype
 
 
 def out_ctype(step: GenStep, ctype: str) -> str:
-    """The C type of the kernel's output: the kernel's `ctype`, or a 64-bit integer for an index result."""
-    return "long long" if step.out_meta.dtype == torch.int64 else ctype
+    """The C type of the kernel's output: a 64-bit integer for an index result, else its dtype's (the kernel's
+    `ctype` unless its epilogue casts)."""
+    return "long long" if step.out_meta.dtype == torch.int64 else C_TYPES.get(step.out_meta.dtype, ctype)
 
 
 def pointer_params(step: GenStep, ctype: str) -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from kernelfuse.codegen.iteration import Space, decompose, launch_params
+from kernelfuse.codegen.iteration import Space, decompose, launch_params, out_ctype
 from kernelfuse.plan.ir import GenStep
 
 ONCHIP_THREADS = 512
@@ -175,11 +175,11 @@ KF_EXPORT cudaError_t {k}_launch({params}, void* out, void* work, cudaStream_t s
     if (zeroed != cudaSuccess) return zeroed;
     const long long items = {rows}LL * {blocks};
     {k}_onchip_kernel<<<(unsigned)(items < resident ? items : resident), {ONCHIP_THREADS}, {smem}, stream>>>(
-        {args}, ({ctype}*)out, (float*)work);
+        {args}, ({out_ctype(step, ctype)}*)out, (float*)work);
     return cudaGetLastError();
   }}
 #endif
-  {k}_kernel<<<{fallback_grid}, {fallback_threads}, 0, stream>>>({args}, ({ctype}*)out);
+  {k}_kernel<<<{fallback_grid}, {fallback_threads}, 0, stream>>>({args}, ({out_ctype(step, ctype)}*)out);
   return cudaGetLastError();
 }}
 """

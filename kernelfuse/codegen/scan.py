@@ -21,6 +21,7 @@ from kernelfuse.codegen.iteration import (
     epilogue_lines,
     index_type,
     launcher,
+    out_ctype,
     pointer_params,
     space_of,
     value_lambda,
@@ -70,7 +71,7 @@ def scan_kernel(step: GenStep, ctype: str) -> str:
     lines += value_lambda(step, space, "r", "b_")
     lines += ["    auto store = [&](INDEX p, float y) {",
               *epilogue_lines(step, f"b_out + p * {out_stride}", "      "),
-              f"      out[b_out + p * {out_stride}] = kf_store<{ctype}>(e_result);",
+              f"      out[b_out + p * {out_stride}] = kf_store<{out_ctype(step, ctype)}>(e_result);",
               "    };",
               "    float carry = IDENT;"]
     lines += _tile_body(length, spec.exclusive) if strategy == "tile" else _column_body(length, spec.exclusive)  # type: ignore[attr-defined]

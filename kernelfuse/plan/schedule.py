@@ -254,6 +254,11 @@ def _reduction_kernel(graph: Graph, node: Node, prologue: _Chain | None, used: s
         epi_members = []  # the reduction's value is needed as it is elsewhere
     epi_members, epilogue = _epilogue(graph, epi_members, out_meta, value)
     out = epi_members[-1].name if epi_members else value
+    cast = _trailing_cast(graph, spec, out, used | set(replaces) | {m.name for m in epi_members})
+    if cast is not None:  # the kernel writes the cast's dtype: one pass over the output fewer
+        epi_members = [*epi_members, cast]
+        _, epilogue = build_program(graph, epi_members, out_meta, out_meta.shape, acc=value)
+        out = cast.name
     replaces += [m.name for m in epi_members]
     mapped = _broadcast_consumer(graph, spec, value, out, src_meta, used | set(replaces))
     if mapped is not None:  # the row's value is read back by every element of the row: one kernel, not two
@@ -262,6 +267,23 @@ def _reduction_kernel(graph: Graph, node: Node, prologue: _Chain | None, used: s
         return GenStep(kernel, source, program, node, spec, epilogue, members[-1].meta, tuple(replaces),
                        members[-1].name, mapped=consumer)
     return GenStep(kernel, source, program, node, spec, epilogue, graph[out].meta, tuple(replaces), out)
+
+
+CAST_KINDS = ("norm", "softmax", "log_softmax")  # row kernels whose output may be stored in another float dtype
+
+
+def _trailing_cast(graph: Graph, spec: ReduceSpec, value: str, claimed: set[str]) -> Node | None:
+    """The cast to another float dtype that is the only reader of a norm's or softmax's output (autocast casts a
+    LayerNorm's fp32 output to bf16 before each Linear), or None. The kernel computes in the source's dtype and
+    rounds once to the cast's where it stores (kernelfuse.codegen.iteration.out_ctype)."""
+    users = graph.users(value)
+    if spec.kind not in CAST_KINDS or graph.is_output(value) or len(users) != 1:
+        return None
+    cast = users[0]
+    if cast.name in claimed or cast.op != "_to_copy.default" or cast.meta is None \
+            or cast.meta.dtype not in FLOAT_DTYPES or cast.meta.dtype == graph[value].meta.dtype:
+        return None
+    return cast if can_fuse_pointwise(graph, cast, graph[value].meta, mixed=True)[0] else None
 
 
 def _epilogue(graph: Graph, members: list[Node], out_meta: TensorMeta, value: str) -> tuple[list[Node], Program]:
