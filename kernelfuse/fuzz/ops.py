@@ -50,6 +50,8 @@ UNARY = (
     # in fp16/bf16: a half-precision source meeting an fp32 operand, written as fp32 (GPT-2's residual under
     # autocast), in either order
     "{a0} + {a0}.float() * 0.5", "{a0}.float() - {a0}",
+    # autocast's pattern around a norm or softmax in fp32: its kernel stores the cast back to fp16/bf16 itself
+    "torch.softmax({a0}.float(), -1).to({a0}.dtype)", "F.layer_norm({a0}.float(), {a0}.shape[-1:]).to({a0}.dtype)",
     # a cat with an operand that adds nothing (a KV cache's first call): the rewrite cat_without_empties
     "torch.cat([{a0}[:0], {a0}], 0)", "torch.cat([{a0}.new_zeros(0), {a0}], -1)",
 )
