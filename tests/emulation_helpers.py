@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kernelfuse.codegen import generate
-from kernelfuse.codegen.binding import runtime_source
+from kernelfuse.codegen.dryrun import binding_off_the_gpu
 from kernelfuse.codegen.generated import workspace_floats
 from kernelfuse.codegen.iteration import tensor_args
 from kernelfuse.plan import Plan
@@ -61,21 +61,7 @@ def emulated(plan: Plan, tmp_path: Path) -> Emulated:
 def _binding(binding: str, lib: Path) -> object:
     """The emitted `_Kernels` over the CPU library: the same checks, except that CPU tensors are allowed, and
     launches without a device or stream."""
-    import torch
-
-    namespace: dict = {"torch": torch, "ctypes": ctypes}
-    exec(runtime_source() + binding, namespace)  # noqa: S102 - the generated binding under test
-
-    def on_cpu(check):
-        def run(t, *args):
-            try:
-                check(t, *args)
-            except ValueError as err:
-                if not str(err).endswith("must be a CUDA tensor"):
-                    raise
-        return run
-
-    namespace["_check"], namespace["_check_dense"] = on_cpu(namespace["_check"]), on_cpu(namespace["_check_dense"])
+    namespace = binding_off_the_gpu(binding)
 
     class EmulatedKernels(namespace["_Kernels"]):
         def _launch(self, function, kernel, tensor, *args):

@@ -199,19 +199,8 @@ def test_training_batch_norm_under_autocast_stays_a_torch_call(tmp_path):
 @pytest.mark.gpu
 def test_eval_batch_norm_under_autocast_matches_eager_on_the_gpu(tmp_path):
     problem, model, graph, plan = _conv_bn_plan(tmp_path)
-    path = tmp_path / "conv_bn_relu_bf16.py"
-    path.write_text(emit_modelnew(problem, plan, generate(plan), "GPU test"))
-    fused = runpy.run_path(str(path))["ModelNew"]().cuda().eval()
-    fused.load_state_dict(model.state_dict())
-    reference = model.cuda()
-    x = torch.randn(2, 8, 12, 12, device="cuda")
-    with torch.no_grad():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            expected = reference(x)
-        got = fused(x)
-    assert fused.kernelfuse_stats()["fused_calls"] == 1
+    got, expected = _emitted_against_autocast_eager(problem, model.eval(), plan, torch.randn(2, 8, 12, 12), tmp_path)
     assert got.dtype == expected.dtype == torch.bfloat16
-    assert torch.allclose(got.float(), expected.float(), atol=1e-2, rtol=1e-2), (got - expected).abs().max().item()
 
 
 def _emulated_against_interpreter(plan, tmp_path: Path) -> int:
@@ -360,21 +349,26 @@ def test_mixed_dtype_kernels_match_eager_under_autocast_on_the_gpu(tmp_path, bod
     result, through the kernels."""
     problem, model, graph, plan = _bf16_plan(tmp_path, body)
     assert any(_mixes(step) for step in plan.generated)
-    path = tmp_path / "gelu_mlp_bf16.py"
-    path.write_text(emit_modelnew(problem, plan, generate(plan), "GPU test"))
-    ns = runpy.run_path(str(path))
-    fused = ns["ModelNew"]().cuda()
-    fused.load_state_dict(model.state_dict())
-    reference = model.cuda()
     torch.manual_seed(3)
-    x = torch.randn(8, 32, 64, device="cuda")
+    got, expected = _emitted_against_autocast_eager(problem, model, plan, torch.randn(8, 32, 64), tmp_path)
+    assert got.dtype == expected.dtype == torch.float32
+
+
+def _emitted_against_autocast_eager(problem, model, plan, x: torch.Tensor, tmp_path: Path) -> tuple:
+    """The plan's emitted file on the GPU (no autocast: it carries its casts) and the model under CUDA bf16
+    autocast, on `x`: (ours, eager's), after asserting the kernels served the call and the two agree to 1e-2."""
+    path = tmp_path / f"{problem.name}_bf16.py"
+    path.write_text(emit_modelnew(problem, plan, generate(plan), "GPU test"))
+    fused = runpy.run_path(str(path))["ModelNew"]().cuda().train(model.training)
+    fused.load_state_dict(model.state_dict())
+    reference, x = model.cuda(), x.cuda()
     with torch.no_grad():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             expected = reference(x)
         got = fused(x)
     assert fused.kernelfuse_stats()["fused_calls"] == 1
-    assert got.dtype == expected.dtype == torch.float32
-    assert torch.allclose(got, expected, atol=1e-2, rtol=1e-2), (got - expected).abs().max().item()
+    assert torch.allclose(got.float(), expected.float(), atol=1e-2, rtol=1e-2), (got - expected).abs().max().item()
+    return got, expected
 
 
 def _mixes(step: GenStep) -> bool:

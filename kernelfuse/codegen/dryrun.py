@@ -53,10 +53,10 @@ def _meta_tensor(meta: TensorMeta) -> torch.Tensor:
     return torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
 
 
-def _dry_kernels(binding: str) -> object:
-    """The emitted `_Kernels` class with no library behind it: checks and allocations run, launches do nothing.
-    Meta tensors pass the checks' layout and dtype tests; only the device test ("must be a CUDA tensor") is
-    waived."""
+def binding_off_the_gpu(binding: str) -> dict:
+    """The namespace of an emitted binding (its run-time helpers and `_Kernels`) with the checks' device test
+    ("must be a CUDA tensor") waived, the layout and dtype tests kept: for running it without a GPU (the dry run
+    here, on meta tensors; the tests' CPU emulation of the kernels, on CPU tensors)."""
     namespace: dict = {"torch": torch, "ctypes": ctypes}
     exec(runtime_source() + binding, namespace)  # noqa: S102 - kernelfuse's own generated binding
 
@@ -71,6 +71,12 @@ def _dry_kernels(binding: str) -> object:
 
     namespace["_check"] = device_waived(namespace["_check"])
     namespace["_check_dense"] = device_waived(namespace["_check_dense"])
+    return namespace
+
+
+def _dry_kernels(binding: str) -> object:
+    """The emitted `_Kernels` class with no library behind it: checks and allocations run, launches do nothing."""
+    namespace = binding_off_the_gpu(binding)
 
     class DryKernels(namespace["_Kernels"]):  # type: ignore[misc, valid-type]
         def __init__(self) -> None:  # no library: the launchers are never looked up
