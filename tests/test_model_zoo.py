@@ -98,3 +98,20 @@ def test_zoo_model_captures_under_bf16_autocast_without_a_gpu(name, tmp_path):
         "no cast fused into a kernel"
     (check,) = check_plans(problem, model, graph, plans[:1])
     assert check.ok, check
+
+
+def test_resnet_under_bf16_autocast_runs_every_batch_norm_in_a_kernel(tmp_path):
+    # autocast's eval-mode batch norm (bf16 input, fp32 parameters) was a torch call per norm, and the ReLU and
+    # residual add after it kernels of their own: one pass per norm now, checked against the captured ops
+    if importlib.util.find_spec("torchvision") is None:
+        pytest.skip("torchvision is not installed (pip install 'kernelfuse[zoo]')")
+    problem = load_problem(shrunk(ZOO / "resnet50.py", tmp_path))
+    model = build_model(problem)
+    graph = rewrite(capture(problem, model, autocast=torch.bfloat16))
+    norms = [n for n in graph.nodes if "batch_norm" in n.op]
+    plan = plan_variants(graph, "bf16")[0]
+    fused = {name for s in plan.generated if s.spec is not None and s.spec.kind == "affine_norm" for name in s.replaces}
+    assert norms and all(n.name in fused for n in norms), plan.summary()
+    assert not any(n.op.startswith("empty") for n in graph.nodes)  # the norms' reserve buffers, read by nothing
+    (check,) = check_plans(problem, model, graph, [plan])
+    assert check.ok, check
