@@ -64,8 +64,10 @@ def optimize(model: torch.nn.Module, example_inputs: list | tuple, precision: st
             expected = call.run(model, tensors)
         # under bf16 the plan carries autocast's casts: it runs with autocast off, and its accuracy is measured
         # against the model in fp32 where roundings drift apart past the tolerance (the CPU check's rule)
-        with _autocast(False):
-            fp32 = call.run(model, tensors) if policy.autocast is not None else [None] * len(expected)
+        fp32 = [None] * len(expected)
+        if policy.autocast is not None:
+            with _autocast(False):
+                fp32 = call.run(model, tensors)
         for plan in plans:
             with _autocast(None if policy.autocast is None else False):
                 interpreted = interpret(plan, state, tensors)

@@ -180,10 +180,10 @@ def value_dtype(step: GenStep) -> torch.dtype:
     return step.out_meta.dtype
 
 
-def out_ctype(step: GenStep, ctype: str) -> str:
-    """The C type of the kernel's output: a 64-bit integer for an index result, else its dtype's (the kernel's
-    `ctype` unless its epilogue casts)."""
-    return "long long" if step.out_meta.dtype == torch.int64 else C_TYPES.get(step.out_meta.dtype, ctype)
+def out_ctype(step: GenStep) -> str:
+    """The C type of the kernel's output: a 64-bit integer for an index result, else its dtype's (the type it
+    computes in, value_dtype's, unless its epilogue ends in a cast)."""
+    return "long long" if step.out_meta.dtype == torch.int64 else C_TYPES[step.out_meta.dtype]
 
 
 def pointer_params(step: GenStep, ctype: str) -> str:
@@ -203,7 +203,7 @@ def pointer_params(step: GenStep, ctype: str) -> str:
     if step.mapped is not None:
         params += [f"const {operand_ctype(step, f'm{i}')}* __restrict__ m_in{i}_p"
                    for i in range(len(step.mapped.operands))]
-    params.append(f"{out_ctype(step, ctype)}* __restrict__ out")
+    params.append(f"{out_ctype(step)}* __restrict__ out")
     return ", ".join(params)
 
 
@@ -236,7 +236,7 @@ def launcher(step: GenStep, ctype: str, grid: str) -> str:
     params, args = launch_params(step, ctype)
     return f"""
 KF_EXPORT cudaError_t {k}_launch({params}, void* out, cudaStream_t stream) {{
-  {k}_kernel<<<{grid}, {BLOCK}, 0, stream>>>({args}, ({out_ctype(step, ctype)}*)out);
+  {k}_kernel<<<{grid}, {BLOCK}, 0, stream>>>({args}, ({out_ctype(step)}*)out);
   return cudaGetLastError();
 }}
 """

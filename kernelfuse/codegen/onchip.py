@@ -175,11 +175,11 @@ KF_EXPORT cudaError_t {k}_launch({params}, void* out, void* work, cudaStream_t s
     if (zeroed != cudaSuccess) return zeroed;
     const long long items = {rows}LL * {blocks};
     {k}_onchip_kernel<<<(unsigned)(items < resident ? items : resident), {ONCHIP_THREADS}, {smem}, stream>>>(
-        {args}, ({out_ctype(step, ctype)}*)out, (float*)work);
+        {args}, ({out_ctype(step)}*)out, (float*)work);
     return cudaGetLastError();
   }}
 #endif
-  {k}_kernel<<<{fallback_grid}, {fallback_threads}, 0, stream>>>({args}, ({out_ctype(step, ctype)}*)out);
+  {k}_kernel<<<{fallback_grid}, {fallback_threads}, 0, stream>>>({args}, ({out_ctype(step)}*)out);
   return cudaGetLastError();
 }}
 """

@@ -110,7 +110,7 @@ def pool_kernel(step: GenStep, ctype: str) -> str:
         lines += _avg_divisor(win, in_shape[-nd:])
     lines.append("    const float y = acc;")
     lines += epilogue_lines(step, "i", "    ")
-    lines.append(f"    out[i] = kf_store<{out_ctype(step, ctype)}>(e_result);")
+    lines.append(f"    out[i] = kf_store<{out_ctype(step)}>(e_result);")
     lines += ["  }", "}", ""]
     return "\n".join(lines) + launcher(step, ctype, f"kf_blocks({numel}LL, {BLOCK})")
 
@@ -224,7 +224,7 @@ def _row_pool_kernel(step: GenStep, ctype: str, v: int) -> str:
             lines += ["  " + ln for ln in _avg_divisor(win, in_shape[-nd:])]
         lines += [f"      const INDEX i = row * {out_last} + first + {o};", "      const float y = acc;"]
         lines += epilogue_lines(step, "i", "      ")
-        lines += [f"      out[i] = kf_store<{out_ctype(step, ctype)}>(e_result);", "    }"]
+        lines += [f"      out[i] = kf_store<{out_ctype(step)}>(e_result);", "    }"]
     lines += ["  }", "}", ""]
     return "\n".join(lines) + launcher(step, ctype, f"kf_blocks({rows * groups}LL, {BLOCK})")
 
@@ -299,5 +299,5 @@ def _tiled_row_pool_kernel(step: GenStep, ctype: str) -> str:
         lines += ["  " + ln for ln in _avg_divisor(win, in_shape[-nd:])]
     lines += [f"      const INDEX i = row * {out_last} + first + o;", "      const float y = acc;"]
     lines += epilogue_lines(step, "i", "      ")
-    lines += [f"      out[i] = kf_store<{out_ctype(step, ctype)}>(e_result);", "    }", "  }", "}", ""]
+    lines += [f"      out[i] = kf_store<{out_ctype(step)}>(e_result);", "    }", "  }", "}", ""]
     return "\n".join(lines) + launcher(step, ctype, f"kf_blocks({rows * tiles}LL * {BLOCK}, {BLOCK})")

@@ -291,7 +291,7 @@ def normalised(step: GenStep, offset: Callable[[str], str]) -> str:
 def reduced_store(step: GenStep, value: str, ctype: str) -> list[str]:
     lines = ["    if (lane == 0) {", f"      const float y = {value};"]
     lines += epilogue_lines(step, "row", "      ")
-    lines += [f"      out[row] = kf_store<{out_ctype(step, ctype)}>(e_result);", "    }"]
+    lines += [f"      out[row] = kf_store<{out_ctype(step)}>(e_result);", "    }"]
     return lines
 
 
@@ -306,7 +306,7 @@ def _broadcast_store(step: GenStep, expr: str, ctype: str, extra: list[str], spa
     if element:  # a residual of the norm's own input: no second read
         epilogue = _element_in_hand(epilogue, "e_", _source_operands(step), element)
     body += epilogue
-    body.append(f"out[row_out + o_out] = kf_store<{out_ctype(step, ctype)}>(e_result);")
+    body.append(f"out[row_out + o_out] = kf_store<{out_ctype(step)}>(e_result);")
     return _loop(body, cache, onchip=onchip)
 
 
@@ -339,5 +339,5 @@ def _mapped_store(step: GenStep, ctype: str, space: Space, cache: str | None, on
     sources = [i for i, o in enumerate(mapped.operands)  # type: ignore[union-attr]
                if o.ref == step.source.ref and o.strides == step.source.strides]
     body += _element_in_hand(program, "m_", sources, "raw")
-    body.append(f"out[row_out + o_out] = kf_store<{out_ctype(step, ctype)}>(m_result);")
+    body.append(f"out[row_out + o_out] = kf_store<{out_ctype(step)}>(m_result);")
     return _loop(body, cache, raw=True, onchip=onchip)

@@ -71,7 +71,7 @@ def scan_kernel(step: GenStep, ctype: str) -> str:
     lines += value_lambda(step, space, "r", "b_")
     lines += ["    auto store = [&](INDEX p, float y) {",
               *epilogue_lines(step, f"b_out + p * {out_stride}", "      "),
-              f"      out[b_out + p * {out_stride}] = kf_store<{out_ctype(step, ctype)}>(e_result);",
+              f"      out[b_out + p * {out_stride}] = kf_store<{out_ctype(step)}>(e_result);",
               "    };",
               "    float carry = IDENT;"]
     lines += _tile_body(length, spec.exclusive) if strategy == "tile" else _column_body(length, spec.exclusive)  # type: ignore[attr-defined]

@@ -146,7 +146,7 @@ def split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
         lines += _split_combine(step, ctype, chunks, "combine", op, identity, finish, const=True)
         passes = [("partial", partial_grid, "float*"), ("combine", combine_grid, "const float*")]
     params, args = launch_params(step, ctype)
-    launches = "\n".join(f"  {k}_{name}<<<{grid}, {BLOCK}, 0, stream>>>({args}, ({out_ctype(step, ctype)}*)out, "
+    launches = "\n".join(f"  {k}_{name}<<<{grid}, {BLOCK}, 0, stream>>>({args}, ({out_ctype(step)}*)out, "
                          f"({work})work);"
                          for name, grid, work in passes)
     lines.append(f"""
@@ -304,7 +304,7 @@ def _split_normalise(step: GenStep, ctype: str, space: Space, stats: int) -> lis
             close = ["    }"]
         lines += _normalise_element(step, flat, stats, rows, lambda n: f"a_{n}")
         lines += epilogue_lines(step, "r", "      ")
-        return lines + [f"      out[r] = kf_store<{out_ctype(step, ctype)}>(e_result);", *close, "  }", "}", ""]
+        return lines + [f"      out[r] = kf_store<{out_ctype(step)}>(e_result);", *close, "  }", "}", ""]
     return head + _transposed_normalise(step, ctype, space, strides, ds, stats)
 
 
@@ -359,7 +359,7 @@ def _transposed_normalise(step: GenStep, ctype: str, space: Space, strides: dict
     lines += decompose(tiled, "t", "r", "w_", ["out"], "      ")
     lines += ["      const INDEX i = b_out + w_out;", "      const float y = tile[tx][j];"]
     lines += epilogue_lines(step, "i", "      ")
-    return lines + [f"      out[i] = kf_store<{out_ctype(step, ctype)}>(e_result);", "    }", "    __syncthreads();", "  }", "}",
+    return lines + [f"      out[i] = kf_store<{out_ctype(step)}>(e_result);", "    }", "    __syncthreads();", "  }", "}",
                     ""]
 
 
