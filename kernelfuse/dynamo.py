@@ -33,7 +33,17 @@ def kernelfuse_backend(gm: torch.fx.GraphModule, example_inputs: list[object],
                       stacklevel=2)
         return gm.forward
     fused = optimize(gm, list(example_inputs), precision)
-    return gm.forward if fused is gm else fused
+    if fused is gm:
+        return gm.forward
+    if precision != "bf16":
+        return fused
+
+    def without_autocast(*args: object) -> object:
+        """The bf16 plan carries autocast's casts: run with the caller's autocast off (its fallback turns it on)."""
+        with torch.autocast("cuda", enabled=False):
+            return fused(*args)
+
+    return without_autocast
 
 
 def _precision(options: dict[str, object] | None) -> str | None:

@@ -139,3 +139,32 @@ def test_gpu_module_under_bf16_runs_autocasts_numerics_and_falls_back_under_auto
             other = fused(x[:16])  # run under the autocast the plan was captured under
         assert other.dtype == expected.dtype
         torch.testing.assert_close(other, expected[:16], atol=1e-2, rtol=1e-2)
+
+
+class LinearOut(torch.nn.Module):
+    """Ends in a Linear: under autocast its output is bf16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 32)
+
+    def forward(self, x):
+        return self.fc(torch.relu(x) * 2.0)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_module_whose_autocast_output_is_bf16_returns_float32_through_the_kernels() -> None:
+    # called without autocast, the fused module returns float32 as the model does; the check compares it with
+    # autocast's bf16 result (it was refused for the dtype alone, and the model came back unchanged)
+    torch.manual_seed(0)
+    model = LinearOut().cuda()
+    x = torch.randn(32, 64, device="cuda")
+    fused = kernelfuse.optimize(model, [x], precision="bf16")
+    assert fused is not model
+    with torch.no_grad():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            expected = model(x)
+        got = fused(x)
+    assert (got.dtype, expected.dtype) == (torch.float32, torch.bfloat16)
+    torch.testing.assert_close(got, expected.float(), atol=1e-2, rtol=1e-2)
+    assert fused.kernelfuse_stats()["fused_calls"] == 1

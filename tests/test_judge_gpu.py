@@ -68,7 +68,9 @@ def _x(x):
 # caught before any timing, or (issue 6) only while timed; the implausible-speed rows judge gamers with the per-call
 # checks off. Crashes and hangs are judged one at a time below.
 BATCH = [c for c in FIXTURE_CASES if "cuda" in c.devices and not c.alone and c.cls not in ("fault", "honest")]
-TIMED_GAMERS = {c.stem for c in FIXTURE_CASES if c.words == TIMED}
+# fixtures that misbehave only once timing starts: under the batch's load the host-time cross-check may stop them
+# first (state_late_tf32 switches TF32 on in its timed calls; seen on an H200 at stop 38)
+TIMED_GAMERS = {c.stem for c in FIXTURE_CASES if c.words == TIMED} | {"state_late_tf32"}
 
 
 def cold_build(number: str) -> float:

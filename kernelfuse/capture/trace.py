@@ -100,21 +100,25 @@ def capture(problem: Problem, model: torch.nn.Module | None = None, batch: int |
 
 
 def capture_module(model: torch.nn.Module, example_inputs: list, mode: FakeTensorMode | None = None,
-                   what: str | None = None, autocast: torch.dtype | None = None) -> Graph:
+                   what: str | None = None, autocast: torch.dtype | None = None, widen_outputs: bool = True) -> Graph:
     """A live module's forward as a Graph: its tensors are mirrored as fake tensors, no data is touched.
-    `example_inputs`: forward's positional arguments (tensors, numbers, None, containers of tensors)."""
+    `example_inputs`: forward's positional arguments (tensors, numbers, None, containers of tensors).
+    `widen_outputs=False`: under `autocast`, the outputs keep autocast's dtypes (the caller runs the module inside
+    autocast and gets what autocast gives; see `_capture_call`)."""
     params, tensors = bind(model, list(example_inputs), what or f"{type(model).__name__} example inputs")
-    return _capture_call(model, params, tensors, mode, what, autocast)
+    return _capture_call(model, params, tensors, mode, what, autocast, widen_outputs)
 
 
 def _capture_call(model: torch.nn.Module, params: tuple[Param, ...], tensors: list[torch.Tensor],
-                  mode: FakeTensorMode | None, what: str | None, autocast: torch.dtype | None = None) -> Graph:
+                  mode: FakeTensorMode | None, what: str | None, autocast: torch.dtype | None = None,
+                  widen_outputs: bool = True) -> Graph:
     """Trace forward called with `params`' patterns, `tensors` (the graph's inputs) in their places.
 
     With `autocast` (the bf16 policy) forward is traced as it runs under `torch.autocast("cuda", autocast)`: the
     fake tensors live on a fake CUDA device (no GPU needed) so that CUDA's autocast lists apply, and the graph
     holds autocast's casts as `_to_copy` nodes. A returned tensor that autocast narrowed is cast back to float32
-    when no input or state tensor has the narrow dtype: the fused model returns what the model returns.
+    when no input or state tensor has the narrow dtype (and `widen_outputs`): the fused model, run without autocast,
+    returns what the model returns without it.
     """
     mode = FakeTensorMode(allow_non_fake_inputs=True) if mode is None else mode
     state = module_state(model)
@@ -136,7 +140,7 @@ def _capture_call(model: torch.nn.Module, params: tuple[Param, ...], tensors: li
                                              tuple(args), kwargs)
         returned.append(describe_output(out))
         tensors = returned[-1].tensors(out)
-        if autocast is not None and not narrow_given:
+        if autocast is not None and widen_outputs and not narrow_given:
             tensors = [t.float() if isinstance(t, torch.Tensor) and t.dtype == autocast else t for t in tensors]
         return tensors
 
