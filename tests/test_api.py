@@ -161,10 +161,11 @@ def test_gpu_bf16_module_whose_autocast_output_is_bf16_returns_float32_through_t
     x = torch.randn(32, 64, device="cuda")
     fused = kernelfuse.optimize(model, [x], precision="bf16")
     assert fused is not model
+    served = fused.kernelfuse_stats()["fused_calls"]  # optimize's own check called it once
     with torch.no_grad():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             expected = model(x)
         got = fused(x)
     assert (got.dtype, expected.dtype) == (torch.float32, torch.bfloat16)
     torch.testing.assert_close(got, expected.float(), atol=1e-2, rtol=1e-2)
-    assert fused.kernelfuse_stats()["fused_calls"] == 1
+    assert fused.kernelfuse_stats()["fused_calls"] == served + 1
