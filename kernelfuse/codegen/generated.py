@@ -7,7 +7,6 @@ pooling in kernelfuse.codegen.pool, scans in kernelfuse.codegen.scan; the shared
 
 from __future__ import annotations
 
-from kernelfuse.capture import contiguous_strides
 from kernelfuse.codegen.binding import Binding, pointer_launcher, py_tuple
 from kernelfuse.codegen.common import C_TYPES
 from kernelfuse.codegen.iteration import (
@@ -87,8 +86,9 @@ def _flat_kernel(step: GenStep, ctype: str) -> str:
     index_t = index_type(step)
     numel = shape_numel(step.prologue.space)
     spec = step.spec
-    permuted = step.permuted_out  # eager's layout of the output, written through its strides
-    vectorised = space.strides["src"] == space.strides["out"] and permuted is None
+    # a permuted output (channels-last, say) is iterated in its memory order (kernelfuse.codegen.iteration.space_of):
+    # its writes, and the reads of a source laid out alike, are contiguous and move VEC elements per access
+    vectorised = space.strides["src"] == space.strides["out"]
     element = ["      float y = value_at(i, acc);"]
     if spec is not None:  # affine_norm: (x - running_mean) / sqrt(running_var + eps) * weight + bias
         extra = [n for n in ("weight", "bias", "run_mean", "run_var") if n in space.strides]
@@ -120,27 +120,12 @@ def _flat_kernel(step: GenStep, ctype: str) -> str:
                   "    }",
                   "    for (INDEX i = NUMEL / VEC * VEC + first; i < NUMEL; i += stride)",
                   f"      out[i] = kf_store<{ctype}>(element(i, kf_load(src[i])));"]
-    elif permuted is not None:  # in the output's memory order: its writes coalesce, and so do reads of a source laid out alike
-        lines += ["    for (INDEX m = first; m < NUMEL; m += stride) {",
-                  *_logical_index(step.out_meta.shape, permuted, "m", "i", "      "),
-                  f"      out[m] = kf_store<{ctype}>(element(i, source(i)));",
-                  "    }"]
     else:
         lines += ["    for (INDEX i = first; i < NUMEL; i += stride)",
                   f"      out[i] = kf_store<{ctype}>(element(i, source(i)));"]
     lines += ["  }", "}", ""]
     vec = 16 // max(value_dtype(step).itemsize, tensor_dtype(step, "src").itemsize) if vectorised else 1
     return "\n".join(lines) + _flat_launcher(step, ctype, numel, vec)
-
-
-def _logical_index(shape: tuple[int, ...], strides: tuple[int, ...], memory: str, logical: str, ind: str) -> list[str]:
-    """Lines that turn `memory`, an element's position in a dense permuted layout, into `logical`, its row-major
-    index over `shape`."""
-    contiguous = contiguous_strides(shape)
-    lines = [f"{ind}INDEX {logical} = 0, t_{logical} = {memory};"]
-    for d in sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: strides[d]):
-        lines.append(f"{ind}{logical} += t_{logical} % {shape[d]} * {contiguous[d]}; t_{logical} /= {shape[d]};")
-    return lines
 
 
 def _flat_launcher(step: GenStep, ctype: str, numel: int, vec: int) -> str:

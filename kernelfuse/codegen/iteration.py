@@ -110,7 +110,21 @@ def space_of(step: GenStep) -> Space:
                 strides[name] = getattr(spec, name)[1]
         if spec.running is not None and spec.kind == "affine_norm":  # type: ignore[attr-defined]
             strides["run_mean"] = strides["run_var"] = spec.weight[1] if spec.weight else _channel_strides(space)  # type: ignore[attr-defined]
+    order = memory_order(step)
+    if order is not None:
+        space = tuple(space[d] for d in order)
+        classes = tuple(classes[d] for d in order)
+        strides = {name: tuple(v[d] for d in order) for name, v in strides.items()}
     return merge_space(space, classes, strides)
+
+
+def memory_order(step: GenStep) -> tuple[int, ...] | None:
+    """A flat kernel's permuted output (channels-last) is iterated in its memory order, so that the space's index
+    is the output's offset: its dims, outermost first (None: the output is contiguous, iterated as it is)."""
+    strides = step.permuted_out
+    if strides is None:
+        return None
+    return tuple(sorted(range(len(strides)), key=lambda d: -strides[d]))
 
 
 def _channel_strides(space: tuple[int, ...]) -> tuple[int, ...]:
@@ -143,7 +157,13 @@ def decompose(space: Space, cls: str, var: str, prefix: str, names: list[str], i
 def epilogue_lines(step: GenStep, index: str, ind: str) -> list[str]:
     """The epilogue at output flat index `index` (operands indexed through the output's shape)."""
     shape = step.epilogue.space  # the reduction's value; a reshape after it keeps the flat index
-    offsets = {f"in{i}": offset_expr(o.strides, shape, f"({index})") for i, o in enumerate(step.epilogue.operands)}
+    order = memory_order(step)  # or a permuted output's memory order, as space_of iterates it
+    if order is not None:
+        if len(order) != len(shape):
+            raise ValueError(f"{step.kernel}: a permuted output over a regrouped epilogue space")
+        shape = tuple(shape[d] for d in order)
+    offsets = {f"in{i}": offset_expr(o.strides if order is None else tuple(o.strides[d] for d in order), shape,
+                                     f"({index})") for i, o in enumerate(step.epilogue.operands)}
     return program_lines(step.epilogue, "y", offsets, "e_", ind, C_TYPES.get(value_dtype(step), "float"))
 
 
