@@ -222,9 +222,11 @@ def _layout_decided(plans: list[Plan], timings: list[LayoutTiming] | None) -> bo
     a generated kernel reads a convolution's channels-last output: its reads follow that layout, and a norm's
     rows interleaved across channels cost more than the layout saves (level-2 60, ConvTranspose3d + GroupNorm:
     cuDNN 0.87 ms faster channels-last, the group norm 3.9 ms in that layout). Both plans are judged whole then;
-    so is a plan whose convolution is our own kernel with the epilogue inside (no layout timing predicts it)."""
+    so is a plan whose convolution is our own kernel with the epilogue inside, and the channels-last graph's (no
+    layout timing predicts either)."""
     return timings is not None and not any(s.keeps_layout for p in plans[:1] for s in p.fused) \
-        and not any(s.anchor.epilogue_inside for p in plans for s in p.fused)
+        and not any(s.anchor.epilogue_inside for p in plans for s in p.fused) \
+        and not any(getattr(p.options, "channels_last_graph", False) for p in plans)
 
 
 def _measure_conv_layouts(graph: Graph, precision: str, result: OptimizeResult,

@@ -117,3 +117,32 @@ def emulated_run(emu: Emulated, plan: Plan, step: GenStep, seed: int = 0, src_of
         torch.use_deterministic_algorithms(previous[0])
         torch.utils.deterministic.fill_uninitialized_memory = previous[1]
     return out, _run_generated(step, env), tensors, env
+
+
+def emulated_against_interpreter(plan: Plan, tmp_path: Path, ulps: int = 1) -> int:
+    """Every generated kernel of `plan` run on the CPU (tests/fixtures/cuda_emulation.h, its fp16/bf16 conversions
+    round as CUDA's do) through the emitted binding, against the plan interpreter's ATen ops on the same random
+    tensors (variances positive): equal up to one ulp of the output's dtype, where the CPU's libm and CUDA's may
+    round a float differently before the final rounding (`ulps` of them where the kernel's arithmetic is ordered
+    otherwise: fp32 batch norm as (x - mean) / std * w + b, ATen's as x * a + b). Returns how many kernels were
+    compared."""
+    import torch
+
+    from kernelfuse.plan.interpret import _run_generated
+
+    emu = emulated(plan, tmp_path)
+    torch.manual_seed(0)
+    for step in plan.generated:
+        env, tensors = {}, []
+        for name, ref in tensor_args(step):
+            meta = step.source.meta if name == "src" else plan.graph[ref].meta
+            value = torch.randn(meta.shape).abs() + 0.5 if name == "run_var" else torch.randn(meta.shape) * 2
+            env.setdefault(ref.name, torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype).copy_(value))
+            tensors.append(env[ref.name].clone())
+        got = getattr(emu.kernels, step.kernel)(*tensors)
+        expected = _run_generated(step, env)
+        assert got.dtype == expected.dtype == step.out_meta.dtype and got.shape == expected.shape, step.kernel
+        ulp = torch.finfo(got.dtype).eps * ulps
+        assert torch.allclose(got.float(), expected.float(), rtol=ulp, atol=ulp, equal_nan=True), \
+            (step.kernel, (got.float() - expected.float()).abs().max().item())
+    return len(plan.generated)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from emulation_helpers import emulated_against_interpreter
 from optimizer_helpers import assert_interpreter_matches, pipeline, write_problem
 
 from kernelfuse.capture import capture
@@ -187,7 +188,7 @@ def test_eval_batch_norm_under_autocast_reads_fp32_parameters_from_a_bf16_source
 
 def test_eval_batch_norm_under_autocast_emulated_on_the_cpu_computes_what_the_ops_compute(tmp_path):
     _, _, _, plan = _conv_bn_plan(tmp_path)
-    assert _emulated_against_interpreter(plan, tmp_path) == 1
+    assert emulated_against_interpreter(plan, tmp_path) == 1
 
 
 def test_training_batch_norm_under_autocast_stays_a_torch_call(tmp_path):
@@ -204,40 +205,12 @@ def test_eval_batch_norm_under_autocast_matches_eager_on_the_gpu(tmp_path):
     assert (got.dtype, expected.dtype) == (torch.float32, torch.bfloat16)
 
 
-def _emulated_against_interpreter(plan, tmp_path: Path) -> int:
-    """Every generated kernel of `plan` run on the CPU (tests/fixtures/cuda_emulation.h, its fp16/bf16 conversions
-    round as CUDA's do) through the emitted binding, against the plan interpreter's ATen ops on the same random
-    tensors (variances positive): equal up to one ulp of the output's dtype, where the CPU's libm and CUDA's may
-    round a float differently before the final rounding. Returns how many kernels were compared."""
-    from emulation_helpers import emulated
-
-    from kernelfuse.codegen.iteration import tensor_args
-    from kernelfuse.plan.interpret import _run_generated
-
-    emu = emulated(plan, tmp_path)
-    torch.manual_seed(0)
-    for step in plan.generated:
-        env, tensors = {}, []
-        for name, ref in tensor_args(step):
-            meta = step.source.meta if name == "src" else plan.graph[ref].meta
-            value = torch.randn(meta.shape).abs() + 0.5 if name == "run_var" else torch.randn(meta.shape) * 2
-            env.setdefault(ref.name, torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype).copy_(value))
-            tensors.append(env[ref.name].clone())
-        got = getattr(emu.kernels, step.kernel)(*tensors)
-        expected = _run_generated(step, env)
-        assert got.dtype == expected.dtype == step.out_meta.dtype and got.shape == expected.shape, step.kernel
-        ulp = torch.finfo(got.dtype).eps
-        assert torch.allclose(got.float(), expected.float(), rtol=ulp, atol=ulp, equal_nan=True), \
-            (step.kernel, (got.float() - expected.float()).abs().max().item())
-    return len(plan.generated)
-
-
 @pytest.mark.parametrize("body", [GELU_MLP, RESIDUAL_SECOND], ids=["residual_first", "residual_second"])
 def test_mixed_dtype_kernels_emulated_on_the_cpu_compute_what_the_ops_compute(tmp_path, body):
     # the GELU with fp32 pow and tanh between bf16 roundings, and the bf16 + fp32 residual written as fp32 (its
     # binding allocating bf16 made the kernel write past the buffer: here the result would be wrong or crash)
     _, _, _, plan = _bf16_plan(tmp_path, body)
-    assert _emulated_against_interpreter(plan, tmp_path) == 2
+    assert emulated_against_interpreter(plan, tmp_path) == 2
 
 
 NORM_THEN_LINEAR = """
@@ -270,7 +243,7 @@ def test_a_norm_and_a_softmax_store_autocasts_bf16_cast_themselves(tmp_path, n, 
         assert step.epilogue.statements[-1].aten == "_to_copy.default"
     norm = next(s for s in rows_steps if s.spec.kind == "norm")
     assert _family(norm) == family  # one row per group of threads, or each row split in chunks across blocks
-    assert _emulated_against_interpreter(plan, tmp_path) == len(plan.generated)
+    assert emulated_against_interpreter(plan, tmp_path) == len(plan.generated)
     (check,) = check_plans(problem, model, graph, [plan])
     assert check.ok, check
 

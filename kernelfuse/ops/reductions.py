@@ -238,17 +238,20 @@ def _batch_norm(graph: Graph, node: Node) -> ReduceSpec | str:
     src = _source(graph, node)
     if isinstance(src, str):
         return src
-    ref, shape, _ = src
-    if len(shape) < 2 or not graph[ref].meta.is_contiguous:
-        return "batch norm over a non-contiguous or 1-d input"
+    ref, shape, stride = src
     if node.op == "_native_batch_norm_legit_no_training.default":  # the eval-mode form autocast's capture gives
         x, w, b, rm, rv, momentum, eps = node.args[:7]
         training = False
     else:
         x, w, b, rm, rv, training, momentum, eps = node.args[:8]
+    if len(shape) < 2 or not (graph[ref].meta.is_contiguous or not training and _dense_permuted(shape, stride)):
+        return "batch norm over a non-contiguous or 1-d input"
     n, c = shape[0], shape[1]
     hw = _prod(shape[2:])
     space, strides = (n, c, hw), (c * hw, hw, 1)
+    channel = (0, 1, 0)
+    if not graph[ref].meta.is_contiguous:  # eval mode, channels-last say: the affine map over the input's own
+        space, strides, channel = shape, stride, (0, 1) + (0,) * (len(shape) - 2)  # strides, per channel
     dtype = graph[ref].meta.dtype
     # eval mode under autocast: a half-precision input with fp32 parameters and statistics, computed in fp32 as
     # ATen and cuDNN do; each parameter is read in its own type
@@ -256,8 +259,8 @@ def _batch_norm(graph: Graph, node: Node) -> ReduceSpec | str:
     if not training and dtype in HALF_DTYPES:
         first = next((a for a in (rm, w, b) if isinstance(a, Ref)), None)
         params = torch.float32 if first is not None and graph[first].meta.dtype == torch.float32 else dtype
-    weight = _affine(graph, w, (0, 1, 0), params)
-    bias = _affine(graph, b, (0, 1, 0), params)
+    weight = _affine(graph, w, channel, params)
+    bias = _affine(graph, b, channel, params)
     if isinstance(weight, str) or isinstance(bias, str):
         return weight if isinstance(weight, str) else bias  # type: ignore[return-value]
     running = None
@@ -274,6 +277,16 @@ def _batch_norm(graph: Graph, node: Node) -> ReduceSpec | str:
                           out_index=0, param_dtype=params if params != dtype else None)
     return ReduceSpec("norm", ref, space, (0, 2), strides, weight, bias, running, eps=float(eps),
                       momentum=float(momentum), out_index=0)
+
+
+def _dense_permuted(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """Every element once, in some order of the dimensions (channels-last, say): no gaps, no overlap."""
+    expected = 1
+    for d in sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: stride[d]):
+        if stride[d] != expected:
+            return False
+        expected *= shape[d]
+    return True
 
 
 def _pool(kind: str, dims: int) -> Parse:

@@ -30,9 +30,11 @@ from kernelfuse.plan.ir import (
     Step,
     TorchStep,
 )
+from kernelfuse.plan.layout import channels_last_graph, dense_as
 from kernelfuse.plan.schedule import FLOAT_DTYPES, RESHAPES, build_program, schedule, space_strides
 
 KEPT_REASON = "kept as a torch call: a kernel over it failed to plan or generate (see the fallbacks)"
+CL_REASON = "kept as a torch call in the channels-last graph: its kernel writes only the contiguous layout"
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,9 @@ class PlanOptions:
     # "generated": eligible convolutions run kernelfuse's own kernels, epilogue inside (the implicit GEMM; a
     # depthwise one the direct kernel); "direct": the depthwise ones only, the rest stay library calls
     conv_impl: str = "library"
+    # plan the channels-last graph (kernelfuse.plan.layout): activations stay channels-last between convolutions,
+    # which run as plain torch calls; kernels read and write the graph's strides
+    channels_last_graph: bool = False
 
 
 def plan_variants(graph: Graph, precision: str = "strict", max_fusions: int | None = None,
@@ -84,7 +89,22 @@ def plan_variants(graph: Graph, precision: str = "strict", max_fusions: int | No
     layouts = ("nhwc", "nchw") if has_conv else ("nchw",)
     return _with_library_attention(graph, [make_plan(graph, PlanOptions(conv_layout=layout, matmul_tf32=tf32,
                                                                         max_fusions=max_fusions, keep=kept))
-                                           for layout in layouts])
+                                           for layout in layouts]) + \
+        _channels_last_plans(graph, PlanOptions(conv_layout="nchw", matmul_tf32=tf32, max_fusions=max_fusions,
+                                                keep=kept))
+
+
+def _channels_last_plans(graph: Graph, options: PlanOptions) -> list[Plan]:
+    """The plan of the channels-last graph (and its library-attention twin), after the others: the judge decides
+    whether keeping activations channels-last beats converting around each convolution. None where the graph
+    has no convolution or its layout cannot be propagated."""
+    if channels_last_graph(graph) is None:
+        return []
+    cl = replace(options, channels_last_graph=True)
+    plans = [make_plan(graph, cl)]
+    if any(a.activation == "softmax" for a in plans[0].attention):
+        plans.append(make_plan(graph, replace(cl, attention="library")))
+    return plans
 
 
 def _with_library_attention(graph: Graph, plans: list[Plan]) -> list[Plan]:
@@ -177,6 +197,10 @@ def torch_calls_plan(graph: Graph) -> Plan:
 def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
     """Anchors take their pointwise epilogues; the scheduler turns the rest into generated kernels; an anchor's
     epilogue whose only reader is a reduction kernel moves into that kernel's prologue (one pass, not two)."""
+    if options.channels_last_graph:
+        changed = channels_last_graph(graph)
+        assert changed is not None, "plan_variants asks for the channels-last plan only where the graph has one"
+        graph = changed
     fused: dict[str, FusedStep] = {}  # output node name -> step
     kept = set(options.keep)
     attention, reasons = attention_steps(graph, 0, library=options.attention == "library", tf32=options.matmul_tf32,
@@ -205,6 +229,9 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
     by_out: dict[str, Step] = dict(fused)
     by_out.update((step.out, step) for step in attention)
     for gen in gens:
+        if options.channels_last_graph and not dense_as(gen.out_meta) and gen.permuted_out is None:
+            reasons.update(dict.fromkeys(gen.replaces, CL_REASON))  # the kernel would write another layout
+            continue
         by_out[gen.out] = gen
     _merge_into_reductions(graph, by_out)
     for name, step in list(by_out.items()):
@@ -221,6 +248,8 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
     layouts = sorted({s.anchor.layout for s in steps if isinstance(s, FusedStep) and s.anchor.family == "conv"
                       and not s.anchor.epilogue_inside                      and channels_last_ok(graph, s.anchor.node)})
     variant = f"fused-{'+'.join(layouts)}" if layouts else "fused"
+    if options.channels_last_graph:
+        variant = "fused-cl"
     impls = {s.anchor.impl for s in steps if isinstance(s, FusedStep)}
     if "generated" in impls:
         variant = "fused-igemm"
@@ -327,6 +356,8 @@ def is_conv2d(graph: Graph, node: Node) -> bool:
 def _fuse_behind(graph: Graph, anchor_node: Node, options: PlanOptions, kernel: str,
                  taken: set[str]) -> FusedStep | None:
     family = ANCHOR_OPS[anchor_node.op]
+    if not dense_as(anchor_node.meta):  # a channels-last graph's convolution: its epilogue kernels are flat
+        return None
     users = graph.users(anchor_node.name)
     conv2d = is_conv2d(graph, anchor_node)
     fused_relu = (

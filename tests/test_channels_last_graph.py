@@ -1,0 +1,101 @@
+"""The channels-last graph (kernelfuse.plan.layout): a CNN's activations kept channels-last between its
+convolutions, planned as a variant of its own (`fused-cl`). Its batch norms run as kernels reading and writing
+channels-last memory order (VEC elements per access), its convolutions are torch calls on channels-last operands,
+its weights are copied channels-last once per weight version, and an output whose layout changed is copied back.
+Checked against the interpreter in the CPU emulation and by the CPU check, in fp32 and under bf16 autocast."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from emulation_helpers import emulated_against_interpreter
+from optimizer_helpers import write_problem
+
+from kernelfuse.capture import capture
+from kernelfuse.codegen import check_bindings, generate
+from kernelfuse.cpucheck import check_plans
+from kernelfuse.emit import emit_modelnew
+from kernelfuse.load import load_problem
+from kernelfuse.pipeline import build_model
+from kernelfuse.plan import plan_variants
+from kernelfuse.plan.layout import channels_last_graph
+from kernelfuse.rewrite import rewrite
+
+BLOCK = """
+def __init__(self):
+    super().__init__()
+    self.conv1 = nn.Conv2d(8, 16, 3, padding=1, bias=False)
+    self.bn1 = nn.BatchNorm2d(16)
+    self.conv2 = nn.Conv2d(16, 16, 3, padding=1, bias=False)
+    self.bn2 = nn.BatchNorm2d(16)
+    self.fc = nn.Linear(16, 10)
+    with torch.no_grad():
+        for bn in (self.bn1, self.bn2):
+            bn.running_mean.uniform_(-0.5, 0.5)
+            bn.running_var.uniform_(0.5, 2.0)
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.uniform_(-0.5, 0.5)
+
+def forward(self, x):
+    y = torch.relu(self.bn1(self.conv1(x)))
+    y = torch.relu(self.bn2(self.conv2(y)) + y)
+    return {tail}
+"""
+POOLED = "self.fc(torch.flatten(torch.nn.functional.adaptive_avg_pool2d(y, 1), 1))"
+
+
+def _plans(tmp_path: Path, tail: str, autocast: torch.dtype | None = None):
+    path = write_problem(tmp_path, "cl_block", BLOCK.format(tail=tail), "[torch.randn(4, 8, 12, 12)]")
+    problem = load_problem(path)
+    model = build_model(problem).eval()
+    graph = rewrite(capture(problem, model, autocast=autocast))
+    plans = plan_variants(graph, "bf16" if autocast else "strict")
+    return problem, model, graph, plans
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_channels_last_plan_runs_batch_norms_in_channels_last_order(tmp_path, autocast):
+    problem, model, graph, plans = _plans(tmp_path, POOLED, autocast)
+    assert [p.variant for p in plans][-1] == "fused-cl"
+    plan = plans[-1]
+    norms = [s for s in plan.generated if s.spec is not None and s.spec.kind == "affine_norm"]
+    assert len(norms) == 2
+    for step in norms:  # channels-last in, channels-last out, the relu (and the residual add) inside
+        assert step.out_meta.stride == (16 * 144, 1, 16 * 12, 16) == step.source.strides
+        assert step.permuted_out == step.out_meta.stride
+    convs = [s for s in plan.steps if getattr(s, "node", None) is not None and s.node.op == "convolution.default"]
+    assert len(convs) == 2 and all(s.node.meta.stride[1] == 1 for s in convs)  # torch calls, channels-last out
+    sources = generate(plan)
+    for step in norms:  # in memory order, 16 bytes per access (the source is laid out as the output)
+        assert f"{step.kernel}_kernel<{16 // step.source.meta.dtype.itemsize}><<<" in sources.cuda
+    check_bindings(plan, sources)
+    # fp32 norms: a few ulps apart from ATen's CPU arithmetic (indexing errors would be of the values' size)
+    assert emulated_against_interpreter(plan, tmp_path, ulps=1 if autocast else 16) == len(plan.generated)
+    (check,) = check_plans(problem, model, graph, [plan])
+    assert check.ok, check
+
+
+def test_weights_are_copied_channels_last_once_per_weight_version(tmp_path):
+    problem, _, _, plans = _plans(tmp_path, POOLED)
+    text = emit_modelnew(problem, plans[-1], generate(plans[-1]), "test")
+    weights_line = next(line for line in text.splitlines() if "self._weights()" in line and "=" in line)
+    assert weights_line.count("_cl") >= 2  # both convolutions' channels-last weights come from the cache
+
+
+def test_an_output_whose_layout_changed_is_copied_back(tmp_path):
+    problem, model, graph, plans = _plans(tmp_path, "y")  # the block's 4-d activation is the output
+    plan = plans[-1]
+    cl = plan.graph
+    (out,) = cl.outputs
+    assert cl[out].meta.stride == graph[graph.outputs[0]].meta.stride  # contiguous, as the model returns it
+    (check,) = check_plans(problem, model, graph, [plan])
+    assert check.ok, check
+
+
+def test_a_view_that_needs_the_old_strides_gives_no_channels_last_graph(tmp_path):
+    # `view` of a channels-last tensor to (N, C * H * W) has no strides: the variant is not made, the others are
+    _, _, graph, plans = _plans(tmp_path, "self.fc(y.view(4, -1)[:, :16])")
+    assert channels_last_graph(graph) is None
+    assert "fused-cl" not in [p.variant for p in plans]
