@@ -99,3 +99,17 @@ def test_a_view_that_needs_the_old_strides_gives_no_channels_last_graph(tmp_path
     _, _, graph, plans = _plans(tmp_path, "self.fc(y.view(4, -1)[:, :16])")
     assert channels_last_graph(graph) is None
     assert "fused-cl" not in [p.variant for p in plans]
+
+
+def test_a_pooling_left_to_torch_gives_its_pointwise_ops_to_another_kernel(tmp_path):
+    # the pooling kernel writes NCHW only: max_pool stays a torch call (channels-last in and out). The ReLU that a
+    # rewrite moved behind it (max then relu) was its kernel's epilogue; it joins the next kernel's prologue
+    # instead of staying a torch call of its own
+    problem, model, graph, plans = _plans(tmp_path, "self.fc(F.max_pool2d(y, 2).mean((2, 3)))")
+    nchw, plan = plans[-2], plans[-1]
+    assert "max_pool2d_with_indices -> relu" in [s.chain(nchw.graph) for s in nchw.generated]
+    (pool,) = [s for s in plan.steps if getattr(s, "node", None) is not None and "max_pool" in s.node.op]
+    assert "channels-last graph" in pool.reason
+    assert "relu -> mean" in [s.chain(plan.graph) for s in plan.generated]
+    (check,) = check_plans(problem, model, graph, [plan])
+    assert check.ok, check

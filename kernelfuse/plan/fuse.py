@@ -224,14 +224,19 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
         absorbed.update(step.replaces)
     cap = None if options.max_fusions is None else max(options.max_fusions - len(fused) - len(attention), 0)
     gens, gen_reasons = schedule(graph, absorbed, len(fused), cap) if options.generated else ([], {})
+    held: set[str] = set()
+    while options.channels_last_graph and (wrong := [g for g in gens if _other_layout(g)]):
+        # the kernel would write another layout than the graph's (a pooling): its op stays a torch call, and the
+        # pointwise ops it had taken in are scheduled again without it (into the norm before it, say)
+        for gen in wrong:
+            held.update([gen.reduce_node.name] if gen.reduce_node is not None else gen.replaces)
+        gens, gen_reasons = schedule(graph, absorbed | held, len(fused), cap)
     reasons.update(gen_reasons)
+    reasons.update(dict.fromkeys(held, CL_REASON))
     reasons.update(dict.fromkeys(kept, KEPT_REASON))
     by_out: dict[str, Step] = dict(fused)
     by_out.update((step.out, step) for step in attention)
     for gen in gens:
-        if options.channels_last_graph and not dense_as(gen.out_meta) and gen.permuted_out is None:
-            reasons.update(dict.fromkeys(gen.replaces, CL_REASON))  # the kernel would write another layout
-            continue
         by_out[gen.out] = gen
     _merge_into_reductions(graph, by_out)
     for name, step in list(by_out.items()):
@@ -262,6 +267,12 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
     if options.attention == "split" and attention:
         variant += "-3xtf32"
     return Plan(graph, tuple(steps), variant, options)
+
+
+def _other_layout(gen: GenStep) -> bool:
+    """Does the kernel write its output in another layout than the graph holds (its kernels write contiguous
+    outputs or permuted pointwise ones only)?"""
+    return not dense_as(gen.out_meta) and gen.permuted_out is None
 
 
 def _merge_into_reductions(graph: Graph, by_out: dict[str, Step]) -> None:
