@@ -123,15 +123,8 @@ def test_bf16_captures_under_autocast_before_it_needs_a_gpu(monkeypatch) -> None
 
 @pytest.mark.gpu
 def test_gpu_module_under_bf16_runs_autocasts_numerics_and_falls_back_under_autocast() -> None:
-    torch.manual_seed(0)
-    model = LinearGeluScale().cuda()
-    x = torch.randn(32, 64, device="cuda")
-    fused = kernelfuse.optimize(model, [x], precision="bf16")
-    assert fused is not model
-    with torch.no_grad():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            expected = model(x)
-        got = fused(x)  # no autocast needed: the plan carries its casts
+    model, fused, x, expected, got = _bf16_module_and_call(LinearGeluScale())  # no autocast needed: the plan
+    with torch.no_grad():  # carries its casts
         assert got.dtype == expected.dtype
         torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
         assert fused.kernelfuse_stats()["fused_calls"] >= 2
@@ -156,16 +149,21 @@ class LinearOut(torch.nn.Module):
 def test_gpu_bf16_module_whose_autocast_output_is_bf16_returns_float32_through_the_kernels() -> None:
     # called without autocast, the fused module returns float32 as the model does; the check compares it with
     # autocast's bf16 result (it was refused for the dtype alone, and the model came back unchanged)
+    _, fused, _, expected, got = _bf16_module_and_call(LinearOut())
+    assert (got.dtype, expected.dtype) == (torch.float32, torch.bfloat16)
+    torch.testing.assert_close(got, expected.float(), atol=1e-2, rtol=1e-2)
+    assert fused.kernelfuse_stats()["fused_calls"] == 2  # optimize's own check, then this call
+
+
+def _bf16_module_and_call(model: torch.nn.Module) -> tuple:
+    """(model, its bf16 module, x, the model's output under autocast, the module's without it) on the GPU."""
     torch.manual_seed(0)
-    model = LinearOut().cuda()
+    model = model.cuda()
     x = torch.randn(32, 64, device="cuda")
     fused = kernelfuse.optimize(model, [x], precision="bf16")
     assert fused is not model
-    served = fused.kernelfuse_stats()["fused_calls"]  # optimize's own check called it once
     with torch.no_grad():
         with torch.autocast("cuda", dtype=torch.bfloat16):
             expected = model(x)
         got = fused(x)
-    assert (got.dtype, expected.dtype) == (torch.float32, torch.bfloat16)
-    torch.testing.assert_close(got, expected.float(), atol=1e-2, rtol=1e-2)
-    assert fused.kernelfuse_stats()["fused_calls"] == served + 1
+    return model, fused, x, expected, got
