@@ -113,3 +113,11 @@ def test_a_pooling_left_to_torch_gives_its_pointwise_ops_to_another_kernel(tmp_p
     assert "relu -> mean" in [s.chain(plan.graph) for s in plan.generated]
     (check,) = check_plans(problem, model, graph, [plan])
     assert check.ok, check
+
+
+def test_the_channels_last_plan_is_made_with_measured_layouts_too(tmp_path):
+    # on a GPU the optimizer plans with each convolution's measured layout: the variant must be judged there too
+    _, _, graph, _ = _plans(tmp_path, POOLED)
+    convs = [n.name for n in graph.nodes if n.op == "convolution.default"]
+    plans = plan_variants(graph, "strict", conv_layouts=dict.fromkeys(convs, "nchw"))
+    assert plans[-1].variant == "fused-cl"

@@ -70,13 +70,16 @@ def plan_variants(graph: Graph, precision: str = "strict", max_fusions: int | No
     """The fused plans worth judging, best first. With `conv_layouts` (each convolution's layout, measured on the
     GPU by kernelfuse.bench.layout): the plan they give, then the all-NCHW plan as its fallback. Otherwise one
     plan per layout when the graph has a 2-d or 3-d convolution (channels-last first: cuDNN's faster layout for
-    most fp32 convolutions on Hopper).
+    most fp32 convolutions on Hopper). Either way the channels-last graph's plan comes last, where the graph has
+    one (`_channels_last_plans`).
 
     Under the tf32 policy matrix products may run on TF32 tensor cores (cuDNN convolutions already do by default).
     The nodes in `keep` stay torch calls in every plan.
     """
     tf32 = precision == "tf32"
     kept = tuple(sorted(keep))
+    channels_last = _channels_last_plans(graph, PlanOptions(conv_layout="nchw", matmul_tf32=tf32,
+                                                            max_fusions=max_fusions, keep=kept))
     if conv_layouts is not None:
         options = PlanOptions(conv_layouts=tuple(sorted(conv_layouts.items())), fp32_convs=tuple(sorted(fp32_convs)),
                               matmul_tf32=tf32, max_fusions=max_fusions, keep=kept)
@@ -84,14 +87,12 @@ def plan_variants(graph: Graph, precision: str = "strict", max_fusions: int | No
         fallback = make_plan(graph, PlanOptions(conv_layout="nchw", matmul_tf32=tf32, max_fusions=max_fusions,
                                                 keep=kept))
         return _with_library_attention(graph, [measured] if fallback.summary() == measured.summary()
-                                       else [measured, fallback])
+                                       else [measured, fallback]) + channels_last
     has_conv = any(channels_last_ok(graph, n) for n in graph.nodes)
     layouts = ("nhwc", "nchw") if has_conv else ("nchw",)
     return _with_library_attention(graph, [make_plan(graph, PlanOptions(conv_layout=layout, matmul_tf32=tf32,
                                                                         max_fusions=max_fusions, keep=kept))
-                                           for layout in layouts]) + \
-        _channels_last_plans(graph, PlanOptions(conv_layout="nchw", matmul_tf32=tf32, max_fusions=max_fusions,
-                                                keep=kept))
+                                           for layout in layouts]) + channels_last
 
 
 def _channels_last_plans(graph: Graph, options: PlanOptions) -> list[Plan]:
