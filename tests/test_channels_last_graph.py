@@ -121,3 +121,38 @@ def test_the_channels_last_plan_is_made_with_measured_layouts_too(tmp_path):
     convs = [n.name for n in graph.nodes if n.op == "convolution.default"]
     plans = plan_variants(graph, "strict", conv_layouts=dict.fromkeys(convs, "nchw"))
     assert plans[-1].variant == "fused-cl"
+
+
+SQUEEZE_EXCITE = """
+def __init__(self):
+    super().__init__()
+    self.conv = nn.Conv2d(8, 16, 3, padding=1, bias=False)
+    self.bn = nn.BatchNorm2d(16)
+    self.se = nn.Conv2d(16, 16, 1)
+    with torch.no_grad():
+        self.bn.running_var.uniform_(0.5, 2.0)
+
+def forward(self, x):
+    y = F.silu(self.bn(self.conv(x)))
+    return y * torch.sigmoid(self.se(y.mean((2, 3), keepdim=True)))
+"""
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_squeeze_excite_block_broadcasts_its_gate_in_channels_last_order(tmp_path, autocast):
+    # EfficientNet's block: the gate (N, C, 1, 1) multiplies a channels-last activation and the product is the
+    # model's output, copied back to NCHW; the kernels against the interpreter, the plan against the model
+    path = write_problem(tmp_path, "se_block", SQUEEZE_EXCITE, "[torch.randn(2, 8, 10, 10)]")
+    problem = load_problem(path)
+    model = build_model(problem).eval()
+    graph = rewrite(capture(problem, model, autocast=autocast))
+    plan = plan_variants(graph, "bf16" if autocast else "strict")[-1]
+    assert plan.variant == "fused-cl"
+    # one kernel reads the channels-last activation and the broadcast gate, and writes the NCHW output (the copy
+    # back to the model's layout is its last op)
+    (gate,) = [s for s in plan.generated if s.out == plan.graph.outputs[0].name]
+    assert gate.source.strides[1] == 1 and gate.permuted_out is None and gate.chain(plan.graph).endswith("clone")
+    assert [o.strides[2:] for o in gate.prologue.operands] == [(0, 0)]
+    assert emulated_against_interpreter(plan, tmp_path, ulps=1 if autocast else 16) == len(plan.generated)
+    (check,) = check_plans(problem, model, graph, [plan])
+    assert check.ok, check
