@@ -223,7 +223,7 @@ def test_layout_timing_that_raises_is_a_fallback(monkeypatch, tmp_path):
 def test_python_api_returns_the_model_when_capture_fails(monkeypatch):
     import kernelfuse.api as api
 
-    def failing(model, inputs, autocast=None):
+    def failing(model, inputs, **options):
         raise AssertionError
 
     monkeypatch.setattr(api, "capture_module", failing)

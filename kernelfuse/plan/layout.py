@@ -27,10 +27,10 @@ from kernelfuse.ops import ANCHOR_OPS
 
 
 def channels_last_graph(graph: Graph) -> Graph | None:
-    """`graph` with channels-last activations (see the module's docstring), or None where it has no 2-d/3-d
-    convolution, or where an op's layout cannot be propagated (a view that needs the old strides, say)."""
+    """`graph` with channels-last activations (see the module's docstring), or None where no 2-d/3-d convolution
+    reads another's output, or where an op's layout cannot be propagated (a view that needs the old strides)."""
     convs = {n.name for n in graph.nodes if _channels_last_conv(graph, n)}
-    if not convs:
+    if not _chained(graph, convs):
         return None
     names = {n.name for n in graph.nodes}
     feeding = _reaching(graph, convs)
@@ -73,6 +73,18 @@ def _channels_last_conv(graph: Graph, node: Node) -> bool:
         return False
     weight = node.args[1]
     return isinstance(weight, Ref) and graph[weight].meta is not None and len(graph[weight].meta.shape) in (4, 5)
+
+
+def _chained(graph: Graph, convs: set[str]) -> bool:
+    """Does a convolution read a value computed from another's output? Only then do activations travel between
+    convolutions; a lone one is the per-convolution layout choice's (kernelfuse.plan.fuse `Anchor.layout`)."""
+    behind: set[str] = set()  # values computed from a convolution's output
+    for node in graph.nodes:
+        if node.name in convs and any(r.name in behind for r in node.refs):
+            return True
+        if node.name in convs or any(r.name in behind for r in node.refs):
+            behind.add(node.name)
+    return False
 
 
 def _format(conv: Node) -> torch.memory_format:
