@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from kernelfuse.codegen import generate
 from kernelfuse.codegen.dryrun import binding_off_the_gpu
@@ -92,8 +93,6 @@ def emulated_run(emu: Emulated, plan: Plan, step: GenStep, seed: int = 0, src_of
     """The kernel and the plan interpreter on the same random tensors (the source shifted by `src_offset`):
     (kernel output, interpreter output, the kernel's input tensors after the call, the interpreter's by name) -
     in-place updates (batch norm's running statistics) show in the last two."""
-    import torch
-
     from kernelfuse.plan.interpret import _run_generated
 
     torch.manual_seed(seed)
@@ -126,8 +125,6 @@ def emulated_against_interpreter(plan: Plan, tmp_path: Path, ulps: int = 1) -> i
     round a float differently before the final rounding (`ulps` of them where the kernel's arithmetic is ordered
     otherwise: fp32 batch norm as (x - mean) / std * w + b, ATen's as x * a + b). Returns how many kernels were
     compared."""
-    import torch
-
     from kernelfuse.plan.interpret import _run_generated
 
     emu = emulated(plan, tmp_path)

@@ -277,3 +277,19 @@ def test_recurrent_op_kept_whole_is_checked_and_emitted(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "fused k0: addmm -> relu -> mul" in proc.stdout and "CPU interpreter check (fused): ok" in proc.stdout
     assert "torch.ops.aten.gru.input(" in out.read_text()
+
+
+def test_tensor_meta_density_follows_torch() -> None:
+    from kernelfuse.capture import TensorMeta
+
+    def meta(t: torch.Tensor) -> TensorMeta:
+        return TensorMeta(tuple(t.shape), t.dtype, tuple(t.stride()))
+
+    x = torch.empty(2, 3, 4, 5)
+    cl = meta(x.contiguous(memory_format=torch.channels_last))
+    assert cl.is_dense_permutation and not cl.is_dense_contiguous
+    assert meta(x.transpose(1, 3)).is_dense_permutation
+    assert not meta(x[:, :, ::2]).is_dense_permutation
+    assert not meta(torch.empty(3, 1).expand(3, 4)).is_dense_contiguous  # a broadcast: stride 0
+    unit = meta(torch.empty(2, 1, 1, 3).permute(0, 3, 1, 2))  # strides (3, 1, 3, 3): torch calls it contiguous
+    assert unit.is_dense_contiguous and not unit.is_contiguous

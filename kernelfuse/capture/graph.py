@@ -49,6 +49,24 @@ class TensorMeta:
     def is_contiguous(self) -> bool:
         return self.stride == contiguous_strides(self.shape)
 
+    @property
+    def is_dense_contiguous(self) -> bool:
+        """Contiguous as torch's `is_contiguous()` sees it: the strides of size-1 dimensions do not matter."""
+        expected = contiguous_strides(self.shape)
+        return self.numel == 0 or all(d == 1 or s == e for d, s, e in zip(self.shape, self.stride, expected,
+                                                                            strict=True))
+
+    @property
+    def is_dense_permutation(self) -> bool:
+        """Every element once, in some order of the dimensions (contiguous, channels-last, a transpose's): each
+        dimension's stride is the product of the sizes of the faster-moving ones, no gap, no overlap."""
+        expected = 1
+        for d in sorted((d for d in range(len(self.shape)) if self.shape[d] != 1), key=lambda d: self.stride[d]):
+            if self.stride[d] != expected:
+                return False
+            expected *= self.shape[d]
+        return True
+
     def __str__(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
         layout = "" if self.is_contiguous else f" stride={list(self.stride)}"

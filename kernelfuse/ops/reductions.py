@@ -244,7 +244,8 @@ def _batch_norm(graph: Graph, node: Node) -> ReduceSpec | str:
         training = False
     else:
         x, w, b, rm, rv, training, momentum, eps = node.args[:8]
-    if len(shape) < 2 or not (graph[ref].meta.is_contiguous or not training and _dense_permuted(shape, stride)):
+    meta = graph[ref].meta
+    if len(shape) < 2 or not (meta.is_contiguous or not training and meta.is_dense_permutation):
         return "batch norm over a non-contiguous or 1-d input"
     n, c = shape[0], shape[1]
     hw = _prod(shape[2:])
@@ -277,16 +278,6 @@ def _batch_norm(graph: Graph, node: Node) -> ReduceSpec | str:
                           out_index=0, param_dtype=params if params != dtype else None)
     return ReduceSpec("norm", ref, space, (0, 2), strides, weight, bias, running, eps=float(eps),
                       momentum=float(momentum), out_index=0)
-
-
-def _dense_permuted(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    """Every element once, in some order of the dimensions (channels-last, say): no gaps, no overlap."""
-    expected = 1
-    for d in sorted((d for d in range(len(shape)) if shape[d] != 1), key=lambda d: stride[d]):
-        if stride[d] != expected:
-            return False
-        expected *= shape[d]
-    return True
 
 
 def _pool(kind: str, dims: int) -> Parse:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kernelfuse.capture import Graph, Node, Ref, TensorMeta, contiguous_strides
+from kernelfuse.capture import Graph, Node, Ref, TensorMeta
 from kernelfuse.ops import ANCHOR_OPS, POINTWISE_BY_ATEN, VIEW_OPS
 from kernelfuse.ops.anchors import family_of
 from kernelfuse.ops.kept import KEPT_AS_TORCH
@@ -30,7 +30,7 @@ from kernelfuse.plan.ir import (
     Step,
     TorchStep,
 )
-from kernelfuse.plan.layout import channels_last_graph, dense_as
+from kernelfuse.plan.layout import channels_last_graph
 from kernelfuse.plan.schedule import FLOAT_DTYPES, RESHAPES, build_program, schedule, space_strides
 
 KEPT_REASON = "kept as a torch call: a kernel over it failed to plan or generate (see the fallbacks)"
@@ -97,8 +97,8 @@ def plan_variants(graph: Graph, precision: str = "strict", max_fusions: int | No
 
 def _channels_last_plans(graph: Graph, options: PlanOptions) -> list[Plan]:
     """The plan of the channels-last graph (and its library-attention twin), after the others: the judge decides
-    whether keeping activations channels-last beats converting around each convolution. None where the graph
-    has no convolution or its layout cannot be propagated."""
+    whether keeping activations channels-last beats converting around each convolution. None where there is no
+    such graph (kernelfuse.plan.layout.channels_last_graph)."""
     if channels_last_graph(graph) is None:
         return []
     cl = replace(options, channels_last_graph=True)
@@ -273,7 +273,7 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
 def _other_layout(gen: GenStep) -> bool:
     """Does the kernel write its output in another layout than the graph holds (its kernels write contiguous
     outputs or permuted pointwise ones only)?"""
-    return not dense_as(gen.out_meta) and gen.permuted_out is None
+    return not gen.out_meta.is_dense_contiguous and gen.permuted_out is None
 
 
 def _merge_into_reductions(graph: Graph, by_out: dict[str, Step]) -> None:
@@ -368,8 +368,8 @@ def is_conv2d(graph: Graph, node: Node) -> bool:
 def _fuse_behind(graph: Graph, anchor_node: Node, options: PlanOptions, kernel: str,
                  taken: set[str]) -> FusedStep | None:
     family = ANCHOR_OPS[anchor_node.op]
-    if not dense_as(anchor_node.meta):  # a channels-last graph's convolution: its epilogue kernels are flat
-        return None
+    if not anchor_node.meta.is_dense_contiguous:  # a channels-last output (the channels-last graph's): the
+        return None  # epilogue kernels index a contiguous one
     users = graph.users(anchor_node.name)
     conv2d = is_conv2d(graph, anchor_node)
     fused_relu = (
@@ -436,16 +436,10 @@ def _operand_ok(node: Node, out: TensorMeta) -> bool:
     meta = node.meta
     if meta is None or meta.dtype != out.dtype or len(meta.shape) > len(out.shape):
         return False
-    if not _dense(meta):  # the kernel wrappers accept contiguous operands only (a transposed weight, an expand)
+    if not meta.is_dense_contiguous:  # the wrappers take contiguous operands only (a transposed weight, an expand)
         return False
     offset = len(out.shape) - len(meta.shape)
     return all(d in (1, out.shape[i + offset]) for i, d in enumerate(meta.shape))
-
-
-def _dense(meta: TensorMeta) -> bool:
-    """Contiguous as torch's `is_contiguous()` sees it: the strides of size-1 dimensions do not matter."""
-    expected = contiguous_strides(meta.shape)
-    return meta.numel == 0 or all(d == 1 or s == e for d, s, e in zip(meta.shape, meta.stride, expected, strict=True))
 
 
 def _epilogue(graph: Graph, members: list[Node], acc_name: str, out: TensorMeta) -> Epilogue:

@@ -158,13 +158,7 @@ class GenStep:
         flat = self.spec is None or self.spec.kind == "affine_norm"  # type: ignore[attr-defined]
         if not flat or meta.stride == contiguous_strides(meta.shape) or tuple(meta.shape) != tuple(self.prologue.space):
             return None
-        dims = sorted((d for d in range(len(meta.shape)) if meta.shape[d] != 1), key=lambda d: meta.stride[d])
-        expected = 1
-        for d in dims:  # each dim's stride is the product of the sizes of the faster-moving dims: dense, no overlap
-            if meta.stride[d] != expected:
-                return None
-            expected *= meta.shape[d]
-        return tuple(meta.stride)
+        return tuple(meta.stride) if meta.is_dense_permutation else None
 
 
 @dataclass(frozen=True)

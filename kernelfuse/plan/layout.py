@@ -22,8 +22,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from kernelfuse.capture import Graph, Node, Ref, TensorMeta
-from kernelfuse.capture.graph import constant_value, contiguous_strides
+from kernelfuse.capture.graph import constant_value
 from kernelfuse.ops import ANCHOR_OPS
+from kernelfuse.plan.interpret import call_aten
 
 
 def channels_last_graph(graph: Graph) -> Graph | None:
@@ -59,7 +60,7 @@ def channels_last_graph(graph: Graph) -> Graph | None:
         if before is None or after is None or _same_layout(before, after):
             outputs.append(ref)
             continue
-        if not dense_as(before):
+        if not before.is_dense_contiguous:
             return None  # an output in another layout still: not worth a variant
         back = _fresh(f"{ref.name}_nchw", names)
         nodes.append(Node(back, "clone.default", (ref, ("kw", "memory_format", torch.contiguous_format)), before))
@@ -115,8 +116,6 @@ def _renamed(args: tuple, renamed: dict[str, str]) -> tuple:
 def _propagate(nodes: list[Node]) -> tuple[list[Node], dict[str, TensorMeta]] | None:
     """Every node's output strides (and the new nodes' metas) as torch's ops give them for these inputs, run on
     fake CPU tensors (whose convolution keeps channels-last as cuDNN's does); None where an op fails."""
-    from kernelfuse.plan.interpret import call_aten
-
     env: dict[str, object] = {}
     out: list[Node] = []
     metas: dict[str, TensorMeta] = {}
@@ -147,8 +146,3 @@ def _propagate(nodes: list[Node]) -> tuple[list[Node], dict[str, TensorMeta]] | 
 def _same_layout(a: TensorMeta, b: TensorMeta) -> bool:
     """The same strides where they matter (a dimension of size 1 has any)."""
     return a.shape == b.shape and all(d == 1 or s == t for d, s, t in zip(a.shape, a.stride, b.stride, strict=True))
-
-
-def dense_as(meta: TensorMeta) -> bool:
-    """Laid out as the contiguous strides say, dimensions of size 1 aside."""
-    return _same_layout(meta, TensorMeta(meta.shape, meta.dtype, contiguous_strides(meta.shape)))
