@@ -51,9 +51,10 @@ def offset_expr(strides: tuple[int, ...], shape: tuple[int, ...], var: str = "i"
 
 
 def program_lines(program: Program | Epilogue, acc: str, offsets: dict[str, str], names_prefix: str,
-                  ind: str, ctype: str = "float") -> list[str]:
+                  ind: str, ctype: str = "float", given: dict[str, str] | None = None) -> list[str]:
     """Statements of a pointwise program as float locals named `{names_prefix}...`; operand i is loaded from the
-    pointer `{names_prefix}in{i}_p` at `offsets["in{i}"]`; the value ends in `{names_prefix}result`.
+    pointer `{names_prefix}in{i}_p` at `offsets["in{i}"]` (or is the float expression `given["in{i}"]`, loaded
+    already); the value ends in `{names_prefix}result`.
 
     In a half or bfloat16 kernel the value entering and every statement's result are rounded to that type (a
     statement's own dtype where it has one: a kernel may mix dtypes), as eager rounds each op's output: the
@@ -66,7 +67,8 @@ def program_lines(program: Program | Epilogue, acc: str, offsets: dict[str, str]
         lines.append(f"{ind}const float {names_prefix}acc_r = {_rounded(acc, ctype)};")
         names["acc"] = f"{names_prefix}acc_r"
     for i in range(len(program.operands)):
-        lines.append(f"{ind}const float {names_prefix}in{i} = kf_load({names_prefix}in{i}_p[{offsets[f'in{i}']}]);")
+        value = (given or {}).get(f"in{i}") or f"kf_load({names_prefix}in{i}_p[{offsets[f'in{i}']}])"
+        lines.append(f"{ind}const float {names_prefix}in{i} = {value};")
         names[f"in{i}"] = f"{names_prefix}in{i}"
     for st in program.statements:
         if st.op == "reshape":  # same flat index: the value is the one it reshapes

@@ -45,6 +45,23 @@ template <> __device__ __forceinline__ __nv_bfloat16 kf_store<__nv_bfloat16>(flo
 
 // 16-byte packs for vectorised loads and stores
 template <typename T, int N> struct alignas(sizeof(T) * N) kf_pack { T v[N]; };
+// N consecutive elements into a pack, 16 bytes per load (the pack's size where smaller); p is aligned so
+template <typename T, int N> __device__ __forceinline__ kf_pack<T, N> kf_pack_load(const T* p) {
+  constexpr int BYTES = (int)sizeof(T) * N;
+  kf_pack<T, N> r;
+  if constexpr (BYTES % 16 == 0) {
+#pragma unroll
+    for (int k = 0; k < BYTES / 16; ++k) reinterpret_cast<float4*>(&r)[k] = reinterpret_cast<const float4*>(p)[k];
+  } else if constexpr (BYTES == 8) {
+    *reinterpret_cast<float2*>(&r) = *reinterpret_cast<const float2*>(p);
+  } else if constexpr (BYTES == 4) {
+    *reinterpret_cast<float*>(&r) = *reinterpret_cast<const float*>(p);
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) r.v[k] = p[k];
+  }
+  return r;
+}
 
 // The launchers are the library's C interface: the emitted file calls them through ctypes (no C++ binding).
 #define KF_EXPORT extern "C" __attribute__((visibility("default")))

@@ -10,7 +10,9 @@ from __future__ import annotations
 from kernelfuse.codegen.binding import Binding, pointer_launcher, py_tuple
 from kernelfuse.codegen.common import C_TYPES
 from kernelfuse.codegen.iteration import (
+    AFFINE_TENSORS,
     BLOCK,
+    Space,
     decompose,
     epilogue_lines,
     index_type,
@@ -79,59 +81,107 @@ def workspace_floats(step: GenStep) -> int:
 def _flat_kernel(step: GenStep, ctype: str) -> str:
     """Pointwise over the whole space (and eval-mode batch norm, an affine map per channel). Where the source is
     contiguous over the space, VEC elements move per access, 16 bytes of the wider of the source's and the
-    output's types (the launcher checks alignment)."""
+    output's types (the launcher checks alignment); so do the operands that run along the innermost dim with it
+    (a channels-last per-channel parameter, a residual), and one that is constant along it (a per-channel
+    parameter over NCHW planes) is loaded once per VEC elements (`_packed`)."""
     k = step.kernel
     src_t = operand_ctype(step, "src")  # the output's type, or another where the kernel mixes dtypes
-    space = space_of(step)
+    space = space_of(step, epilogue=True)
     index_t = index_type(step)
     numel = shape_numel(step.prologue.space)
     spec = step.spec
     # a permuted output (channels-last, say) is iterated in its memory order (kernelfuse.codegen.iteration.space_of):
     # its writes, and the reads of a source laid out alike, are contiguous and move VEC elements per access
     vectorised = space.strides["src"] == space.strides["out"]
-    element = ["      float y = value_at(i, acc);"]
+    vec = 16 // max(value_dtype(step).itemsize, tensor_dtype(step, "src").itemsize) if vectorised else 1
+    packed = _packed(space, vec)
+    given = {name: f"x_{name}" for name in packed}
+    element = ["      float y = value_at(i, acc" + "".join(f", x_{n}" for n in packed if n.startswith("in")) + ");"]
     if spec is not None:  # affine_norm: (x - running_mean) / sqrt(running_var + eps) * weight + bias
-        extra = [n for n in ("weight", "bias", "run_mean", "run_var") if n in space.strides]
-        element += decompose(space, "k", "i", "a_", extra, "      ")
+        extra = [n for n in AFFINE_TENSORS if n in space.strides]
+        loaded = [n for n in extra if n not in given]
+        element += decompose(space, "k", "i", "a_", loaded, "      ") if loaded else []
+        param = {n: given.get(n) or f"kf_load({n}[a_{n}])" for n in extra}
         eps = float_literal(spec.eps)  # type: ignore[attr-defined]
-        element.append(f"      y = (y - kf_load(run_mean[a_run_mean])) * (1.0f / sqrtf(kf_load(run_var[a_run_var]) + {eps}));")
+        element.append(f"      y = (y - {param['run_mean']}) * (1.0f / sqrtf({param['run_var']} + {eps}));")
         if "weight" in extra:
-            element.append("      y = y * kf_load(weight[a_weight]);")
+            element.append(f"      y = y * {param['weight']};")
         if "bias" in extra:
-            element.append("      y = y + kf_load(bias[a_bias]);")
-    element += epilogue_lines(step, "i", "      ")
+            element.append(f"      y = y + {param['bias']};")
+    element += epilogue_lines(step, "i", "      ", {f"in{n[2:]}": v for n, v in given.items() if n.startswith("ep")})
     element.append("      return e_result;")
     lines = ["template <int VEC>",
              f"__global__ void __launch_bounds__({BLOCK}) {k}_kernel({pointer_params(step, ctype)}) {{",
              f"  typedef {index_t} INDEX;",
              f"  constexpr INDEX NUMEL = {numel};",
              "  {"]
-    lines += value_lambda(step, space, "k", None)
-    lines += ["    auto element = [&](INDEX i, float acc) -> float {", *element, "    };",
+    lines += value_lambda(step, space, "k", None, tuple(n for n in packed if n.startswith("in")))
+    lines += [f"    auto element = [&](INDEX i, float acc{''.join(f', float {v}' for v in given.values())}) -> float {{",
+              *element, "    };",
               "    const INDEX first = (INDEX)blockIdx.x * blockDim.x + threadIdx.x;",
               "    const INDEX stride = (INDEX)gridDim.x * blockDim.x;"]
     if vectorised:
         lines += ["    for (INDEX v = first; v < NUMEL / VEC; v += stride) {",
+                  *(decompose(space, "k", "v * VEC", "b_", list(packed), "      ") if packed else []),
+                  *(_pack_line(step, name, kind) for name, kind in packed.items()),
                   f"      const kf_pack<{src_t}, VEC> p = reinterpret_cast<const kf_pack<{src_t}, VEC>*>(src)[v];",
                   f"      kf_pack<{ctype}, VEC> q;",
                   "#pragma unroll",
-                  f"      for (int j = 0; j < VEC; ++j) q.v[j] = kf_store<{ctype}>(element(v * VEC + j, kf_load(p.v[j])));",
+                  f"      for (int j = 0; j < VEC; ++j) q.v[j] = kf_store<{ctype}>(element(v * VEC + j, kf_load(p.v[j])"
+                  + "".join(f", kf_load(k_{n}.v[j])" if kind == "run" else f", k_{n}" for n, kind in packed.items())
+                  + "));",
                   f"      reinterpret_cast<kf_pack<{ctype}, VEC>*>(out)[v] = q;",
-                  "    }",
-                  "    for (INDEX i = NUMEL / VEC * VEC + first; i < NUMEL; i += stride)",
-                  f"      out[i] = kf_store<{ctype}>(element(i, kf_load(src[i])));"]
+                  "    }"]
+        if not packed:  # (a packed space's numel is a multiple of VEC: no tail)
+            lines += ["    for (INDEX i = NUMEL / VEC * VEC + first; i < NUMEL; i += stride)",
+                      f"      out[i] = kf_store<{ctype}>(element(i, kf_load(src[i])));"]
     else:
         lines += ["    for (INDEX i = first; i < NUMEL; i += stride)",
                   f"      out[i] = kf_store<{ctype}>(element(i, source(i)));"]
     lines += ["  }", "}", ""]
-    vec = 16 // max(value_dtype(step).itemsize, tensor_dtype(step, "src").itemsize) if vectorised else 1
-    return "\n".join(lines) + _flat_launcher(step, ctype, numel, vec)
+    runs = [_pointer(name) for name, kind in packed.items() if kind == "run"]
+    return "\n".join(lines) + _flat_launcher(step, ctype, numel, vec, runs)
 
 
-def _flat_launcher(step: GenStep, ctype: str, numel: int, vec: int) -> str:
+def _packed(space: Space, vec: int) -> dict[str, str]:
+    """The operands a VEC-wide access takes once per pack, by name: "run" where its VEC elements are consecutive
+    (stride 1 along the innermost dim, every other stride a multiple of VEC: aligned as the pack), "same" where it
+    is constant along the innermost dim. The innermost dim's size must be a multiple of VEC, so a pack never
+    straddles two of its rows (none where VEC is 1)."""
+    if vec == 1 or not space.sizes or space.sizes[-1] % vec:
+        return {}
+    packed = {}
+    for name, strides in space.strides.items():
+        if name in ("src", "out"):
+            continue
+        if strides[-1] == 0:
+            packed[name] = "same"
+        elif strides[-1] == 1 and all(s % vec == 0 for s in strides[:-1]):
+            packed[name] = "run"
+    return packed
+
+
+def _pointer(name: str) -> str:
+    """The kernel's pointer parameter for tensor `name` of tensor_args."""
+    if name.startswith("in"):
+        return f"p_{name}_p"
+    return f"e_in{name[2:]}_p" if name.startswith("ep") else name
+
+
+def _pack_line(step: GenStep, name: str, kind: str) -> str:
+    ptr, ctype = _pointer(name), operand_ctype(step, name)
+    if kind == "same":
+        return f"      const float k_{name} = kf_load({ptr}[b_{name}]);"
+    return f"      const kf_pack<{ctype}, VEC> k_{name} = kf_pack_load<{ctype}, VEC>({ptr} + b_{name});"
+
+
+def _flat_launcher(step: GenStep, ctype: str, numel: int, vec: int, runs: list[str]) -> str:
+    """VEC-wide where the source, the output and the packed runs (`runs`: their kernel pointer names, which are
+    the launcher's own but for the program operands') are 16-byte aligned, else one element at a time."""
     k = step.kernel
     params, args = launch_params(step, ctype)
-    aligned = "((uintptr_t)src % 16 == 0) && ((uintptr_t)out % 16 == 0)"
+    names = {_pointer(n): n for n, _ in tensor_args(step)}
+    aligned = " && ".join(f"((uintptr_t){p} % 16 == 0)" for p in ["src", "out", *(names[r] for r in runs)])
     launch = (f"{k}_kernel<{{VEC}}><<<kf_blocks({numel}LL / {{VEC}}, {BLOCK}), {BLOCK}, 0, stream>>>({args}, "
               f"({ctype}*)out);")
     body = f"  if ({aligned})\n    {launch.format(VEC=vec)}\n  else\n    {launch.format(VEC=1)}" if vec > 1 \

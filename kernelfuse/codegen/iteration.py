@@ -95,7 +95,9 @@ def extent(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
     return 1 + sum((d - 1) * s for d, s in zip(shape, stride, strict=True) if d > 0)
 
 
-def space_of(step: GenStep) -> Space:
+def space_of(step: GenStep, epilogue: bool = False) -> Space:
+    """The step's merged iteration space (a permuted output's in its memory order); `epilogue`: with the strides of
+    the epilogue's operands too (as `ep{i}`), where the epilogue runs over the same space (a flat kernel's)."""
     spec = step.spec
     space = step.prologue.space
     reduced = set(spec.reduced) if spec is not None else set()  # type: ignore[attr-defined]
@@ -104,6 +106,11 @@ def space_of(step: GenStep) -> Space:
     strides.update({f"in{i}": o.strides for i, o in enumerate(step.prologue.operands)})
     if step.mapped is not None:
         strides.update({f"m{i}": o.strides for i, o in enumerate(step.mapped.operands)})
+    if epilogue and shape_numel(step.epilogue.space) == shape_numel(space):
+        for i, o in enumerate(step.epilogue.operands):
+            viewed = _viewed(o.strides, tuple(step.epilogue.space), tuple(space))
+            if viewed is not None:
+                strides[f"ep{i}"] = viewed
     if spec is not None:
         for name in ("weight", "bias"):
             if getattr(spec, name) is not None:
@@ -116,6 +123,16 @@ def space_of(step: GenStep) -> Space:
         classes = tuple(classes[d] for d in order)
         strides = {name: tuple(v[d] for d in order) for name, v in strides.items()}
     return merge_space(space, classes, strides)
+
+
+def _viewed(strides: tuple[int, ...], shape: tuple[int, ...], space: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The strides of a tensor over `shape` viewed as `space` (same numel), or None where no such view exists."""
+    if shape == space:
+        return strides
+    try:
+        return tuple(torch.empty_strided(shape, strides, device="meta").view(space).stride())
+    except RuntimeError:
+        return None
 
 
 def memory_order(step: GenStep) -> tuple[int, ...] | None:
@@ -154,8 +171,9 @@ def decompose(space: Space, cls: str, var: str, prefix: str, names: list[str], i
     return lines
 
 
-def epilogue_lines(step: GenStep, index: str, ind: str) -> list[str]:
-    """The epilogue at output flat index `index` (operands indexed through the output's shape)."""
+def epilogue_lines(step: GenStep, index: str, ind: str, given: dict[str, str] | None = None) -> list[str]:
+    """The epilogue at output flat index `index` (operands indexed through the output's shape, or the float
+    expressions `given` by name `in{i}`)."""
     shape = step.epilogue.space  # the reduction's value; a reshape after it keeps the flat index
     order = memory_order(step)  # or a permuted output's memory order, as space_of iterates it
     if order is not None:
@@ -164,7 +182,7 @@ def epilogue_lines(step: GenStep, index: str, ind: str) -> list[str]:
         shape = tuple(shape[d] for d in order)
     offsets = {f"in{i}": offset_expr(o.strides if order is None else tuple(o.strides[d] for d in order), shape,
                                      f"({index})") for i, o in enumerate(step.epilogue.operands)}
-    return program_lines(step.epilogue, "y", offsets, "e_", ind, C_TYPES.get(value_dtype(step), "float"))
+    return program_lines(step.epilogue, "y", offsets, "e_", ind, C_TYPES.get(value_dtype(step), "float"), given)
 
 
 AFFINE_TENSORS = ("weight", "bias", "run_mean", "run_var")
@@ -227,19 +245,24 @@ def pointer_params(step: GenStep, ctype: str) -> str:
     return ", ".join(params)
 
 
-def value_lambda(step: GenStep, space: Space, cls: str, row_prefix: str | None) -> list[str]:
+def value_lambda(step: GenStep, space: Space, cls: str, row_prefix: str | None,
+                 given: tuple[str, ...] = ()) -> list[str]:
     """`value_at(r, acc)`: the prologue at element r (of the row, or flat) given the source value `acc`;
-    `source(r)`: the source element loaded through its strides; `value(r)`: the two together."""
-    operands = [f"in{i}" for i in range(len(step.prologue.operands))]
+    `source(r)`: the source element loaded through its strides; `value(r)`: the two together. Operands named in
+    `given` (`in{i}`) are value_at's parameters `x_in{i}` after acc, loaded by the caller (and there is no
+    `value`)."""
+    operands = [f"in{i}" for i in range(len(step.prologue.operands)) if f"in{i}" not in given]
     base = (lambda n: f"{row_prefix}{n} + o_{n}") if row_prefix else (lambda n: f"o_{n}")
-    lines = ["    auto value_at = [&](INDEX r, float acc) -> float {"]
+    params = "".join(f", float x_{n}" for n in given)
+    lines = [f"    auto value_at = [&](INDEX r, float acc{params}) -> float {{"]
     lines += decompose(space, cls, "r", "o_", operands, "      ") if operands else []
     lines += program_lines(step.prologue, "acc", {n: base(n) for n in operands}, "p_", "      ",
-                           C_TYPES.get(step.source.meta.dtype, "float"))
+                           C_TYPES.get(step.source.meta.dtype, "float"), {n: f"x_{n}" for n in given})
     lines += ["      return p_result;", "    };", "    auto source = [&](INDEX r) -> float {"]
     lines += decompose(space, cls, "r", "o_", ["src"], "      ")
-    lines += [f"      return kf_load(src[{base('src')}]);", "    };",
-              "    auto value = [&](INDEX r) -> float { return value_at(r, source(r)); };"]
+    lines += [f"      return kf_load(src[{base('src')}]);", "    };"]
+    if not given:
+        lines.append("    auto value = [&](INDEX r) -> float { return value_at(r, source(r)); };")
     return lines
 
 
