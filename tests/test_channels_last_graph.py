@@ -156,3 +156,14 @@ def test_a_squeeze_excite_block_broadcasts_its_gate_in_channels_last_order(tmp_p
     assert emulated_against_interpreter(plan, tmp_path, ulps=1 if autocast else 16) == len(plan.generated)
     (check,) = check_plans(problem, model, graph, [plan])
     assert check.ok, check
+
+
+def test_a_group_norm_between_convolutions_reads_a_contiguous_copy(tmp_path):
+    # CUDA's native_group_norm takes contiguous inputs only (the CPU's, which propagates the layouts, takes
+    # channels-last too): the graph copies its input back to NCHW (found on a UNet block, whose file failed)
+    _, _, graph, _ = _plans(tmp_path, "self.conv2(F.group_norm(y, 4))")
+    cl = channels_last_graph(graph)
+    (norm,) = [n for n in cl.nodes if n.op == "native_group_norm.default"]
+    assert cl[norm.args[0]].meta.is_dense_contiguous
+    assert cl[norm.args[0]].op == "clone.default"
+    assert all(n.meta.stride[1] == 1 for n in cl.nodes if n.op == "convolution.default")  # channels-last still

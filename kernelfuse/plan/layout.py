@@ -51,6 +51,8 @@ def channels_last_graph(graph: Graph) -> Graph | None:
             nodes.append(Node(cl, "clone.default", (Ref(node.name), ("kw", "memory_format", fmt)), None))
             renamed[node.name] = cl
     propagated = _propagate(nodes)
+    if propagated is not None and any(_needs_contiguous(n, propagated[1]) for n in propagated[0]):
+        propagated = _propagate(_contiguous_before(propagated[0], propagated[1], names))
     if propagated is None:
         return None
     nodes, metas = propagated
@@ -66,6 +68,31 @@ def channels_last_graph(graph: Graph) -> Graph | None:
         nodes.append(Node(back, "clone.default", (ref, ("kw", "memory_format", torch.contiguous_format)), before))
         outputs.append(Ref(back))
     return Graph(tuple(nodes), tuple(outputs), graph.training, graph.modes, graph.call, graph.autocast)
+
+
+# ops whose CUDA kernels take only contiguous inputs where the CPU's (which propagate the layouts here) also take
+# channels-last ones: ATen's group_norm makes its input contiguous before calling native_group_norm on CUDA
+CONTIGUOUS_ON_CUDA = {"native_group_norm.default"}
+
+
+def _needs_contiguous(node: Node, metas: dict[str, TensorMeta]) -> bool:
+    if node.op not in CONTIGUOUS_ON_CUDA or not isinstance(node.args[0], Ref):
+        return False
+    meta = metas.get(node.args[0].name)
+    return meta is not None and not meta.is_dense_contiguous
+
+
+def _contiguous_before(nodes: list[Node], metas: dict[str, TensorMeta], names: set[str]) -> list[Node]:
+    """`nodes` with a contiguous copy of the input of each op that needs one on CUDA (CONTIGUOUS_ON_CUDA)."""
+    out = []
+    for node in nodes:
+        if _needs_contiguous(node, metas):
+            copy = _fresh(f"{node.args[0].name}_contiguous", names)
+            out.append(Node(copy, "clone.default", (node.args[0], ("kw", "memory_format", torch.contiguous_format)),
+                            None))
+            node = replace(node, args=(Ref(copy), *node.args[1:]))
+        out.append(node)
+    return out
 
 
 def _channels_last_conv(graph: Graph, node: Node) -> bool:
