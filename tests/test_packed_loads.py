@@ -82,3 +82,34 @@ def test_an_unaligned_operand_takes_the_one_element_kernel(tmp_path):
     unaligned = getattr(emu.kernels, step.kernel)(tensors[0], shifted, *tensors[2:])
     assert torch.equal(aligned, unaligned)
     assert not aligned.isnan().any()
+
+
+GATED = """
+def __init__(self):
+    super().__init__()
+    self.proj = nn.Linear(16, 64)
+
+def forward(self, x):
+    a, gate = self.proj(x).chunk(2, -1)
+    return a * F.gelu(gate)
+"""
+
+
+def test_a_source_read_at_offsets_of_its_own_moves_vec_elements_per_access(tmp_path):
+    # GEGLU's halves: the source and the operand are chunks of one wider tensor (rows of 64, 32 elements each),
+    # the output is contiguous; both run along the innermost dim with it
+    path = write_problem(tmp_path, "gated", GATED, "[torch.randn(2, 8, 16)]")
+    problem = load_problem(path)
+    graph = rewrite(capture(problem, build_model(problem).eval()))
+    plan = plan_variants(graph, "strict")[0]
+    (step,) = [s for s in plan.generated if "gelu" in s.chain(plan.graph)]
+    assert step.source.strides != step.out_meta.stride
+    assert "kf_pack_load<float, VEC>(src + b_src)" in generate(plan).cuda
+    emu = emulated(plan, tmp_path)
+    wide = torch.randn(2, 8, 64)
+    a, gate = wide.chunk(2, -1)
+    names = [name for name, _ in tensor_args(step)]
+    got = getattr(emu.kernels, step.kernel)(*(gate if step.source.ref.name == ref.name else a
+                                              for _, ref in tensor_args(step)))
+    assert names == ["src", "in0"]
+    torch.testing.assert_close(got, a * torch.nn.functional.gelu(gate), rtol=1e-6, atol=1e-6)

@@ -92,9 +92,15 @@ def _flat_kernel(step: GenStep, ctype: str) -> str:
     spec = step.spec
     # a permuted output (channels-last, say) is iterated in its memory order (kernelfuse.codegen.iteration.space_of):
     # its writes, and the reads of a source laid out alike, are contiguous and move VEC elements per access
-    vectorised = space.strides["src"] == space.strides["out"]
-    vec = 16 // max(value_dtype(step).itemsize, tensor_dtype(step, "src").itemsize) if vectorised else 1
+    # (or a source that runs along the innermost dim with it, as a chunk of a wider tensor does, read at offsets
+    # of its own)
+    same_layout = space.strides["src"] == space.strides["out"]
+    vec = 16 // max(value_dtype(step).itemsize, tensor_dtype(step, "src").itemsize)
     packed = _packed(space, vec)
+    vectorised = same_layout or packed.pop("src", None) == "run"
+    if not vectorised:
+        vec, packed = 1, {}
+    packed.pop("src", None)
     given = {name: f"x_{name}" for name in packed}
     element = ["      float y = value_at(i, acc" + "".join(f", x_{n}" for n in packed if n.startswith("in")) + ");"]
     if spec is not None:  # affine_norm: (x - running_mean) / sqrt(running_var + eps) * weight + bias
@@ -122,9 +128,12 @@ def _flat_kernel(step: GenStep, ctype: str) -> str:
               "    const INDEX stride = (INDEX)gridDim.x * blockDim.x;"]
     if vectorised:
         lines += ["    for (INDEX v = first; v < NUMEL / VEC; v += stride) {",
-                  *(decompose(space, "k", "v * VEC", "b_", list(packed), "      ") if packed else []),
+                  *(decompose(space, "k", "v * VEC", "b_", [*packed, *([] if same_layout else ["src"])], "      ")
+                    if packed or not same_layout else []),
                   *(_pack_line(step, name, kind) for name, kind in packed.items()),
-                  f"      const kf_pack<{src_t}, VEC> p = reinterpret_cast<const kf_pack<{src_t}, VEC>*>(src)[v];",
+                  f"      const kf_pack<{src_t}, VEC> p = " + (
+                      f"reinterpret_cast<const kf_pack<{src_t}, VEC>*>(src)[v];" if same_layout else
+                      f"kf_pack_load<{src_t}, VEC>(src + b_src);"),
                   f"      kf_pack<{ctype}, VEC> q;",
                   "#pragma unroll",
                   f"      for (int j = 0; j < VEC; ++j) q.v[j] = kf_store<{ctype}>(element(v * VEC + j, kf_load(p.v[j])"
@@ -132,7 +141,7 @@ def _flat_kernel(step: GenStep, ctype: str) -> str:
                   + "));",
                   f"      reinterpret_cast<kf_pack<{ctype}, VEC>*>(out)[v] = q;",
                   "    }"]
-        if not packed:  # (a packed space's numel is a multiple of VEC: no tail)
+        if not packed and same_layout:  # (a packed space's numel is a multiple of VEC: no tail)
             lines += ["    for (INDEX i = NUMEL / VEC * VEC + first; i < NUMEL; i += stride)",
                       f"      out[i] = kf_store<{ctype}>(element(i, kf_load(src[i])));"]
     else:
@@ -144,7 +153,7 @@ def _flat_kernel(step: GenStep, ctype: str) -> str:
 
 
 def _packed(space: Space, vec: int) -> dict[str, str]:
-    """The operands a VEC-wide access takes once per pack, by name: "run" where its VEC elements are consecutive
+    """The tensors a VEC-wide access reads once per pack, by name: "run" where its VEC elements are consecutive
     (stride 1 along the innermost dim, every other stride a multiple of VEC: aligned as the pack), "same" where it
     is constant along the innermost dim. The innermost dim's size must be a multiple of VEC, so a pack never
     straddles two of its rows (none where VEC is 1)."""
@@ -152,7 +161,7 @@ def _packed(space: Space, vec: int) -> dict[str, str]:
         return {}
     packed = {}
     for name, strides in space.strides.items():
-        if name in ("src", "out"):
+        if name == "out":
             continue
         if strides[-1] == 0:
             packed[name] = "same"
