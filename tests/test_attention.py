@@ -1,7 +1,8 @@
 """The attention rule and kernel family: SDPA nodes and hand-written attention become one flash-attention step
 (kernelfuse.plan.attention), proven in float64 through the plan interpreter; the generated kernel, run on the CPU
 through tests/fixtures/cuda_emulation.h and the emitted binding, matches eager on odd sizes (S and L not tile
-multiples, causal, bool and additive masks, grouped-query heads, head dims 32 to 256)."""
+multiples, causal, bool and additive masks, grouped-query heads, head dims 32 to 256); bf16's flash kernel (cp.async,
+ldmatrix) runs there too, in both block shapes."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from emulation_helpers import emulated
 from torch import nn
 
 from kernelfuse.capture import capture_module
-from kernelfuse.codegen.attention import uses_tensor_cores
+from kernelfuse.codegen import attention
+from kernelfuse.codegen.attention import flash_warps, input_strides, uses_tensor_cores
 from kernelfuse.plan import PlanOptions, interpret, make_plan
 from kernelfuse.plan.attention import SDPA, attention_reference
 from kernelfuse.plan.interpret import call_aten
@@ -89,6 +91,8 @@ CASES = {
     "sdpa_d32": (_sdpa(), [_randn(2, 3, 70, 32), _randn(2, 3, 70, 32), _randn(2, 3, 70, 32)], "sdpa"),
     "sdpa_causal_d64": (_sdpa(is_causal=True), [_randn(1, 2, 67, 64), _randn(1, 2, 67, 64), _randn(1, 2, 67, 64)],
                         "sdpa"),
+    "sdpa_causal_s150_l170_d32": (_sdpa(is_causal=True), [_randn(1, 2, 150, 32), _randn(1, 2, 170, 32),
+                                                          _randn(1, 2, 170, 32)], "sdpa"),  # several query tiles
     "sdpa_bool_mask_d40": (_sdpa(), [_randn(2, 2, 19, 40), _randn(2, 2, 77, 40), _randn(2, 2, 77, 40),
                                      _bool_mask(19, 77)], "sdpa"),
     "sdpa_add_mask_3d": (_sdpa(scale=0.2), [_randn(3, 5, 48), _randn(3, 70, 48), _randn(3, 70, 48),
@@ -264,11 +268,14 @@ TENSOR_CORE_CASES = sorted(n for n in CASES if not n.endswith(("d40", "d256"))) 
 
 @pytest.mark.parametrize("name", TENSOR_CORE_CASES)
 def test_emulated_bf16_tensor_core_kernel_matches_the_reference(name, tmp_path):
-    """bf16 on tensor cores: mma.sync m16n8k16 emulated from its PTX fragment layouts, against the float64
-    reference of the same bf16 inputs (probabilities rounded to bf16 for the second product: bf16 tolerance)."""
+    """bf16 on tensor cores: mma.sync m16n8k16, ldmatrix and cp.async emulated from their PTX layouts, against the
+    float64 reference of the same bf16 inputs (probabilities rounded to bf16 for the second product: bf16
+    tolerance). q, k and v contiguous along d take the flash kernel (64 queries a block at these sizes); k strided
+    along d the first tensor-core kernel."""
     model, inputs, graph, plan = _planned(name, torch.bfloat16)
     step: AttnStep = plan.attention[0]
     assert uses_tensor_cores(step)
+    assert flash_warps(step, input_strides(step)) == (0 if name == "sdpa_strided_k_d32" else 4)
     with torch.no_grad():
         env = _values(graph, model, inputs)
     emu = emulated(plan, tmp_path)
@@ -277,6 +284,86 @@ def test_emulated_bf16_tensor_core_kernel_matches_the_reference(name, tmp_path):
     assert got.dtype == torch.bfloat16 and got.stride() == env[step.out].stride()
     reference = attention_reference(step, *args[:3], args[3] if len(args) > 3 else None)
     torch.testing.assert_close(got.float(), reference.float(), rtol=2e-2, atol=2e-2, equal_nan=True)
+
+
+FLASH_8_WARP_CASES = ["handwritten_causal_d96", "handwritten_relu_d64", "sdpa_causal_s150_l170_d32", "sdpa_gqa_d128"]
+
+
+@pytest.mark.parametrize("device", ["emulated", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("name", FLASH_8_WARP_CASES)
+def test_bf16_flash_kernel_with_8_warps(name, device, tmp_path, monkeypatch):
+    """The flash kernel's 128-query blocks (chosen where they fill every SM: here with the SM count patched to 1):
+    warps whose rows are all past S or before a causal tile's first key sit tiles out, a bool mask skips tiles."""
+    monkeypatch.setattr(attention, "SMS", 1)
+    model, inputs, graph, plan = _planned(name, torch.bfloat16)
+    step: AttnStep = plan.attention[0]
+    assert flash_warps(step, input_strides(step)) == 8
+    if device == "cuda":
+        from kernelfuse.codegen import generate
+        from kernelfuse.emit.module import load_kernels
+
+        kernels = load_kernels(generate(plan), f"attention_flash8_{name}")
+        model, inputs = model.cuda(), [t.cuda() for t in inputs]
+    else:
+        kernels = emulated(plan, tmp_path).kernels
+    with torch.no_grad():
+        env = _values(graph, model, inputs)
+    args = [env[i.ref.name] for i in step.inputs]
+    got = getattr(kernels, step.kernel)(*args)
+    reference = attention_reference(step, *args[:3], args[3] if len(args) > 3 else None)
+    torch.testing.assert_close(got.float(), reference.float(), rtol=2e-2, atol=2e-2, equal_nan=True)
+
+
+_LDMATRIX_CHECK = r"""
+static unsigned short tile[16 * 24];  // 16 x 16 bf16 words, rows padded to 24
+static std::atomic<int> wrong{0};
+inline unsigned int pair(int r0, int c0, int r1, int c1) {  // (r0, c0) low, (r1, c1) high
+  return tile[r0 * 24 + c0] | (unsigned)tile[r1 * 24 + c1] << 16;
+}
+extern "C" int check() {
+  for (int i = 0; i < 16 * 24; ++i) tile[i] = (unsigned short)(i * 7 + 1);
+  kf_emu_launch(dim3(1), 32, [&] {
+    const int lane = threadIdx.x, g = lane / 4, t = lane % 4;
+    unsigned int a[4], k[4], v[4];
+    // the flash kernel's addressing: the tile as A (16 x 16), as keys (two groups of 8 rows, k16 along the row),
+    // as values (k16 down the rows, two groups of 8 columns)
+    kf_ldmatrix_x4(a, tile + lane % 16 * 24 + lane / 16 * 8);
+    kf_ldmatrix_x4(k, tile + (lane % 8 + lane / 16 * 8) * 24 + lane / 8 % 2 * 8);
+    kf_ldmatrix_x4_trans(v, tile + lane % 16 * 24 + lane / 16 * 8);
+    // mma.m16n8k16's fragments (PTX ISA): A a0..a7 = (g, 2t..+1), (g + 8, 2t..), (g, 2t + 8..), (g + 8, 2t + 8..);
+    // B b0..b3 = (k 2t..+1, n g), (k 2t + 8.., n g); keys are B[k][n] = tile[n][k], values B[k][n] = tile[k][n]
+    const unsigned int want[12] = {
+        pair(g, 2 * t, g, 2 * t + 1), pair(g + 8, 2 * t, g + 8, 2 * t + 1),
+        pair(g, 2 * t + 8, g, 2 * t + 9), pair(g + 8, 2 * t + 8, g + 8, 2 * t + 9),
+        pair(g, 2 * t, g, 2 * t + 1), pair(g, 2 * t + 8, g, 2 * t + 9),
+        pair(g + 8, 2 * t, g + 8, 2 * t + 1), pair(g + 8, 2 * t + 8, g + 8, 2 * t + 9),
+        pair(2 * t, g, 2 * t + 1, g), pair(2 * t + 8, g, 2 * t + 9, g),
+        pair(2 * t, g + 8, 2 * t + 1, g + 8), pair(2 * t + 8, g + 8, 2 * t + 9, g + 8)};
+    for (int i = 0; i < 4; ++i) wrong += (a[i] != want[i]) + (k[i] != want[4 + i]) + (v[i] != want[8 + i]);
+  });
+  return wrong;
+}
+"""
+
+
+def test_emulated_ldmatrix_gives_the_mma_fragments(tmp_path):
+    """The emulated ldmatrix x4 (and .trans), addressed as the flash kernel addresses it, yields the mma.sync
+    m16n8k16 operand fragments built directly from the PTX ISA's layouts."""
+    import ctypes
+    import shutil
+    import subprocess
+
+    from emulation_helpers import EMULATION
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler (g++/c++) on PATH")
+    cpp, lib = tmp_path / "ldmatrix.cpp", tmp_path / "ldmatrix.so"
+    cpp.write_text(f'#include "{EMULATION}"\n{_LDMATRIX_CHECK}')
+    result = subprocess.run([cxx, "-std=c++20", "-O1", "-shared", "-fPIC", "-w", "-pthread", str(cpp), "-o", str(lib)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ctypes.CDLL(str(lib)).check() == 0
 
 
 @pytest.mark.gpu
