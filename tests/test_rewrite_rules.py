@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from kernelfuse.capture import Graph, capture_module
@@ -287,6 +288,19 @@ def test_cat_without_empties(fn):
     r = prove(fn, specials(4, 6), rule="cat_without_empties", rtol=0)
     cats = [n for n in r.graph.nodes if n.op == "cat.default"]
     assert all(len(n.args[0]) == 2 for n in cats) and len(cats) <= 1
+
+
+@pytest.mark.parametrize("fn", [
+    lambda m, x: torch.sigmoid(F.pad(x, (0, 0, 0, 0))) * 2,  # Swin's window padding on its own shapes
+    lambda m, x: F.pad(x.t(), [0, 0]),  # a transposed input: the copy keeps its strides, as ATen's clone does
+])
+def test_pad_without_padding(fn):
+    r = prove(fn, specials(4, 6), rule="pad_without_padding", rtol=0)
+    assert not [n for n in r.graph.nodes if n.op == "constant_pad_nd.default"]
+
+
+def test_pad_without_padding_keeps_a_real_pad():
+    prove(lambda m, x: F.pad(x, (0, 1)) * 2, signed(4, 6), rule="pad_without_padding", fires=False)
 
 
 def test_cat_without_empties_keeps_a_promoting_empty():

@@ -71,6 +71,19 @@ def cat_without_empties(graph: Graph, node: Node) -> Replacement | None:
     return b.done(out, f"cat without its {len(tensors) - len(kept)} empty operand(s)")
 
 
+def pad_without_padding(graph: Graph, node: Node) -> Replacement | None:
+    """constant_pad_nd with every pad 0 is a copy of its input: a `clone` (what ATen itself returns then), which
+    fuses into a kernel, or which drop_identities bypasses, where the copy ran on its own (torchvision's Swin pads
+    each window to a multiple of its size: by 0 on its own shapes). Exact."""
+    if node.op != "constant_pad_nd.default" or len(node.args) < 2 or not isinstance(node.args[0], Ref):
+        return None
+    pad = node.args[1]
+    if not isinstance(pad, (list, tuple)) or any(p != 0 for p in pad) or graph[node.args[0]].meta != node.meta:
+        return None
+    b = Builder(graph, node)
+    return b.done(b.add("clone.default", node.args[0]), "padding by 0 is a copy")
+
+
 def _clamp_bounds(node: Node) -> tuple[float, float] | None:
     """(lo, hi) of a clamp-like op with scalar bounds (-inf/inf where unbounded), or None."""
     args = node.args[1:]

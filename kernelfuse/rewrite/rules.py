@@ -23,6 +23,7 @@ from kernelfuse.rewrite.chains import (
     common_subexpressions,
     double_views,
     neutral_scalars,
+    pad_without_padding,
 )
 from kernelfuse.rewrite.dropout import dropout_as_on_cuda
 from kernelfuse.rewrite.engine import Match, RuleFiring, drop_dead, rebuild, rewire, run_local
@@ -151,6 +152,7 @@ RULES: tuple[Rule, ...] = (
     _local(common_subexpressions),
     _local(neutral_scalars),
     _local(cat_without_empties),
+    _local(pad_without_padding),
     _local(double_views),
     _local(collapse_clamps),
     _local(size1_reductions),
