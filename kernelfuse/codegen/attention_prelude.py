@@ -255,6 +255,15 @@ __device__ __forceinline__ unsigned int kf_bf16x2(float lo, float hi) {
   return (unsigned int)kf_float_bf16(lo) | ((unsigned int)kf_float_bf16(hi) << 16);
 #endif
 }
+// The probabilities of keys 16 kk .. 16 kk + 15 as an A fragment: the C fragments of key groups 2 kk and 2 kk + 1
+// (the scores' accumulators, exponentiated in place), rounded to bf16
+template <int NT>
+__device__ __forceinline__ void kf_attn_probs(const float (&s)[NT][4], int kk, unsigned int (&a)[4]) {
+  a[0] = kf_bf16x2(s[2 * kk][0], s[2 * kk][1]);
+  a[1] = kf_bf16x2(s[2 * kk][2], s[2 * kk][3]);
+  a[2] = kf_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+  a[3] = kf_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+}
 #ifndef KF_EMULATION
 __device__ __forceinline__ void kf_mma_bf16_16816(float (&d)[4], const unsigned int (&a)[4], unsigned int b0,
                                                   unsigned int b1) {
@@ -384,9 +393,8 @@ __global__ void __launch_bounds__(128) kf_attention_tc_kernel(const kf_attn_para
       }
 """ + _ONLINE_SOFTMAX + r"""#pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {  // the scores' C fragments are the probabilities' A fragments
-      const unsigned int a[4] = {kf_bf16x2(s[2 * kk][0], s[2 * kk][1]), kf_bf16x2(s[2 * kk][2], s[2 * kk][3]),
-                                 kf_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                 kf_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      unsigned int a[4];
+      kf_attn_probs(s, kk, a);
 #pragma unroll
       for (int j = 0; j < DT; ++j) {
         const unsigned short* value = vt + (j * 8 + g) * KP + kk * 16 + 2 * t;
@@ -562,9 +570,8 @@ __global__ void __launch_bounds__(WARPS * 32, (D <= 64 ? 16 : 8) / WARPS)
       }
 """ + _ONLINE_SOFTMAX_EXP2 + r"""#pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {  // the scores' C fragments are the probabilities' A fragments
-      const unsigned int a[4] = {kf_bf16x2(s[2 * kk][0], s[2 * kk][1]), kf_bf16x2(s[2 * kk][2], s[2 * kk][3]),
-                                 kf_bf16x2(s[2 * kk + 1][0], s[2 * kk + 1][1]),
-                                 kf_bf16x2(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+      unsigned int a[4];
+      kf_attn_probs(s, kk, a);
 #pragma unroll
       for (int j = 0; j < DT; j += 2) {  // dim groups j and j + 1
         unsigned int vb[4];
