@@ -248,6 +248,51 @@ def test_a_norm_and_a_softmax_store_autocasts_bf16_cast_themselves(tmp_path, n, 
     assert check.ok, check
 
 
+LINEAR_THEN_NORM = """
+def __init__(self):
+    super().__init__()
+    self.fc = nn.Linear(32, {cols})
+    self.ln = nn.LayerNorm({norm})
+    with torch.no_grad():
+        self.ln.weight.uniform_(0.5, 1.5)
+        self.ln.bias.uniform_(-0.5, 0.5)
+
+def forward(self, x):
+    return self.ln(self.fc(x).permute({perm})) * 2.0
+"""
+
+
+@pytest.mark.parametrize(("rows", "cols", "perm", "family"), [(256, 64, "0, 1", "row"), (96, 48, "1, 0", "row"),
+                                                            (2, 65536, "0, 1", "split")])
+def test_a_norm_reads_autocasts_widened_bf16_source_itself(tmp_path, rows, cols, perm, family):
+    # autocast casts a bf16 Linear output to fp32 before a LayerNorm: the norm's kernel reads the bf16 value and
+    # computes in fp32 (the widened value is exact), instead of a torch copy before it; rows contiguous, strided
+    # (over a permuted output, as ConvNeXt's), or split across blocks
+    from kernelfuse.codegen.generated import _family
+    from kernelfuse.plan.ir import TorchStep
+
+    norm_size = cols if perm == "0, 1" else rows
+    body = LINEAR_THEN_NORM.format(cols=cols, norm=norm_size, perm=perm)
+    path = write_problem(tmp_path, "linear_norm", body, f"[torch.randn({rows}, 32)]")
+    problem = load_problem(path)
+    model = build_model(problem)
+    graph = rewrite(capture(problem, model, autocast=torch.bfloat16))
+    plan = plan_variants(graph, "bf16")[0]
+    (norm,) = [s for s in plan.generated if s.spec is not None and s.spec.kind == "norm"]
+    assert norm.source.meta.dtype == torch.bfloat16 and norm.reads_as == torch.float32
+    assert [st.aten for st in norm.prologue.statements] == ["_to_copy.default"]
+    assert _family(norm) == family
+    torch_casts = [s.node for s in plan.steps if isinstance(s, TorchStep) and s.node.op == "_to_copy.default"]
+    assert all(graph[c.args[0]].op in ("input", "param") for c in torch_casts), plan.summary()  # weights, x only
+    sources = generate(plan)
+    assert "const __nv_bfloat16* __restrict__ src, const float* __restrict__ weight" in sources.cuda
+    check_bindings(plan, sources)
+    # fp32 out: the norm's Welford arithmetic and ATen's CPU one differ by a few ulps
+    assert emulated_against_interpreter(plan, tmp_path, ulps=64) == len(plan.generated)
+    (check,) = check_plans(problem, model, graph, [plan])
+    assert check.ok, check
+
+
 CASTS = """
 def forward(self, x):
     y = (x.half() * 3.0).float() + x

@@ -89,9 +89,15 @@ def test_cpu_check_of_a_wrong_plan_fails() -> None:
     def relu_for_gelu(step: object) -> object:
         if not isinstance(getattr(step, "epilogue", None), (Epilogue, Program)):
             return step
-        statements = tuple(replace(st, op="relu", aten="relu.default", params=()) if st.aten == "gelu.default"
-                           else st for st in step.epilogue.statements)
-        return replace(step, epilogue=replace(step.epilogue, statements=statements))
+        programs = {}
+        for name in ("prologue", "epilogue"):  # a norm's prologue holds the gelu it reads widened
+            program = getattr(step, name, None)
+            if program is None:
+                continue
+            statements = tuple(replace(st, op="relu", aten="relu.default", params=()) if st.aten == "gelu.default"
+                               else st for st in program.statements)
+            programs[name] = replace(program, statements=statements)
+        return replace(step, **programs)
 
     wrong = replace(plan, steps=tuple(relu_for_gelu(s) for s in plan.steps))
     assert wrong.steps != plan.steps, "the plan has no generated gelu to break"

@@ -190,14 +190,14 @@ AFFINE_TENSORS = ("weight", "bias", "run_mean", "run_var")
 
 def tensor_dtype(step: GenStep, name: str) -> torch.dtype:
     """The dtype the kernel reads tensor `name` of tensor_args as: an operand's own (a bool mask read as 1.0f or
-    0.0f; another float dtype in a pointwise kernel that mixes them), the source's in a pointwise kernel, an
-    affine parameter's own where the spec says (param_dtype), else the kernel's (value_dtype). The binding checks
+    0.0f; another float dtype in a pointwise kernel that mixes them), the source's own, an affine parameter's
+    own where the spec says (param_dtype), else the kernel's (value_dtype). The binding checks
     each tensor against it."""
     programs = {"in": step.prologue, "ep": step.epilogue, "m": step.mapped}
     for prefix, program in programs.items():
         if program is not None and name.startswith(prefix) and name[len(prefix):].isdigit():
             return program.operands[int(name[len(prefix):])].meta.dtype
-    if name == "src" and step.spec is None:
+    if name == "src":
         return step.source.meta.dtype
     if name in AFFINE_TENSORS and getattr(step.spec, "param_dtype", None) is not None:
         return step.spec.param_dtype  # type: ignore[union-attr]
@@ -211,8 +211,11 @@ def operand_ctype(step: GenStep, name: str) -> str:
 
 
 def value_dtype(step: GenStep) -> torch.dtype:
-    """The dtype a kernel reads and computes in: a reduction's source's (it may write another: argmax/argmin an
-    int64 index, a norm whose epilogue ends in autocast's cast to bf16), else a pointwise kernel's output's."""
+    """The dtype a kernel computes in: a reduction's source's, or the one its prologue widens that to (reads_as);
+    it may write another (argmax/argmin an int64 index, a norm whose epilogue ends in autocast's cast to bf16).
+    A pointwise kernel's output's."""
+    if step.reads_as is not None:
+        return step.reads_as
     if step.spec is not None or step.out_meta.dtype == torch.int64:
         return step.source.meta.dtype
     return step.out_meta.dtype

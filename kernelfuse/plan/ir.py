@@ -125,7 +125,10 @@ class GenStep:
 
     `mapped` (reduce-then-broadcast of a plain reduction, `x / sqrt(mean(x * x) + eps)`): a program over the
     source's space whose `acc` is the row's value after the epilogue; the kernel writes its result for every
-    element of the row instead of the row's value."""
+    element of the row instead of the row's value.
+
+    `reads_as`: the dtype a reduction computes in where its prologue widens the source to it (autocast's cast of a
+    bf16 activation to fp32 before a LayerNorm or softmax); None: the source's own."""
 
     kernel: str
     source: Operand
@@ -137,6 +140,7 @@ class GenStep:
     replaces: tuple[str, ...]
     out: str
     mapped: Program | None = None
+    reads_as: torch.dtype | None = None
 
     def chain(self, graph: Graph) -> str:
         return " -> ".join(graph[n].op.split(".")[0] for n in self.replaces if graph[n].op != "getitem")

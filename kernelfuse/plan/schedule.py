@@ -16,7 +16,7 @@ import torch
 from kernelfuse.capture import Graph, Node, Ref, TensorMeta
 from kernelfuse.ops import POINTWISE_BY_ATEN
 from kernelfuse.ops.anchors import RESHAPES
-from kernelfuse.ops.reductions import ReduceSpec
+from kernelfuse.ops.reductions import HALF_DTYPES, ReduceSpec
 from kernelfuse.ops.scans import GENERATED_BY_ATEN
 from kernelfuse.plan.ir import EArg, GenStep, Operand, Program, Statement
 
@@ -108,8 +108,10 @@ def _kernel_from(graph: Graph, seed: Node, used: set[str], kernel: str, reasons:
         return None
     # a weight's cast under autocast, an activation's before a GEMM: nothing to fuse it with
     if all(m.op in CASTS or m.op in RESHAPES for m in chain.members):
-        reasons[seed.name] = "a cast alone: torch's copy is the same single pass (no kernel to build)"
-        return None
+        widened = _widening_into_row_kernel(graph, chain, used, kernel, reasons)
+        if widened is None:
+            reasons[seed.name] = "a cast alone: torch's copy is the same single pass (no kernel to build)"
+        return widened
     last = chain.members[-1]
     readers = graph.users(last.name)
     if len(readers) == 1 and readers[0].op in GENERATED_BY_ATEN and not graph.is_output(last.name) \
@@ -119,6 +121,29 @@ def _kernel_from(graph: Graph, seed: Node, used: set[str], kernel: str, reasons:
         if step is not None:
             return step
     return _pointwise_kernel(graph, _buildable(graph, chain), kernel)
+
+
+def _widening_into_row_kernel(graph: Graph, chain: _Chain, used: set[str], kernel: str,
+                              reasons: dict[str, str]) -> GenStep | None:
+    """The kernel of the norm or softmax that alone reads a widening cast (autocast's bf16 -> fp32 before a
+    LayerNorm or softmax), with the cast as its prologue: it reads the half-precision source and computes in
+    fp32. The widened value is exact, so the kernel's values are those of the cast followed by the op. None where
+    the chain is not one such cast or its reader cannot take it."""
+    (cast,) = chain.members if len(chain.members) == 1 else (None,)
+    if cast is None or cast.op not in CASTS or cast.meta is None or cast.meta.dtype != torch.float32:
+        return None
+    src = graph[cast.args[0]].meta if isinstance(cast.args[0], Ref) else None
+    readers = graph.users(cast.name)
+    if src is None or src.dtype not in HALF_DTYPES or len(readers) != 1 or graph.is_output(cast.name):
+        return None
+    reader = readers[0]
+    row = GENERATED_BY_ATEN.get(reader.op)
+    if row is None or reader.name in used or not reader.args or reader.args[0] != Ref(cast.name):
+        return None
+    spec = row.parse(graph, reader)
+    if isinstance(spec, str) or spec.kind not in CAST_KINDS or spec.window is not None:
+        return None
+    return _reduction_kernel(graph, reader, chain, used, kernel, reasons)
 
 
 def _buildable(graph: Graph, chain: _Chain) -> _Chain:
@@ -260,13 +285,15 @@ def _reduction_kernel(graph: Graph, node: Node, prologue: _Chain | None, used: s
         _, epilogue = build_program(graph, epi_members, out_meta, out_meta.shape, acc=value)
         out = cast.name
     replaces += [m.name for m in epi_members]
+    reads_as = src_meta.dtype if source.meta.dtype != src_meta.dtype else None  # a widening cast's prologue
     mapped = _broadcast_consumer(graph, spec, value, out, src_meta, used | set(replaces))
     if mapped is not None:  # the row's value is read back by every element of the row: one kernel, not two
         members, consumer = mapped
         replaces += [m.name for m in members]
         return GenStep(kernel, source, program, node, spec, epilogue, members[-1].meta, tuple(replaces),
-                       members[-1].name, mapped=consumer)
-    return GenStep(kernel, source, program, node, spec, epilogue, graph[out].meta, tuple(replaces), out)
+                       members[-1].name, mapped=consumer, reads_as=reads_as)
+    return GenStep(kernel, source, program, node, spec, epilogue, graph[out].meta, tuple(replaces), out,
+                   reads_as=reads_as)
 
 
 CAST_KINDS = ("norm", "softmax", "log_softmax")  # row kernels whose output may be stored in another float dtype
