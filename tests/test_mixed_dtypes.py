@@ -293,6 +293,39 @@ def test_a_norm_reads_autocasts_widened_bf16_source_itself(tmp_path, rows, cols,
     assert check.ok, check
 
 
+RMS_THEN_LINEAR = """
+def __init__(self):
+    super().__init__()
+    self.weight = nn.Parameter(torch.rand(64) + 0.5)
+    self.fc = nn.Linear(64, 32)
+
+def forward(self, x):
+    h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return self.fc(self.weight * h)
+"""
+
+
+def test_an_rms_norm_stores_autocasts_bf16_cast_itself(tmp_path):
+    # Llama's RMSNorm computes in fp32 and autocast casts its output to bf16 for the next Linear: the
+    # reduce-then-broadcast kernel stores bf16, instead of a torch copy after it
+    from kernelfuse.plan.ir import TorchStep
+
+    path = write_problem(tmp_path, "rms_linear", RMS_THEN_LINEAR, "[torch.randn(4, 256, 64)]")  # 1024 rows
+    problem = load_problem(path)
+    model = build_model(problem)
+    graph = rewrite(capture(problem, model, autocast=torch.bfloat16))
+    plan = plan_variants(graph, "bf16")[0]
+    (rms,) = [s for s in plan.generated if s.mapped is not None]
+    assert rms.source.meta.dtype == torch.float32 and rms.out_meta.dtype == torch.bfloat16
+    assert rms.mapped.statements[-1].aten == "_to_copy.default"
+    torch_casts = [s.node for s in plan.steps if isinstance(s, TorchStep) and s.node.op == "_to_copy.default"]
+    assert not any(c.args[0].name in rms.replaces for c in torch_casts), plan.summary()
+    check_bindings(plan, generate(plan))
+    assert emulated_against_interpreter(plan, tmp_path) == len(plan.generated)
+    (check,) = check_plans(problem, model, graph, [plan])
+    assert check.ok, check
+
+
 CASTS = """
 def forward(self, x):
     y = (x.half() * 3.0).float() + x

@@ -303,8 +303,13 @@ def _trailing_cast(graph: Graph, spec: ReduceSpec, value: str, claimed: set[str]
     """The cast to another float dtype that is the only reader of a norm's or softmax's output (autocast casts a
     LayerNorm's fp32 output to bf16 before each Linear), or None. The kernel computes in the source's dtype and
     rounds once to the cast's where it stores (kernelfuse.codegen.iteration.out_ctype)."""
+    return _sole_cast(graph, value, claimed) if spec.kind in CAST_KINDS else None
+
+
+def _sole_cast(graph: Graph, value: str, claimed: set[str]) -> Node | None:
+    """The cast to another float dtype that is the only reader of `value`, where a kernel may store it itself."""
     users = graph.users(value)
-    if spec.kind not in CAST_KINDS or graph.is_output(value) or len(users) != 1:
+    if graph.is_output(value) or len(users) != 1:
         return None
     cast = users[0]
     if cast.name in claimed or cast.op != "_to_copy.default" or cast.meta is None \
@@ -356,6 +361,9 @@ def _broadcast_consumer(graph: Graph, spec: ReduceSpec, reduced: str, value: str
     if not can_fuse_pointwise(graph, consumer, consumer.meta)[0]:
         return None
     members = _trim_reshapes(graph, _grow(graph, [consumer], consumer.meta, used).members)
+    cast = _sole_cast(graph, members[-1].name, used | {m.name for m in members})
+    if cast is not None:  # autocast's cast of an RMSNorm's output to bf16 before a Linear: stored as bf16
+        members = [*members, cast]
     _, program = build_program(graph, members, consumer.meta, spec.space, acc=value)
     return (members, program) if program.statements else None  # none: an operand cannot follow the space
 
