@@ -59,6 +59,19 @@ struct kf_attn_params {
   float scale;
 };
 
+// A kernel's opt-in to more dynamic shared memory than the default, once per device (not again inside a graph
+// capture); the kernel is a template argument, so each has flags of its own
+template <auto KERNEL>
+cudaError_t kf_attn_opt_in(int bytes) {
+  static bool ready[16] = {};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 16 && ready[dev]) return cudaSuccess;
+  const cudaError_t error = cudaFuncSetAttribute(KERNEL, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (error == cudaSuccess && dev < 16) ready[dev] = true;
+  return error;
+}
+
 // Tile geometry: 128 threads as 8 row groups x 16 lanes; a thread owns RQ query rows, CK keys of a tile and
 // DJ output columns (d = lane + 16 j). Rows of the transposed shared tiles are padded by 4 floats: fewer bank
 // conflicts on the transposing stores, and every row stays 16-byte aligned for the vector loads.
@@ -228,16 +241,10 @@ __global__ void __launch_bounds__(128) kf_attention_kernel(const kf_attn_params 
 
 template <typename T, typename M, int D, int BQ, int BK, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU>
 cudaError_t kf_attention(const kf_attn_params& p, int batch, cudaStream_t stream) {
-  auto kernel = kf_attention_kernel<T, M, D, BQ, BK, MASK, CAUSAL, EMPTY_NAN, RELU>;
+  constexpr auto kernel = kf_attention_kernel<T, M, D, BQ, BK, MASK, CAUSAL, EMPTY_NAN, RELU>;
   const int bytes = kf_attn_tile<D, BQ, BK>::FLOATS * (int)sizeof(float);
-  static bool ready[16] = {};  // the shared-memory opt-in, once per device (not again inside a graph capture)
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev >= 16 || !ready[dev]) {
-    const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (error != cudaSuccess) return error;
-    if (dev < 16) ready[dev] = true;
-  }
+  const cudaError_t opted = kf_attn_opt_in<kernel>(bytes);
+  if (opted != cudaSuccess) return opted;
   const int tiles = (p.S + BQ - 1) / BQ;
   kernel<<<(unsigned int)(tiles * (long long)batch * p.heads), 128, bytes, stream>>>(p, tiles);
   return cudaGetLastError();
@@ -664,16 +671,10 @@ __global__ void __launch_bounds__(WARPS * 32, (D <= 64 ? 256 : 128) / (WARPS * R
 
 template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, int WARPS, int ROWS>
 cudaError_t kf_attention_fa2(const kf_attn_params& p, int batch, cudaStream_t stream) {
-  auto kernel = kf_attention_fa2_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, WARPS, ROWS>;
+  constexpr auto kernel = kf_attention_fa2_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, WARPS, ROWS>;
   constexpr int BQ = WARPS * ROWS, threads = WARPS * 32, bytes = (BQ + 4 * 64) * (D + 8) * 2;
-  static bool ready[16] = {};  // the shared-memory opt-in, once per device (not again inside a graph capture)
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev >= 16 || !ready[dev]) {
-    const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (error != cudaSuccess) return error;
-    if (dev < 16) ready[dev] = true;
-  }
+  const cudaError_t opted = kf_attn_opt_in<kernel>(bytes);
+  if (opted != cudaSuccess) return opted;
   const int tiles = (p.S + BQ - 1) / BQ;
   const bool pairs =
       p.so[3] == 1 && p.so[0] % 2 == 0 && p.so[1] % 2 == 0 && p.so[2] % 2 == 0 && (uintptr_t)p.out % 4 == 0;
@@ -687,17 +688,11 @@ cudaError_t kf_attention_tc(const kf_attn_params& p, int batch, cudaStream_t str
   if constexpr (WARPS > 0)  // the plan's strides suit the flash kernel: it runs where the bases are aligned too
     if (kf_attn_vectorised(p, 2, true))
       return kf_attention_fa2<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, WARPS, ROWS>(p, batch, stream);
-  auto kernel = kf_attention_tc_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU>;
+  constexpr auto kernel = kf_attention_tc_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU>;
   constexpr int bytes_per_element = 2;
   constexpr int bytes = ((64 + 64) * (D + 8) + D * (64 + 8)) * 2;
-  static bool ready[16] = {};  // the shared-memory opt-in, once per device (not again inside a graph capture)
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev >= 16 || !ready[dev]) {
-    const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (error != cudaSuccess) return error;
-    if (dev < 16) ready[dev] = true;
-  }
+  const cudaError_t opted = kf_attn_opt_in<kernel>(bytes);
+  if (opted != cudaSuccess) return opted;
   const int tiles = (p.S + 63) / 64;
   const bool vec = kf_attn_vectorised(p, bytes_per_element);
   kernel<<<(unsigned int)(tiles * (long long)batch * p.heads), 128, bytes, stream>>>(p, tiles, vec);
@@ -835,17 +830,11 @@ __global__ void __launch_bounds__(128) kf_attention_tf32_kernel(const kf_attn_pa
 
 template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, bool SPLIT>
 cudaError_t kf_attention_tf32(const kf_attn_params& p, int batch, cudaStream_t stream) {
-  auto kernel = kf_attention_tf32_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, SPLIT>;
+  constexpr auto kernel = kf_attention_tf32_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, SPLIT>;
   constexpr int bytes_per_element = 4;
   constexpr int bytes = ((64 + 64) * (D + 4) + D * (64 + 4)) * 4;
-  static bool ready[16] = {};  // the shared-memory opt-in, once per device (not again inside a graph capture)
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev >= 16 || !ready[dev]) {
-    const cudaError_t error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-    if (error != cudaSuccess) return error;
-    if (dev < 16) ready[dev] = true;
-  }
+  const cudaError_t opted = kf_attn_opt_in<kernel>(bytes);
+  if (opted != cudaSuccess) return opted;
   const int tiles = (p.S + 63) / 64;
   const bool vec = kf_attn_vectorised(p, bytes_per_element);
   kernel<<<(unsigned int)(tiles * (long long)batch * p.heads), 128, bytes, stream>>>(p, tiles, vec);
