@@ -15,6 +15,7 @@ import torch
 from kernelfuse.capture import TensorMeta
 from kernelfuse.codegen.arg_reduce import ARG_PRELUDE, INDEX_KINDS
 from kernelfuse.codegen.attention import render_attention
+from kernelfuse.codegen.attention_flash import FLASH_PRELUDE
 from kernelfuse.codegen.attention_prelude import ATTENTION_PRELUDE
 from kernelfuse.codegen.binding import Binding, kernels_class, pointer_launcher, py_tuple
 from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, apply_function, channels_last_format
@@ -141,7 +142,7 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
     if any(keeps_rows_on_chip(g) for g in gens):
         cuda.append(ONCHIP_PRELUDE)
     if attention:
-        cuda.append(ATTENTION_PRELUDE)
+        cuda += [ATTENTION_PRELUDE, FLASH_PRELUDE]
     if any(s.anchor.epilogue_inside for s in steps):
         cuda.append(IGEMM_PRELUDE)
     bindings: list[Binding] = []
