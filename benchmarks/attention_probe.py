@@ -43,6 +43,7 @@ CASES = (
     Case("L3-28 ViT", 197, 8, 2, 64, "none"),
     Case("L3-30 Swin window", 640, 3, 49, 32, "add"),
     Case("GPT-2 small", 8, 12, 1024, 64, "causal"),
+    Case("UNet self-attn", 4, 8, 4096, 40, "none"),
 )
 BACKENDS = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
