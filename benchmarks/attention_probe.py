@@ -96,7 +96,8 @@ def sdpa(case: Case):
 
 def our_kernels(dtype: torch.dtype) -> dict[str, tuple[object, list[str]]]:
     """The planner's kernels for every case in each arithmetic (fp32: exact FMA, 3xTF32 as the strict policy gives
-    SDPA nodes, TF32 as the tf32 policy gives; bf16: tensor cores), all in one build, and each one's kernel names."""
+    SDPA nodes, TF32 as the tf32 policy gives, and 3xTF32 in the first tensor-core kernel, where the flash kernel
+    would take the case; bf16: tensor cores), and each one's kernel names."""
     example = [t for case in CASES for t in inputs_of(case, dtype, "meta")]
     plan = make_plan(capture_module(Attentions(), example))
     assert len(plan.attention) == len(CASES), plan.summary()
@@ -104,8 +105,18 @@ def our_kernels(dtype: torch.dtype) -> dict[str, tuple[object, list[str]]]:
     steps = [replace(a, kernel=f"a{i * len(CASES) + j}", math=m) for i, m in enumerate(maths)
              for j, a in enumerate(plan.attention)]
     kernels = load_kernels(generate(replace(plan, steps=tuple(steps))), f"attention_probe_{str(dtype)[6:]}")
-    return {f"kernelfuse {m}" if len(maths) > 1 else "kernelfuse":
-            (kernels, [s.kernel for s in steps[i * len(CASES):(i + 1) * len(CASES)]]) for i, m in enumerate(maths)}
+    built = {f"kernelfuse {m}" if len(maths) > 1 else "kernelfuse":
+             (kernels, [s.kernel for s in steps[i * len(CASES):(i + 1) * len(CASES)]]) for i, m in enumerate(maths)}
+    if dtype == torch.float32:  # 3xTF32 again in the first tensor-core kernel, beside the flash kernel
+        flash = attention.flash_warps
+        attention.flash_warps = lambda step, strides: 0
+        try:
+            steps = [replace(a, math="3xtf32") for a in plan.attention]
+            first = load_kernels(generate(replace(plan, steps=tuple(steps))), "attention_probe_first_f32")
+        finally:
+            attention.flash_warps = flash
+        built["kernelfuse 3xtf32 first kernel"] = (first, [s.kernel for s in steps])
+    return built
 
 
 def main(argv: list[str]) -> int:

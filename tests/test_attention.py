@@ -243,6 +243,9 @@ def test_emulated_kernel_matches_eager(name, tmp_path):
     step: AttnStep = plan.attention[0]
     assert step.math == ("3xtf32" if step.origin == "sdpa" else "fma")
     assert uses_tensor_cores(step) == (step.origin == "sdpa" and step.dims[5] <= 128)
+    # the fp32 flash kernel wherever q, k and v are contiguous along d (the launcher also checks the bases)
+    flash = uses_tensor_cores(step) and name != "sdpa_strided_k_d32"
+    assert flash_warps(step, input_strides(step)) == (4 if flash else 0)
     with torch.no_grad():
         env = _values(graph, model, inputs)
     emu = emulated(plan, tmp_path)

@@ -55,20 +55,28 @@ def uses_tensor_cores(step: AttnStep) -> bool:
 
 
 def flash_warps(step: AttnStep, strides: dict[str, tuple[int, ...]]) -> int:
-    """Warps (FLASH_ROWS_PER_WARP query rows each) per block of the bf16 flash kernel, 0 where it does not apply: q,
-    k or v not contiguous along d, or rows not a multiple of 16 bytes apart (the launcher checks the bases'
-    alignment at run time and falls back to the first tensor-core kernel). 32 rows a warp: always 4 (128 queries).
-    16 rows: 8 warps (128 queries) where such blocks are enough to give every SM one (a query tile's keys and values
-    are read once for twice the queries); 4 (64 queries) otherwise, so that short sequences or few heads spread over
-    more SMs."""
+    """Warps per block of the flash kernels (bf16: FLASH_ROWS_PER_WARP query rows each; fp32 on tensor cores: 16),
+    0 where they do not apply: q, k or v not contiguous along d, or rows not a multiple of 16 bytes apart (the
+    launcher checks the bases' alignment at run time and falls back to the first tensor-core kernel). fp32: always 4
+    (its 3xTF32 operand splits take the registers a second m-tile would need). bf16, 32 rows a warp: always 4 (128
+    queries). 16 rows: 8 warps (128 queries) where such blocks are enough to give every SM one (a query tile's keys
+    and values are read once for twice the queries); 4 (64 queries) otherwise, so that short sequences or few heads
+    spread over more SMs."""
     b, h, _, s, _, _ = step.dims
-    if step.out_meta.dtype != torch.bfloat16 or not uses_tensor_cores(step):
+    if not uses_tensor_cores(step):
         return 0
-    if any(strides[n][3] != 1 or any(x % 8 for x in strides[n][:3]) for n in ("q", "k", "v")):
+    per_16_bytes = 16 // step.out_meta.dtype.itemsize
+    if any(strides[n][3] != 1 or any(x % per_16_bytes for x in strides[n][:3]) for n in ("q", "k", "v")):
         return 0
-    if FLASH_ROWS_PER_WARP == 32:
+    if step.out_meta.dtype == torch.float32 or FLASH_ROWS_PER_WARP == 32:
         return 4
     return 8 if s > 64 and -(-s // 128) * b * h >= SMS else 4
+
+
+def flash_f32_keys(head_dim: int) -> int:
+    """Keys per tile of the fp32 flash kernel: 64 up to head dim 64, 32 above (its shared tiles, 4 x keys x (D + 4)
+    floats beside the query tile's 64 rows, stay near 100 KB at D = 128: two blocks an SM)."""
+    return 64 if head_dim <= 64 else 32
 
 
 def input_strides(step: AttnStep) -> dict[str, tuple[int, ...]]:
@@ -96,7 +104,8 @@ def render_attention(plan: Plan, step: AttnStep) -> tuple[str, Binding]:
     flags = f"{str(step.causal).lower()}, {str(step.empty_nan).lower()}, {str(step.activation == 'relu').lower()}"
     kind = MASK_KINDS[step.mask_kind]
     if tensor_cores and step.out_meta.dtype == torch.float32:
-        launch = f"kf_attention_tf32<{mask_type}, {d}, {kind}, {flags}, {str(step.math == '3xtf32').lower()}>"
+        launch = f"kf_attention_f32tc<{mask_type}, {d}, {kind}, {flags}, {str(step.math == '3xtf32').lower()}, " \
+            f"{flash_warps(step, strides)}, {flash_f32_keys(d)}>"
     elif tensor_cores:
         launch = f"kf_attention_tc<{mask_type}, {d}, {kind}, {flags}, {flash_warps(step, strides)}, " \
             f"{FLASH_ROWS_PER_WARP}>"

@@ -43,7 +43,7 @@ __device__ __forceinline__ void kf_ldmatrix_x4_trans(unsigned int (&r)[4], const
               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(kf_shared_addr(row)));
 }
 // 16 bytes from global to shared memory, past the registers (and L1); zeros where !in (src-size 0 reads nothing)
-__device__ __forceinline__ void kf_cp_async16(unsigned short* dst, const unsigned short* src, bool in) {
+__device__ __forceinline__ void kf_cp_async16(void* dst, const void* src, bool in) {
   KF_ASM_SM80("cp.async.cg.shared.global [%0], [%1], 16, %2;" : : "r"(kf_shared_addr(dst)), "l"(src), "r"(in ? 16 : 0));
 }
 __device__ __forceinline__ void kf_attn_cp_commit() { KF_ASM_SM80("cp.async.commit_group;"); }
@@ -51,22 +51,22 @@ template <int N>  // until at most N of this thread's committed groups are still
 __device__ __forceinline__ void kf_attn_cp_wait() { KF_ASM_SM80("cp.async.wait_group %0;" : : "n"(N)); }
 #endif
 
-// ROWS rows of D elements (row stride `stride`) into shared rows of D + 8, 16 bytes a copy; rows from `valid` on
-// are zero-filled (their copies read nothing, from the first row's address: valid > 0). A thread keeps one column
-// and steps RP rows at a time (one address and one stride, where a copy index per thread would cost a 64-bit offset
-// per copy); with D / 8 not dividing THREADS a few threads stay idle.
-template <int ROWS, int D, int THREADS>
-__device__ __forceinline__ void kf_attn_copy_rows(unsigned short* dst, const unsigned short* src, long long stride,
-                                                  int valid) {
-  constexpr int W = D / 8, RP = THREADS / W;  // copies a row, rows a pass
-  const int r = threadIdx.x / W, c = threadIdx.x % W * 8;
+// ROWS rows of D elements (row stride `stride`) into shared rows of D + E (E: elements in 16 bytes; bf16 rows are
+// padded by 8, fp32 rows by 4), 16 bytes a copy; rows from `valid` on are zero-filled (their copies read nothing,
+// from the first row's address: valid > 0). A thread keeps one column and steps RP rows at a time (one address and
+// one stride, where a copy index per thread would cost a 64-bit offset per copy); with D / E not dividing THREADS a
+// few threads stay idle.
+template <int ROWS, int D, int THREADS, typename U>
+__device__ __forceinline__ void kf_attn_copy_rows(U* dst, const U* src, long long stride, int valid) {
+  constexpr int E = 16 / sizeof(U), W = D / E, RP = THREADS / W;  // copies a row, rows a pass
+  const int r = threadIdx.x / W, c = threadIdx.x % W * E;
   if (THREADS % W != 0 && r >= RP) return;
-  const unsigned short* from = src + r * stride + c;
-  dst += r * (D + 8) + c;
+  const U* from = src + r * stride + c;
+  dst += r * (D + E) + c;
 #pragma unroll
   for (int i = 0; i < ROWS; i += RP)
     if (ROWS % RP == 0 || r + i < ROWS)
-      kf_cp_async16(dst + i * (D + 8), r + i < valid ? from + i * stride : src, r + i < valid);
+      kf_cp_async16(dst + i * (D + E), r + i < valid ? from + i * stride : src, r + i < valid);
 }
 
 template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, int WARPS, int ROWS>
@@ -283,5 +283,187 @@ cudaError_t kf_attention_tc(const kf_attn_params& p, int batch, cudaStream_t str
   const bool vec = kf_attn_vectorised(p, bytes_per_element);
   kernel<<<(unsigned int)(tiles * (long long)batch * p.heads), 128, bytes, stream>>>(p, tiles, vec);
   return cudaGetLastError();
+}
+"""
+
+# The fp32 flash kernel on tensor cores (TF32, or 3xTF32 with SPLIT): the bf16 kernel's structure with mma.sync
+# m16n8k8, whose fragments ldmatrix cannot give (32-bit elements), so they are plain shared-memory loads.
+FLASH_PRELUDE += r"""
+// ---- fp32 flash attention on tensor cores, FlashAttention-2 style, where q, k and v are contiguous along d with
+// 16-byte aligned rows: TF32 (the tf32 policy) or 3xTF32 (SPLIT: each operand as a TF32 big part and the TF32 rounding
+// of its remainder, three products, torch's own fp32 SDPA arithmetic). WARPS warps x 16 query rows a block, BK keys
+// a tile. Query, key and value tiles arrive by cp.async into shared rows padded to D + 4 floats (every fragment load
+// below then falls in 32 distinct banks); the key and value tiles are double-buffered. Operands are split into
+// their TF32 parts in registers as they are loaded. The probabilities' A fragments come from the scores' C fragments
+// without shuffles: in the second product, operand column t of key group kk stands for key 2 t and column t + 4 for
+// key 2 t + 1, and the value rows are read in that order.
+template <bool SPLIT>
+__device__ __forceinline__ void kf_tf32_parts(float x, unsigned int& big, unsigned int& small) {
+  big = kf_tf32(x);
+  if (SPLIT) small = kf_tf32(x - __uint_as_float(big));
+}
+
+// d += a b in TF32 (one product) or 3xTF32 (the small products first, then the big one)
+template <bool SPLIT>
+__device__ __forceinline__ void kf_mma_parts(float (&d)[4], const unsigned int (&ab)[4], const unsigned int (&as)[4],
+                                             unsigned int bb0, unsigned int bb1, unsigned int bs0, unsigned int bs1) {
+  if (SPLIT) {
+    kf_mma_tf32_1688(d, as, bb0, bb1);
+    kf_mma_tf32_1688(d, ab, bs0, bs1);
+  }
+  kf_mma_tf32_1688(d, ab, bb0, bb1);
+}
+
+template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, bool SPLIT, int WARPS, int BK>
+__global__ void __launch_bounds__(WARPS * 32) kf_attention_fa2_f32_kernel(const kf_attn_params p, int tiles,
+                                                                          bool pairs) {
+  constexpr int THREADS = WARPS * 32, BQ = WARPS * 16, DP = D + 4, NT = BK / 8, DT = D / 8;
+  KF_DYNAMIC_SHARED(kf_attn_smem);
+  float* qs = kf_attn_smem;     // [BQ][DP]
+  float* ks = qs + BQ * DP;     // [2][BK][DP]: keys, two tiles
+  float* vs = ks + 2 * BK * DP; // [2][BK][DP]: values, two tiles
+  const int tid = threadIdx.x, lane = tid % 32, g = lane / 4, t = lane % 4, r0 = tid / 32 * 16;
+  const int bh = blockIdx.x / tiles, b = bh / p.heads, h = bh % p.heads, hk = h / p.group;
+  const int tile = blockIdx.x % tiles, q0 = (CAUSAL ? tiles - 1 - tile : tile) * BQ;
+  const float* Q = (const float*)p.q + b * p.sq[0] + h * p.sq[1] + q0 * p.sq[2];
+  const float* K = (const float*)p.k + b * p.sk[0] + hk * p.sk[1];
+  const float* V = (const float*)p.v + b * p.sv[0] + hk * p.sv[1];
+  const M* mask = (const M*)p.mask + (MASK ? b * p.sm[0] + h * p.sm[1] : 0);
+  kf_attn_copy_rows<BQ, D, THREADS>(qs, Q, p.sq[2], p.S - q0);
+  kf_attn_copy_rows<BK, D, THREADS>(ks, K, p.sk[2], p.L);
+  kf_attn_copy_rows<BK, D, THREADS>(vs, V, p.sv[2], p.L);
+  kf_attn_cp_commit();
+  const float* qrow = qs + (r0 + g) * DP + t;  // A fragment (row g, column t) of k-step kk at qrow + 8 kk
+  float o[DT][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows g and g + 8 of the warp
+#pragma unroll
+  for (int j = 0; j < DT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  const int kend = CAUSAL ? min(p.L, q0 + BQ) : p.L;  // causal: no key after the block's last query
+  for (int k0 = 0, buf = 0; k0 < kend; k0 += BK, buf ^= 1) {
+    unsigned int valid = 0;  // bool masks: bit j * 4 + e, fragment element e of key group j takes part
+    if constexpr (MASK == 1 || MASK == 2)  // read while the tile's copies are in flight
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = q0 + r0 + g + (e >> 1) * 8, col = k0 + j * 8 + 2 * t + (e & 1);
+          bool ok = row < p.S && col < p.L && (!CAUSAL || col <= row);
+          if (ok) ok = (mask[row * p.sm[2] + col * p.sm[3]] != 0) == (MASK == 1);
+          valid |= (unsigned int)ok << (j * 4 + e);
+        }
+    kf_attn_cp_wait<0>();  // this thread's copies of the tile (and, the first time, of the query tile)
+    // every thread's copies landed, and every thread is done with the other buffers (the previous tile)
+    bool any = true;
+    if constexpr (MASK == 1 || MASK == 2)
+      any = __syncthreads_or(valid != 0);
+    else
+      __syncthreads();
+    if (k0 + BK < kend) {  // the next tile's copies, while this one is computed
+      kf_attn_copy_rows<BK, D, THREADS>(ks + (buf ^ 1) * BK * DP, K + (k0 + BK) * p.sk[2], p.sk[2], p.L - k0 - BK);
+      kf_attn_copy_rows<BK, D, THREADS>(vs + (buf ^ 1) * BK * DP, V + (k0 + BK) * p.sv[2], p.sv[2], p.L - k0 - BK);
+      kf_attn_cp_commit();
+    }
+    // nothing to do: a bool mask drops the tile for every query of the block, or the warp's rows are all past S or
+    // (causal) all before the tile's first key
+    if (!any || q0 + r0 >= p.S || (CAUSAL && k0 > q0 + r0 + 15)) continue;
+    const float* kt = ks + buf * BK * DP + g * DP + t;      // key row 8 j + g, column 8 kk + t
+    const float* vt = vs + buf * BK * DP + 2 * t * DP + g;  // value rows 8 kk + 2 t (+ 1), column 8 j + g
+    float s[NT][4];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < DT; ++kk) {
+      unsigned int qb[4], qsm[4];
+      kf_tf32_parts<SPLIT>(qrow[kk * 8], qb[0], qsm[0]);
+      kf_tf32_parts<SPLIT>(qrow[8 * DP + kk * 8], qb[1], qsm[1]);
+      kf_tf32_parts<SPLIT>(qrow[kk * 8 + 4], qb[2], qsm[2]);
+      kf_tf32_parts<SPLIT>(qrow[8 * DP + kk * 8 + 4], qb[3], qsm[3]);
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        unsigned int bb0, bb1, bs0, bs1;
+        kf_tf32_parts<SPLIT>(kt[j * 8 * DP + kk * 8], bb0, bs0);
+        kf_tf32_parts<SPLIT>(kt[j * 8 * DP + kk * 8 + 4], bb1, bs1);
+        kf_mma_parts<SPLIT>(s[j], qb, qsm, bb0, bb1, bs0, bs1);
+      }
+    }
+    float mx[2] = {-INFINITY, -INFINITY};
+    const int rt = q0 + r0;  // the warp's first row
+    // per element only where needed: a mask, keys past L, the causal diagonal across the warp's rows
+    const bool edge = MASK != 0 || k0 + BK > p.L || (CAUSAL && k0 + BK - 1 > rt);
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[j][e] * p.scale;
+        if (edge) {
+          const int row = rt + g + (e >> 1) * 8, col = k0 + j * 8 + 2 * t + (e & 1);
+          bool ok = col < p.L && (!CAUSAL || col <= row);  // rows past S are never written
+          if constexpr (MASK == 1 || MASK == 2) ok = valid >> (j * 4 + e) & 1u;
+          if constexpr (MASK == 3)
+            if (ok && row < p.S) x += mask[row * p.sm[2] + col * p.sm[3]];
+          if (!ok) x = -INFINITY;
+        }
+        if (RELU) x = x > 0.0f || x != x ? x : 0.0f;
+        s[j][e] = x;
+        mx[e >> 1] = fmaxf(mx[e >> 1], x);
+      }
+""" + ONLINE_SOFTMAX + r"""#pragma unroll
+    for (int kk = 0; kk < NT; ++kk) {  // key group kk: operand columns t and t + 4 are keys 2 t and 2 t + 1
+      unsigned int pb[4], psm[4];
+      kf_tf32_parts<SPLIT>(s[kk][0], pb[0], psm[0]);
+      kf_tf32_parts<SPLIT>(s[kk][2], pb[1], psm[1]);
+      kf_tf32_parts<SPLIT>(s[kk][1], pb[2], psm[2]);
+      kf_tf32_parts<SPLIT>(s[kk][3], pb[3], psm[3]);
+#pragma unroll
+      for (int j = 0; j < DT; ++j) {
+        unsigned int bb0, bb1, bs0, bs1;
+        kf_tf32_parts<SPLIT>(vt[kk * 8 * DP + j * 8], bb0, bs0);
+        kf_tf32_parts<SPLIT>(vt[kk * 8 * DP + DP + j * 8], bb1, bs1);
+        kf_mma_parts<SPLIT>(o[j], pb, psm, bb0, bb1, bs0, bs1);
+      }
+    }
+  }
+  float* out = (float*)p.out + b * p.so[0] + h * p.so[1];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = q0 + r0 + g + half * 8;
+    const float sum = l[half];
+    if (row >= p.S) continue;
+#pragma unroll
+    for (int j = 0; j < DT; ++j) {
+      float y[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float x = o[j][half * 2 + e];
+        y[e] = RELU ? x : sum > 0.0f ? x / sum : EMPTY_NAN ? NAN : 0.0f;
+      }
+      float* dst = out + row * p.so[2] + (j * 8 + 2 * t) * p.so[3];
+      if (pairs) {  // the two columns side by side: one 8-byte store
+        *reinterpret_cast<float2*>(dst) = float2{y[0], y[1]};
+      } else {
+        dst[0] = y[0];
+        dst[p.so[3]] = y[1];
+      }
+    }
+  }
+}
+
+// WARPS > 0: the flash kernel (WARPS warps of 16 query rows, BK keys a tile) where the bases are aligned too; else
+// the first fp32 tensor-core kernel
+template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, bool SPLIT, int WARPS, int BK>
+cudaError_t kf_attention_f32tc(const kf_attn_params& p, int batch, cudaStream_t stream) {
+  if constexpr (WARPS > 0) {
+    if (kf_attn_vectorised(p, 4, true)) {
+      constexpr auto kernel = kf_attention_fa2_f32_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, SPLIT, WARPS, BK>;
+      constexpr int BQ = WARPS * 16, threads = WARPS * 32, bytes = (BQ + 4 * BK) * (D + 4) * 4;
+      const cudaError_t opted = kf_attn_opt_in<kernel>(bytes);
+      if (opted != cudaSuccess) return opted;
+      const int tiles = (p.S + BQ - 1) / BQ;
+      const bool pairs =
+          p.so[3] == 1 && p.so[0] % 2 == 0 && p.so[1] % 2 == 0 && p.so[2] % 2 == 0 && (uintptr_t)p.out % 8 == 0;
+      kernel<<<(unsigned int)(tiles * (long long)batch * p.heads), threads, bytes, stream>>>(p, tiles, pairs);
+      return cudaGetLastError();
+    }
+  }
+  return kf_attention_tf32<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, SPLIT>(p, batch, stream);
 }
 """

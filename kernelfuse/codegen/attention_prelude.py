@@ -425,8 +425,14 @@ __global__ void __launch_bounds__(128) kf_attention_tc_kernel(const kf_attn_para
 // ---- fp32 on tensor cores: TF32 (the tf32 policy) or 3xTF32 (SPLIT: big and small parts, three products, the
 // arithmetic of torch's own fp32 SDPA kernel on sm_80+) with mma.sync m16n8k8 ----
 __device__ __forceinline__ unsigned int kf_tf32(float x) {  // cvt.rna.tf32.f32: 10 mantissa bits, ties away
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  unsigned int r;  // one instruction where the bit arithmetic below takes five
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return r;
+#else
   const unsigned int u = __float_as_uint(x);
   return (u & 0x7f800000u) == 0x7f800000u ? u : (u + 0x1000u) & 0xffffe000u;
+#endif
 }
 #ifndef KF_EMULATION
 __device__ __forceinline__ void kf_mma_tf32_1688(float (&d)[4], const unsigned int (&a)[4], unsigned int b0,
