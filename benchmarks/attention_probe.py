@@ -1,14 +1,13 @@
 """The flash-attention kernel against what a user would run instead, on level-3-like shapes, fp32 and bf16.
 
-    PYTHONPATH=. python benchmarks/attention_probe.py [OUT.md] [--no-compile] [--rows-per-warp 32]
+    PYTHONPATH=. python benchmarks/attention_probe.py [OUT.md] [--no-compile]
 
 Per shape and dtype: our kernel (kernelfuse.codegen.attention, built through the planner from an SDPA call; fp32
 in each arithmetic: exact FMA, 3xTF32, TF32),
 eager's unfused attention (q @ kᵀ * scale, mask, softmax, @ v), torch's SDPA under each backend that accepts the
 case (math, efficient, flash, cuDNN) and torch.compile of the unfused form. Each is checked against a float64
 reference (max abs error) and timed by CUDA events with L2 flushed (median of 20). Under 3 minutes on one H100
-(torch.compile's builds are most of it; --no-compile skips them). --rows-per-warp 32: the bf16 flash kernel's
-warps take two m16 tiles each (kernelfuse.codegen.attention.FLASH_ROWS_PER_WARP), to compare with the default.
+(torch.compile's builds are most of it; --no-compile skips them).
 """
 
 from __future__ import annotations
@@ -121,10 +120,6 @@ def our_kernels(dtype: torch.dtype) -> dict[str, tuple[object, list[str]]]:
 
 def main(argv: list[str]) -> int:
     compile_too = "--no-compile" not in argv
-    if "--rows-per-warp" in argv:
-        value = argv[argv.index("--rows-per-warp") + 1]
-        attention.FLASH_ROWS_PER_WARP = int(value)
-        argv = [a for a in argv if a not in ("--rows-per-warp", value)]
     paths = [a for a in argv if not a.startswith("--")]
     rows = ["| case | dtype | method | ms | max abs err vs fp64 | ours: speedup |", "|---|---|---|---|---|---|"]
     for dtype in (torch.float32, torch.bfloat16):

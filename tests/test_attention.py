@@ -1,8 +1,8 @@
 """The attention rule and kernel family: SDPA nodes and hand-written attention become one flash-attention step
 (kernelfuse.plan.attention), proven in float64 through the plan interpreter; the generated kernel, run on the CPU
 through tests/fixtures/cuda_emulation.h and the emitted binding, matches eager on odd sizes (S and L not tile
-multiples, causal, bool and additive masks, grouped-query heads, head dims 32 to 256); bf16's flash kernel (cp.async,
-ldmatrix) runs there too, in each block shape (4 or 8 warps of 16 query rows, 4 warps of 32)."""
+multiples, causal, bool and additive masks, grouped-query heads, head dims 32 to 256); the flash kernels (bf16:
+cp.async, ldmatrix, in blocks of 4 or 8 warps; fp32 3xTF32 and TF32) run there too."""
 
 from __future__ import annotations
 
@@ -278,18 +278,12 @@ def test_emulated_tf32_policy_kernel_matches_the_reference(name, tmp_path):
 TENSOR_CORE_CASES = sorted(n for n in CASES if not n.endswith(("d40", "d256")))  # head dims 16..128, steps of 16
 
 
-# two m-tiles a warp, beside the 128-query cases below: the mask kinds, a KV cache, head dims 16 and 32
-TWO_TILE_CASES = ["bmm_bool_mask", "handwritten_add_d32", "sdpa_add_mask_3d", "sdpa_kv_cache_d64"]
-
-
-@pytest.mark.parametrize("name, rows", [(n, 16) for n in TENSOR_CORE_CASES] + [(n, 32) for n in TWO_TILE_CASES])
-def test_emulated_bf16_tensor_core_kernel_matches_the_reference(name, rows, tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", TENSOR_CORE_CASES)
+def test_emulated_bf16_tensor_core_kernel_matches_the_reference(name, tmp_path):
     """bf16 on tensor cores: mma.sync m16n8k16, ldmatrix and cp.async emulated from their PTX layouts, against the
     float64 reference of the same bf16 inputs (probabilities rounded to bf16 for the second product: bf16
-    tolerance). q, k and v contiguous along d take the flash kernel (4 warps a block: of 16 query rows at these
-    sizes, or of 32, two m-tiles, with FLASH_ROWS_PER_WARP patched); k strided along d the first tensor-core
-    kernel."""
-    monkeypatch.setattr(attention, "FLASH_ROWS_PER_WARP", rows)
+    tolerance). q, k and v contiguous along d take the flash kernel (4 warps of 16 query rows a block at these
+    sizes); k strided along d the first tensor-core kernel."""
     model, inputs, graph, plan = _planned(name, torch.bfloat16)
     step: AttnStep = plan.attention[0]
     assert uses_tensor_cores(step)
@@ -310,23 +304,19 @@ FLASH_128_QUERY_CASES = ["handwritten_causal_d96", "handwritten_relu_d64", "sdpa
 
 @pytest.mark.parametrize("device", ["emulated", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("name", FLASH_128_QUERY_CASES)
-@pytest.mark.parametrize("rows", [16, 32])
-def test_bf16_flash_kernel_with_128_query_blocks(name, rows, device, tmp_path, monkeypatch):
+def test_bf16_flash_kernel_with_128_query_blocks(name, device, tmp_path, monkeypatch):
     """The flash kernel's 128-query blocks: 8 warps of 16 rows (chosen where they fill every SM: here with the SM
-    count patched to 1), or 4 warps of 32 rows, two m16 tiles sharing each key and value fragment (with
-    FLASH_ROWS_PER_WARP patched to 32). Warps whose rows are all past S or before a causal tile's first key sit tiles
-    out, a bool mask skips tiles."""
+    count patched to 1). Warps whose rows are all past S or before a causal tile's first key sit tiles out, a bool
+    mask skips tiles."""
     monkeypatch.setattr(attention, "SMS", 1)
-    monkeypatch.setattr(attention, "FLASH_ROWS_PER_WARP", rows)
     model, inputs, graph, plan = _planned(name, torch.bfloat16)
     step: AttnStep = plan.attention[0]
-    warps = 128 // rows
-    assert flash_warps(step, input_strides(step)) == warps
+    assert flash_warps(step, input_strides(step)) == 8
     if device == "cuda":
         from kernelfuse.codegen import generate
         from kernelfuse.emit.module import load_kernels
 
-        kernels = load_kernels(generate(plan), f"attention_flash{warps}x{rows}_{name}")
+        kernels = load_kernels(generate(plan), f"attention_flash8_{name}")
         model, inputs = model.cuda(), [t.cuda() for t in inputs]
     else:
         kernels = emulated(plan, tmp_path).kernels
@@ -439,23 +429,20 @@ def test_library_variant_forward_matches_eager(name):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5, equal_nan=True)
 
 
-@pytest.mark.parametrize("name, dtype, tf32, rows", [("handwritten_relu_d64", torch.bfloat16, False, 16),
-                                                     ("handwritten_relu_d64", torch.bfloat16, False, 32),
-                                                     ("sdpa_gqa_d128", torch.bfloat16, False, 16),
-                                                     ("sdpa_gqa_d128", torch.bfloat16, False, 32),
-                                                     ("sdpa_add_mask_3d", torch.bfloat16, False, 32),
-                                                     ("sdpa_bool_mask_d40", torch.bfloat16, False, 16),
-                                                     ("handwritten_causal_d96", torch.float32, True, 16)])
-def test_kernels_build_with_nvcc_for_sm90(name, dtype, tf32, rows, tmp_path, monkeypatch):
-    """The tensor-core kernels (mma.sync needs sm_80+: bf16, in both flash block shapes, and fp32 under the tf32
-    policy) and the FMA kernel on bf16 (head dim 40) build."""
+@pytest.mark.parametrize("name, dtype, tf32", [("handwritten_relu_d64", torch.bfloat16, False),
+                                               ("sdpa_gqa_d128", torch.bfloat16, False),
+                                               ("sdpa_gqa_d128", torch.float32, False),
+                                               ("sdpa_bool_mask_d40", torch.bfloat16, False),
+                                               ("handwritten_causal_d96", torch.float32, True)])
+def test_kernels_build_with_nvcc_for_sm90(name, dtype, tf32, tmp_path):
+    """The tensor-core kernels (mma.sync needs sm_80+: bf16, fp32's flash kernel in 3xTF32 (strict, SDPA) and TF32
+    (the tf32 policy)) and the FMA kernel on bf16 (head dim 40) build."""
     import subprocess
 
     from test_nvcc_compile import _nvcc
 
     from kernelfuse.codegen import generate
 
-    monkeypatch.setattr(attention, "FLASH_ROWS_PER_WARP", rows)
     nvcc = _nvcc()
     *_, graph, _ = _planned(name, dtype)
     plan = make_plan(graph, PlanOptions(matmul_tf32=tf32))
@@ -478,18 +465,16 @@ def _every_kind(m, q40, q32, keep40, keep32, add40, add32):
             torch.bmm(torch.softmax(drop32, -1), q32[0]), torch.bmm(torch.relu(drop40), q40[0]))
 
 
-@pytest.mark.parametrize("dtype, rows", [(torch.float32, 16), (torch.bfloat16, 16), (torch.bfloat16, 32),
-                                         (torch.float16, 16)])
-def test_every_mask_kind_builds_with_nvcc_in_every_dtype(dtype, rows, tmp_path, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_mask_kind_builds_with_nvcc_in_every_dtype(dtype, tmp_path):
     """Each kernel template instantiated with each mask type builds (a bf16 additive mask compared with 0 once
-    broke the bf16 build on the GPU), bf16's flash kernel in both warp shapes (16 and 32 query rows a warp)."""
+    broke the bf16 build on the GPU)."""
     import subprocess
 
     from test_nvcc_compile import _nvcc
 
     from kernelfuse.codegen import generate
 
-    monkeypatch.setattr(attention, "FLASH_ROWS_PER_WARP", rows)
     nvcc = _nvcc()
     inputs = [torch.randn(1, 2, 9, 40, dtype=dtype), torch.randn(1, 2, 9, 32, dtype=dtype),
               _bool_mask(1, 2, 9, 9, empty_row=False), _bool_mask(1, 2, 9, 9, empty_row=False),

@@ -11,13 +11,13 @@ and copies around attention cost nothing; grouped-query attention reads kv head 
 self-attention (relu in the softmax's place) is the same loop without the running statistics. bf16 attention runs
 the same algorithm on tensor cores (mma.sync m16n8k16, fp32 accumulation, the scores' accumulator fragments reused as
 the probabilities' operand fragments): where q, k and v are contiguous along d with 16-byte aligned rows, a
-FlashAttention-2-style kernel (blocks of 4 or 8 warps of 16 query rows, `flash_warps`, or of 4 warps of 32 rows,
-FLASH_ROWS_PER_WARP; the query tile in registers, or with 32 rows past head dim 64 (32 with a mask) read again by
-ldmatrix; key and value tiles double-buffered in shared memory by cp.async and read by ldmatrix, exp2 softmax,
+FlashAttention-2-style kernel (blocks of 4 or 8 warps of 16 query rows, `flash_warps`; the query tile in
+registers; key and value tiles double-buffered in shared memory by cp.async and read by ldmatrix, exp2 softmax,
 per-element masking only on mask, tail and diagonal tiles); elsewhere a simpler one (4 warps, K and V staged through
 registers, V transposed). fp32 runs on tensor cores too where the step's arithmetic allows: TF32 under the tf32 policy,
-3xTF32 (torch's own fp32 SDPA arithmetic) for SDPA nodes under the strict policy; hand-written fp32 attention under
-the strict policy keeps exact FMA.
+3xTF32 (torch's own fp32 SDPA arithmetic) for SDPA nodes under the strict policy, in the same flash structure where
+the layout allows (`kf_attention_fa2_f32_kernel`: m16n8k8 fragments by plain shared-memory loads, operands split
+as loaded); hand-written fp32 attention under the strict policy keeps exact FMA (its `-3xtf32` twin is judged).
 """
 
 from __future__ import annotations
@@ -32,10 +32,6 @@ from kernelfuse.plan.ir import AttnStep, Plan
 
 MASK_KINDS = {"none": 0, "keep": 1, "drop": 2, "add": 3}  # the kernel's MASK template argument
 SMS = 132  # an H100's SMs: the bf16 flash kernel's blocks are as large as still fill them
-# Query rows per warp of the bf16 flash kernel: 16 (one m16 tile; blocks of 4 or 8 warps, `flash_warps`) or 32 (two
-# m16 tiles sharing every key and value B fragment, half the shared-memory reads per mma; blocks of 4 warps, 128
-# queries, FlashAttention-2's shape)
-FLASH_ROWS_PER_WARP = 16
 
 
 def tile_shape(head_dim: int) -> tuple[int, int]:
@@ -55,20 +51,19 @@ def uses_tensor_cores(step: AttnStep) -> bool:
 
 
 def flash_warps(step: AttnStep, strides: dict[str, tuple[int, ...]]) -> int:
-    """Warps per block of the flash kernels (bf16: FLASH_ROWS_PER_WARP query rows each; fp32 on tensor cores: 16),
-    0 where they do not apply: q, k or v not contiguous along d, or rows not a multiple of 16 bytes apart (the
-    launcher checks the bases' alignment at run time and falls back to the first tensor-core kernel). fp32: always 4
-    (its 3xTF32 operand splits take the registers a second m-tile would need). bf16, 32 rows a warp: always 4 (128
-    queries). 16 rows: 8 warps (128 queries) where such blocks are enough to give every SM one (a query tile's keys
-    and values are read once for twice the queries); 4 (64 queries) otherwise, so that short sequences or few heads
-    spread over more SMs."""
+    """Warps (16 query rows each) per block of the flash kernels, 0 where they do not apply: q, k or v not
+    contiguous along d, or rows not a multiple of 16 bytes apart (the launcher checks the bases' alignment at run
+    time and falls back to the first tensor-core kernel). fp32: always 4 (its 3xTF32 operand splits take the
+    registers more rows would need). bf16: 8 warps (128 queries) where such blocks are enough to give every SM one
+    (a query tile's keys and values are read once for twice the queries); 4 (64 queries) otherwise, so that short
+    sequences or few heads spread over more SMs."""
     b, h, _, s, _, _ = step.dims
     if not uses_tensor_cores(step):
         return 0
     per_16_bytes = 16 // step.out_meta.dtype.itemsize
     if any(strides[n][3] != 1 or any(x % per_16_bytes for x in strides[n][:3]) for n in ("q", "k", "v")):
         return 0
-    if step.out_meta.dtype == torch.float32 or FLASH_ROWS_PER_WARP == 32:
+    if step.out_meta.dtype == torch.float32:
         return 4
     return 8 if s > 64 and -(-s // 128) * b * h >= SMS else 4
 
@@ -107,8 +102,7 @@ def render_attention(plan: Plan, step: AttnStep) -> tuple[str, Binding]:
         launch = f"kf_attention_f32tc<{mask_type}, {d}, {kind}, {flags}, {str(step.math == '3xtf32').lower()}, " \
             f"{flash_warps(step, strides)}, {flash_f32_keys(d)}>"
     elif tensor_cores:
-        launch = f"kf_attention_tc<{mask_type}, {d}, {kind}, {flags}, {flash_warps(step, strides)}, " \
-            f"{FLASH_ROWS_PER_WARP}>"
+        launch = f"kf_attention_tc<{mask_type}, {d}, {kind}, {flags}, {flash_warps(step, strides)}>"
     else:
         launch = f"kf_attention<{ctype}, {mask_type}, {d}, {bq}, {bk}, {kind}, {flags}>"
     source = f"""// {step.kernel}: {step.chain(plan.graph)}  (B={b} H={h} KV heads={hk} S={s} L={length} D={d})

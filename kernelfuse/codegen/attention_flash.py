@@ -8,21 +8,13 @@ from kernelfuse.codegen.attention_prelude import ONLINE_SOFTMAX
 ONLINE_SOFTMAX_EXP2 = ONLINE_SOFTMAX.replace("expf(", "exp2f(")
 
 
-def _indented(code: str) -> str:
-    """CUDA code one level (2 spaces) deeper; preprocessor lines stay in column 0."""
-    return "".join(line if line.startswith("#") or not line.strip() else "  " + line
-                   for line in code.splitlines(keepends=True))
-
-
 FLASH_PRELUDE = r"""
 // ---- bf16 flash attention, FlashAttention-2 style, where q, k and v are contiguous along d with 16-byte aligned
-// rows: WARPS warps x ROWS query rows a block (ROWS 16 or 32: one or two m16 tiles a warp; with two, as
-// FlashAttention-2's 4 warps x 32 rows, every key and value B fragment feeds two mma), 64 keys a tile. The query
-// tile arrives once (cp.async) into shared memory and stays in registers as A fragments (two m-tiles over more than
-// 64 dims, or 32 with a mask: the registers go to the accumulators, the A fragments come by ldmatrix at every k-step);
-// key and value tiles stay row-major in shared memory, rows padded to D + 8 elements (the 8 rows an ldmatrix phase
-// reads fall in distinct banks), two of each: tile j + 1's copies fly while tile j is computed. Keys' B fragments
-// come by ldmatrix, values' by ldmatrix.trans (no transposing pass).
+// rows: WARPS warps x 16 query rows a block (one m16 tile a warp; two, FlashAttention-2's 4 warps x 32 rows, measured
+// slower on every probe shape at stop 40), 64 keys a tile. The query tile arrives once (cp.async) into shared memory
+// and stays in registers as A fragments; key and value tiles stay row-major in shared memory, rows padded to D + 8
+// elements (the 8 rows an ldmatrix phase reads fall in distinct banks), two of each: tile j + 1's copies fly while
+// tile j is computed. Keys' B fragments come by ldmatrix, values' by ldmatrix.trans (no transposing pass).
 #ifndef KF_EMULATION
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 #define KF_ASM_SM80(...) asm volatile(__VA_ARGS__)
@@ -69,21 +61,16 @@ __device__ __forceinline__ void kf_attn_copy_rows(U* dst, const U* src, long lon
       kf_cp_async16(dst + i * (D + E), r + i < valid ? from + i * stride : src, r + i < valid);
 }
 
-template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, int WARPS, int ROWS>
-__global__ void __launch_bounds__(WARPS * 32, (D <= 64 ? 256 : 128) / (WARPS * ROWS))
+template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32, (D <= 64 ? 16 : 8) / WARPS)
     kf_attention_fa2_kernel(const kf_attn_params p, int tiles, bool pairs) {
-  // MT m16 tiles a warp, rows r0 + 16 mt ... The query A fragments of every k-step stay in registers (QREG) where
-  // they fit beside the accumulators without spills: one m-tile; two up to 64 dims, up to 32 with a mask (its loads
-  // and bits take registers too). Elsewhere each k-step's come by ldmatrix again.
-  constexpr int MT = ROWS / 16, THREADS = WARPS * 32, BQ = WARPS * ROWS, BK = 64, DP = D + 8, NT = BK / 8,
-                DT = D / 8, KS = D / 16;
-  constexpr bool QREG = MT == 1 || D <= (MASK ? 32 : 64);
+  constexpr int THREADS = WARPS * 32, BQ = WARPS * 16, BK = 64, DP = D + 8, NT = BK / 8, DT = D / 8, KS = D / 16;
   constexpr float LOG2E = 1.4426950408889634f;
   KF_DYNAMIC_SHARED(kf_attn_smem);
   unsigned short* qs = reinterpret_cast<unsigned short*>(kf_attn_smem);  // [BQ][DP]
   unsigned short* ks = qs + BQ * DP;                                     // [2][BK][DP]: keys, two tiles
   unsigned short* vs = ks + 2 * BK * DP;                                 // [2][BK][DP]: values, two tiles
-  const int tid = threadIdx.x, lane = tid % 32, g = lane / 4, t = lane % 4, r0 = tid / 32 * ROWS;
+  const int tid = threadIdx.x, lane = tid % 32, g = lane / 4, t = lane % 4, r0 = tid / 32 * 16;
   const int bh = blockIdx.x / tiles, b = bh / p.heads, h = bh % p.heads, hk = h / p.group;
   const int tile = blockIdx.x % tiles, q0 = (CAUSAL ? tiles - 1 - tile : tile) * BQ;
   const unsigned short* Q = (const unsigned short*)p.q + b * p.sq[0] + h * p.sq[1] + q0 * p.sq[2];
@@ -100,51 +87,34 @@ __global__ void __launch_bounds__(WARPS * 32, (D <= 64 ? 256 : 128) / (WARPS * R
   // ldmatrix rows: lane i reads row i % 16 from column 8 * (i / 16) (an A operand; the values' two dim groups), for
   // the keys row i % 8 + 8 * (i / 16) from column 8 * (i / 8 % 2) (the B fragments of two key groups)
   const int arow = lane % 16 * DP + lane / 16 * 8, krow = (lane % 8 + lane / 16 * 8) * DP + lane / 8 % 2 * 8;
-  const unsigned short* qt = qs + r0 * DP + arow;  // the warp's m-tile mt at qt + mt * 16 * DP
-  unsigned int qa[QREG ? KS : 1][MT][4];  // the warp's query rows as A fragments: every k-step's, or the current one
-  if constexpr (QREG)
+  unsigned int qa[KS][4];  // the warp's query rows as A fragments, every k-step's
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk)
+  for (int kk = 0; kk < KS; ++kk) kf_ldmatrix_x4(qa[kk], qs + r0 * DP + arow + kk * 16);
+  float o[DT][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows g and g + 8: output, max and sum
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) kf_ldmatrix_x4(qa[kk][mt], qt + mt * 16 * DP + kk * 16);
-  float acc[MT][DT][4], rmax[MT][2], rsum[MT][2];  // per m-tile, rows g and g + 8: the output, running max and sum
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt) {
-    rmax[mt][0] = rmax[mt][1] = -INFINITY;
-    rsum[mt][0] = rsum[mt][1] = 0.0f;
-#pragma unroll
-    for (int j = 0; j < DT; ++j) acc[mt][j][0] = acc[mt][j][1] = acc[mt][j][2] = acc[mt][j][3] = 0.0f;
-  }
+  for (int j = 0; j < DT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
   // softmax scores in log2 units (for exp2f); ReLU weighs with the scores themselves
   const float scale = RELU ? p.scale : p.scale * LOG2E;
   const int kend = CAUSAL ? min(p.L, q0 + BQ) : p.L;  // causal: no key after the block's last query
   for (int k0 = 0, buf = 0; k0 < kend; k0 += BK, buf ^= 1) {
-    unsigned int valid[MT] = {};  // bool masks: bit j * 4 + e of m-tile mt's, its element e of key group j takes part
-    // read while the tile's copies are in flight, an m-tile at a time (a loop kept rolled: two m-tiles' 64 mask
-    // loads at once would take registers the accumulators hold; valid lives in local memory then, 8 bytes)
-    if constexpr (MASK == 1 || MASK == 2)
-#pragma unroll 1
-      for (int mt = 0; mt < MT; ++mt)
+    unsigned int valid = 0;  // bool masks: bit j * 4 + e, fragment element e of key group j takes part
+    if constexpr (MASK == 1 || MASK == 2)  // read while the tile's copies are in flight
 #pragma unroll
-        for (int j = 0; j < NT; ++j)
+      for (int j = 0; j < NT; ++j)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int row = q0 + r0 + mt * 16 + g + (e >> 1) * 8, col = k0 + j * 8 + 2 * t + (e & 1);
-            bool ok = row < p.S && col < p.L && (!CAUSAL || col <= row);
-            if (ok) ok = (mask[row * p.sm[2] + col * p.sm[3]] != 0) == (MASK == 1);
-            valid[mt] |= (unsigned int)ok << (j * 4 + e);
-          }
+        for (int e = 0; e < 4; ++e) {
+          const int row = q0 + r0 + g + (e >> 1) * 8, col = k0 + j * 8 + 2 * t + (e & 1);
+          bool ok = row < p.S && col < p.L && (!CAUSAL || col <= row);
+          if (ok) ok = (mask[row * p.sm[2] + col * p.sm[3]] != 0) == (MASK == 1);
+          valid |= (unsigned int)ok << (j * 4 + e);
+        }
     kf_attn_cp_wait<0>();  // this thread's copies of the tile
     // every thread's copies landed, and every thread is done with the other buffers (the previous tile)
     bool any = true;
-    if constexpr (MASK == 1 || MASK == 2) {
-      unsigned int mine = 0;
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) mine |= valid[mt];
-      any = __syncthreads_or(mine != 0);
-    } else {
+    if constexpr (MASK == 1 || MASK == 2)
+      any = __syncthreads_or(valid != 0);
+    else
       __syncthreads();
-    }
     if (k0 + BK < kend) {  // the next tile's copies, while this one is computed
       kf_attn_copy_rows<BK, D, THREADS>(ks + (buf ^ 1) * BK * DP, K + (k0 + BK) * p.sk[2], p.sk[2], p.L - k0 - BK);
       kf_attn_copy_rows<BK, D, THREADS>(vs + (buf ^ 1) * BK * DP, V + (k0 + BK) * p.sv[2], p.sv[2], p.L - k0 - BK);
@@ -152,113 +122,90 @@ __global__ void __launch_bounds__(WARPS * 32, (D <= 64 ? 256 : 128) / (WARPS * R
     }
     // nothing to do: a bool mask drops the tile for every query of the block, or the warp's rows are all past S or
     // (causal) all before the tile's first key
-    if (!any || q0 + r0 >= p.S || (CAUSAL && k0 > q0 + r0 + ROWS - 1)) continue;
+    if (!any || q0 + r0 >= p.S || (CAUSAL && k0 > q0 + r0 + 15)) continue;
     const unsigned short* kt = ks + buf * BK * DP + krow;
     const unsigned short* vt = vs + buf * BK * DP + arow;
-    float score[MT][NT][4];
+    float s[NT][4];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+    for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
 #pragma unroll
-      for (int j = 0; j < NT; ++j) score[mt][j][0] = score[mt][j][1] = score[mt][j][2] = score[mt][j][3] = 0.0f;
+    for (int kk = 0; kk < KS; ++kk)
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk) {
-      if constexpr (!QREG)
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) kf_ldmatrix_x4(qa[0][mt], qt + mt * 16 * DP + kk * 16);
-      const unsigned int (&qk)[MT][4] = qa[QREG ? kk : 0];
-#pragma unroll
-      for (int j = 0; j < NT; j += 2) {  // key groups j and j + 1, for every m-tile
+      for (int j = 0; j < NT; j += 2) {  // key groups j and j + 1
         unsigned int kb[4];
         kf_ldmatrix_x4(kb, kt + j * 8 * DP + kk * 16);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          kf_mma_bf16_16816(score[mt][j], qk[mt], kb[0], kb[1]);
-          kf_mma_bf16_16816(score[mt][j + 1], qk[mt], kb[2], kb[3]);
-        }
+        kf_mma_bf16_16816(s[j], qa[kk], kb[0], kb[1]);
+        kf_mma_bf16_16816(s[j + 1], qa[kk], kb[2], kb[3]);
       }
-    }
+    const int rt = q0 + r0;  // the warp's first row
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {  // each m-tile's rows: scale, mask, maximum, online softmax
-      float (&s)[NT][4] = score[mt];
-      float (&o)[DT][4] = acc[mt];
-      float (&m)[2] = rmax[mt];
-      float (&l)[2] = rsum[mt];
-      const int rt = q0 + r0 + mt * 16;  // the m-tile's first row
+    for (int j = 0; j < NT; ++j)
 #pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[j][e] *= scale;
-      // per element only where needed: a mask, keys past L, the causal diagonal across the m-tile's rows
-      if (MASK != 0 || k0 + BK > p.L || (CAUSAL && k0 + BK - 1 > rt))
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int row = rt + g + (e >> 1) * 8, col = k0 + j * 8 + 2 * t + (e & 1);
-            bool ok = col < p.L && (!CAUSAL || col <= row);  // rows past S are never written
-            if constexpr (MASK == 1 || MASK == 2) ok = valid[mt] >> (j * 4 + e) & 1u;
-            if constexpr (MASK == 3)
-              if (ok && row < p.S)
-                s[j][e] += kf_bf16_float(mask[row * p.sm[2] + col * p.sm[3]]) * (RELU ? 1.0f : LOG2E);
-            if (!ok) s[j][e] = -INFINITY;
-          }
-      float mx[2] = {-INFINITY, -INFINITY};
+      for (int e = 0; e < 4; ++e) s[j][e] *= scale;
+    // per element only where needed: a mask, keys past L, the causal diagonal across the warp's rows
+    if (MASK != 0 || k0 + BK > p.L || (CAUSAL && k0 + BK - 1 > rt))
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          if (RELU) s[j][e] = s[j][e] > 0.0f || s[j][e] != s[j][e] ? s[j][e] : 0.0f;
-          mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+          const int row = rt + g + (e >> 1) * 8, col = k0 + j * 8 + 2 * t + (e & 1);
+          bool ok = col < p.L && (!CAUSAL || col <= row);  // rows past S are never written
+          if constexpr (MASK == 1 || MASK == 2) ok = valid >> (j * 4 + e) & 1u;
+          if constexpr (MASK == 3)
+            if (ok && row < p.S)
+              s[j][e] += kf_bf16_float(mask[row * p.sm[2] + col * p.sm[3]]) * (RELU ? 1.0f : LOG2E);
+          if (!ok) s[j][e] = -INFINITY;
         }
-""" + _indented(ONLINE_SOFTMAX_EXP2) + r"""    }
+    float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (RELU) s[j][e] = s[j][e] > 0.0f || s[j][e] != s[j][e] ? s[j][e] : 0.0f;
+        mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+      }
+""" + ONLINE_SOFTMAX_EXP2 + r"""#pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {  // the scores' C fragments are the probabilities' A fragments
-      unsigned int a[MT][4];
+      unsigned int a[4];
+      kf_attn_probs(s, kk, a);
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) kf_attn_probs(score[mt], kk, a[mt]);
-#pragma unroll
-      for (int j = 0; j < DT; j += 2) {  // dim groups j and j + 1, for every m-tile
+      for (int j = 0; j < DT; j += 2) {  // dim groups j and j + 1
         unsigned int vb[4];
         kf_ldmatrix_x4_trans(vb, vt + kk * 16 * DP + j * 8);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          kf_mma_bf16_16816(acc[mt][j], a[mt], vb[0], vb[1]);
-          kf_mma_bf16_16816(acc[mt][j + 1], a[mt], vb[2], vb[3]);
-        }
+        kf_mma_bf16_16816(o[j], a, vb[0], vb[1]);
+        kf_mma_bf16_16816(o[j + 1], a, vb[2], vb[3]);
       }
     }
   }
   unsigned short* out = (unsigned short*)p.out + b * p.so[0] + h * p.so[1];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int half = 0; half < 2; ++half) {
+    const int row = q0 + r0 + g + half * 8;
+    const float sum = l[half];
+    if (row >= p.S) continue;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = q0 + r0 + mt * 16 + g + half * 8;
-      const float sum = rsum[mt][half];
-      if (row >= p.S) continue;
+    for (int j = 0; j < DT; ++j) {
+      float y[2];
 #pragma unroll
-      for (int j = 0; j < DT; ++j) {
-        float y[2];
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const float x = acc[mt][j][half * 2 + e];
-          y[e] = RELU ? x : sum > 0.0f ? x / sum : EMPTY_NAN ? NAN : 0.0f;
-        }
-        unsigned short* dst = out + row * p.so[2] + (j * 8 + 2 * t) * p.so[3];
-        if (pairs) {  // the two columns side by side: one 32-bit store
-          *reinterpret_cast<unsigned int*>(dst) = kf_bf16x2(y[0], y[1]);
-        } else {
-          dst[0] = kf_float_bf16(y[0]);
-          dst[p.so[3]] = kf_float_bf16(y[1]);
-        }
+      for (int e = 0; e < 2; ++e) {
+        const float x = o[j][half * 2 + e];
+        y[e] = RELU ? x : sum > 0.0f ? x / sum : EMPTY_NAN ? NAN : 0.0f;
+      }
+      unsigned short* dst = out + row * p.so[2] + (j * 8 + 2 * t) * p.so[3];
+      if (pairs) {  // the two columns side by side: one 32-bit store
+        *reinterpret_cast<unsigned int*>(dst) = kf_bf16x2(y[0], y[1]);
+      } else {
+        dst[0] = kf_float_bf16(y[0]);
+        dst[p.so[3]] = kf_float_bf16(y[1]);
       }
     }
+  }
 }
 
-template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, int WARPS, int ROWS>
+template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, int WARPS>
 cudaError_t kf_attention_fa2(const kf_attn_params& p, int batch, cudaStream_t stream) {
-  constexpr auto kernel = kf_attention_fa2_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, WARPS, ROWS>;
-  constexpr int BQ = WARPS * ROWS, threads = WARPS * 32, bytes = (BQ + 4 * 64) * (D + 8) * 2;
+  constexpr auto kernel = kf_attention_fa2_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, WARPS>;
+  constexpr int BQ = WARPS * 16, threads = WARPS * 32, bytes = (BQ + 4 * 64) * (D + 8) * 2;
   const cudaError_t opted = kf_attn_opt_in<kernel>(bytes);
   if (opted != cudaSuccess) return opted;
   const int tiles = (p.S + BQ - 1) / BQ;
@@ -268,12 +215,12 @@ cudaError_t kf_attention_fa2(const kf_attn_params& p, int batch, cudaStream_t st
   return cudaGetLastError();
 }
 
-// WARPS > 0: the flash kernel's blocks, WARPS warps of ROWS query rows, where the bases are aligned
-template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, int WARPS, int ROWS>
+// WARPS > 0: the flash kernel's blocks, WARPS warps of 16 query rows, where the bases are aligned
+template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, int WARPS>
 cudaError_t kf_attention_tc(const kf_attn_params& p, int batch, cudaStream_t stream) {
   if constexpr (WARPS > 0)  // the plan's strides suit the flash kernel: it runs where the bases are aligned too
     if (kf_attn_vectorised(p, 2, true))
-      return kf_attention_fa2<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, WARPS, ROWS>(p, batch, stream);
+      return kf_attention_fa2<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, WARPS>(p, batch, stream);
   constexpr auto kernel = kf_attention_tc_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU>;
   constexpr int bytes_per_element = 2;
   constexpr int bytes = ((64 + 64) * (D + 8) + D * (64 + 8)) * 2;
