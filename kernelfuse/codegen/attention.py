@@ -53,25 +53,27 @@ def uses_tensor_cores(step: AttnStep) -> bool:
 def flash_warps(step: AttnStep, strides: dict[str, tuple[int, ...]]) -> int:
     """Warps (16 query rows each) per block of the flash kernels, 0 where they do not apply: q, k or v not
     contiguous along d, or rows not a multiple of 16 bytes apart (the launcher checks the bases' alignment at run
-    time and falls back to the first tensor-core kernel). fp32: always 4 (its 3xTF32 operand splits take the
-    registers more rows would need). bf16: 8 warps (128 queries) where such blocks are enough to give every SM one
-    (a query tile's keys and values are read once for twice the queries); 4 (64 queries) otherwise, so that short
-    sequences or few heads spread over more SMs."""
+    time and falls back to the first tensor-core kernel). fp32: 4 (its 3xTF32 operand splits take the registers
+    more rows would need), fewer where fewer than 64 queries fill them (a block of 4 warps for 2 queries would
+    hold 3 idle warps and their shared rows). bf16: 8 warps (128 queries) where such blocks are enough to give
+    every SM one (a query tile's keys and values are read once for twice the queries); 4 (64 queries) otherwise, so
+    that short sequences or few heads spread over more SMs."""
     b, h, _, s, _, _ = step.dims
     if not uses_tensor_cores(step):
         return 0
     per_16_bytes = 16 // step.out_meta.dtype.itemsize
     if any(strides[n][3] != 1 or any(x % per_16_bytes for x in strides[n][:3]) for n in ("q", "k", "v")):
         return 0
-    if step.out_meta.dtype == torch.float32:
-        return 4
+    if step.out_meta.dtype == torch.float32:  # as many warps as the queries fill, up to 4
+        return min(4, -(-s // 16))
     return 8 if s > 64 and -(-s // 128) * b * h >= SMS else 4
 
 
-def flash_f32_keys(head_dim: int) -> int:
+def flash_f32_keys(head_dim: int, keys: int) -> int:
     """Keys per tile of the fp32 flash kernel: 64 up to head dim 64, 32 above (its shared tiles, 4 x keys x (D + 4)
-    floats beside the query tile's 64 rows, stay near 100 KB at D = 128: two blocks an SM)."""
-    return 64 if head_dim <= 64 else 32
+    floats beside the query tile's 64 rows, stay near 100 KB at D = 128: two blocks an SM); fewer, in steps of 16,
+    where the sequence has fewer keys, so that short sequences (a few tokens per batch row) keep small blocks."""
+    return min(64 if head_dim <= 64 else 32, -(-keys // 16) * 16)
 
 
 def input_strides(step: AttnStep) -> dict[str, tuple[int, ...]]:
@@ -100,7 +102,7 @@ def render_attention(plan: Plan, step: AttnStep) -> tuple[str, Binding]:
     kind = MASK_KINDS[step.mask_kind]
     if tensor_cores and step.out_meta.dtype == torch.float32:
         launch = f"kf_attention_f32tc<{mask_type}, {d}, {kind}, {flags}, {str(step.math == '3xtf32').lower()}, " \
-            f"{flash_warps(step, strides)}, {flash_f32_keys(d)}>"
+            f"{flash_warps(step, strides)}, {flash_f32_keys(d, length)}>"
     elif tensor_cores:
         launch = f"kf_attention_tc<{mask_type}, {d}, {kind}, {flags}, {flash_warps(step, strides)}>"
     else:
