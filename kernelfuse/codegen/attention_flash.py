@@ -8,6 +8,39 @@ from kernelfuse.codegen.attention_prelude import ONLINE_SOFTMAX
 ONLINE_SOFTMAX_EXP2 = ONLINE_SOFTMAX.replace("expf(", "exp2f(")
 
 
+# The start of both flash kernels' key-tile loop (a warp of 16 query rows; K and V tiles double-buffered by
+# cp.async): a bool mask's bits read while the tile's copies fly, the barrier, the next tile's copies, and the
+# tiles a warp sits out.
+FLASH_TILE_START = r"""
+    unsigned int valid = 0;  // bool masks: bit j * 4 + e, fragment element e of key group j takes part
+    if constexpr (MASK == 1 || MASK == 2)  // read while the tile's copies are in flight
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = q0 + r0 + g + (e >> 1) * 8, col = k0 + j * 8 + 2 * t + (e & 1);
+          bool ok = row < p.S && col < p.L && (!CAUSAL || col <= row);
+          if (ok) ok = (mask[row * p.sm[2] + col * p.sm[3]] != 0) == (MASK == 1);
+          valid |= (unsigned int)ok << (j * 4 + e);
+        }
+    kf_attn_cp_wait<0>();  // this thread's copies of the tile (and, the first time, of the query tile)
+    // every thread's copies landed, and every thread is done with the other buffers (the previous tile)
+    bool any = true;
+    if constexpr (MASK == 1 || MASK == 2)
+      any = __syncthreads_or(valid != 0);
+    else
+      __syncthreads();
+    if (k0 + BK < kend) {  // the next tile's copies, while this one is computed
+      kf_attn_copy_rows<BK, D, THREADS>(ks + (buf ^ 1) * BK * DP, K + (k0 + BK) * p.sk[2], p.sk[2], p.L - k0 - BK);
+      kf_attn_copy_rows<BK, D, THREADS>(vs + (buf ^ 1) * BK * DP, V + (k0 + BK) * p.sv[2], p.sv[2], p.L - k0 - BK);
+      kf_attn_cp_commit();
+    }
+    // nothing to do: a bool mask drops the tile for every query of the block, or the warp's rows are all past S or
+    // (causal) all before the tile's first key
+    if (!any || q0 + r0 >= p.S || (CAUSAL && k0 > q0 + r0 + 15)) continue;
+""".lstrip("\n")
+
+
 FLASH_PRELUDE = r"""
 // ---- bf16 flash attention, FlashAttention-2 style, where q, k and v are contiguous along d with 16-byte aligned
 // rows: WARPS warps x 16 query rows a block (one m16 tile a warp; two, FlashAttention-2's 4 warps x 32 rows, measured
@@ -97,32 +130,7 @@ __global__ void __launch_bounds__(WARPS * 32, (D <= 64 ? 16 : 8) / WARPS)
   const float scale = RELU ? p.scale : p.scale * LOG2E;
   const int kend = CAUSAL ? min(p.L, q0 + BQ) : p.L;  // causal: no key after the block's last query
   for (int k0 = 0, buf = 0; k0 < kend; k0 += BK, buf ^= 1) {
-    unsigned int valid = 0;  // bool masks: bit j * 4 + e, fragment element e of key group j takes part
-    if constexpr (MASK == 1 || MASK == 2)  // read while the tile's copies are in flight
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = q0 + r0 + g + (e >> 1) * 8, col = k0 + j * 8 + 2 * t + (e & 1);
-          bool ok = row < p.S && col < p.L && (!CAUSAL || col <= row);
-          if (ok) ok = (mask[row * p.sm[2] + col * p.sm[3]] != 0) == (MASK == 1);
-          valid |= (unsigned int)ok << (j * 4 + e);
-        }
-    kf_attn_cp_wait<0>();  // this thread's copies of the tile
-    // every thread's copies landed, and every thread is done with the other buffers (the previous tile)
-    bool any = true;
-    if constexpr (MASK == 1 || MASK == 2)
-      any = __syncthreads_or(valid != 0);
-    else
-      __syncthreads();
-    if (k0 + BK < kend) {  // the next tile's copies, while this one is computed
-      kf_attn_copy_rows<BK, D, THREADS>(ks + (buf ^ 1) * BK * DP, K + (k0 + BK) * p.sk[2], p.sk[2], p.L - k0 - BK);
-      kf_attn_copy_rows<BK, D, THREADS>(vs + (buf ^ 1) * BK * DP, V + (k0 + BK) * p.sv[2], p.sv[2], p.L - k0 - BK);
-      kf_attn_cp_commit();
-    }
-    // nothing to do: a bool mask drops the tile for every query of the block, or the warp's rows are all past S or
-    // (causal) all before the tile's first key
-    if (!any || q0 + r0 >= p.S || (CAUSAL && k0 > q0 + r0 + 15)) continue;
+""" + FLASH_TILE_START + r"""
     const unsigned short* kt = ks + buf * BK * DP + krow;
     const unsigned short* vt = vs + buf * BK * DP + arow;
     float s[NT][4];
@@ -286,32 +294,7 @@ __global__ void __launch_bounds__(WARPS * 32) kf_attention_fa2_f32_kernel(const 
   for (int j = 0; j < DT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
   const int kend = CAUSAL ? min(p.L, q0 + BQ) : p.L;  // causal: no key after the block's last query
   for (int k0 = 0, buf = 0; k0 < kend; k0 += BK, buf ^= 1) {
-    unsigned int valid = 0;  // bool masks: bit j * 4 + e, fragment element e of key group j takes part
-    if constexpr (MASK == 1 || MASK == 2)  // read while the tile's copies are in flight
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = q0 + r0 + g + (e >> 1) * 8, col = k0 + j * 8 + 2 * t + (e & 1);
-          bool ok = row < p.S && col < p.L && (!CAUSAL || col <= row);
-          if (ok) ok = (mask[row * p.sm[2] + col * p.sm[3]] != 0) == (MASK == 1);
-          valid |= (unsigned int)ok << (j * 4 + e);
-        }
-    kf_attn_cp_wait<0>();  // this thread's copies of the tile (and, the first time, of the query tile)
-    // every thread's copies landed, and every thread is done with the other buffers (the previous tile)
-    bool any = true;
-    if constexpr (MASK == 1 || MASK == 2)
-      any = __syncthreads_or(valid != 0);
-    else
-      __syncthreads();
-    if (k0 + BK < kend) {  // the next tile's copies, while this one is computed
-      kf_attn_copy_rows<BK, D, THREADS>(ks + (buf ^ 1) * BK * DP, K + (k0 + BK) * p.sk[2], p.sk[2], p.L - k0 - BK);
-      kf_attn_copy_rows<BK, D, THREADS>(vs + (buf ^ 1) * BK * DP, V + (k0 + BK) * p.sv[2], p.sv[2], p.L - k0 - BK);
-      kf_attn_cp_commit();
-    }
-    // nothing to do: a bool mask drops the tile for every query of the block, or the warp's rows are all past S or
-    // (causal) all before the tile's first key
-    if (!any || q0 + r0 >= p.S || (CAUSAL && k0 > q0 + r0 + 15)) continue;
+""" + FLASH_TILE_START + r"""
     const float* kt = ks + buf * BK * DP + g * DP + t;      // key row 8 j + g, column 8 kk + t
     const float* vt = vs + buf * BK * DP + 2 * t * DP + g;  // value rows 8 kk + 2 t (+ 1), column 8 j + g
     float s[NT][4];
