@@ -489,3 +489,46 @@ def test_every_mask_kind_builds_with_nvcc_in_every_dtype(dtype, tmp_path):
     result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-O1", "-c", str(cu), "-o", str(tmp_path / "a.o")],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def _autocast_window(m, q, k, v, bias):
+    """Swin's window attention as bf16 autocast runs it: bf16 scores plus an fp32 relative-position bias (the add
+    is fp32), softmax in fp32, the probabilities cast to bf16 for the second product."""
+    att = (q * 0.25) @ k.transpose(-2, -1)
+    att = torch.softmax(att + bias, dim=-1)
+    return att.to(torch.bfloat16) @ v
+
+
+def _autocast_plain(m, q, k, v):
+    """An attention whose softmax autocast widens: bf16 scores cast to fp32, the probabilities back to bf16."""
+    return torch.softmax((q @ k.transpose(-2, -1)).float() * 0.3, dim=-1).to(torch.bfloat16) @ v
+
+
+@pytest.mark.parametrize("fn, extra", [(_autocast_window, True), (_autocast_plain, False)])
+def test_bf16_attention_with_fp32_softmax_is_one_kernel(fn, extra, tmp_path):
+    """Under bf16 autocast the scores meet an fp32 mask (or a cast) and the softmax runs in fp32, its result cast
+    to bf16 for the second product: the casts join the attention (the kernel scores in fp32 and rounds the
+    probabilities to bf16), the fp32 bias is the additive mask. The emulated bf16 flash kernel against the float64
+    reference and eager; the -sdpa variant keeps the kernel where torch's SDPA would refuse the fp32 mask."""
+    torch.manual_seed(0)
+    qkv = [torch.randn(3, 2, 37, 32).to(torch.bfloat16) for _ in range(3)]
+    inputs = [*qkv, torch.randn(2, 37, 37)] if extra else qkv
+    graph = rewrite(capture_module(Fn(fn), inputs))
+    plan = make_plan(graph)
+    assert len(plan.attention) == 1, plan.summary()
+    step: AttnStep = plan.attention[0]
+    assert step.out_meta.dtype == torch.bfloat16 and uses_tensor_cores(step)
+    assert (step.mask_kind, step.mask.meta.dtype if step.mask else None) == \
+        (("add", torch.float32) if extra else ("none", None))
+    assert not [n for n in graph.nodes if n.op == "_to_copy.default" and n.name not in step.replaces]
+    if extra:
+        library = make_plan(graph, PlanOptions(attention="library"))
+        assert library.attention[0].impl == "kernel"
+    with torch.no_grad():
+        env = _values(graph, Fn(fn), inputs)
+        expected = Fn(fn)(*inputs)
+    args = [env[i.ref.name] for i in step.inputs]
+    got = getattr(emulated(plan, tmp_path).kernels, step.kernel)(*args)
+    reference = attention_reference(step, *args[:3], args[3] if extra else None)
+    torch.testing.assert_close(got.float(), reference.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=3e-2, atol=3e-2)

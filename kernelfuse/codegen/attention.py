@@ -90,8 +90,11 @@ def render_attention(plan: Plan, step: AttnStep) -> tuple[str, Binding]:
     b, h, hk, s, length, d = step.dims
     ctype = C_TYPES[step.out_meta.dtype]
     tensor_cores = uses_tensor_cores(step)
-    mask_type = "unsigned char" if step.mask is None or step.mask.meta.dtype == torch.bool else \
-        "unsigned short" if tensor_cores and ctype != "float" else ctype
+    # the mask as the kernels read it: bools as bytes, an additive mask in its own dtype (fp32 beside bf16 data under
+    # autocast), bf16 as raw bits in the tensor-core kernels
+    mask_ctype = "unsigned char" if step.mask is None or step.mask.meta.dtype == torch.bool else \
+        C_TYPES[step.mask.meta.dtype]
+    mask_type = "unsigned short" if tensor_cores and mask_ctype == "__nv_bfloat16" else mask_ctype
     bq, bk = tile_shape(d)
     strides = input_strides(step)
     arrays = ", ".join("{" + ", ".join(str(x) for x in strides[n]) + "}" for n in ("q", "k", "v", "mask")) + \

@@ -252,6 +252,10 @@ __device__ __forceinline__ unsigned short kf_float_bf16(float f) {  // round to 
   if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
   return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+// An additive mask's element in the bf16 tensor-core kernels: raw bf16 bits, or fp32 (autocast adds an fp32 mask to
+// bf16 scores in fp32)
+__device__ __forceinline__ float kf_attn_mask_value(unsigned short x) { return kf_bf16_float(x); }
+__device__ __forceinline__ float kf_attn_mask_value(float x) { return x; }
 __device__ __forceinline__ unsigned int kf_bf16x2(float lo, float hi) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   unsigned int r;  // the same rounding in one instruction (a NaN stays a NaN)
@@ -392,7 +396,7 @@ __global__ void __launch_bounds__(128) kf_attention_tc_kernel(const kf_attn_para
         const int row = q0 + r0 + g + (e >> 1) * 8, col = k0 + j * 8 + 2 * t + (e & 1);
         float x = s[j][e] * p.scale;
         if constexpr (MASK == 3)
-          if (row < p.S && col < p.L) x += kf_bf16_float(mask[row * p.sm[2] + col * p.sm[3]]);
+          if (row < p.S && col < p.L) x += kf_attn_mask_value(mask[row * p.sm[2] + col * p.sm[3]]);
         s[j][e] = (valid >> (j * 4 + e) & 1u) ? x : -INFINITY;
         if (RELU) s[j][e] = s[j][e] > 0.0f || s[j][e] != s[j][e] ? s[j][e] : 0.0f;
         mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);

@@ -6,8 +6,11 @@ The hand-written form is matched on the captured ops: `bmm(view(clone(expand(q))
 an optional `_unsafe_view` to (B, H, S, L), an optional `mul` by a Python scalar, an optional mask
 (`masked_fill(scores, cond, -inf)` or `add(scores, M)`), `_softmax` over the last dim and the second `bmm` with v.
 Every node of the pattern must be read only inside it; the copies that laid q, k and v out for the bmms are
-absorbed (the kernel reads the tensors before them through their strides). A random dropout between softmax and
-the bmm does not match: eager's random stream cannot be reproduced in the kernel, so that attention stays unfused.
+absorbed (the kernel reads the tensors before them through their strides). Under bf16 autocast the scores may be
+widened to fp32 (a cast, or the add of an fp32 mask), the softmax run in fp32 and its result cast back for the
+second bmm: those casts join the pattern (the kernel scores in fp32 and rounds the probabilities to bf16). A random
+dropout between softmax and the bmm does not match: eager's random stream cannot be reproduced in the kernel, so
+that attention stays unfused.
 Rows whose every key is masked: NaN in the hand-written form (softmax of all -inf), zeros in SDPA (torch >= 2.5);
 the step records which.
 """
@@ -59,7 +62,11 @@ def attention_steps(graph: Graph, first_kernel: int, library: bool = False, tf32
             continue
         if found.out_meta.dtype == torch.float32:
             found = replace(found, math="tf32" if tf32 else "3xtf32" if found.origin == "sdpa" or split else "fma")
-        steps.append(replace(found, impl="library") if library and found.activation == "softmax" else found)
+        # torch's SDPA takes no mask of another dtype than q's (autocast's fp32 mask beside bf16 scores): such a
+        # step keeps the kernel in the library variant too
+        as_call = library and found.activation == "softmax" and \
+            (found.mask is None or found.mask.meta.dtype in (torch.bool, found.out_meta.dtype))
+        steps.append(replace(found, impl="library") if as_call else found)
         taken.update(found.replaces)
     return steps, reasons
 
@@ -175,6 +182,9 @@ def _from_handwritten(graph: Graph, pv: Node, kernel: str) -> AttnStep | str:
     """The attention whose last op is the bmm `pv` (probabilities @ v), or why `pv` is none."""
     chain = {pv.name}
     probs = _peel(graph, pv.args[0], chain)
+    narrowed = _cast_from(graph, probs, chain, torch.float32, pv.meta.dtype)  # autocast: fp32 probabilities
+    if narrowed is not None:
+        probs = narrowed
     if probs.op not in ("_softmax.default", "relu.default") or not _private(graph, probs, chain):
         return "no softmax (or relu) before the bmm"
     if probs.op == "_softmax.default" and (probs.args[1] not in (-1, len(probs.meta.shape) - 1) or
@@ -182,7 +192,7 @@ def _from_handwritten(graph: Graph, pv: Node, kernel: str) -> AttnStep | str:
         return "softmax not over the last dim"
     chain.add(probs.name)
     scores_shape = probs.meta.shape
-    x = graph[probs.args[0]]
+    x = _widened(graph, graph[probs.args[0]], chain)
     mask, kind = None, "none"
     if x.op == "masked_fill.Scalar" and x.args[2] == -math.inf and _private(graph, x, chain):
         cond = graph[x.args[1]]
@@ -202,11 +212,12 @@ def _from_handwritten(graph: Graph, pv: Node, kernel: str) -> AttnStep | str:
         if other.meta.dtype != probs.meta.dtype:
             return "additive mask of another dtype"
         mask, kind = AttnInput(Ref(other.name), other.meta), "add"
+        x = _widened(graph, x, chain)
     scale = 1.0
     if x.op == "mul.Tensor" and _scalar(x.args[1]) is not None and _private(graph, x, chain):
         scale = _scalar(x.args[1])  # type: ignore[assignment]
         chain.add(x.name)
-        x = graph[x.args[0]]
+        x = _widened(graph, graph[x.args[0]], chain)
     qk = _peel(graph, Ref(x.name), chain)
     if qk.op != "bmm.default" or not _private(graph, qk, chain):
         return "no bmm of q and kᵀ before the softmax"
@@ -219,7 +230,9 @@ def _from_handwritten(graph: Graph, pv: Node, kernel: str) -> AttnStep | str:
         shape = src.meta.shape if src.meta is not None else ()
         if len(shape) not in (3, 4) or shape[-2:] != rows_cols or math.prod(shape[:-2]) != bh:
             return "q, k or v is not a (batch, heads, rows, cols) tensor"
-    if any(src.meta.dtype != probs.meta.dtype for src in sources) or probs.meta.dtype not in FLOAT_DTYPES:
+    dtype = pv.meta.dtype  # the kernel's: q, k, v and the output; the scores may be wider (autocast's fp32)
+    if any(src.meta.dtype != dtype for src in sources) or dtype not in FLOAT_DTYPES or \
+            probs.meta.dtype not in (dtype, torch.float32):
         return "dtypes differ"
     batch, heads = scores_shape[:2] if len(scores_shape) == 4 else next(
         (tuple(src.meta.shape[:2]) for src in sources if len(src.meta.shape) == 4), (1, bh))
@@ -314,13 +327,37 @@ def _peel(graph: Graph, ref: object, chain: set[str]) -> Node:
 
 def _scores_and_mask(graph: Graph, add: Node) -> tuple[Node, Node] | None:
     """(scores, mask) of `scores + mask`: the scores are the operand only the add reads that comes from the bmm
-    (its view or its scaling)."""
+    (its view, its scaling, or autocast's cast of either to fp32)."""
     first, second = (graph[a] for a in add.args)  # type: ignore[index]
     for scores, mask in ((first, second), (second, first)):
-        if scores.op in _RESHAPES | {"mul.Tensor", "bmm.default"} and [u.name for u in graph.users(scores.name)] \
-                == [add.name] and mask.meta is not None:
+        if scores.op in _RESHAPES | {"mul.Tensor", "bmm.default", "_to_copy.default"} \
+                and [u.name for u in graph.users(scores.name)] == [add.name] and mask.meta is not None:
             return scores, mask
     return None
+
+
+def _cast_from(graph: Graph, node: Node, chain: set[str], source: torch.dtype, target: torch.dtype) -> Node | None:
+    """The `source`-dtype node `node` casts to `target` (a private `_to_copy` that changes nothing but the dtype),
+    joining `chain`; None where `node` is no such cast or the dtypes are the same."""
+    if node.op != "_to_copy.default" or source == target or node.meta is None or node.meta.dtype != target \
+            or set(node.keywords) != {"dtype"} or len(node.args) != 2 or not _private(graph, node, chain):
+        return None
+    inner = graph[node.args[0]]
+    if inner.meta is None or inner.meta.dtype != source:
+        return None
+    chain.add(node.name)
+    return inner
+
+
+def _widened(graph: Graph, node: Node, chain: set[str]) -> Node:
+    """`node`, or the bf16/fp16 scores it widens to fp32 (autocast runs softmax, and the add of an fp32 mask, in
+    fp32): the kernel computes its scores in fp32 anyway."""
+    if node.op != "_to_copy.default" or not isinstance(node.args[0], Ref):
+        return node
+    inner = graph[node.args[0]]
+    if inner.meta is None or inner.meta.dtype not in (torch.bfloat16, torch.float16):
+        return node
+    return _cast_from(graph, node, chain, inner.meta.dtype, torch.float32) or node
 
 
 def _private(graph: Graph, node: Node, chain: set[str]) -> bool:
