@@ -532,3 +532,45 @@ def test_bf16_attention_with_fp32_softmax_is_one_kernel(fn, extra, tmp_path):
     reference = attention_reference(step, *args[:3], args[3] if extra else None)
     torch.testing.assert_close(got.float(), reference.float(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got.float(), expected.float(), rtol=3e-2, atol=3e-2)
+
+
+def _shifted_windows(m, q, k, v, bias, windows):
+    """Swin's shifted-window attention (torchvision's form): the relative-position bias added, the scores viewed as
+    (images, windows, heads, S, L) for the window mask, viewed back; q, k, v of bf16 under autocast's shape (the
+    adds then in fp32, the probabilities cast back)."""
+    att = (q * 0.3) @ k.transpose(-2, -1)
+    att = att + bias.unsqueeze(0)
+    att = att.view(-1, windows.shape[0], *att.shape[1:]) + windows.unsqueeze(1).unsqueeze(0)
+    att = torch.softmax(att.view(-1, *att.shape[2:]), dim=-1)
+    return att.to(q.dtype) @ v
+
+
+@pytest.mark.parametrize("dtype, option", [(torch.float32, "kernel"), (torch.float32, "split"),
+                                           (torch.bfloat16, "kernel")])
+def test_shifted_window_mask_is_part_of_the_attention(dtype, option, tmp_path):
+    """The window mask (one per window of every image, merged into the batch) is a second additive mask that batch
+    b reads at window b % windows: one kernel (fp32 FMA, fp32 3xTF32 flash, bf16 flash with fp32 masks), against
+    the float64 reference and eager; the -sdpa variant keeps the kernel."""
+    torch.manual_seed(0)
+    qkv = [torch.randn(6, 2, 37, 32).to(dtype) for _ in range(3)]
+    windows = torch.where(torch.rand(3, 37, 37) > 0.3, 0.0, -100.0)
+    inputs = [*qkv, torch.randn(2, 37, 37), windows]
+    graph = rewrite(capture_module(Fn(_shifted_windows), inputs))
+    plan = make_plan(graph, PlanOptions(attention=option))
+    assert len(plan.attention) == 1, plan.summary()
+    step: AttnStep = plan.attention[0]
+    assert (step.window_count, step.mask_kind, step.windows.meta.shape) == (3, "add", (1, 3, 1, 37, 37))
+    assert "3-window mask" in plan.summary()
+    assert make_plan(graph, PlanOptions(attention="library")).attention[0].impl == "kernel"
+    with torch.no_grad():
+        env = _values(graph, Fn(_shifted_windows), inputs)
+        expected = Fn(_shifted_windows)(*inputs)
+    args = [env[i.ref.name] for i in step.inputs]
+    got = getattr(emulated(plan, tmp_path).kernels, step.kernel)(*args)
+    reference = attention_reference(step, *args)
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), reference.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got.float(), expected.float(), rtol=tol * 1.5, atol=tol * 1.5)
+    model = Fn(_shifted_windows)  # the CPU check's plan interpreter computes the same reference
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    torch.testing.assert_close(interpret(plan, state, inputs)[0], reference, rtol=0, atol=0)

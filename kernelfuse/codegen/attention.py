@@ -27,7 +27,7 @@ import torch
 from kernelfuse.codegen.binding import Binding, pointer_launcher, py_tuple
 from kernelfuse.codegen.common import C_TYPES
 from kernelfuse.ops import float_literal
-from kernelfuse.plan.attention import logical_view, mask_view, strides_of
+from kernelfuse.plan.attention import logical_view, mask_view, strides_of, window_view
 from kernelfuse.plan.ir import AttnStep, Plan
 
 MASK_KINDS = {"none": 0, "keep": 1, "drop": 2, "add": 3}  # the kernel's MASK template argument
@@ -82,6 +82,8 @@ def input_strides(step: AttnStep) -> dict[str, tuple[int, ...]]:
     out = {name: strides_of(inp.meta, lambda t, inp=inp: logical_view(t, inp, batch))
            for name, inp in (("q", step.q), ("k", step.k), ("v", step.v))}
     out["mask"] = strides_of(step.mask.meta, lambda t: mask_view(t, step.dims)) if step.mask else (0, 0, 0, 0)
+    out["windows"] = strides_of(step.windows.meta, lambda t: window_view(t, step.dims, step.window_count)) \
+        if step.windows else (0, 0, 0, 0)
     return out
 
 
@@ -99,8 +101,11 @@ def render_attention(plan: Plan, step: AttnStep) -> tuple[str, Binding]:
     strides = input_strides(step)
     arrays = ", ".join("{" + ", ".join(str(x) for x in strides[n]) + "}" for n in ("q", "k", "v", "mask")) + \
         ", {" + ", ".join(str(x) for x in step.out_strides) + "}"
-    args = "const void* q, const void* k, const void* v, " + ("const void* mask, " if step.mask else "")
+    args = "const void* q, const void* k, const void* v, " + ("const void* mask, " if step.mask else "") + \
+        ("const void* windows, " if step.windows else "")
     mask = "mask" if step.mask else "nullptr"
+    windows = "windows, {" + ", ".join(str(x) for x in strides["windows"]) + f"}}, {step.window_count}" \
+        if step.windows else "nullptr, {0, 0, 0, 0}, 0"
     flags = f"{str(step.causal).lower()}, {str(step.empty_nan).lower()}, {str(step.activation == 'relu').lower()}"
     kind = MASK_KINDS[step.mask_kind]
     if tensor_cores and step.out_meta.dtype == torch.float32:
@@ -113,7 +118,7 @@ def render_attention(plan: Plan, step: AttnStep) -> tuple[str, Binding]:
     source = f"""// {step.kernel}: {step.chain(plan.graph)}  (B={b} H={h} KV heads={hk} S={s} L={length} D={d})
 KF_EXPORT cudaError_t {step.kernel}_launch({args}void* out, cudaStream_t stream) {{
   const kf_attn_params p = {{q, k, v, {mask}, out, {h}, {h // hk}, {s}, {length}, {arrays},
-                            {float_literal(step.scale)}}};
+                            {float_literal(step.scale)}, {windows}}};
   return {launch}(p, {b}, stream);
 }}
 """
@@ -122,7 +127,7 @@ KF_EXPORT cudaError_t {step.kernel}_launch({args}void* out, cudaStream_t stream)
 
 def _binding(plan: Plan, step: AttnStep) -> Binding:
     k = step.kernel
-    names = ["q", "k", "v", "mask"][:len(step.inputs)]
+    names = ["q", "k", "v"] + (["mask"] if step.mask else []) + (["windows"] if step.windows else [])
     lines = [f"# {k}: {step.chain(plan.graph)}  (flash attention)", f"def {k}(self, {', '.join(names)}):"]
     for name, inp in zip(names, step.inputs, strict=True):
         meta = inp.meta

@@ -161,7 +161,7 @@ __global__ void __launch_bounds__(WARPS * 32, (D <= 64 ? 16 : 8) / WARPS)
           if constexpr (MASK == 1 || MASK == 2) ok = valid >> (j * 4 + e) & 1u;
           if constexpr (MASK == 3)
             if (ok && row < p.S)
-              s[j][e] += kf_attn_mask_value(mask[row * p.sm[2] + col * p.sm[3]]) * (RELU ? 1.0f : LOG2E);
+              s[j][e] += kf_attn_additive(p, mask, b, h, row, col) * (RELU ? 1.0f : LOG2E);
           if (!ok) s[j][e] = -INFINITY;
         }
     float mx[2] = {-INFINITY, -INFINITY};
@@ -329,7 +329,7 @@ __global__ void __launch_bounds__(WARPS * 32) kf_attention_fa2_f32_kernel(const 
           bool ok = col < p.L && (!CAUSAL || col <= row);  // rows past S are never written
           if constexpr (MASK == 1 || MASK == 2) ok = valid >> (j * 4 + e) & 1u;
           if constexpr (MASK == 3)
-            if (ok && row < p.S) x += mask[row * p.sm[2] + col * p.sm[3]];
+            if (ok && row < p.S) x += kf_attn_additive(p, mask, b, h, row, col);
           if (!ok) x = -INFINITY;
         }
         if (RELU) x = x > 0.0f || x != x ? x : 0.0f;

@@ -50,7 +50,27 @@ struct kf_attn_params {
   int heads, group, S, L;  // group: query heads per kv head
   long long sq[4], sk[4], sv[4], sm[4], so[4];  // element strides over (batch, head, row, col)
   float scale;
+  // a second additive mask (MASK 3 only), periodic over the batch: batch b adds window b % windows (0: none), its
+  // strides over (window, head, row, col)
+  const void* wmask; long long sw[4]; int windows;
 };
+
+// An additive mask's element as a float: fp32, fp16, bf16 (raw bits in the tensor-core kernels: unsigned short)
+__device__ __forceinline__ float kf_attn_mask_value(float x) { return x; }
+__device__ __forceinline__ float kf_attn_mask_value(unsigned short x) { return __uint_as_float((unsigned int)x << 16); }
+__device__ __forceinline__ float kf_attn_mask_value(__half x) { return kf_load(x); }
+__device__ __forceinline__ float kf_attn_mask_value(__nv_bfloat16 x) { return kf_load(x); }
+
+// The additive terms of (row, col): the mask's (`mask` at the batch's and head's base), and the window mask's
+template <typename M>
+__device__ __forceinline__ float kf_attn_additive(const kf_attn_params& p, const M* mask, int b, int h, int row,
+                                                  int col) {
+  float x = kf_attn_mask_value(mask[row * p.sm[2] + col * p.sm[3]]);
+  if (p.windows)
+    x += kf_attn_mask_value(((const M*)p.wmask)[(b % p.windows) * p.sw[0] + h * p.sw[1] + row * p.sw[2] +
+                                                col * p.sw[3]]);
+  return x;
+}
 
 // A kernel's opt-in to more dynamic shared memory than the default, once per device (not again inside a graph
 // capture); the kernel is a template argument, so each has flags of its own
@@ -170,7 +190,7 @@ __global__ void __launch_bounds__(128) kf_attention_kernel(const kf_attn_params 
       for (int c = 0; c < CK; ++c) {
         float x = s[r][c] * p.scale;
         if constexpr (MASK == 3)
-          if (row < p.S && k0 + c0 + c < p.L) x += kf_load(mask[row * p.sm[2] + (k0 + c0 + c) * p.sm[3]]);
+          if (row < p.S && k0 + c0 + c < p.L) x += kf_attn_additive(p, mask, b, h, row, k0 + c0 + c);
         s[r][c] = (valid >> (r * CK + c) & 1u) ? x : -INFINITY;
         mx = fmaxf(mx, s[r][c]);
       }
@@ -252,10 +272,6 @@ __device__ __forceinline__ unsigned short kf_float_bf16(float f) {  // round to 
   if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);
   return (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
-// An additive mask's element in the bf16 tensor-core kernels: raw bf16 bits, or fp32 (autocast adds an fp32 mask to
-// bf16 scores in fp32)
-__device__ __forceinline__ float kf_attn_mask_value(unsigned short x) { return kf_bf16_float(x); }
-__device__ __forceinline__ float kf_attn_mask_value(float x) { return x; }
 __device__ __forceinline__ unsigned int kf_bf16x2(float lo, float hi) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   unsigned int r;  // the same rounding in one instruction (a NaN stays a NaN)
@@ -396,7 +412,7 @@ __global__ void __launch_bounds__(128) kf_attention_tc_kernel(const kf_attn_para
         const int row = q0 + r0 + g + (e >> 1) * 8, col = k0 + j * 8 + 2 * t + (e & 1);
         float x = s[j][e] * p.scale;
         if constexpr (MASK == 3)
-          if (row < p.S && col < p.L) x += kf_attn_mask_value(mask[row * p.sm[2] + col * p.sm[3]]);
+          if (row < p.S && col < p.L) x += kf_attn_additive(p, mask, b, h, row, col);
         s[j][e] = (valid >> (j * 4 + e) & 1u) ? x : -INFINITY;
         if (RELU) s[j][e] = s[j][e] > 0.0f || s[j][e] != s[j][e] ? s[j][e] : 0.0f;
         mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
@@ -526,7 +542,7 @@ __global__ void __launch_bounds__(128) kf_attention_tf32_kernel(const kf_attn_pa
         const int row = q0 + r0 + g + (e >> 1) * 8, col = k0 + j * 8 + 2 * t + (e & 1);
         float x = s[j][e] * p.scale;
         if constexpr (MASK == 3)
-          if (row < p.S && col < p.L) x += mask[row * p.sm[2] + col * p.sm[3]];
+          if (row < p.S && col < p.L) x += kf_attn_additive(p, mask, b, h, row, col);
         s[j][e] = (valid >> (j * 4 + e) & 1u) ? x : -INFINITY;
         if (RELU) s[j][e] = s[j][e] > 0.0f || s[j][e] != s[j][e] ? s[j][e] : 0.0f;
         mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);

@@ -4,7 +4,9 @@ step (AttnStep).
 
 The hand-written form is matched on the captured ops: `bmm(view(clone(expand(q))), view(clone(expand(kᵀ))))`,
 an optional `_unsafe_view` to (B, H, S, L), an optional `mul` by a Python scalar, an optional mask
-(`masked_fill(scores, cond, -inf)` or `add(scores, M)`), `_softmax` over the last dim and the second `bmm` with v.
+(`masked_fill(scores, cond, -inf)` or `add(scores, M)`, and then a window mask: Swin's shifted windows view the
+scores as (images, windows, heads, S, L) to add a per-window mask and view them back), `_softmax` over the last dim
+and the second `bmm` with v.
 Every node of the pattern must be read only inside it; the copies that laid q, k and v out for the bmms are
 absorbed (the kernel reads the tensors before them through their strides). Under bf16 autocast the scores may be
 widened to fp32 (a cast, or the add of an fp32 mask), the softmax run in fp32 and its result cast back for the
@@ -62,9 +64,9 @@ def attention_steps(graph: Graph, first_kernel: int, library: bool = False, tf32
             continue
         if found.out_meta.dtype == torch.float32:
             found = replace(found, math="tf32" if tf32 else "3xtf32" if found.origin == "sdpa" or split else "fma")
-        # torch's SDPA takes no mask of another dtype than q's (autocast's fp32 mask beside bf16 scores): such a
-        # step keeps the kernel in the library variant too
-        as_call = library and found.activation == "softmax" and \
+        # torch's SDPA takes no mask of another dtype than q's (autocast's fp32 mask beside bf16 scores) and no
+        # window mask: such a step keeps the kernel in the library variant too
+        as_call = library and found.activation == "softmax" and found.windows is None and \
             (found.mask is None or found.mask.meta.dtype in (torch.bool, found.out_meta.dtype))
         steps.append(replace(found, impl="library") if as_call else found)
         taken.update(found.replaces)
@@ -87,6 +89,13 @@ def mask_view(t: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     return t.expand(b, h, s, length)
 
 
+def window_view(t: torch.Tensor, dims: tuple[int, ...], count: int) -> torch.Tensor:
+    """A window mask (1, windows, heads or 1, S or 1, L or 1) as (windows, heads, S, L): batch b reads window
+    b % windows."""
+    _, h, _, s, length, _ = dims
+    return t[0].expand(count, h, s, length)
+
+
 def strides_of(meta: TensorMeta, view: Callable[[torch.Tensor], torch.Tensor]) -> tuple[int, ...]:
     """The element strides `view` gives a tensor laid out as `meta` (computed on a meta tensor)."""
     fake = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")
@@ -94,7 +103,7 @@ def strides_of(meta: TensorMeta, view: Callable[[torch.Tensor], torch.Tensor]) -
 
 
 def attention_reference(step: AttnStep, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        mask: torch.Tensor | None) -> torch.Tensor:
+                        mask: torch.Tensor | None, windows: torch.Tensor | None = None) -> torch.Tensor:
     """What the kernel computes, in plain float64 math, returned in q's dtype: the interpreter's and the tests'
     reference (given float64 values, the float64 proof of the planner rule)."""
     b, h, hk, s, length, _ = step.dims
@@ -110,6 +119,9 @@ def attention_reference(step: AttnStep, q: torch.Tensor, k: torch.Tensor, v: tor
             scores = scores + m.double()
         else:
             scores = scores.masked_fill(m if step.mask_kind == "drop" else ~m, -math.inf)
+    if windows is not None:
+        w = window_view(windows, step.dims, step.window_count).double()
+        scores = scores + w.repeat(b // step.window_count, 1, 1, 1)
     if step.activation == "relu":
         return _to_output((torch.relu(scores) @ vf).to(q.dtype), step)
     probs = torch.softmax(scores, dim=-1)
@@ -193,6 +205,9 @@ def _from_handwritten(graph: Graph, pv: Node, kernel: str) -> AttnStep | str:
     chain.add(probs.name)
     scores_shape = probs.meta.shape
     x = _widened(graph, graph[probs.args[0]], chain)
+    windows, window_count = _window_mask(graph, x, chain)
+    if windows is not None:
+        x = graph[windows[0]]
     mask, kind = None, "none"
     if x.op == "masked_fill.Scalar" and x.args[2] == -math.inf and _private(graph, x, chain):
         cond = graph[x.args[1]]
@@ -241,15 +256,28 @@ def _from_handwritten(graph: Graph, pv: Node, kernel: str) -> AttnStep | str:
     if mask is not None and len(scores_shape) == 3 and len(mask.meta.shape) == 3 and mask.meta.shape[0] > 1 \
             and batch > 1:
         return "mask over merged (batch * heads) scores of split q, k, v"
+    window = None
+    if windows is not None:
+        if kind != "add" or windows[1].meta.dtype != mask.meta.dtype or len(scores_shape) != 4 \
+                or batch % window_count:
+            return "window mask without an additive mask of its dtype over (batch, heads, S, L) scores"
+        window = AttnInput(Ref(windows[1].name), windows[1].meta)
     inputs = [AttnInput(Ref(src.name), src.meta, swap=i == 1) for i, src in enumerate(sources)]
     out = pv
     after = _only_reader(graph, pv)
     if after is not None and after.op in _RESHAPES and after.meta.shape == (batch, heads, s, d):
         chain.add(after.name)
         out = after
-    return _step(graph, kernel, inputs, mask, kind, False, scale, True, (batch, heads, heads, s, length, d), out,
+    step = _step(graph, kernel, inputs, mask, kind, False, scale, True, (batch, heads, heads, s, length, d), out,
                  tuple(n.name for n in graph.nodes if n.name in chain), "hand-written",
                  "relu" if probs.op == "relu.default" else "softmax")
+    if window is None or isinstance(step, str):
+        return step
+    try:
+        strides_of(window.meta, lambda t: window_view(t, step.dims, window_count))
+    except RuntimeError:
+        return "window mask does not broadcast to (windows, heads, S, L)"
+    return replace(step, windows=window, window_count=window_count)
 
 
 def _step(graph: Graph, kernel: str, inputs: list[AttnInput], mask: AttnInput | None, kind: str, causal: bool,
@@ -334,6 +362,32 @@ def _scores_and_mask(graph: Graph, add: Node) -> tuple[Node, Node] | None:
                 and [u.name for u in graph.users(scores.name)] == [add.name] and mask.meta is not None:
             return scores, mask
     return None
+
+
+def _window_mask(graph: Graph, x: Node, chain: set[str]) -> tuple[tuple[str, Node] | None, int]:
+    """((scores, window mask), windows) where `x` is Swin's shifted-window masking of 4-d scores: viewed as
+    (images, windows, heads, S, L), a (1, windows, 1 or heads, S, L) mask added, viewed back; the view, the add
+    and the view back join `chain`. (None, 0) otherwise."""
+    if x.op not in _RESHAPES or x.meta is None or len(x.meta.shape) != 4 or not _private(graph, x, chain):
+        return None, 0
+    add = graph[x.args[0]]
+    if add.op != "add.Tensor" or add.meta is None or len(add.meta.shape) != 5 \
+            or not _private(graph, add, chain | {x.name}) \
+            or not all(isinstance(a, Ref) for a in add.args[:2]) or len(add.args) != 2:
+        return None, 0
+    images, windows, *rest = add.meta.shape
+    for split, mask in ((graph[add.args[0]], graph[add.args[1]]), (graph[add.args[1]], graph[add.args[0]])):
+        if split.op not in _RESHAPES or split.meta is None or split.meta.shape != add.meta.shape \
+                or not _private(graph, split, chain | {add.name}) or mask.meta is None:
+            continue
+        scores = graph[split.args[0]]
+        shape = mask.meta.shape
+        if scores.meta is None or scores.meta.shape != x.meta.shape or tuple(rest) != tuple(x.meta.shape[1:]) \
+                or images * windows != x.meta.shape[0] or len(shape) != 5 or shape[0] != 1 or shape[1] != windows:
+            continue
+        chain.update((x.name, add.name, split.name))
+        return (scores.name, mask), windows
+    return None, 0
 
 
 def _cast_from(graph: Graph, node: Node, chain: set[str], source: torch.dtype, target: torch.dtype) -> Node | None:

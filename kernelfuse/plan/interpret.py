@@ -43,7 +43,8 @@ def run_env(plan: Plan, state: dict[str, torch.Tensor], inputs: Sequence[torch.T
             env[step.out] = _laid_out(value, step.permuted_out)
         elif isinstance(step, AttnStep):
             env[step.out] = attention_reference(step, *(env[i.ref.name] for i in step.inputs[:3]),  # type: ignore[arg-type]
-                                                env[step.mask.ref.name] if step.mask else None)  # type: ignore[arg-type]
+                                                env[step.mask.ref.name] if step.mask else None,  # type: ignore[arg-type]
+                                                env[step.windows.ref.name] if step.windows else None)  # type: ignore[arg-type]
         else:
             env[step.out] = run_fused(plan.graph, step, env)
     return env

@@ -202,6 +202,11 @@ class AttnStep:
     # fp32 arithmetic: "fma" (exact fp32), "tf32" (the tf32 policy), "3xtf32" (split TF32 on tensor cores: what
     # torch's own fp32 SDPA kernel computes on sm_80+, so only for SDPA nodes under the strict policy)
     math: str = "fma"
+    # a second additive mask, periodic over the batch: batch b adds window b % window_count of it, broadcast to
+    # (window_count, heads, S, L) (Swin's shifted windows: images x windows merged into the batch); with an
+    # additive `mask` of its dtype only
+    windows: AttnInput | None = None
+    window_count: int = 0
 
     @property
     def family(self) -> str:
@@ -216,7 +221,8 @@ class AttnStep:
     @property
     def inputs(self) -> tuple[AttnInput, ...]:
         """The tensors the kernel reads, in its launcher's order."""
-        return (self.q, self.k, self.v) + ((self.mask,) if self.mask is not None else ())
+        return (self.q, self.k, self.v) + ((self.mask,) if self.mask is not None else ()) + \
+            ((self.windows,) if self.windows is not None else ())
 
 
 @dataclass(frozen=True)
@@ -278,6 +284,7 @@ class Plan:
             lines.append(f"  generated {g.kernel}: {g.chain(self.graph)}  ({g.family} kernel)")
         for a in self.attention:  # no batch size: the CPU check compares this with a small-batch twin's summary
             extra = (", causal" if a.causal else "") + (f", {a.mask_kind} mask" if a.mask is not None else "") + \
+                (f", {a.window_count}-window mask" if a.windows is not None else "") + \
                 (", grouped-query" if a.dims[2] != a.dims[1] else "") + (", relu" if a.activation == "relu" else "") + \
                 (f", {a.math}" if a.math != "fma" and a.impl == "kernel" else "")
             how = "flash-attention kernel" if a.impl == "kernel" else "torch SDPA call"
