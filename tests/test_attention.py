@@ -574,3 +574,20 @@ def test_shifted_window_mask_is_part_of_the_attention(dtype, option, tmp_path):
     model = Fn(_shifted_windows)  # the CPU check's plan interpreter computes the same reference
     state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     torch.testing.assert_close(interpret(plan, state, inputs)[0], reference, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nan_key_gives_nan_rows_not_the_masked_rows_zeros(dtype, tmp_path):
+    """SDPA gives zeros for a row whose every key is masked, but NaN for a row that reads a NaN: the kernels (fp32
+    3xTF32 and bf16 flash, emulated) and the interpreter's reference tell the two apart by the row sum (exactly 0,
+    or NaN) where both once wrote zeros."""
+    model, inputs, graph, plan = _planned("sdpa_d32", dtype)
+    step: AttnStep = plan.attention[0]
+    inputs[1][0, 1, 5, 3] = float("nan")  # batch 0, head 1: every query reads key 5
+    with torch.no_grad():
+        env = _values(graph, model, inputs)
+    args = [env[i.ref.name] for i in step.inputs]
+    got = getattr(emulated(plan, tmp_path).kernels, step.kernel)(*args)
+    reference = attention_reference(step, *args, None)
+    assert got[0, 1].isnan().all() and reference[0, 1].isnan().all() and env[step.out][0, 1].isnan().all()
+    assert not got[1].isnan().any() and not got[0, 0].isnan().any()

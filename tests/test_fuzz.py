@@ -12,8 +12,8 @@ import torch
 
 import kernelfuse.fuzz.cli as fuzz_cli
 import kernelfuse.fuzz.device as device
-from kernelfuse.fuzz.generate import ModelSpec, generate, materialize, render
-from kernelfuse.fuzz.ops import KINDS
+from kernelfuse.fuzz.generate import InputSpec, ModelSpec, OpSpec, generate, materialize, render
+from kernelfuse.fuzz.ops import ATTENTION_FORMS, KINDS
 from kernelfuse.fuzz.run import Outcome, run_problem
 from kernelfuse.fuzz.shrink import shrink
 from kernelfuse.load import load_problem
@@ -44,6 +44,20 @@ def test_generated_models_cover_the_vocabulary():
     assert {i.special for s in specs for i in s.inputs} == {"", "nan", "inf", "large"}
     assert any(len(set(op.args)) == 2 for s in specs for op in s.ops), "no op reads two model values"
     assert any(dict(op.params).get("fn") == "gated" for s in specs for op in s.ops), "no gated MLP"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("form", ATTENTION_FORMS)
+def test_each_attention_form_of_the_vocabulary_becomes_one_kernel(form, dtype, tmp_path):
+    """The vocabulary's attention forms (SDPA, minGPT's, with a bias, autocast's fp32 softmax, Swin's shifted
+    windows) are what the planner fuses: one attention kernel each, the fuzzer's CPU checks passing."""
+    params = (("form", form), ("heads", 2), ("windows", 2))
+    spec = ModelSpec(0, 0, dtype, False, (InputSpec((4, 9, 16)),), (OpSpec("attention", (0,), params),), (1,))
+    path = _write(tmp_path, spec)
+    run = run_problem(path)
+    assert run.outcome.status == "ok", run.outcome.describe()
+    text = run.emitted[0].text if run.emitted else ""
+    assert text.count("(flash attention)") == 1, text[:2000]
 
 
 def test_generated_files_are_valid_problems(tmp_path):

@@ -197,7 +197,7 @@ __global__ void __launch_bounds__(WARPS * 32, (D <= 64 ? 16 : 8) / WARPS)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const float x = o[j][half * 2 + e];
-        y[e] = RELU ? x : sum > 0.0f ? x / sum : EMPTY_NAN ? NAN : 0.0f;
+        y[e] = RELU ? x : sum != 0.0f ? x / sum : EMPTY_NAN ? NAN : 0.0f;
       }
       unsigned short* dst = out + row * p.so[2] + (j * 8 + 2 * t) * p.so[3];
       if (pairs) {  // the two columns side by side: one 32-bit store
@@ -364,7 +364,7 @@ __global__ void __launch_bounds__(WARPS * 32) kf_attention_fa2_f32_kernel(const 
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const float x = o[j][half * 2 + e];
-        y[e] = RELU ? x : sum > 0.0f ? x / sum : EMPTY_NAN ? NAN : 0.0f;
+        y[e] = RELU ? x : sum != 0.0f ? x / sum : EMPTY_NAN ? NAN : 0.0f;
       }
       float* dst = out + row * p.so[2] + (j * 8 + 2 * t) * p.so[3];
       if (pairs) {  // the two columns side by side: one 8-byte store

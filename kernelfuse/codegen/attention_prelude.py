@@ -247,7 +247,7 @@ __global__ void __launch_bounds__(128) kf_attention_kernel(const kf_attn_params 
       const int d = tx + TX * j;
       if (D % TX == 0 || d < D)
         out[row * p.so[2] + d * p.so[3]] =
-            kf_store<T>(RELU ? o[r][j] : l[r] > 0.0f ? o[r][j] / l[r] : EMPTY_NAN ? NAN : 0.0f);
+            kf_store<T>(RELU ? o[r][j] : l[r] != 0.0f ? o[r][j] / l[r] : EMPTY_NAN ? NAN : 0.0f);
     }
   }
 }
@@ -438,7 +438,7 @@ __global__ void __launch_bounds__(128) kf_attention_tc_kernel(const kf_attn_para
       const float sum = l[e >> 1];
       if (row < p.S)
         out[row * p.so[2] + d * p.so[3]] =
-            kf_float_bf16(RELU ? o[j][e] : sum > 0.0f ? o[j][e] / sum : EMPTY_NAN ? NAN : 0.0f);
+            kf_float_bf16(RELU ? o[j][e] : sum != 0.0f ? o[j][e] / sum : EMPTY_NAN ? NAN : 0.0f);
     }
 }
 
@@ -574,7 +574,7 @@ __global__ void __launch_bounds__(128) kf_attention_tf32_kernel(const kf_attn_pa
       const int row = q0 + r0 + g + (e >> 1) * 8, d = j * 8 + 2 * t + (e & 1);
       const float sum = l[e >> 1];
       if (row < p.S)
-        out[row * p.so[2] + d * p.so[3]] = RELU ? o[j][e] : sum > 0.0f ? o[j][e] / sum : EMPTY_NAN ? NAN : 0.0f;
+        out[row * p.so[2] + d * p.so[3]] = RELU ? o[j][e] : sum != 0.0f ? o[j][e] / sum : EMPTY_NAN ? NAN : 0.0f;
     }
 }
 

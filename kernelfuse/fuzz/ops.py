@@ -236,6 +236,49 @@ def _render_matmul_pair(p: Params, shapes: list[Shape]) -> tuple[list[str], str]
     return [], "torch.matmul({a0}, {a1}.transpose(-2, -1))" if p["fn"] else "{a0} @ {a1}.transpose(-1, -2)"
 
 
+ATTENTION_FORMS = ("sdpa", "sdpa_causal", "hand", "hand_bias", "autocast_bias", "windows")
+
+
+def _draw_attention(rng: random.Random, shapes: list[Shape]) -> Params:
+    return {"form": rng.choice(ATTENTION_FORMS), "heads": rng.choice((1, 2, 4)), "windows": rng.choice((1, 2, 3))}
+
+
+def _render_attention(p: Params, shapes: list[Shape]) -> tuple[list[str], str]:
+    """Self-attention over the last two dims (rows, channels split into heads; q, k and v the same heads): SDPA
+    (plain or causal) or its hand-written form (minGPT's; with a per-head additive bias; autocast's fp32 softmax
+    and cast back; Swin's shifted windows: the batch as images x windows, a window mask added in a 5-d view)."""
+    shape = shapes[0]
+    if len(shape) not in (2, 3):
+        raise Invalid("attention over rank 2 or 3")
+    s, c, h, form = shape[-2], shape[-1], int(p["heads"]), str(p["form"])
+    if c % h or s > 64 or c // h > 128:
+        raise Invalid("heads do not divide the channels, or too long")
+    # bounded and finite: torch's CPU SDPA zeroes some rows that read a NaN (CUDA's backends and the kernels give
+    # NaN), so a NaN would test the CPU backend's quirk rather than the kernels
+    heads = f"torch.tanh(torch.nan_to_num({{a0}})).unflatten(-1, ({h}, {c // h})).transpose(-3, -2)"
+    back = ".transpose(-3, -2).flatten(-2))(" + heads + ")"
+    scores = f"(t @ t.transpose(-2, -1)) * {1.0 / math.sqrt(c // h)!r}"
+    lines: list[str] = []
+    if form in ("hand_bias", "autocast_bias", "windows"):
+        lines.append(f"self.{{m}}_bias = nn.Parameter(torch.randn({h}, {s}, {s}) * 0.5)")
+    if form.startswith("sdpa"):
+        body = f"F.scaled_dot_product_attention(t, t, t, is_causal={form == 'sdpa_causal'})"
+    elif form == "hand":
+        body = f"torch.softmax({scores}, -1) @ t"
+    elif form == "hand_bias":
+        body = f"torch.softmax({scores} + self.{{m}}_bias, -1) @ t"
+    elif form == "autocast_bias":
+        body = f"torch.softmax(({scores}).float() + self.{{m}}_bias.float(), -1).to(t.dtype) @ t"
+    else:
+        w = int(p["windows"])
+        if len(shape) != 3 or shape[0] % w:
+            raise Invalid("windows need a batch of images x windows")
+        lines.append(f"self.{{m}}_win = nn.Parameter(torch.where(torch.rand({w}, {s}, {s}) > 0.3, 0.0, -100.0))")
+        body = (f"torch.softmax((({scores} + self.{{m}}_bias).view(-1, {w}, {h}, {s}, {s}) + "
+                f"self.{{m}}_win.unsqueeze(1).unsqueeze(0)).view(-1, {h}, {s}, {s}), -1) @ t")
+    return lines, "(lambda t: (" + body + ")" + back
+
+
 def _draw_conv(rng: random.Random, shapes: list[Shape]) -> Params:
     return {"out": rng.choice((1, 2, 3, 4, 6, 8)), "k": rng.choice((1, 2, 3, 3)), "stride": rng.choice((1, 1, 2, 3)),
             "pad": rng.choice((0, 0, 1, 2)), "dil": rng.choice((1, 1, 1, 2)), "groups": rng.choice((1, 1, 2, 3, 0)),
@@ -376,6 +419,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("norm", 1, 2.0, _draw_norm, _render_norm, min_rank=1),
     Kind("linear", 1, 2.0, _draw_linear, _render_linear, min_rank=1),
     Kind("matmul_pair", 2, 0.5, lambda rng, s: {"fn": rng.random() < 0.5}, _render_matmul_pair, min_rank=2),
+    Kind("attention", 1, 1.0, _draw_attention, _render_attention, min_rank=2, max_rank=3),
     Kind("conv", 1, 2.0, _draw_conv, _render_conv, min_rank=3),
     Kind("pool", 1, 1.5, _draw_pool, _render_pool, min_rank=3),
     Kind("view", 1, 3.0, _draw_view, _render_view),

@@ -125,8 +125,8 @@ def attention_reference(step: AttnStep, q: torch.Tensor, k: torch.Tensor, v: tor
     if step.activation == "relu":
         return _to_output((torch.relu(scores) @ vf).to(q.dtype), step)
     probs = torch.softmax(scores, dim=-1)
-    if not step.empty_nan:
-        probs = probs.nan_to_num(0.0)
+    if not step.empty_nan:  # SDPA: a row whose every key is masked gives zeros; a NaN score still gives NaN
+        probs = probs.masked_fill((scores == -math.inf).all(-1, keepdim=True), 0.0)
     return _to_output((probs @ vf).to(q.dtype), step)
 
 
