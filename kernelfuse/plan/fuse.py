@@ -102,10 +102,14 @@ def _channels_last_plans(graph: Graph, options: PlanOptions) -> list[Plan]:
     if channels_last_graph(graph) is None:
         return []
     cl = replace(options, channels_last_graph=True)
-    plans = [make_plan(graph, cl)]
-    if any(a.activation == "softmax" for a in plans[0].attention):
-        plans.append(make_plan(graph, replace(cl, attention="library")))
-    return plans
+    return [make_plan(graph, cl), *_library_twin(graph, cl)]
+
+
+def _library_twin(graph: Graph, options: PlanOptions) -> list[Plan]:
+    """The plan with each attention one torch SDPA call, where one is: a step torch's SDPA cannot take (an fp32
+    mask beside bf16 scores, a window mask) keeps the kernel, and a twin without any call would repeat its plan."""
+    twin = make_plan(graph, replace(options, attention="library"))
+    return [twin] if any(a.impl == "library" for a in twin.attention) else []
 
 
 def _with_library_attention(graph: Graph, plans: list[Plan]) -> list[Plan]:
@@ -116,8 +120,7 @@ def _with_library_attention(graph: Graph, plans: list[Plan]) -> list[Plan]:
     split = [make_plan(graph, replace(p.options, attention="split")) for p in ours
              if any(a.origin == "hand-written" and a.math == "fma" and a.out_meta.dtype == torch.float32
                     and a.dims[5] % 8 == 0 and a.dims[5] <= 128 for a in p.attention)]  # tensor cores can take it
-    library = [make_plan(graph, replace(p.options, attention="library")) for p in ours
-               if any(a.activation == "softmax" for a in p.attention)]
+    library = [twin for p in ours for twin in _library_twin(graph, p.options)]
     return plans + split + library
 
 
