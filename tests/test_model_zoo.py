@@ -100,15 +100,20 @@ def test_zoo_model_captures_under_bf16_autocast_without_a_gpu(name, tmp_path):
     assert check.ok, check
 
 
+def _bf16_capture(name: str, tmp_path: Path) -> tuple:
+    """(problem, model, graph) of a torchvision zoo model's small config captured under bf16 autocast."""
+    if importlib.util.find_spec("torchvision") is None:
+        pytest.skip("torchvision is not installed (pip install 'kernelfuse[zoo]')")
+    problem = load_problem(shrunk(ZOO / f"{name}.py", tmp_path))
+    model = build_model(problem)
+    return problem, model, rewrite(capture(problem, model, autocast=torch.bfloat16))
+
+
 def test_swin_under_bf16_autocast_runs_its_window_attention_in_kernels(tmp_path):
     # autocast adds Swin's fp32 relative-position bias to bf16 scores in fp32, softmaxes in fp32 and casts the
     # probabilities back to bf16: no attention matched until those casts joined the pattern (12 bmm pairs ran as
     # cuBLAS calls on the GPU). The shifted windows' masks (a 5-d view between two adds) are a window mask.
-    if importlib.util.find_spec("torchvision") is None:
-        pytest.skip("torchvision is not installed (pip install 'kernelfuse[zoo]')")
-    problem = load_problem(shrunk(ZOO / "swin_t.py", tmp_path))
-    model = build_model(problem)
-    graph = rewrite(capture(problem, model, autocast=torch.bfloat16))
+    problem, model, graph = _bf16_capture("swin_t", tmp_path)
     plan = plan_variants(graph, "bf16")[0]
     assert sum(n.op == "_softmax.default" for n in graph.nodes) == len(plan.attention) == 12
     assert sum(a.windows is not None for a in plan.attention) == 2  # the shifted blocks of more than one window
@@ -120,11 +125,7 @@ def test_swin_under_bf16_autocast_runs_its_window_attention_in_kernels(tmp_path)
 def test_resnet_under_bf16_autocast_runs_every_batch_norm_in_a_kernel(tmp_path):
     # autocast's eval-mode batch norm (bf16 input, fp32 parameters) was a torch call per norm, and the ReLU and
     # residual add after it kernels of their own: one pass per norm now, checked against the captured ops
-    if importlib.util.find_spec("torchvision") is None:
-        pytest.skip("torchvision is not installed (pip install 'kernelfuse[zoo]')")
-    problem = load_problem(shrunk(ZOO / "resnet50.py", tmp_path))
-    model = build_model(problem)
-    graph = rewrite(capture(problem, model, autocast=torch.bfloat16))
+    problem, model, graph = _bf16_capture("resnet50", tmp_path)
     norms = [n for n in graph.nodes if "batch_norm" in n.op]
     plan = plan_variants(graph, "bf16")[0]
     fused = {name for s in plan.generated if s.spec is not None and s.spec.kind == "affine_norm" for name in s.replaces}

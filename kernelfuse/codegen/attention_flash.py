@@ -41,6 +41,30 @@ FLASH_TILE_START = r"""
 """.lstrip("\n")
 
 
+# The end of both flash kernels: each row's output divided by its sum (a row whose every key is masked: NaN for the
+# hand-written form, zeros for SDPA; a NaN sum stays NaN) and stored as `OutT`, two columns at a time.
+FLASH_STORE = r"""
+  OutT* out = (OutT*)p.out + b * p.so[0] + h * p.so[1];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = q0 + r0 + g + half * 8;
+    const float sum = l[half];
+    if (row >= p.S) continue;
+#pragma unroll
+    for (int j = 0; j < DT; ++j) {
+      float y[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float x = o[j][half * 2 + e];
+        y[e] = RELU ? x : sum != 0.0f ? x / sum : EMPTY_NAN ? NAN : 0.0f;
+      }
+      kf_attn_store2(out + row * p.so[2] + (j * 8 + 2 * t) * p.so[3], y[0], y[1], pairs, p.so[3]);
+    }
+  }
+}
+""".lstrip("\n")
+
+
 FLASH_PRELUDE = r"""
 // ---- bf16 flash attention, FlashAttention-2 style, where q, k and v are contiguous along d with 16-byte aligned
 // rows: WARPS warps x 16 query rows a block (one m16 tile a warp; two, FlashAttention-2's 4 warps x 32 rows, measured
@@ -75,6 +99,25 @@ __device__ __forceinline__ void kf_attn_cp_commit() { KF_ASM_SM80("cp.async.comm
 template <int N>  // until at most N of this thread's committed groups are still in flight
 __device__ __forceinline__ void kf_attn_cp_wait() { KF_ASM_SM80("cp.async.wait_group %0;" : : "n"(N)); }
 #endif
+
+// Two output columns of a row (2 t and 2 t + 1, `step` apart): side by side one 32- or 64-bit store where
+// `pairs`, else two
+__device__ __forceinline__ void kf_attn_store2(unsigned short* dst, float a, float b, bool pairs, long long step) {
+  if (pairs) {
+    *reinterpret_cast<unsigned int*>(dst) = kf_bf16x2(a, b);
+  } else {
+    dst[0] = kf_float_bf16(a);
+    dst[step] = kf_float_bf16(b);
+  }
+}
+__device__ __forceinline__ void kf_attn_store2(float* dst, float a, float b, bool pairs, long long step) {
+  if (pairs) {
+    *reinterpret_cast<float2*>(dst) = float2{a, b};
+  } else {
+    dst[0] = a;
+    dst[step] = b;
+  }
+}
 
 // ROWS rows of D elements (row stride `stride`) into shared rows of D + E (E: elements in 16 bytes; bf16 rows are
 // padded by 8, fp32 rows by 4), 16 bytes a copy; rows from `valid` on are zero-filled (their copies read nothing,
@@ -185,31 +228,8 @@ __global__ void __launch_bounds__(WARPS * 32, (D <= 64 ? 16 : 8) / WARPS)
       }
     }
   }
-  unsigned short* out = (unsigned short*)p.out + b * p.so[0] + h * p.so[1];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = q0 + r0 + g + half * 8;
-    const float sum = l[half];
-    if (row >= p.S) continue;
-#pragma unroll
-    for (int j = 0; j < DT; ++j) {
-      float y[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float x = o[j][half * 2 + e];
-        y[e] = RELU ? x : sum != 0.0f ? x / sum : EMPTY_NAN ? NAN : 0.0f;
-      }
-      unsigned short* dst = out + row * p.so[2] + (j * 8 + 2 * t) * p.so[3];
-      if (pairs) {  // the two columns side by side: one 32-bit store
-        *reinterpret_cast<unsigned int*>(dst) = kf_bf16x2(y[0], y[1]);
-      } else {
-        dst[0] = kf_float_bf16(y[0]);
-        dst[p.so[3]] = kf_float_bf16(y[1]);
-      }
-    }
-  }
-}
-
+  using OutT = unsigned short;
+""" + FLASH_STORE + r"""
 template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, int WARPS>
 cudaError_t kf_attention_fa2(const kf_attn_params& p, int batch, cudaStream_t stream) {
   constexpr auto kernel = kf_attention_fa2_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, WARPS>;
@@ -352,31 +372,8 @@ __global__ void __launch_bounds__(WARPS * 32) kf_attention_fa2_f32_kernel(const 
       }
     }
   }
-  float* out = (float*)p.out + b * p.so[0] + h * p.so[1];
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = q0 + r0 + g + half * 8;
-    const float sum = l[half];
-    if (row >= p.S) continue;
-#pragma unroll
-    for (int j = 0; j < DT; ++j) {
-      float y[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const float x = o[j][half * 2 + e];
-        y[e] = RELU ? x : sum != 0.0f ? x / sum : EMPTY_NAN ? NAN : 0.0f;
-      }
-      float* dst = out + row * p.so[2] + (j * 8 + 2 * t) * p.so[3];
-      if (pairs) {  // the two columns side by side: one 8-byte store
-        *reinterpret_cast<float2*>(dst) = float2{y[0], y[1]};
-      } else {
-        dst[0] = y[0];
-        dst[p.so[3]] = y[1];
-      }
-    }
-  }
-}
-
+  using OutT = float;
+""" + FLASH_STORE + r"""
 // WARPS > 0: the flash kernel (WARPS warps of 16 query rows, BK keys a tile) where the bases are aligned too; else
 // the first fp32 tensor-core kernel
 template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, bool SPLIT, int WARPS, int BK>
