@@ -232,15 +232,8 @@ __global__ void __launch_bounds__(WARPS * 32, (D <= 64 ? 16 : 8) / WARPS)
 """ + FLASH_STORE + r"""
 template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, int WARPS>
 cudaError_t kf_attention_fa2(const kf_attn_params& p, int batch, cudaStream_t stream) {
-  constexpr auto kernel = kf_attention_fa2_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, WARPS>;
-  constexpr int BQ = WARPS * 16, threads = WARPS * 32, bytes = (BQ + 4 * 64) * (D + 8) * 2;
-  const cudaError_t opted = kf_attn_opt_in<kernel>(bytes);
-  if (opted != cudaSuccess) return opted;
-  const int tiles = (p.S + BQ - 1) / BQ;
-  const bool pairs =
-      p.so[3] == 1 && p.so[0] % 2 == 0 && p.so[1] % 2 == 0 && p.so[2] % 2 == 0 && (uintptr_t)p.out % 4 == 0;
-  kernel<<<(unsigned int)(tiles * (long long)batch * p.heads), threads, bytes, stream>>>(p, tiles, pairs);
-  return cudaGetLastError();
+  return kf_attn_launch<kf_attention_fa2_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, WARPS>>(
+      p, batch, WARPS * 16, WARPS * 32, (WARPS * 16 + 4 * 64) * (D + 8) * 2, kf_attn_pairs(p, 2), stream);
 }
 
 // WARPS > 0: the flash kernel's blocks, WARPS warps of 16 query rows, where the bases are aligned
@@ -249,15 +242,8 @@ cudaError_t kf_attention_tc(const kf_attn_params& p, int batch, cudaStream_t str
   if constexpr (WARPS > 0)  // the plan's strides suit the flash kernel: it runs where the bases are aligned too
     if (kf_attn_vectorised(p, 2, true))
       return kf_attention_fa2<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, WARPS>(p, batch, stream);
-  constexpr auto kernel = kf_attention_tc_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU>;
-  constexpr int bytes_per_element = 2;
-  constexpr int bytes = ((64 + 64) * (D + 8) + D * (64 + 8)) * 2;
-  const cudaError_t opted = kf_attn_opt_in<kernel>(bytes);
-  if (opted != cudaSuccess) return opted;
-  const int tiles = (p.S + 63) / 64;
-  const bool vec = kf_attn_vectorised(p, bytes_per_element);
-  kernel<<<(unsigned int)(tiles * (long long)batch * p.heads), 128, bytes, stream>>>(p, tiles, vec);
-  return cudaGetLastError();
+  return kf_attn_launch<kf_attention_tc_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU>>(
+      p, batch, 64, 128, ((64 + 64) * (D + 8) + D * (64 + 8)) * 2, kf_attn_vectorised(p, 2), stream);
 }
 """
 
@@ -379,17 +365,9 @@ __global__ void __launch_bounds__(WARPS * 32) kf_attention_fa2_f32_kernel(const 
 template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, bool SPLIT, int WARPS, int BK>
 cudaError_t kf_attention_f32tc(const kf_attn_params& p, int batch, cudaStream_t stream) {
   if constexpr (WARPS > 0) {
-    if (kf_attn_vectorised(p, 4, true)) {
-      constexpr auto kernel = kf_attention_fa2_f32_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, SPLIT, WARPS, BK>;
-      constexpr int BQ = WARPS * 16, threads = WARPS * 32, bytes = (BQ + 4 * BK) * (D + 4) * 4;
-      const cudaError_t opted = kf_attn_opt_in<kernel>(bytes);
-      if (opted != cudaSuccess) return opted;
-      const int tiles = (p.S + BQ - 1) / BQ;
-      const bool pairs =
-          p.so[3] == 1 && p.so[0] % 2 == 0 && p.so[1] % 2 == 0 && p.so[2] % 2 == 0 && (uintptr_t)p.out % 8 == 0;
-      kernel<<<(unsigned int)(tiles * (long long)batch * p.heads), threads, bytes, stream>>>(p, tiles, pairs);
-      return cudaGetLastError();
-    }
+    if (kf_attn_vectorised(p, 4, true))
+      return kf_attn_launch<kf_attention_fa2_f32_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, SPLIT, WARPS, BK>>(
+          p, batch, WARPS * 16, WARPS * 32, (WARPS * 16 + 4 * BK) * (D + 4) * 4, kf_attn_pairs(p, 4), stream);
   }
   return kf_attention_tf32<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, SPLIT>(p, batch, stream);
 }

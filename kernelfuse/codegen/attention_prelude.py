@@ -85,6 +85,23 @@ cudaError_t kf_attn_opt_in(int bytes) {
   return error;
 }
 
+// The tensor-core kernels' launch: KERNEL(p, tiles, flag) over every (batch, head) and `bq`-query tile, after its
+// shared-memory opt-in
+template <auto KERNEL>
+cudaError_t kf_attn_launch(const kf_attn_params& p, int batch, int bq, int threads, int bytes, bool flag,
+                           cudaStream_t stream) {
+  const cudaError_t opted = kf_attn_opt_in<KERNEL>(bytes);
+  if (opted != cudaSuccess) return opted;
+  const int tiles = (p.S + bq - 1) / bq;
+  KERNEL<<<(unsigned int)(tiles * (long long)batch * p.heads), threads, bytes, stream>>>(p, tiles, flag);
+  return cudaGetLastError();
+}
+
+// Can the output take two columns (2 t, 2 t + 1) in one store of 2 x `size` bytes?
+inline bool kf_attn_pairs(const kf_attn_params& p, int size) {
+  return p.so[3] == 1 && p.so[0] % 2 == 0 && p.so[1] % 2 == 0 && p.so[2] % 2 == 0 && (uintptr_t)p.out % (2 * size) == 0;
+}
+
 // Tile geometry: 128 threads as 8 row groups x 16 lanes; a thread owns RQ query rows, CK keys of a tile and
 // DJ output columns (d = lane + 16 j). Rows of the transposed shared tiles are padded by 4 floats: fewer bank
 // conflicts on the transposing stores, and every row stays 16-byte aligned for the vector loads.
@@ -580,14 +597,7 @@ __global__ void __launch_bounds__(128) kf_attention_tf32_kernel(const kf_attn_pa
 
 template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, bool SPLIT>
 cudaError_t kf_attention_tf32(const kf_attn_params& p, int batch, cudaStream_t stream) {
-  constexpr auto kernel = kf_attention_tf32_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, SPLIT>;
-  constexpr int bytes_per_element = 4;
-  constexpr int bytes = ((64 + 64) * (D + 4) + D * (64 + 4)) * 4;
-  const cudaError_t opted = kf_attn_opt_in<kernel>(bytes);
-  if (opted != cudaSuccess) return opted;
-  const int tiles = (p.S + 63) / 64;
-  const bool vec = kf_attn_vectorised(p, bytes_per_element);
-  kernel<<<(unsigned int)(tiles * (long long)batch * p.heads), 128, bytes, stream>>>(p, tiles, vec);
-  return cudaGetLastError();
+  return kf_attn_launch<kf_attention_tf32_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, SPLIT>>(
+      p, batch, 64, 128, ((64 + 64) * (D + 4) + D * (64 + 4)) * 4, kf_attn_vectorised(p, 4), stream);
 }
 """

@@ -205,9 +205,9 @@ def _from_handwritten(graph: Graph, pv: Node, kernel: str) -> AttnStep | str:
     chain.add(probs.name)
     scores_shape = probs.meta.shape
     x = _widened(graph, graph[probs.args[0]], chain)
-    windows, window_count = _window_mask(graph, x, chain)
+    windows = _window_mask(graph, x, chain)  # (scores, window mask, windows) or None
     if windows is not None:
-        x = graph[windows[0]]
+        x = windows[0]
     mask, kind = None, "none"
     if x.op == "masked_fill.Scalar" and x.args[2] == -math.inf and _private(graph, x, chain):
         cond = graph[x.args[1]]
@@ -256,12 +256,12 @@ def _from_handwritten(graph: Graph, pv: Node, kernel: str) -> AttnStep | str:
     if mask is not None and len(scores_shape) == 3 and len(mask.meta.shape) == 3 and mask.meta.shape[0] > 1 \
             and batch > 1:
         return "mask over merged (batch * heads) scores of split q, k, v"
-    window = None
+    window, window_count = None, 0
     if windows is not None:
-        if kind != "add" or windows[1].meta.dtype != mask.meta.dtype or len(scores_shape) != 4 \
-                or batch % window_count:
+        _, wmask, window_count = windows
+        if kind != "add" or wmask.meta.dtype != mask.meta.dtype or len(scores_shape) != 4 or batch % window_count:
             return "window mask without an additive mask of its dtype over (batch, heads, S, L) scores"
-        window = AttnInput(Ref(windows[1].name), windows[1].meta)
+        window = AttnInput(Ref(wmask.name), wmask.meta)
     inputs = [AttnInput(Ref(src.name), src.meta, swap=i == 1) for i, src in enumerate(sources)]
     out = pv
     after = _only_reader(graph, pv)
@@ -364,17 +364,16 @@ def _scores_and_mask(graph: Graph, add: Node) -> tuple[Node, Node] | None:
     return None
 
 
-def _window_mask(graph: Graph, x: Node, chain: set[str]) -> tuple[tuple[str, Node] | None, int]:
-    """((scores, window mask), windows) where `x` is Swin's shifted-window masking of 4-d scores: viewed as
+def _window_mask(graph: Graph, x: Node, chain: set[str]) -> tuple[Node, Node, int] | None:
+    """(scores, window mask, windows) where `x` is Swin's shifted-window masking of 4-d scores: viewed as
     (images, windows, heads, S, L), a (1, windows, 1 or heads, S, L) mask added, viewed back; the view, the add
-    and the view back join `chain`. (None, 0) otherwise."""
+    and the view back join `chain`. None otherwise."""
     if x.op not in _RESHAPES or x.meta is None or len(x.meta.shape) != 4 or not _private(graph, x, chain):
-        return None, 0
+        return None
     add = graph[x.args[0]]
-    if add.op != "add.Tensor" or add.meta is None or len(add.meta.shape) != 5 \
-            or not _private(graph, add, chain | {x.name}) \
-            or not all(isinstance(a, Ref) for a in add.args[:2]) or len(add.args) != 2:
-        return None, 0
+    if add.op != "add.Tensor" or add.meta is None or len(add.meta.shape) != 5 or len(add.args) != 2 \
+            or not all(isinstance(a, Ref) for a in add.args) or not _private(graph, add, chain | {x.name}):
+        return None
     images, windows, *rest = add.meta.shape
     for split, mask in ((graph[add.args[0]], graph[add.args[1]]), (graph[add.args[1]], graph[add.args[0]])):
         if split.op not in _RESHAPES or split.meta is None or split.meta.shape != add.meta.shape \
@@ -386,8 +385,8 @@ def _window_mask(graph: Graph, x: Node, chain: set[str]) -> tuple[tuple[str, Nod
                 or images * windows != x.meta.shape[0] or len(shape) != 5 or shape[0] != 1 or shape[1] != windows:
             continue
         chain.update((x.name, add.name, split.name))
-        return (scores.name, mask), windows
-    return None, 0
+        return scores, mask, windows
+    return None
 
 
 def _cast_from(graph: Graph, node: Node, chain: set[str], source: torch.dtype, target: torch.dtype) -> Node | None:
