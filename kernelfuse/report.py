@@ -47,7 +47,8 @@ def _anchor_json(step: FusedStep, ops: list[str]) -> dict[str, Any]:
     inside = anchor.epilogue_inside or (anchor.fused_relu and not step.epilogue.statements)
     return {"name": step.kernel, "kind": "library" if library else "generated", "anchor": anchor.family,
             "impl": anchor.impl, "library": LIBRARIES[anchor.family] if library else None,
-            "family": None if library else f"{anchor.family}-{'direct' if anchor.impl == 'direct' else 'igemm'}",
+            "family": None if library else "gemm-3xtf32" if anchor.family == "matmul" else
+            f"conv-{'direct' if anchor.impl == 'direct' else 'igemm'}",
             "aten_ops": ops,
             "epilogue_in_anchor": inside, "epilogue_kernel": step.needs_kernel and not anchor.epilogue_inside,
             "layout": anchor.layout if anchor.family == "conv" else None}

@@ -359,7 +359,7 @@ def test_optimize_writes_into_new_directory(tmp_path):
     out = tmp_path / "nested" / "dir" / "new.py"
     result = optimize_file(problem_path, out, OptimizeOptions(use_gpu=False), log=lambda s: None)
     assert out.is_file() and result.output == Path(out)
-    assert [c.ok for c in result.cpu_checks] == [True]
+    assert result.cpu_checks and all(c.ok for c in result.cpu_checks)  # every variant judged (fused, fused-tcgemm)
 
 
 def test_model_without_its_own_constructor_gets_one_that_builds_the_kernels(tmp_path):

@@ -72,25 +72,12 @@ __device__ __forceinline__ float kf_attn_additive(const kf_attn_params& p, const
   return x;
 }
 
-// A kernel's opt-in to more dynamic shared memory than the default, once per device (not again inside a graph
-// capture); the kernel is a template argument, so each has flags of its own
-template <auto KERNEL>
-cudaError_t kf_attn_opt_in(int bytes) {
-  static bool ready[16] = {};
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev < 16 && ready[dev]) return cudaSuccess;
-  const cudaError_t error = cudaFuncSetAttribute(KERNEL, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  if (error == cudaSuccess && dev < 16) ready[dev] = true;
-  return error;
-}
-
 // The tensor-core kernels' launch: KERNEL(p, tiles, flag) over every (batch, head) and `bq`-query tile, after its
 // shared-memory opt-in
 template <auto KERNEL>
 cudaError_t kf_attn_launch(const kf_attn_params& p, int batch, int bq, int threads, int bytes, bool flag,
                            cudaStream_t stream) {
-  const cudaError_t opted = kf_attn_opt_in<KERNEL>(bytes);
+  const cudaError_t opted = kf_opt_in<KERNEL>(bytes);
   if (opted != cudaSuccess) return opted;
   const int tiles = (p.S + bq - 1) / bq;
   KERNEL<<<(unsigned int)(tiles * (long long)batch * p.heads), threads, bytes, stream>>>(p, tiles, flag);
@@ -273,7 +260,7 @@ template <typename T, typename M, int D, int BQ, int BK, int MASK, bool CAUSAL, 
 cudaError_t kf_attention(const kf_attn_params& p, int batch, cudaStream_t stream) {
   constexpr auto kernel = kf_attention_kernel<T, M, D, BQ, BK, MASK, CAUSAL, EMPTY_NAN, RELU>;
   const int bytes = kf_attn_tile<D, BQ, BK>::FLOATS * (int)sizeof(float);
-  const cudaError_t opted = kf_attn_opt_in<kernel>(bytes);
+  const cudaError_t opted = kf_opt_in<kernel>(bytes);
   if (opted != cudaSuccess) return opted;
   const int tiles = (p.S + BQ - 1) / BQ;
   kernel<<<(unsigned int)(tiles * (long long)batch * p.heads), 128, bytes, stream>>>(p, tiles);

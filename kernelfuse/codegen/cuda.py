@@ -20,6 +20,7 @@ from kernelfuse.codegen.attention_prelude import ATTENTION_PRELUDE
 from kernelfuse.codegen.binding import Binding, kernels_class, pointer_launcher, py_tuple
 from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, apply_function, channels_last_format
 from kernelfuse.codegen.conv_igemm import IGEMM_PRELUDE, render_conv
+from kernelfuse.codegen.gemm_tc import GEMM_PRELUDE, render_gemm
 from kernelfuse.codegen.generated import REDUCE_PRELUDE, keeps_rows_on_chip, render_generated
 from kernelfuse.codegen.onchip import ONCHIP_PRELUDE
 from kernelfuse.ops import POINTWISE_BY_ATEN, prelude_for
@@ -67,6 +68,19 @@ template <typename T, int N> __device__ __forceinline__ kf_pack<T, N> kf_pack_lo
 // The launchers are the library's C interface: the emitted file calls them through ctypes (no C++ binding).
 #define KF_EXPORT extern "C" __attribute__((visibility("default")))
 KF_EXPORT const char* kf_error_string(int error) { return cudaGetErrorString((cudaError_t)error); }
+
+// A kernel's opt-in to more dynamic shared memory than the default, once per device (not again inside a graph
+// capture); the kernel is a template argument, so each has flags of its own
+template <auto KERNEL>
+cudaError_t kf_opt_in(int bytes) {
+  static bool ready[16] = {};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev < 16 && ready[dev]) return cudaSuccess;
+  const cudaError_t error = cudaFuncSetAttribute(KERNEL, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (error == cudaSuccess && dev < 16) ready[dev] = true;
+  return error;
+}
 
 inline unsigned int kf_blocks(long long work, int threads) {
   long long b = (work + threads - 1) / threads;
@@ -144,7 +158,9 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
     if attention:
         cuda += [ATTENTION_PRELUDE, FLASH_PRELUDE]
     if any(s.anchor.epilogue_inside for s in steps):
-        cuda.append(IGEMM_PRELUDE)
+        cuda.append(IGEMM_PRELUDE)  # the TF32 rounding, cp.async and mma helpers of both anchor kernels
+    if any(s.anchor.epilogue_inside and s.anchor.family == "matmul" for s in steps):
+        cuda.append(GEMM_PRELUDE)
     bindings: list[Binding] = []
     functions: list[str] = []
     channels_last = [s for s in plan.fused if s.anchor.layout == "nhwc"]  # with or without an epilogue kernel
@@ -158,8 +174,10 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
         bindings.append(_to_channels_last_binding(dtypes))
         functions.append("to_channels_last")
     for step in steps:
-        kernel, binding = render_conv(plan, step) if step.anchor.epilogue_inside else \
-            _step_sources(plan, step, options.tile)
+        if not step.anchor.epilogue_inside:
+            kernel, binding = _step_sources(plan, step, options.tile)
+        else:
+            kernel, binding = (render_gemm if step.anchor.family == "matmul" else render_conv)(plan, step)
         cuda.append(kernel)
         bindings.append(binding)
         functions.append(step.kernel)

@@ -13,6 +13,7 @@ from kernelfuse.emit.calltext import CallText, output_text
 from kernelfuse.emit.graphed import graphed_forward_source
 from kernelfuse.emit.hoist import cached_tuple, plan_hoist, shared_constants, step_out, weight_methods
 from kernelfuse.emit.runtime import STATS_METHOD
+from kernelfuse.plan.fuse import gemm_operands
 from kernelfuse.plan.ir import AttnStep, FusedStep, GenStep, Plan, Step, TorchStep
 
 # Readable spellings for common ATen calls; anything else is written `torch.ops.aten.<op>(...)`. A tensor method
@@ -150,14 +151,20 @@ def _fused_lines(graph, step: FusedStep, names: dict[str, str]) -> list[str]:
 
 
 def _generated_anchor_lines(graph, step: FusedStep, names: dict[str, str]) -> list[str]:
-    """One call of kernelfuse's own anchor kernel: the convolution and its epilogue, the output written once."""
+    """One call of kernelfuse's own anchor kernel: the convolution or matrix product and its epilogue, the output
+    written once."""
     node = step.anchor.node
-    x, w, b = (_py(a, names) for a in node.args[:3])
-    if not graph[node.args[0]].meta.is_contiguous:
-        x = f"{x}.contiguous()"
     operands = "".join(f", {_py(o.ref, names)}" for o in step.epilogue.operands)
     what = "; ".join(str(s) for s in step.epilogue.statements) or "no epilogue"
     names[step.out] = f"v_{step.out}"
+    if step.anchor.family == "matmul":
+        bias, x, wt = gemm_operands(node)
+        b = "None" if bias is None else _py(bias, names)
+        return [f"    # GEMM on tensor cores (3xTF32: fp32 accuracy, as eager's cuBLAS call), epilogue inside: {what}",
+                f"    v_{step.out} = ext.{step.kernel}({_py(x, names)}, {_py(wt, names)}, {b}{operands})"]
+    x, w, b = (_py(a, names) for a in node.args[:3])
+    if not graph[node.args[0]].meta.is_contiguous:
+        x = f"{x}.contiguous()"
     precision = "3xTF32: fp32 accuracy, as eager's call" if step.anchor.fp32 else "TF32, as eager's cuDNN call"
     return [f"    # implicit-GEMM convolution ({precision}), epilogue inside: {what}",
             f"    v_{step.out} = ext.{step.kernel}({x}, {w}.contiguous(), {b}{operands})"]

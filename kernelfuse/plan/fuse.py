@@ -62,6 +62,9 @@ class PlanOptions:
     # plan the channels-last graph (kernelfuse.plan.layout): activations stay channels-last between convolutions,
     # which run as plain torch calls; kernels read and write the graph's strides
     channels_last_graph: bool = False
+    # "generated": fp32 matrix products (a Linear's addmm/mm) run kernelfuse's 3xTF32 GEMM on tensor cores with the
+    # epilogue inside (kernelfuse.codegen.gemm_tc); "library": cuBLAS, the epilogue a kernel of its own
+    gemm_impl: str = "library"
 
 
 def plan_variants(graph: Graph, precision: str = "strict", max_fusions: int | None = None,
@@ -132,7 +135,23 @@ def optimizer_variants(graph: Graph, precision: str = "strict", max_fusions: int
     computes in full fp32; an unmeasured convolution's implicit GEMM keeps fp32 accuracy."""
     library = plan_variants(graph, precision, max_fusions, conv_layouts, fp32_convs, keep)
     owned = owned_anchor_variants(graph, precision, max_fusions, fp32_convs, keep, frozenset(conv_layouts or {}))
-    return library + owned + direct_variants(library[0], owned)
+    return library + owned + direct_variants(library[0], owned) + gemm_variants(library, precision)
+
+
+def gemm_variants(library: list[Plan], precision: str) -> list[Plan]:
+    """The first library plan, and the first with torch's SDPA for its attention (its `-sdpa` twin), each with its
+    fp32 matrix products run by kernelfuse's 3xTF32 GEMM, epilogue inside. Strict policy only: under tf32 cuBLAS's
+    TF32 kernels are faster than any 3xTF32 one. None where no product qualifies
+    (gemm_refusal). The judge decides whether they beat cuBLAS's SGEMM on these shapes."""
+    if precision != "strict":
+        return []
+    bases = [p for p in library if isinstance(p.options, PlanOptions) and not p.options.channels_last_graph]
+    found = []
+    for base in bases[:1] + [p for p in bases[1:] if p.options.attention == "library"][:1]:
+        plan = make_plan(base.graph, replace(base.options, gemm_impl="generated"))
+        if any(s.anchor.family == "matmul" and s.anchor.epilogue_inside for s in plan.fused):
+            found.append(plan)
+    return found
 
 
 def direct_variants(best_library: Plan, owned: list[Plan]) -> list[Plan]:
@@ -178,6 +197,37 @@ def igemm_refusal(graph: Graph, node: Node) -> str:
     int32 = 2**31 - 1  # the kernel's in-image and pixel indices are 32-bit
     if math.prod(x.shape[1:]) > int32 or node.meta.numel // max(node.meta.shape[1], 1) >= int32 or w.numel > int32:
         return "an input image, the output pixel count or the weight over 2^31 elements"
+    return ""
+
+
+def gemm_operands(node: Node) -> tuple[object, object, object]:
+    """(bias or None, x, wᵀ) of an addmm or mm node."""
+    if node.op == "addmm.default":
+        return node.positional[0], node.positional[1], node.positional[2]
+    return None, node.positional[0], node.positional[1]
+
+
+def gemm_refusal(graph: Graph, node: Node) -> str:
+    """Why this matrix product cannot run as the generated 3xTF32 GEMM ('' when it can)."""
+    if node.op not in ("addmm.default", "mm.default") or node.meta is None:
+        return "not a 2-d matrix product (addmm or mm)"
+    if node.keywords and any(node.keywords.get(k, 1) != 1 for k in ("beta", "alpha")):
+        return "addmm with beta or alpha other than 1"
+    bias, x, wt = gemm_operands(node)
+    metas = [graph[r].meta for r in (x, wt)]
+    if any(m is None or m.dtype != torch.float32 for m in [*metas, node.meta]):
+        return "not fp32 (the generated GEMM keeps fp32 accuracy with 3xTF32; other dtypes stay cuBLAS's)"
+    (m, k), (k2, n) = metas[0].shape, metas[1].shape
+    if metas[0].stride != (k, 1) or metas[1].stride != (1, k2):
+        return "operands not K-contiguous (x row-major and the weight read through .t(), as a Linear's)"
+    if k % 4 or m * n == 0:
+        return "K not a multiple of 4 (16-byte rows) or an empty output"
+    if bias is not None:
+        b = graph[bias].meta
+        if b is None or b.shape != (n,) or b.dtype != torch.float32 or b.stride != (1,):
+            return "a bias other than one fp32 vector of the output's columns"
+    if m * n > 2**31 - 1 or m * k > 2**31 - 1 or n * k > 2**31 - 1:
+        return "an operand or the output over 2^31 elements"
     return ""
 
 
@@ -259,11 +309,13 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
     variant = f"fused-{'+'.join(layouts)}" if layouts else "fused"
     if options.channels_last_graph:
         variant = "fused-cl"
-    impls = {s.anchor.impl for s in steps if isinstance(s, FusedStep)}
-    if "generated" in impls:
+    conv_impls = {s.anchor.impl for s in steps if isinstance(s, FusedStep) and s.anchor.family == "conv"}
+    if "generated" in conv_impls:
         variant = "fused-igemm"
-    elif "direct" in impls:
+    elif "direct" in conv_impls:
         variant += "-direct"
+    if any(isinstance(s, FusedStep) and s.anchor.family == "matmul" and s.anchor.epilogue_inside for s in steps):
+        variant += "-tcgemm"
     if options.matmul_tf32 and any(isinstance(s, FusedStep) and s.anchor.tf32 for s in steps):
         variant += "-tf32"
     if options.attention == "library" and attention:
@@ -387,7 +439,8 @@ def _fuse_behind(graph: Graph, anchor_node: Node, options: PlanOptions, kernel: 
     members = _grow(graph, anchor_node, inside, taken)
     layout = dict(options.conv_layouts).get(anchor_node.name, options.conv_layout) \
         if channels_last_ok(graph, anchor_node) else "nchw"
-    if family == "matmul" and not members:
+    own_gemm = family == "matmul" and options.gemm_impl == "generated" and not gemm_refusal(graph, anchor_node)
+    if family == "matmul" and not members and not own_gemm:  # cuBLAS's call alone: nothing to fuse
         return None
     out_node = graph[members[-1].name] if members else graph[acc_name]
     epilogue = _epilogue(graph, members, acc_name, out_node.meta)
@@ -395,10 +448,13 @@ def _fuse_behind(graph: Graph, anchor_node: Node, options: PlanOptions, kernel: 
     if family == "conv" and options.conv_impl != "library" and not igemm_refusal(graph, anchor_node):
         impl = "direct" if depthwise(graph, anchor_node) else "generated" if options.conv_impl == "generated" \
             else "library"
+    if own_gemm:
+        impl = "generated"
     if impl != "library":
         layout = "nchw"  # our kernels read the input as it is (NCHW) and, here, store NCHW
-    anchor = Anchor(anchor_node, family, fused_relu, layout, tf32=options.matmul_tf32 and family == "matmul",
-                    fp32=(layout == "nhwc" or impl != "library") and anchor_node.name in options.fp32_convs,
+    anchor = Anchor(anchor_node, family, fused_relu, layout,
+                    tf32=options.matmul_tf32 and family == "matmul" and not own_gemm,
+                    fp32=own_gemm or (layout == "nhwc" or impl != "library") and anchor_node.name in options.fp32_convs,
                     impl=impl)
     replaces = (anchor_node.name,) + ((acc_name,) if fused_relu else ()) + tuple(m.name for m in members)
     return FusedStep(kernel, anchor, epilogue, replaces, out_node.name)

@@ -64,10 +64,13 @@ class Anchor:
     fused_relu: bool = False  # conv: at::cudnn_convolution_relu replaces convolution -> relu
     layout: str = "nchw"  # conv: "nchw", or "nhwc" (channels-last 2-d/3-d conv; the epilogue transposes back)
     tf32: bool = False  # matmul under the tf32 policy: cuBLAS may use TF32 tensor cores for this call
-    fp32: bool = False  # conv: cuDNN's TF32 off for this call (eager's NCHW call computes in full fp32 here)
-    # "library" (cuBLAS/cuDNN, the epilogue a kernel of its own) | "generated" (kernelfuse's implicit GEMM with the
-    # epilogue inside: kernelfuse.codegen.conv_igemm) | "direct" (a depthwise convolution's direct kernel, epilogue
-    # inside: kernelfuse.codegen.conv_depthwise) | "template" (reserved)
+    # conv: cuDNN's TF32 off for this call (eager's NCHW call computes in full fp32 here); a generated anchor:
+    # 3xTF32 (fp32 accuracy) rather than TF32
+    fp32: bool = False
+    # "library" (cuBLAS/cuDNN, the epilogue a kernel of its own) | "generated" (kernelfuse's own kernel with the
+    # epilogue inside: kernelfuse.codegen.conv_igemm, or for a matrix product kernelfuse.codegen.gemm_tc) |
+    # "direct" (a depthwise convolution's direct kernel, epilogue inside: kernelfuse.codegen.conv_depthwise) |
+    # "template" (reserved)
     impl: str = "library"
 
     @property
@@ -276,6 +279,7 @@ class Plan:
             kernel = " + epilogue kernel" if s.needs_kernel else " (read channels-last)" if s.keeps_layout else ""
             if s.anchor.epilogue_inside:
                 lib = "direct depthwise fp32" if s.anchor.impl == "direct" else \
+                    "generated GEMM 3xTF32" if s.anchor.family == "matmul" else \
                     "generated implicit GEMM" + (" 3xTF32" if s.anchor.fp32 else " TF32")
                 kernel = ", epilogue inside"
                 extra = ""
