@@ -30,7 +30,7 @@ from kernelfuse.plan.ir import (
     Step,
     TorchStep,
 )
-from kernelfuse.plan.layout import channels_last_graph
+from kernelfuse.plan.layout import channels_last_graph, fresh_name
 from kernelfuse.plan.schedule import FLOAT_DTYPES, RESHAPES, build_program, schedule, space_strides
 
 KEPT_REASON = "kept as a torch call: a kernel over it failed to plan or generate (see the fallbacks)"
@@ -207,14 +207,15 @@ def gemm_operands(node: Node) -> tuple[object, object, object]:
     return None, node.positional[0], node.positional[1]
 
 
-def gemm_refusal(graph: Graph, node: Node) -> str:
-    """Why this matrix product cannot run as the generated 3xTF32 GEMM ('' when it can)."""
+def gemm_refusal(graph: Graph, node: Node, weight: TensorMeta | None = None) -> str:
+    """Why this matrix product cannot run as the generated 3xTF32 GEMM ('' when it can); `weight`: the second
+    operand's layout to judge instead of the graph's (as k_contiguous_weights would make it)."""
     if node.op not in ("addmm.default", "mm.default") or node.meta is None:
         return "not a 2-d matrix product (addmm or mm)"
     if node.keywords and any(node.keywords.get(k, 1) != 1 for k in ("beta", "alpha")):
         return "addmm with beta or alpha other than 1"
     bias, x, wt = gemm_operands(node)
-    metas = [graph[r].meta for r in (x, wt)]
+    metas = [graph[x].meta, weight or graph[wt].meta]
     if any(m is None or m.dtype != torch.float32 for m in [*metas, node.meta]):
         return "not fp32 (the generated GEMM keeps fp32 accuracy with 3xTF32; other dtypes stay cuBLAS's)"
     (m, k), (k2, n) = metas[0].shape, metas[1].shape
@@ -229,6 +230,51 @@ def gemm_refusal(graph: Graph, node: Node) -> str:
     if m * n > 2**31 - 1 or m * k > 2**31 - 1 or n * k > 2**31 - 1:
         return "an operand or the output over 2^31 elements"
     return ""
+
+
+def k_contiguous_weights(graph: Graph) -> Graph:
+    """`graph` with each fp32 matrix product whose weight is a parameter or buffer stored K x N row-major (GPT-2's
+    Conv1D, `x @ W`) reading it as `W.t().contiguous().t()`: the same values, K-contiguous as the generated GEMM
+    reads its weight. The copy depends on the weight alone, so the emitted file makes it once per weight version
+    (kernelfuse.emit.hoist), not in every forward. Unchanged where there is no such product."""
+    names = {n.name for n in graph.nodes}
+    nodes: list[Node] = []
+    views: dict[str, Ref] = {}  # weight -> its K-contiguous view (one copy per weight, however many products read it)
+    for node in graph.nodes:
+        weight = _row_major_weight(graph, node)
+        if weight is None:
+            nodes.append(node)
+            continue
+        if weight.name not in views:
+            meta = graph[weight].meta
+            k, n = meta.shape
+            swapped, copy, view = (fresh_name(f"{weight.name}_{tag}", names) for tag in ("nk", "nk_copy", "kn"))
+            nodes += [Node(swapped, "t.default", (weight,), replace(meta, shape=(n, k), stride=(1, n))),
+                      Node(copy, "clone.default", (Ref(swapped), ("kw", "memory_format", torch.contiguous_format)),
+                           replace(meta, shape=(n, k), stride=(k, 1))),
+                      Node(view, "t.default", (Ref(copy),), replace(meta, shape=(k, n), stride=(1, k)))]
+            views[weight.name] = Ref(view)
+        args = list(node.args)
+        args[len(args) - len(node.keywords) - 1] = views[weight.name]  # mat2: the last positional argument
+        nodes.append(replace(node, args=tuple(args)))
+    if not views:
+        return graph
+    return Graph(tuple(nodes), graph.outputs, graph.training, graph.modes, graph.call, graph.autocast)
+
+
+def _row_major_weight(graph: Graph, node: Node) -> Ref | None:
+    """The weight of an fp32 addmm/mm that reads a parameter or buffer stored K x N row-major, where the generated
+    GEMM could take the product once that weight is K-contiguous; else None."""
+    if node.op not in ("addmm.default", "mm.default"):
+        return None
+    _, x, w = gemm_operands(node)
+    if not isinstance(w, Ref) or graph[w].op not in ("param", "buffer") or graph[w].meta is None:
+        return None
+    meta = graph[w].meta
+    if len(meta.shape) != 2 or not meta.is_contiguous or meta.stride == (1, meta.shape[0]):
+        return None
+    k, n = meta.shape
+    return w if not gemm_refusal(graph, node, replace(meta, stride=(1, k))) else None
 
 
 MAX_DIRECT_TAPS = 64  # kernel volumes up to 8x8: the direct kernel holds a channel's taps in registers
@@ -255,6 +301,8 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
         changed = channels_last_graph(graph)
         assert changed is not None, "plan_variants asks for the channels-last plan only where the graph has one"
         graph = changed
+    if options.gemm_impl == "generated":
+        graph = k_contiguous_weights(graph)
     fused: dict[str, FusedStep] = {}  # output node name -> step
     kept = set(options.keep)
     attention, reasons = attention_steps(graph, 0, library=options.attention == "library", tf32=options.matmul_tf32,

@@ -41,12 +41,12 @@ def channels_last_graph(graph: Graph) -> Graph | None:
         node = replace(node, args=_renamed(node.args, renamed))
         if node.name in convs:
             weight = node.args[1]
-            cl = _fresh(f"{weight.name}_cl", names)  # type: ignore[union-attr]
+            cl = fresh_name(f"{weight.name}_cl", names)  # type: ignore[union-attr]
             nodes.append(Node(cl, "clone.default", (weight, ("kw", "memory_format", _format(node))), None))
             node = replace(node, args=(node.args[0], Ref(cl), *node.args[2:]))
         nodes.append(node)
         if node.op == "input" and node.name in feeding and node.meta is not None and len(node.meta.shape) in (4, 5):
-            cl = _fresh(f"{node.name}_cl", names)
+            cl = fresh_name(f"{node.name}_cl", names)
             fmt = torch.channels_last if len(node.meta.shape) == 4 else torch.channels_last_3d
             nodes.append(Node(cl, "clone.default", (Ref(node.name), ("kw", "memory_format", fmt)), None))
             renamed[node.name] = cl
@@ -64,7 +64,7 @@ def channels_last_graph(graph: Graph) -> Graph | None:
             continue
         if not before.is_dense_contiguous:
             return None  # an output in another layout still: not worth a variant
-        back = _fresh(f"{ref.name}_nchw", names)
+        back = fresh_name(f"{ref.name}_nchw", names)
         nodes.append(Node(back, "clone.default", (ref, ("kw", "memory_format", torch.contiguous_format)), before))
         outputs.append(Ref(back))
     return Graph(tuple(nodes), tuple(outputs), graph.training, graph.modes, graph.call, graph.autocast)
@@ -87,7 +87,7 @@ def _contiguous_before(nodes: list[Node], metas: dict[str, TensorMeta], names: s
     out = []
     for node in nodes:
         if _needs_contiguous(node, metas):
-            copy = _fresh(f"{node.args[0].name}_contiguous", names)
+            copy = fresh_name(f"{node.args[0].name}_contiguous", names)
             out.append(Node(copy, "clone.default", (node.args[0], ("kw", "memory_format", torch.contiguous_format)),
                             None))
             node = replace(node, args=(Ref(copy), *node.args[1:]))
@@ -128,7 +128,8 @@ def _reaching(graph: Graph, targets: set[str]) -> set[str]:
     return found
 
 
-def _fresh(name: str, names: set[str]) -> str:
+def fresh_name(name: str, names: set[str]) -> str:
+    """`name`, with underscores appended until it is not in `names` (which it then joins)."""
     while name in names:
         name += "_"
     names.add(name)
