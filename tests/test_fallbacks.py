@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_pipeline_choice import _run, _verdict
+from test_pipeline_choice import _run, _verdict, without_gemm_twins
 
 import kernelfuse.codegen.cuda as cuda
 import kernelfuse.codegen.dryrun as dryrun
@@ -47,6 +47,7 @@ def get_init_inputs():
 @pytest.fixture
 def problem(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the nvcc results of this test only
+    without_gemm_twins(monkeypatch)  # one plan to fall back from: no 3xTF32-GEMM twin of the Linear's
     path = tmp_path / "softmax_mlp.py"
     path.write_text(PROBLEM)
     return path

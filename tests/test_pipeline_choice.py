@@ -27,6 +27,13 @@ def _verdict(correct: bool, ms: float | None = None, eager: float = 4.0) -> Verd
                    eager_ms=eager, speedup_eager=(eager / ms) if correct and ms else None)
 
 
+def without_gemm_twins(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The optimizer's variants without the 3xTF32-GEMM twins (`-tcgemm`), for tests about the other plans."""
+    every = pipeline.optimizer_variants
+    monkeypatch.setattr(pipeline, "optimizer_variants",
+                        lambda *a, **k: [p for p in every(*a, **k) if "-tcgemm" not in p.variant])
+
+
 def _run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, problem: str | Path, script: dict[str, Verdict],
          layouts: dict[str, tuple] | None = None, options: OptimizeOptions | None = None,
          patch: Callable[[], None] = lambda: None) -> tuple:
@@ -41,6 +48,8 @@ def _run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, problem: str | Path, s
         return script[variant]
 
     monkeypatch.setattr(pipeline, "evaluate", fake_evaluate)
+    if not any("-tcgemm" in v for v in script):  # a test that scripts no GEMM twin judges the plans without one
+        without_gemm_twins(monkeypatch)
     monkeypatch.setattr(pipeline, "prebuild", lambda files, timeout_s=0: None)
     timings = None if layouts is None else [LayoutTiming(n, *t) for n, t in layouts.items()]
     monkeypatch.setattr(pipeline, "measure_conv_layouts", lambda graph, strict: timings)
