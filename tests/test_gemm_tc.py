@@ -162,3 +162,29 @@ def test_gemm_module_on_the_gpu_is_as_accurate_as_cublas():
     assert torch.equal(first, ours)
     err_ours, err_eager = (ours.double() - ref).abs().max().item(), (eager.double() - ref).abs().max().item()
     assert err_ours <= 2 * err_eager, (err_ours, err_eager)
+
+
+class Twins(torch.nn.Module):
+    """Two Linears of other shapes with the same epilogue (bias, then ReLU): one kernel serves both launchers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(40, 136)
+        self.b = torch.nn.Linear(72, 9)
+
+    def forward(self, x, y):
+        return torch.relu(self.a(x)), torch.relu(self.b(y))
+
+
+def test_anchors_with_the_same_epilogue_share_one_kernel(tmp_path):
+    torch.manual_seed(0)
+    model, inputs = Twins().eval(), [torch.randn(66, 40), torch.randn(5, 72)]
+    plan = _gemm_plan(capture_module(model, inputs))
+    cuda = generate(plan).cuda
+    assert cuda.count("__global__ void __launch_bounds__(128, 2)") == 1 and "k1_launch" in cuda
+    emu = emulated(plan, tmp_path)
+    with torch.no_grad():
+        for step, x, lin in zip(plan.fused, inputs, (model.a, model.b), strict=True):
+            out = getattr(emu.kernels, step.kernel)(x, lin.weight.t(), lin.bias)
+            ref = torch.relu(x.double() @ lin.weight.double().t() + lin.bias.double())
+            torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)

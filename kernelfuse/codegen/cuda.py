@@ -173,11 +173,14 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
                         f"(x, y, N, C, HW, s); }}")
         bindings.append(_to_channels_last_binding(dtypes))
         functions.append("to_channels_last")
+    gemm_kernels: dict[str, str] = {}  # GEMM kernel texts (their name taken out) -> the kernel that has it
     for step in steps:
         if not step.anchor.epilogue_inside:
             kernel, binding = _step_sources(plan, step, options.tile)
+        elif step.anchor.family == "matmul":
+            kernel, binding = render_gemm(plan, step, gemm_kernels)
         else:
-            kernel, binding = (render_gemm if step.anchor.family == "matmul" else render_conv)(plan, step)
+            kernel, binding = render_conv(plan, step)
         cuda.append(kernel)
         bindings.append(binding)
         functions.append(step.kernel)

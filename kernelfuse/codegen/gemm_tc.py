@@ -16,6 +16,7 @@ both operands: only the order of a sum's terms changes), so one 16-byte shared l
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from kernelfuse.capture import Graph, Node
@@ -209,8 +210,12 @@ def gemm_shape(graph: Graph, node: Node) -> GemmShape:
     return GemmShape(m, n, k)
 
 
-def render_gemm(plan: Plan, step: FusedStep) -> tuple[str, Binding]:
-    """The kernel, its launcher and its binding for a matrix-product anchor with its epilogue inside."""
+def render_gemm(plan: Plan, step: FusedStep, shared: dict[str, str] | None = None) -> tuple[str, Binding]:
+    """The kernel, its launcher and its binding for a matrix-product anchor with its epilogue inside.
+
+    The kernel's text depends only on the epilogue (sizes are kernel arguments): `shared` maps each kernel text
+    already emitted for this file, with its name taken out, to that name, and an anchor whose kernel would repeat
+    one launches that one instead (BERT's 72 Linears are three kernels: nvcc's time grows with each)."""
     node = step.anchor.node
     s = gemm_shape(plan.graph, node)
     epi, k = step.epilogue, step.kernel
@@ -220,19 +225,18 @@ def render_gemm(plan: Plan, step: FusedStep) -> tuple[str, Binding]:
     operand_args = "".join(f", in{i}" for i in ops)
     bias = " + bias[col]" if has_bias else ""
     bias1 = " + bias[col + 1]" if has_bias else ""
-    kernel = f"""// {k}: {step.chain(plan.graph)}  (GEMM on tensor cores, 3xTF32, epilogue inside)
-{apply_function(k, epi, "float", "int")}
+    body = f"""{apply_function(k, epi, "float", "int")}
 __global__ void __launch_bounds__({THREADS}, 2) {k}_kernel(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias, float* __restrict__ out{operand_params}, int M, int N, int K) {{
   (void)bias;
   kf_gemm_3xtf32<{BM}, {BN}, {BK}, {WARPS_M}, {WARPS_N}, {STAGES}>(x, w, M, N, K, [&](int row, int col, float v0, float v1, bool pair) {{
-    const int i = row * {s.n} + col;
+    const int i = row * N + col;
     const float r0 = {k}_apply(v0{bias}, i{operand_args});
     if (!pair) {{
       out[i] = r0;
       return;
     }}
     const float r1 = {k}_apply(v1{bias1}, i + 1{operand_args});
-    if constexpr ({s.n} % 2 == 0) {{  // i is even: an 8-byte store
+    if (N % 2 == 0) {{  // i is even: an 8-byte store
       float2 r;
       r.x = r0;
       r.y = r1;
@@ -243,16 +247,30 @@ __global__ void __launch_bounds__({THREADS}, 2) {k}_kernel(const float* __restri
     }}
   }});
 }}
-
+"""
+    shared = {} if shared is None else shared
+    name = shared.setdefault(_canonical(body, k), k)
+    head = f"// {k}: {step.chain(plan.graph)}  (GEMM on tensor cores, 3xTF32, epilogue inside)\n"
+    if name != k:
+        body = f"// (the same kernel as {name}'s: {name}_kernel)\n"
+    kernel = head + body + f"""
 KF_EXPORT cudaError_t {k}_launch(const void* x, const void* w, const void* bias, void* out{"".join(f", const void* in{i}" for i in ops)}, cudaStream_t stream) {{
-  const cudaError_t opted = kf_opt_in<{k}_kernel>({SMEM_BYTES});
+  const cudaError_t opted = kf_opt_in<{name}_kernel>({SMEM_BYTES});
   if (opted != cudaSuccess) return opted;
   dim3 grid({-(-s.m // BM)}, {-(-s.n // BN)});
-  {k}_kernel<<<grid, {THREADS}, {SMEM_BYTES}, stream>>>((const float*)x, (const float*)w, (const float*)bias, (float*)out{"".join(f", (const float*)in{i}" for i in ops)}, {s.m}, {s.n}, {s.k});
+  {name}_kernel<<<grid, {THREADS}, {SMEM_BYTES}, stream>>>((const float*)x, (const float*)w, (const float*)bias, (float*)out{"".join(f", (const float*)in{i}" for i in ops)}, {s.m}, {s.n}, {s.k});
   return cudaGetLastError();
 }}
 """
     return kernel, _binding(plan, step, s, has_bias)
+
+
+def _canonical(body: str, k: str) -> str:
+    """The kernel's text with its own names taken out: the kernel's (kN_) and the epilogue's values (v_<node>,
+    numbered in order of appearance), so two anchors' kernels compare equal when they compute the same."""
+    values: dict[str, str] = {}
+    body = re.sub(r"\bv_\w+", lambda m: values.setdefault(m.group(0), f"v#{len(values)}"), body)
+    return re.sub(rf"\b{k}_", "kN_", body)
 
 
 def _binding(plan: Plan, step: FusedStep, s: GemmShape, has_bias: bool) -> Binding:
