@@ -2,15 +2,15 @@
 
 out[M][N] = x[M][K] w[N][K]ᵀ (+ bias[N]), then the anchor's epilogue (`kN_apply`) on each element before the one
 store. Both operands are K-contiguous: `x` row-major and `w` a Linear's weight, which the graph reads as the view
-`w.t()`. Each operand is split into its TF32 rounding and the TF32 rounding of the rest, and three products (small x
+`w.t()` (a weight stored K x N is read through a K-contiguous copy: kernelfuse.plan.fuse.k_contiguous_weights). Each operand is split into its TF32 rounding and the TF32 rounding of the rest, and three products (small x
 big, big x small, big x big) keep fp32 accuracy. The tensor cores' own fp32 accumulation rounds toward zero, an error
 that grows with K (3.4e-4 against float64 at K = 8192, cuBLAS's SGEMM 2e-5): so each K tile's products go into a
 fresh tensor-core accumulator, added to the running sum in registers with round-to-nearest (4e-6 there).
 
 Measured against cuBLAS's SGEMM (benchmarks/gemm_probe.py, stop 41, H200, `gemm_probe_s41_h200.md`): 1.05x at
 1024 x 8192 x 8192, 1.03-1.30x on BERT's and Llama's Linear shapes, 0.92x at 128 rows (the judge picks per model).
-One tile configuration (the fastest across those shapes of the ten tried): 64 x 128 outputs a block of four warps (32 x 64 each), K in tiles of 32 through three
-cp.async stages. Within each 16 columns of K, the columns a thread's fragments need are adjacent (the same order for
+One tile configuration (the fastest across those shapes of the ten tried): 64 x 128 outputs a block of four warps
+(32 x 64 each), K in tiles of 32 through three cp.async stages. Within each 16 columns of K, the columns a thread's fragments need are adjacent (the same order for
 both operands: only the order of a sum's terms changes), so one 16-byte shared load serves two k8 steps.
 """
 
