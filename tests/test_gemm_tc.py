@@ -16,7 +16,7 @@ from kernelfuse.capture import capture_module
 from kernelfuse.codegen import generate
 from kernelfuse.emit.hoist import plan_hoist
 from kernelfuse.plan import optimizer_variants
-from kernelfuse.plan.fuse import gemm_refusal
+from kernelfuse.plan.gemm import gemm_refusal
 from kernelfuse.plan.interpret import run_env, run_fused
 from kernelfuse.report import plan_json
 

@@ -2,7 +2,7 @@
 
 out[M][N] = x[M][K] w[N][K]ᵀ (+ bias[N]), then the anchor's epilogue (`kN_apply`) on each element before the one
 store. Both operands are K-contiguous: `x` row-major and `w` a Linear's weight, which the graph reads as the view
-`w.t()` (a weight stored K x N is read through a K-contiguous copy: kernelfuse.plan.fuse.k_contiguous_weights). Each operand is split into its TF32 rounding and the TF32 rounding of the rest, and three products (small x
+`w.t()` (a weight stored K x N is read through a K-contiguous copy: kernelfuse.plan.gemm.k_contiguous_weights). Each operand is split into its TF32 rounding and the TF32 rounding of the rest, and three products (small x
 big, big x small, big x big) keep fp32 accuracy. The tensor cores' own fp32 accumulation rounds toward zero, an error
 that grows with K (3.4e-4 against float64 at K = 8192, cuBLAS's SGEMM 2e-5): so each K tile's products go into a
 fresh tensor-core accumulator, added to the running sum in registers with round-to-nearest (4e-6 there).
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from kernelfuse.capture import Graph, Node
 from kernelfuse.codegen.binding import Binding, py_tuple
 from kernelfuse.codegen.common import apply_function
-from kernelfuse.plan.fuse import gemm_operands
+from kernelfuse.plan.gemm import gemm_operands
 from kernelfuse.plan.ir import FusedStep, Plan
 
 BM, BN, BK = 64, 128, 32

@@ -13,7 +13,7 @@ from kernelfuse.emit.calltext import CallText, output_text
 from kernelfuse.emit.graphed import graphed_forward_source
 from kernelfuse.emit.hoist import cached_tuple, plan_hoist, shared_constants, step_out, weight_methods
 from kernelfuse.emit.runtime import STATS_METHOD
-from kernelfuse.plan.fuse import gemm_operands
+from kernelfuse.plan.gemm import gemm_operands
 from kernelfuse.plan.ir import AttnStep, FusedStep, GenStep, Plan, Step, TorchStep
 
 # Readable spellings for common ATen calls; anything else is written `torch.ops.aten.<op>(...)`. A tensor method
