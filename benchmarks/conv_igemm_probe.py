@@ -19,16 +19,18 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 
 from kernelfuse.bench.timer import median_event_ms
 from kernelfuse.capture import build_model, capture
 from kernelfuse.codegen import generate
-from kernelfuse.codegen.conv_igemm import conv_shape, tile_config
+from kernelfuse.codegen.conv_igemm import conv_shape, dense_kernel, tile_config
+from kernelfuse.codegen.conv_tc import dense_config
 from kernelfuse.emit.module import load_kernels
 from kernelfuse.load import load_problem
-from kernelfuse.plan import Plan, make_plan
+from kernelfuse.plan import Plan, fuse, make_plan
 from kernelfuse.plan.fuse import PlanOptions
 from kernelfuse.plan.interpret import run_env, run_fused
 from kernelfuse.plan.ir import Epilogue, FusedStep
@@ -70,23 +72,31 @@ def probe(path: Path) -> list[tuple[str, str, str]]:
     with torch.no_grad():
         env = run_env(library["nchw"], state, inputs)
     # as the optimizer plans it: 3xTF32 where eager's call computes in full fp32 (kernelfuse.bench.layout)
-    igemm = make_plan(graph, PlanOptions(conv_layout="nchw", cudnn_fused_relu=False, conv_impl="generated",
-                                         fp32_convs=_fp32_convs(graph, env)))
+    options = PlanOptions(conv_layout="nchw", cudnn_fused_relu=False, conv_impl="generated",
+                          fp32_convs=_fp32_convs(graph, env))
+    igemm = make_plan(graph, options)
+    with patch.object(fuse, "tap_major_weights", lambda g, exact: g):  # the general kernel: no tap-major weights
+        general = make_plan(graph, options)
     steps = [s for s in igemm.fused if s.anchor.epilogue_inside]
     if not steps:
         return [(path.stem[:28], "-", "no generated convolution in the plan")]
     started = time.perf_counter()
     exts = {"igemm": load_kernels(generate(igemm), f"probe_{problem.name}_igemm")}
+    if any(dense_kernel(igemm.graph, s) for s in steps):
+        exts["general"] = load_kernels(generate(general), f"probe_{problem.name}_general")
     for layout, plan in library.items():
         sources = generate(plan)
         exts[layout] = load_kernels(sources, f"probe_{problem.name}_{layout}") if sources else None
-    bare_plan = Plan(graph, tuple(_bare(s) for s in steps), "bare")
+    bare_plan = Plan(igemm.graph, tuple(_bare(s) for s in steps), "bare")
     exts["bare"] = load_kernels(generate(bare_plan), f"probe_{problem.name}_bare")
     build_s = time.perf_counter() - started
+    with torch.no_grad():
+        env.update(run_env(igemm, state, inputs))  # the tap-major weight copies
     rows = []
     with torch.no_grad():
         for step, bare in zip(steps, bare_plan.fused, strict=True):
-            rows.append((path.stem[:28], step.kernel, _probe_step(graph, step, bare, library, exts, env, build_s)))
+            rows.append((path.stem[:28], step.kernel, _probe_step(igemm.graph, step, bare, library, exts, env,
+                                                                  build_s)))
     return rows
 
 
@@ -124,11 +134,15 @@ def _library_step(plan: Plan, step: FusedStep) -> FusedStep | None:
 def _probe_step(graph, step: FusedStep, bare: FusedStep, library: dict[str, Plan], exts: dict, env: dict,
                 build_s: float) -> str:
     node = step.anchor.node
-    x, w = env[node.args[0].name].contiguous(), env[node.args[1].name].contiguous()
+    dense = dense_kernel(graph, step)
+    x, wk = env[node.args[0].name].contiguous(), env[node.args[1].name]  # wk: the weight as the kernel reads it
+    w = wk.contiguous()
+    if not dense:
+        wk = w
     b = env[node.args[2].name] if node.args[2] is not None else None
     conv_args = node.args[3:9]
     operands = [env[o.ref.name] for o in step.epilogue.operands]
-    ours = getattr(exts["igemm"], step.kernel)(x, w, b, *operands)
+    ours = getattr(exts["igemm"], step.kernel)(x, wk, b, *operands)
     eager = run_fused(graph, step, env)  # cuDNN under eager's flags, then the epilogue as torch ops
     diff = (ours - eager).abs().max().item()
     accuracy = _float64_check(graph, step, env, ours, eager)
@@ -143,13 +157,16 @@ def _probe_step(graph, step: FusedStep, bare: FusedStep, library: dict[str, Plan
             lib_operands = [env[o.ref.name] for o in lib.epilogue.operands]
             times[f"lib_{layout}+epi"] = median_event_ms(_library_call(lib, exts[layout], x, w, b, conv_args,
                                                                        lib_operands))
-    times["ours_bare"] = median_event_ms(lambda: getattr(exts["bare"], bare.kernel)(x, w, b))
-    times["ours_fused"] = median_event_ms(lambda: getattr(exts["igemm"], step.kernel)(x, w, b, *operands))
+    if dense and "general" in exts:
+        times["general_fused"] = median_event_ms(lambda: getattr(exts["general"], step.kernel)(x, w, b, *operands))
+    times["ours_bare"] = median_event_ms(lambda: getattr(exts["bare"], bare.kernel)(x, wk, b))
+    times["ours_fused"] = median_event_ms(lambda: getattr(exts["igemm"], step.kernel)(x, wk, b, *operands))
     shape = conv_shape(graph, step)
     cfg = tile_config(shape)
     best_lib = min((v for k, v in times.items() if k.startswith("lib_")), default=float("nan"))
     fields = " ".join(f"{k}={v:.3f}" for k, v in times.items())
-    return (f"M={shape.m} N={shape.cog} K={shape.kg} g={shape.groups} T={int(shape.transposed)} BN={cfg.bn} "
+    kind = f"dense BN={dense_config(shape).bn}" if dense else f"general BN={cfg.bn}"
+    return (f"M={shape.m} N={shape.cog} K={shape.kg} g={shape.groups} T={int(shape.transposed)} {kind} "
             f"build={build_s:.1f}s | {'3xTF32' if step.anchor.fp32 else 'TF32'} max|ours-eager|={diff:.2e} "
             f"{accuracy} | "
             f"{fields} ms | "

@@ -158,8 +158,8 @@ def test_transposed_convolutions_split_into_phases(model_and_plan):
 def test_tile_sizes_follow_the_channels(model_and_plan):
     _, _, graph = model_and_plan
     plan = make_plan(graph, PlanOptions(conv_layout="nchw", conv_impl="generated", cudnn_fused_relu=False))
-    widths = {s.chain(plan.graph).split(" -> ")[1]: tile_config(conv_shape(graph, s)).bn for s in plan.fused}
-    assert [tile_config(conv_shape(graph, s)).bn for s in plan.fused] == [8, 8, 8, 64, 16, 32, 8, 8, 8, 8], widths
+    widths = {s.chain(plan.graph).split(" -> ")[1]: tile_config(conv_shape(plan.graph, s)).bn for s in plan.fused}
+    assert [tile_config(conv_shape(plan.graph, s)).bn for s in plan.fused] == [8, 8, 8, 64, 16, 32, 8, 8, 8, 8], widths
 
 
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])

@@ -1,5 +1,5 @@
-"""Pooling kernels that read a channels-last convolution's output take their threads channel fastest (coalesced
-reads), and still compute the pool in NCHW output order: checked on the plan, the CUDA text, and the CUDA itself
+"""Pooling kernels that read a channels-last convolution's output pool tiles through shared memory (reads along
+the channels, writes along the NCHW positions: both coalesced): checked on the plan, the CUDA text, and the CUDA itself
 run in a CPU emulation against the plan interpreter."""
 
 from __future__ import annotations
@@ -43,13 +43,13 @@ def _pools(plan):
     return [g for g in plan.generated if g.spec is not None and g.spec.kind.endswith("_pool")]
 
 
-def test_channels_last_sources_take_channel_fastest_threads(plans):
+def test_channels_last_sources_pool_through_shared_memory(plans):
     _, by_variant = plans
     assert set(by_variant) == {"fused-nhwc", "fused-nchw"}
     assert [reads_channels_last(g) for g in _pools(by_variant["fused-nhwc"])] == [True, True, False]
     assert [reads_channels_last(g) for g in _pools(by_variant["fused-nchw"])] == [False, False, False]
     cuda = generate(by_variant["fused-nhwc"]).cuda
-    assert cuda.count("threads in channel fastest (channels-last source)") == 2
+    assert cuda.count("a channels-last source, staged through shared memory into NCHW") == 2
     assert cuda.count("threads in output order") == 1  # the NCHW input (stride 2: a thread per output)
 
 

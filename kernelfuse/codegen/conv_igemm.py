@@ -16,14 +16,17 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from kernelfuse.capture import Graph
 from kernelfuse.codegen.binding import Binding, py_tuple
-from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, apply_function
+from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, apply_function, channels_last_format
 from kernelfuse.codegen.conv_depthwise import render_depthwise
+from kernelfuse.codegen.conv_tc import dense_config, render_dense
+from kernelfuse.plan.conv import DENSE_CHANNELS, tap_major_strides
 from kernelfuse.plan.ir import FusedStep, Plan
 
 THREADS = 128  # four warps, each a 32-row slice of the BM = 128 tile
@@ -58,6 +61,19 @@ __device__ __forceinline__ void kf_cp_async4(float* dst, const float* src, bool 
   *dst = pred ? *src : 0.0f;
 #endif
 }
+#ifndef KF_DYNAMIC_SHARED
+#define KF_DYNAMIC_SHARED(name) extern __shared__ __align__(16) float name[]
+#endif
+// 16 bytes global -> shared, zeros where !in (src is then not read); in the CPU emulation a plain copy
+__device__ __forceinline__ void kf_gemm_cp16(float* dst, const float* src, bool in) {
+#if defined(__CUDA_ARCH__)
+  const unsigned int s = (unsigned int)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(src), "r"(in ? 16 : 0));
+#else
+  for (int q = 0; q < 4; ++q) dst[q] = in ? src[q] : 0.0f;
+#endif
+}
+
 __device__ __forceinline__ void kf_cp_async_commit() {
 #if defined(__CUDA_ARCH__)
   asm volatile("cp.async.commit_group;");
@@ -274,11 +290,23 @@ def render_conv(plan: Plan, step: FusedStep, out_layout: str = "nchw") -> tuple[
     ops = range(len(epi.operands))
     operand_params = "".join(f", const {ctype}* __restrict__ in{i}" for i in ops)
     operand_args = "".join(f", in{i}" for i in ops)
+    smem = 0  # dynamic shared memory bytes
     if step.anchor.impl == "direct":  # planned for a depthwise convolution (kernelfuse.plan.fuse.depthwise)
         comment = f"// {k}: {step.chain(plan.graph)}  (direct depthwise convolution, epilogue inside, {out_layout} " \
                   "output)\n"
         body, grid, threads = render_depthwise(k, shape, ctype, index_t, has_bias, out_layout, operand_params,
                                                operand_args)
+    elif dense_kernel(plan.graph, step):
+        cfg = dense_config(shape)
+        comment = f"// {k}: {step.chain(plan.graph)}  (dense implicit GEMM on TF32 tensor cores, epilogue inside, " \
+                  f"{'channels-last' if cfg.a_nhwc else 'NCHW'} input, {out_layout} output)\n"
+        geo = geometry(k, shape)
+        lane = "threadIdx.x" if cfg.threads == BM else f"threadIdx.x % {BM}"
+        body, grid = render_dense(
+            k, shape, geo, cfg, ctype, operand_params, pixel_setup(geo, shape, ctype, lane, cfg.a_nhwc),
+            tile_stores(k, shape, cfg.bn, cfg.threads, index_t, ctype, has_bias, out_layout, operand_args,
+                        cfg.epilogue_unroll))
+        threads, smem = cfg.threads, cfg.smem_bytes
     else:
         comment = f"// {k}: {step.chain(plan.graph)}  (implicit GEMM, epilogue inside, {out_layout} output)\n"
         body, grid = _kernel(k, shape, tile_config(shape), ctype, index_t, has_bias, step.anchor.fp32, out_layout, operand_params,
@@ -286,27 +314,61 @@ def render_conv(plan: Plan, step: FusedStep, out_layout: str = "nchw") -> tuple[
         threads = THREADS
     launch_params = "".join(f", const void* in{i}" for i in ops)
     launch_args = "".join(f", (const {ctype}*)in{i}" for i in ops)
+    opt_in = f"""  const cudaError_t opted = kf_opt_in<{k}_kernel>({smem});
+  if (opted != cudaSuccess) return opted;
+""" if smem else ""
     launch = f"""
 KF_EXPORT cudaError_t {k}_launch(const void* x, const void* w, const void* bias, void* out{launch_params}, cudaStream_t stream) {{
-  dim3 grid({grid[0]}, {grid[1]}, {grid[2]});
-  {k}_kernel<<<grid, {threads}, 0, stream>>>((const {ctype}*)x, (const {ctype}*)w, (const {ctype}*)bias, ({ctype}*)out{launch_args});
+{opt_in}  dim3 grid({grid[0]}, {grid[1]}, {grid[2]});
+  {k}_kernel<<<grid, {threads}, {smem}, stream>>>((const {ctype}*)x, (const {ctype}*)w, (const {ctype}*)bias, ({ctype}*)out{launch_args});
   return cudaGetLastError();
 }}
 """
     return comment + apply_function(k, epi, ctype, index_t) + body + launch, _binding(plan, step, shape, out_layout)
 
 
-def _kernel(k: str, s: ConvShape, cfg: TileConfig, ctype: str, index_t: str, has_bias: bool, split: bool,
-            out_layout: str, operand_params: str, operand_args: str) -> tuple[str, tuple[int, int, int]]:
+def dense_kernel(graph: Graph, step: FusedStep) -> bool:
+    """Whether the anchor runs the dense kernel (kernelfuse.codegen.conv_tc): TF32, and the planner gave it the
+    tap-major weight copy it reads (kernelfuse.plan.conv.tap_major_weights)."""
+    node = step.anchor.node
+    w = graph[node.args[1]].meta
+    return step.anchor.impl == "generated" and not step.anchor.fp32 and node.meta.dtype == torch.float32 \
+        and w is not None and w.stride == tap_major_strides(w.shape, bool(node.args[6])) \
+        and conv_shape(graph, step).cig % DENSE_CHANNELS == 0
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The C text both implicit-GEMM kernels share: the phases' tables, the thread's output pixel (the column of A it
+    gathers) and the bounds of its gathers. A block of `threads` threads covers BM = `threads` output pixels."""
+
+    rank: int
+    nph: int
+    iv: int  # input pixels per channel
+    tables: str
+    tap_setup: str
+    tap_lines: Callable[[str, str], list[str]]  # (tap expression, indent) -> the lines defining c0.. of that tap
+    kp_expr: str  # the flat kernel position of the stage's tap
+    ntaps: str
+    count: list[str]
+    v_lines: list[str]
+    base: list[str]
+    pix: str
+    gather: Callable[[str], list[str]]  # indent -> the lines that bound-check the input position i0..
+    spatial: str
+    m_phase: str
+    max_m: int
+    found: tuple[Phase, ...]
+
+
+def geometry(k: str, s: ConvShape, threads: int = THREADS) -> Geometry:
+    """The shared C text of kernel `k` (see Geometry)."""
     rank = len(s.kernel)
     step, scale, found = phases(s)
     nph = len(found)
     iv = math.prod(s.in_size)
     in_strides = [math.prod(s.in_size[d + 1:]) for d in range(rank)]
     out_strides = [math.prod(s.out_size[d + 1:]) for d in range(rank)]
-    b_per_thread = -(-cfg.bn * cfg.bk // THREADS)
-    nf = cfg.bn // 8
-    nl = "\n"
     tables = tap_setup = ""
     if not s.transposed or set(s.stride) == {1}:  # one phase whose sizes and taps are compile-time arithmetic
         (ph,) = found
@@ -341,7 +403,7 @@ def _kernel(k: str, s: ConvShape, cfg: TileConfig, ctype: str, index_t: str, has
 
         # the block's taps in shared memory: the gathers read them at every element of every stage
         tap_setup = f"""  __shared__ int taps_s[{maxt}][{rank + 1}];  // c per dimension, then the flat kernel position
-  for (int i = threadIdx.x; i < {maxt * (rank + 1)}; i += {THREADS}) {{
+  for (int i = threadIdx.x; i < {maxt * (rank + 1)}; i += {threads}) {{
     const int tp = i / {rank + 1}, d = i % {rank + 1};
     taps_s[tp][d] = d < {rank} ? {k}_c[ph][tp][d] : {k}_kp[ph][tp];
   }}
@@ -365,6 +427,20 @@ def _kernel(k: str, s: ConvShape, cfg: TileConfig, ctype: str, index_t: str, has
             lines.append(f"{ind}ok = ok && i{d} >= 0 && i{d} < {s.in_size[d]};")
         return lines
     spatial = " + ".join(f"i{d} * {in_strides[d]}" for d in range(rank))
+    m_phase = f"{s.batch} * " + " * ".join(count)
+    max_m = max(s.batch * p.pixels for p in found)
+    return Geometry(rank, nph, iv, tables, tap_setup, tap_lines, kp_expr, ntaps, count, v_lines, base, pix, gather,
+                    spatial, m_phase, max_m, tuple(found))
+
+
+def _kernel(k: str, s: ConvShape, cfg: TileConfig, ctype: str, index_t: str, has_bias: bool, split: bool,
+            out_layout: str, operand_params: str, operand_args: str) -> tuple[str, tuple[int, int, int]]:
+    geo = geometry(k, s)
+    nph, iv, tables, tap_setup, tap_lines, kp_expr = geo.nph, geo.iv, geo.tables, geo.tap_setup, geo.tap_lines, geo.kp_expr
+    gather, spatial = geo.gather, geo.spatial
+    b_per_thread = -(-cfg.bn * cfg.bk // THREADS)
+    nf = cfg.bn // 8
+    nl = "\n"
     if s.cig % cfg.bk == 0:  # a K stage is BK channels of one tap: one bounds check per stage
         a_copy = f"""    {{
       const int tap = kt * BK / {s.cig}, ci0 = kt * BK % {s.cig};
@@ -428,17 +504,9 @@ def _kernel(k: str, s: ConvShape, cfg: TileConfig, ctype: str, index_t: str, has
       }}
       kf_cp_async4(Bs + (e / BN) * LDB + e % BN, w + off, ok);
     }}"""
-    if out_layout == "nchw":
-        order = f"const int nl = e / {BM}, ml = e % {BM};"
-        store = "i"
-    else:
-        order = f"const int ml = e / {cfg.bn}, nl = e % {cfg.bn};"
-        store = f"(({index_t})img * {s.pixels} + pix) * {s.cout} + co"
-    bias = " + kf_load(bias[co])" if has_bias else ""
-    m_phase = f"{s.batch} * " + " * ".join(count)
-    unroll = "#pragma unroll" if nph == 1 and -(-s.cig * len(found[0].taps) // cfg.bk) <= 8 else "#pragma unroll 1"
-    max_m = max(s.batch * p.pixels for p in found)
-    grid = (-(-max_m // BM) * nph, -(-s.cog // cfg.bn), s.groups)
+    m_phase = geo.m_phase
+    unroll = "#pragma unroll" if nph == 1 and -(-s.cig * len(geo.found[0].taps) // cfg.bk) <= 8 else "#pragma unroll 1"
+    grid = (-(-geo.max_m // BM) * nph, -(-s.cog // cfg.bn), s.groups)
     body = f"""{tables}
 __global__ void __launch_bounds__({THREADS}, {_min_blocks(cfg, split)}) {k}_kernel(const {ctype}* __restrict__ x, const {ctype}* __restrict__ w, const {ctype}* __restrict__ bias, {ctype}* __restrict__ out{operand_params}) {{
   constexpr int BK = {cfg.bk}, BN = {cfg.bn}, LDA = {cfg.lda}, LDB = {cfg.ldb}, LDC = {cfg.ldc}, COG = {s.cog};
@@ -447,22 +515,10 @@ __global__ void __launch_bounds__({THREADS}, {_min_blocks(cfg, split)}) {k}_kern
   // phases vary fastest: blocks running together write interleaved pixels of one region, so L2 gathers whole
   // sectors before they go to memory
   const int ph = blockIdx.x % {nph}, grp = blockIdx.z, m0 = blockIdx.x / {nph} * {BM}, n0 = blockIdx.y * BN;
-  const int MPH = {m_phase}, KGP = {s.cig} * {ntaps}, KT = (KGP + BK - 1) / BK;
+  const int MPH = {m_phase}, KGP = {s.cig} * {geo.ntaps}, KT = (KGP + BK - 1) / BK;
   if (m0 >= MPH) return;  // this phase has fewer pixels than the largest one (the whole block leaves)
   (void)ph;
-  // the output pixel whose column of A this thread gathers
-  const int m = m0 + threadIdx.x;
-  const bool m_ok = m < MPH;
-  int base[{rank}];
-  const {ctype}* xg = x;
-  {{
-    const int img = m_ok ? m / ({" * ".join(count)}) : 0, r = m_ok ? m % ({" * ".join(count)}) : 0;
-{nl.join(v_lines)}
-{nl.join(base)}
-    xg = x + ((long long)img * {s.cin} + grp * {s.cig}) * {iv};
-    img_s[threadIdx.x] = m_ok ? img : -1;
-    pix_s[threadIdx.x] = {pix};
-  }}
+{pixel_setup(geo, s, ctype)}
 {tap_setup}
 {b_setup}
   // stage kt of A (the gathered input) and B (the weights) into shared buffer kt % STAGES, asynchronously
@@ -511,17 +567,60 @@ __global__ void __launch_bounds__({THREADS}, {_min_blocks(cfg, split)}) {k}_kern
           smem[(j * 8 + 2 * t + (e & 1)) * LDC + wm + i * 16 + g + (e >> 1) * 8] = acc[i][j][e];
   }}
   __syncthreads();
-  for (int e = threadIdx.x; e < {BM} * BN; e += {THREADS}) {{
+{tile_stores(k, s, cfg.bn, THREADS, index_t, ctype, has_bias, out_layout, operand_args, 4)}
+}}
+"""
+    return body, grid
+
+
+def pixel_setup(geo: Geometry, s: ConvShape, ctype: str, lane: str = "threadIdx.x", origins: bool = False) -> str:
+    """C lines: the output pixel m = m0 + `lane` of this thread (its column of A), its input origin `base`, its
+    image's input `xg`, and the block's image and pixel of each column (img_s, pix_s: -1 past the phase's pixels),
+    written by the threads whose lane is threadIdx.x; `origins`: the input origins too (org_s)."""
+    nl = "\n"
+    count = geo.count
+    org = f"""
+    for (int d = 0; d < {geo.rank}; ++d) org_s[threadIdx.x][d] = base[d];""" if origins else ""
+    writes = f"""
+    if ({lane} == threadIdx.x) {{
+      img_s[threadIdx.x] = m_ok ? img : -1;
+      pix_s[threadIdx.x] = {geo.pix};{org}
+    }}""" if lane != "threadIdx.x" else f"""
+    img_s[threadIdx.x] = m_ok ? img : -1;
+    pix_s[threadIdx.x] = {geo.pix};{org}"""
+    return f"""  // the output pixel whose column of A this thread gathers
+  const int m = m0 + {lane};
+  const bool m_ok = m < MPH;
+  int base[{geo.rank}];
+  const {ctype}* xg = x;
+  {{
+    const int img = m_ok ? m / ({" * ".join(count)}) : 0, r = m_ok ? m % ({" * ".join(count)}) : 0;
+{nl.join(geo.v_lines)}
+{nl.join(geo.base)}
+    xg = x + ((long long)img * {s.cin} + grp * {s.cig}) * {geo.iv};{writes}
+  }}"""
+
+
+def tile_stores(k: str, s: ConvShape, bn: int, threads: int, index_t: str, ctype: str, has_bias: bool,
+                out_layout: str, operand_args: str, unroll: int = 1) -> str:
+    """C lines: the block's BM x `bn` accumulator tile, staged in shared memory as smem[n * LDC + m], through the
+    epilogue (`kN_apply`) to the output, in store order (pixels fastest for NCHW, channels for channels-last)."""
+    if out_layout == "nchw":
+        order = f"const int nl = e / {BM}, ml = e % {BM};"
+        store = "i"
+    else:
+        order = f"const int ml = e / {bn}, nl = e % {bn};"
+        store = f"(({index_t})img * {s.pixels} + pix) * {s.cout} + co"
+    bias = " + kf_load(bias[co])" if has_bias else ""
+    pragma = f"#pragma unroll {unroll}\n" if unroll > 1 else ""
+    return f"""{pragma}  for (int e = threadIdx.x; e < {BM} * BN; e += {threads}) {{
     {order}
     const int img = img_s[ml], col = n0 + nl;
     if (img < 0 || col >= COG) continue;
     const int co = grp * COG + col, pix = pix_s[ml];
     const {index_t} i = (({index_t})img * {s.cout} + co) * {s.pixels} + pix;
     out[{store}] = kf_store<{ctype}>({k}_apply(smem[nl * LDC + ml]{bias}, i{operand_args}));
-  }}
-}}
-"""
-    return body, grid
+  }}"""
 
 
 def _binding(plan: Plan, step: FusedStep, shape: ConvShape, out_layout: str) -> Binding:
@@ -535,6 +634,14 @@ def _binding(plan: Plan, step: FusedStep, shape: ConvShape, out_layout: str) -> 
              f"def {k}(self, x, w, b{params}):",
              f'    _check_dense(x, "{k} input", {py_tuple(plan.graph[node.args[0]].meta.shape)}, {dtype})',
              f'    _check_dense(w, "{k} weight", {py_tuple(w_meta.shape)}, {dtype})']
+    if dense_kernel(plan.graph, step) and dense_config(shape).a_nhwc:  # 16-byte copies of 4 input channels
+        lines[2] = (f'    _check_dense(x, "{k} input (channels-last)", {py_tuple(plan.graph[node.args[0]].meta.shape)}, '
+                    f'{dtype}, {channels_last_format(plan.graph[node.args[0]].meta)})')
+    if dense_kernel(plan.graph, step):  # the weight through its tap-major copy, in 16-byte copies
+        lines[-1] = (f'    _check(w, "{k} weight (tap-major)", {py_tuple(w_meta.shape)}, {py_tuple(w_meta.stride)}, '
+                     f'{dtype})')
+        lines.append("    if w.data_ptr() % 16:")
+        lines.append(f'        raise ValueError("kernelfuse: {k} weight must be 16-byte aligned")')
     if node.args[2] is not None:
         lines.append(f'    _check_dense(b, "{k} bias", {py_tuple((shape.cout,))}, {dtype})')
     for i, operand in enumerate(epi.operands):

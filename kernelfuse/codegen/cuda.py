@@ -19,7 +19,8 @@ from kernelfuse.codegen.attention_flash import FLASH_PRELUDE
 from kernelfuse.codegen.attention_prelude import ATTENTION_PRELUDE
 from kernelfuse.codegen.binding import Binding, kernels_class, pointer_launcher, py_tuple
 from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, apply_function, channels_last_format
-from kernelfuse.codegen.conv_igemm import IGEMM_PRELUDE, render_conv
+from kernelfuse.codegen.conv_igemm import IGEMM_PRELUDE, dense_kernel, render_conv
+from kernelfuse.codegen.conv_tc import CONV_TC_PRELUDE
 from kernelfuse.codegen.gemm_tc import GEMM_PRELUDE, render_gemm
 from kernelfuse.codegen.generated import REDUCE_PRELUDE, keeps_rows_on_chip, render_generated
 from kernelfuse.codegen.onchip import ONCHIP_PRELUDE
@@ -161,6 +162,8 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
         cuda.append(IGEMM_PRELUDE)  # the TF32 rounding, cp.async and mma helpers of both anchor kernels
     if any(s.anchor.epilogue_inside and s.anchor.family == "matmul" for s in steps):
         cuda.append(GEMM_PRELUDE)
+    if any(s.anchor.epilogue_inside and s.anchor.family == "conv" and dense_kernel(plan.graph, s) for s in steps):
+        cuda.append(CONV_TC_PRELUDE)
     bindings: list[Binding] = []
     functions: list[str] = []
     channels_last = [s for s in plan.fused if s.anchor.layout == "nhwc"]  # with or without an epilogue kernel

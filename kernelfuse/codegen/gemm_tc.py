@@ -34,19 +34,6 @@ SMEM_BYTES = STAGES * (BM + BN) * LD * 4
 
 GEMM_PRELUDE = r"""
 // ---- matrix products on tensor cores, 3xTF32 (kernelfuse.codegen.gemm_tc) ----
-#ifndef KF_DYNAMIC_SHARED
-#define KF_DYNAMIC_SHARED(name) extern __shared__ __align__(16) float name[]
-#endif
-// 16 bytes global -> shared, zeros where !in (src is then not read); in the CPU emulation a plain copy
-__device__ __forceinline__ void kf_gemm_cp16(float* dst, const float* src, bool in) {
-#if defined(__CUDA_ARCH__)
-  const unsigned int s = (unsigned int)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(src), "r"(in ? 16 : 0));
-#else
-  for (int q = 0; q < 4; ++q) dst[q] = in ? src[q] : 0.0f;
-#endif
-}
-
 // C = A Bᵀ for the block's BM x BN tile (A: M x K, B: N x K, both row-major, K % 4 == 0, 16-byte aligned rows);
 // the thread's elements go to epi(row, col, v0, v1, pair), two adjacent columns at a time (pair false: col is the
 // last column, v1 is not an element).

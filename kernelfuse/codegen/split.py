@@ -346,13 +346,17 @@ def _transposed_normalise(step: GenStep, ctype: str, space: Space, strides: dict
     lines += decompose(tiled, "k", "b", "b_", ["src", *operands, "out", "row", *affine], "    ")
     lines += value_lambda(step, tiled, "t", "b_")
     lines += ["    const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;",
-              f"    for (int j = ty; j < 32; j += {BLOCK // 32}) {{  // read along the source's unit-stride dim",
+              "#pragma unroll  // a constant trip count: the rows' loads and math interleave",
+              f"    for (int jj = 0; jj < {32 // (BLOCK // 32)}; ++jj) {{  // read along the source's unit-stride dim",
+              f"      const int j = ty + jj * {BLOCK // 32};",
               "      const INDEX i_ds = t_ds * 32 + tx, i_do = t_do * 32 + j;",
               f"      if (i_ds >= {n_ds} || i_do >= {n_do}) continue;",
               f"      const INDEX r = {flat_r};"]
     lines += _normalise_element(step, tiled, stats, space.count("k"), lambda n: f"b_{n} + a_{n}")
     lines += ["      tile[j][tx] = y;", "    }", "    __syncthreads();",
-              f"    for (int j = ty; j < 32; j += {BLOCK // 32}) {{  // write along the output's",
+              "#pragma unroll",
+              f"    for (int jj = 0; jj < {32 // (BLOCK // 32)}; ++jj) {{  // write along the output's",
+              f"      const int j = ty + jj * {BLOCK // 32};",
               "      const INDEX i_ds = t_ds * 32 + j, i_do = t_do * 32 + tx;",
               f"      if (i_ds >= {n_ds} || i_do >= {n_do}) continue;",
               f"      const INDEX r = {flat_r};"]

@@ -8,6 +8,7 @@ import torch
 from kernelfuse.capture import Node, Ref
 from kernelfuse.capture.signature import Output, literal
 from kernelfuse.codegen.common import channels_last_format
+from kernelfuse.codegen.conv_igemm import dense_kernel
 from kernelfuse.codegen.generated import tensor_args
 from kernelfuse.emit.calltext import CallText, output_text
 from kernelfuse.emit.graphed import graphed_forward_source
@@ -166,6 +167,9 @@ def _generated_anchor_lines(graph, step: FusedStep, names: dict[str, str]) -> li
     if not graph[node.args[0]].meta.is_contiguous:
         x = f"{x}.contiguous()"
     precision = "3xTF32: fp32 accuracy, as eager's call" if step.anchor.fp32 else "TF32, as eager's cuDNN call"
+    if dense_kernel(graph, step):  # w: the tap-major copy the kernel reads (made once per weight version)
+        return [f"    # dense implicit-GEMM convolution ({precision}), epilogue inside: {what}",
+                f"    v_{step.out} = ext.{step.kernel}({x}, {w}, {b}{operands})"]
     return [f"    # implicit-GEMM convolution ({precision}), epilogue inside: {what}",
             f"    v_{step.out} = ext.{step.kernel}({x}, {w}.contiguous(), {b}{operands})"]
 

@@ -8,7 +8,6 @@ output) ends the epilogue before it. Every refusal keeps the node as a torch cal
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -18,6 +17,7 @@ from kernelfuse.ops import ANCHOR_OPS, POINTWISE_BY_ATEN, VIEW_OPS
 from kernelfuse.ops.anchors import family_of
 from kernelfuse.ops.kept import KEPT_AS_TORCH
 from kernelfuse.plan.attention import attention_steps
+from kernelfuse.plan.conv import depthwise, igemm_refusal, tap_major_weights
 from kernelfuse.plan.gemm import gemm_refusal, k_contiguous_weights
 from kernelfuse.plan.ir import (
     Anchor,
@@ -186,32 +186,6 @@ def owned_anchor_variants(graph: Graph, precision: str = "strict", max_fusions: 
     return [plan] if any(s.anchor.epilogue_inside for s in plan.fused) else []
 
 
-def igemm_refusal(graph: Graph, node: Node) -> str:
-    """Why this convolution cannot run as the generated implicit GEMM ('' when it can)."""
-    x, w = graph[node.args[0]].meta, graph[node.args[1]].meta
-    if x is None or w is None or len(w.shape) not in (3, 4, 5):
-        return "not a 1-d, 2-d or 3-d convolution of tensors"
-    if node.meta.numel == 0:
-        return "empty output"
-    if not (node.meta.dtype == x.dtype == w.dtype == torch.float32):
-        return f"dtype {node.meta.dtype}: the generated convolution is fp32 only for now"
-    int32 = 2**31 - 1  # the kernel's in-image and pixel indices are 32-bit
-    if math.prod(x.shape[1:]) > int32 or node.meta.numel // max(node.meta.shape[1], 1) >= int32 or w.numel > int32:
-        return "an input image, the output pixel count or the weight over 2^31 elements"
-    return ""
-
-
-MAX_DIRECT_TAPS = 64  # kernel volumes up to 8x8: the direct kernel holds a channel's taps in registers
-
-
-def depthwise(graph: Graph, node: Node) -> bool:
-    """A forward convolution whose every group reads one input channel (weight (C_out, 1, k...)), its kernel small
-    enough for the direct kernel (kernelfuse.codegen.conv_depthwise)."""
-    w = graph[node.args[1]].meta
-    return not node.args[6] and w is not None and len(w.shape) >= 3 and w.shape[1] == 1 \
-        and math.prod(w.shape[2:]) <= MAX_DIRECT_TAPS
-
-
 def torch_calls_plan(graph: Graph) -> Plan:
     """The captured graph with every node a torch call: no fusion, no generated kernel (a reference to check and
     count against, and what ships unfused when the captured graph differs from the module: autocast's casts)."""
@@ -227,6 +201,8 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
         graph = changed
     if options.gemm_impl == "generated":
         graph = k_contiguous_weights(graph)
+    if options.conv_impl == "generated" and options.generated:
+        graph = tap_major_weights(graph, frozenset(options.fp32_convs) | frozenset(options.keep))
     fused: dict[str, FusedStep] = {}  # output node name -> step
     kept = set(options.keep)
     attention, reasons = attention_steps(graph, 0, library=options.attention == "library", tf32=options.matmul_tf32,

@@ -1,0 +1,274 @@
+"""The dense implicit-GEMM convolution: large channel counts on TF32 tensor cores, epilogue inside.
+
+For a convolution whose weight the planner has copied tap-major (`kernelfuse.plan.conv.tap_major_weights`: each
+output channel's K = taps x input channels, the channels contiguous), where eager computes in TF32 and each group has
+a multiple of 32 input channels. A stage of K is then 32 channels of one tap, so one bounds check serves a pixel's
+gathers of the stage, and the weight arrives in 16-byte cp.async copies. The input is read either as it is (NCHW:
+4-byte cp.async, coalesced along the output pixels) or channels-last (16-byte copies of 4 channels, as the weight).
+Tiles: 128 output pixels x 64 or 128 output channels a block, K in stages of 32 (DenseConfig). Shared layouts,
+chosen so that every fragment load is conflict-free:
+  A from NCHW: k-pairs interleaved, element (k, m) at ((k >> 1) * LDA2 + m) * 2 + (k & 1), LDA2 = 130;
+  A from channels-last, and B: row m (n) holds its 32 k, the 16-byte chunks XOR-swizzled by bit 0 of the row.
+Within each 16 k, MMA step s takes k = t and t + 4 from columns 4t + 2s and 4t + 2s + 1 of both operands (a
+reordering of the sum's terms), so one 8- or 16-byte load serves both of a lane's k.
+The geometry (phases, taps, bounds, the epilogue's stores) is the implicit GEMM's of `conv_igemm`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # conv_igemm dispatches here
+    from kernelfuse.codegen.conv_igemm import ConvShape, Geometry
+
+BM = 128  # output pixels a block
+BK = 32
+LDA2 = BM + 2  # LDA2 % 8 == 2: a warp's 8-byte A loads (k-pair 2t + s, pixel g) hit 32 distinct banks per half
+LDC = BM + 4  # the accumulator tile's row stride (conv_igemm.tile_stores): its stores land on distinct banks
+
+
+@dataclass(frozen=True)
+class DenseConfig:
+    """One tiling of the dense kernel: `bn` output channels a block, warps_m x warps_n warps over the 128 x bn tile,
+    `stages` K stages in flight; the input read NCHW or channels-last (`a_nhwc`); TF32 rounding to nearest of the
+    operands (`round_tf32`; else the tensor cores ignore the low mantissa bits); the epilogue loop unrolled."""
+
+    bn: int = 128
+    warps_m: int = 2
+    warps_n: int = 2
+    stages: int = 3
+    a_nhwc: bool = False
+    round_tf32: bool = True
+    epilogue_unroll: int = 1
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_m * self.warps_n
+
+    @property
+    def mf(self) -> int:  # m16 tiles of a warp
+        return BM // self.warps_m // 16
+
+    @property
+    def nf(self) -> int:  # n8 tiles of a warp
+        return self.bn // self.warps_n // 8
+
+    @property
+    def a_stage(self) -> int:
+        return BM * BK if self.a_nhwc else BK // 2 * LDA2 * 2
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of a block: the stages, or the accumulator tile after them, whichever is larger."""
+        return 4 * max(self.stages * (self.a_stage + self.bn * BK), self.bn * LDC)
+
+
+def dense_config(s: ConvShape) -> DenseConfig:
+    """The tiling for convolution `s`: 64 output channels a block for up to 64 a group, else 128; the epilogue
+    unrolled by 4 (its libm calls interleave: Mish twice 14.0 -> 11.1 ms on level-2 problem 4, H200). Measured
+    against the other DenseConfig choices in benchmarks/results/conv_tc_probe_s42_h200.md."""
+    return DenseConfig(bn=64 if s.cog <= 64 else 128, epilogue_unroll=4)
+
+
+CONV_TC_PRELUDE = r"""
+// ---- dense implicit-GEMM convolution on TF32 tensor cores (kernelfuse.codegen.conv_tc) ----
+// A row of 32 floats whose 16-byte chunks are XOR-swizzled by bit 0 of the row: the offset of (row, k)
+__device__ __forceinline__ int kf_swz32(int row, int k) { return row * 32 + ((((k >> 2) ^ ((row & 1) << 2))) << 2) + (k & 3); }
+__device__ __forceinline__ float kf_tf32_or_raw(float x, bool round) { return round ? kf_round_tf32(x) : x; }
+
+// One k16 step of a warp's (16 MF) x (8 NF) tile. As: the stage's A, NCHW-gathered (k-pairs interleaved, row stride
+// LDA2 pairs) or channels-last (A_NHWC: swizzled rows of 32 k); Bs: its B in swizzled rows. ROUND: TF32 rounding to
+// nearest as the operands enter the tensor cores. The CPU emulation computes each lane's elements with scalar FMAs
+// on the same TF32 values (truncated where !ROUND, as the tensor cores read them).
+template <int MF, int NF, int LDA2, bool A_NHWC, bool ROUND>
+__device__ __forceinline__ void kf_conv_tc_k16(float (&acc)[MF][NF][4], const float* As, const float* Bs, int kk,
+                                               int wm, int wn) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#if defined(__CUDA_ARCH__)
+  float4 bv[NF];
+#pragma unroll
+  for (int j = 0; j < NF; ++j) bv[j] = *reinterpret_cast<const float4*>(Bs + kf_swz32(wn + j * 8 + g, kk + 4 * t));
+  float4 av[A_NHWC ? MF : 1][2];
+  if constexpr (A_NHWC) {
+#pragma unroll
+    for (int i = 0; i < MF; ++i) {
+      av[i][0] = *reinterpret_cast<const float4*>(As + kf_swz32(wm + i * 16 + g, kk + 4 * t));
+      av[i][1] = *reinterpret_cast<const float4*>(As + kf_swz32(wm + i * 16 + g + 8, kk + 4 * t));
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    unsigned int b[NF][2];
+#pragma unroll
+    for (int j = 0; j < NF; ++j) {
+      b[j][0] = __float_as_uint(kf_tf32_or_raw(s ? bv[j].z : bv[j].x, ROUND));
+      b[j][1] = __float_as_uint(kf_tf32_or_raw(s ? bv[j].w : bv[j].y, ROUND));
+    }
+#pragma unroll
+    for (int i = 0; i < MF; ++i) {
+      float2 lo, hi;
+      if constexpr (A_NHWC) {
+        lo = s ? make_float2(av[i][0].z, av[i][0].w) : make_float2(av[i][0].x, av[i][0].y);
+        hi = s ? make_float2(av[i][1].z, av[i][1].w) : make_float2(av[i][1].x, av[i][1].y);
+      } else {
+        const float* Ap = As + ((kk >> 1) + 2 * t + s) * LDA2 * 2;
+        lo = *reinterpret_cast<const float2*>(Ap + (wm + i * 16 + g) * 2);
+        hi = *reinterpret_cast<const float2*>(Ap + (wm + i * 16 + g + 8) * 2);
+      }
+      const unsigned int a[4] = {__float_as_uint(kf_tf32_or_raw(lo.x, ROUND)), __float_as_uint(kf_tf32_or_raw(hi.x, ROUND)),
+                                 __float_as_uint(kf_tf32_or_raw(lo.y, ROUND)), __float_as_uint(kf_tf32_or_raw(hi.y, ROUND))};
+#pragma unroll
+      for (int j = 0; j < NF; ++j) kf_mma_tf32(acc[i][j], a, b[j]);
+    }
+  }
+#else
+  auto tf32 = [](float x) { return ROUND ? kf_round_tf32(x) : __uint_as_float(__float_as_uint(x) & 0xffffe000u); };
+  for (int i = 0; i < MF; ++i)
+    for (int j = 0; j < NF; ++j)
+      for (int e = 0; e < 4; ++e) {
+        const int m = wm + i * 16 + g + (e >> 1) * 8, n = wn + j * 8 + 2 * t + (e & 1);
+        float v = acc[i][j][e];
+        for (int k = kk; k < kk + 16; ++k) {
+          const float a = A_NHWC ? As[kf_swz32(m, k)] : As[((k >> 1) * LDA2 + m) * 2 + (k & 1)];
+          v = fmaf(tf32(a), tf32(Bs[kf_swz32(n, k)]), v);
+        }
+        acc[i][j][e] = v;
+      }
+#endif
+}
+"""
+
+
+def render_dense(k: str, s: ConvShape, geo: Geometry, cfg: DenseConfig, ctype: str, operand_params: str, setup: str,
+                 stores: str) -> tuple[str, tuple[int, int, int]]:
+    """(kernel text, grid) of the dense kernel for convolution `k`; `setup` and `stores` are conv_igemm's pixel
+    setup (with origins for a channels-last input) and epilogue stores, which this kernel shares."""
+    nl = "\n"
+    per_tap = s.cig // BK
+    threads = cfg.threads
+    grid = (-(-geo.max_m // BM) * geo.nph, -(-s.cog // cfg.bn), s.groups)
+    rank = geo.rank
+    assert not cfg.a_nhwc or rank > 1, "a 1-d convolution's input has no channels-last layout here"
+    if cfg.a_nhwc:  # 16-byte copies of 4 channels: a thread's NA pixels are fixed, their origins read once
+        na = BM * 8 // threads
+        a_setup = f"""  __syncthreads();  // img_s and org_s are written
+  constexpr int NA = {na};  // the pixels whose 16-byte chunk q of each stage this thread copies
+  int a_img[NA], a_org[NA][{rank}];
+#pragma unroll
+  for (int i = 0; i < NA; ++i) {{
+    const int ml = (threadIdx.x >> 3) + i * {threads // 8};
+    a_img[i] = img_s[ml];
+#pragma unroll
+    for (int d = 0; d < {rank}; ++d) a_org[i][d] = org_s[ml][d];
+  }}"""
+        bounds = " && ".join(f"i{d} >= 0 && i{d} < {s.in_size[d]}" for d in range(rank))
+        spatial = " + ".join(f"i{d} * {geo_stride}" for d, geo_stride in enumerate(_in_strides(s)))
+        a_copy = f"""    {{
+{nl.join(geo.tap_lines("tap", "      "))}
+      const int q = threadIdx.x & 7;
+#pragma unroll
+      for (int i = 0; i < NA; ++i) {{
+        const int ml = (threadIdx.x >> 3) + i * {threads // 8};
+{nl.join(f"        const int i{d} = a_org[i][{d}] + c{d};" for d in range(rank))}
+        const bool ok = a_img[i] >= 0 && {bounds};
+        kf_gemm_cp16(As + kf_swz32(ml, 4 * q),
+                     ok ? x + ((long long)a_img[i] * {geo.iv} + {spatial}) * {s.cin} + grp * CIG + ci0 + 4 * q : x, ok);
+      }}
+    }}"""
+    else:  # 4-byte copies along the pixels: a thread's pixel is fixed, one bounds check a stage
+        rows = BK * BM // threads
+        a_setup = ""
+        a_copy = f"""    {{
+{nl.join(geo.tap_lines("tap", "      "))}
+      bool ok = m_ok;
+{nl.join(geo.gather("      "))}
+      const {ctype}* src = xg + (ok ? {geo.spatial} + ci0 * {geo.iv} : 0);
+#pragma unroll
+      for (int jj = 0; jj < {rows}; ++jj) {{
+        const int j = jj * {threads // BM} + threadIdx.x / {BM};
+        kf_cp_async4(As + ((j >> 1) * LDA2 + threadIdx.x % {BM}) * 2 + (j & 1), src + j * {geo.iv}, ok);
+      }}
+    }}"""
+    b_chunks = cfg.bn * BK // 4 // threads
+    origins = f"  __shared__ int org_s[{BM}][{rank}];\n" if cfg.a_nhwc else ""
+    wm = f"(threadIdx.x >> 5) / {cfg.warps_n} * {BM // cfg.warps_m}"
+    wn = f"(threadIdx.x >> 5) % {cfg.warps_n} * {cfg.bn // cfg.warps_n}"
+    step = f"kf_conv_tc_k16<{cfg.mf}, {cfg.nf}, LDA2, {str(cfg.a_nhwc).lower()}, {str(cfg.round_tf32).lower()}>"
+    body = f"""{geo.tables}
+__global__ void __launch_bounds__({threads}, {2 if threads <= 128 else 1}) {k}_kernel(const {ctype}* __restrict__ x, const {ctype}* __restrict__ w, const {ctype}* __restrict__ bias, {ctype}* __restrict__ out{operand_params}) {{
+  constexpr int BK = {BK}, BN = {cfg.bn}, LDA2 = {LDA2}, LDC = {LDC}, COG = {s.cog}, CIG = {s.cig}, KV = {s.kv};
+  constexpr int A_STAGE = {cfg.a_stage}, STAGE = A_STAGE + BN * BK;
+  KF_DYNAMIC_SHARED(smem);
+  __shared__ int img_s[{BM}], pix_s[{BM}];
+{origins}  // phases vary fastest (see conv_igemm)
+  const int ph = blockIdx.x % {geo.nph}, grp = blockIdx.z, m0 = blockIdx.x / {geo.nph} * {BM}, n0 = blockIdx.y * BN;
+  const int MPH = {geo.m_phase}, KT = {geo.ntaps} * {per_tap};
+  if (m0 >= MPH) return;
+  (void)ph;
+{setup}
+{geo.tap_setup}
+{a_setup}
+  // the weight, copied tap-major by the planner: [group][output channel][tap][input channel]
+  const {ctype}* wg = w + (long long)grp * COG * KV * CIG;
+  // stage kt: 32 channels of one tap of A (the gathered input) and B (the weight), asynchronously
+  auto issue = [&](int kt) {{
+    float* As = smem + (kt % {cfg.stages}) * STAGE;
+    float* Bs = As + A_STAGE;
+    const int tap = kt / {per_tap}, ci0 = kt % {per_tap} * BK;
+{a_copy}
+    const int kp = {geo.kp_expr};
+#pragma unroll
+    for (int c = 0; c < {b_chunks}; ++c) {{
+      const int e = threadIdx.x + c * {threads}, n = e >> 3, q = e & 7;
+      const bool in = n0 + n < COG;
+      kf_gemm_cp16(Bs + kf_swz32(n, 4 * q), in ? wg + ((long long)(n0 + n) * KV + kp) * CIG + ci0 + q * 4 : wg, in);
+    }}
+    kf_cp_async_commit();
+  }};
+  float acc[{cfg.mf}][{cfg.nf}][4];
+#pragma unroll
+  for (int i = 0; i < {cfg.mf}; ++i)
+#pragma unroll
+    for (int j = 0; j < {cfg.nf}; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[i][j][e] = 0.0f;
+  const int wm = {wm}, wn = {wn};
+#pragma unroll
+  for (int st = 0; st < {cfg.stages} - 1; ++st) {{
+    if (st < KT) issue(st);
+    else kf_cp_async_commit();  // empty groups keep the count the waits below rely on
+  }}
+#pragma unroll 1
+  for (int kt = 0; kt < KT; ++kt) {{
+    kf_cp_async_wait<{cfg.stages} - 2>();  // stage kt has landed (this thread's copies)
+    __syncthreads();  // ... and every thread's; stage kt - 1's buffer is free again
+    if (kt + {cfg.stages} - 1 < KT) issue(kt + {cfg.stages} - 1);
+    else kf_cp_async_commit();
+    const float* As = smem + (kt % {cfg.stages}) * STAGE;
+    {step}(acc, As, As + A_STAGE, 0, wm, wn);
+    {step}(acc, As, As + A_STAGE, 16, wm, wn);
+  }}
+  kf_cp_async_wait<0>();
+  __syncthreads();  // every warp is done with the stages: the accumulator tile reuses their memory
+  {{
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < {cfg.mf}; ++i)
+#pragma unroll
+      for (int j = 0; j < {cfg.nf}; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          smem[(wn + j * 8 + 2 * t + (e & 1)) * LDC + wm + i * 16 + g + (e >> 1) * 8] = acc[i][j][e];
+  }}
+  __syncthreads();
+{stores}
+}}
+"""
+    return body, grid
+
+
+def _in_strides(s: ConvShape) -> list[int]:
+    """Input pixels per step of each spatial dimension."""
+    return [math.prod(s.in_size[d + 1:]) for d in range(len(s.in_size))]

@@ -1,0 +1,156 @@
+"""The dense implicit-GEMM convolution (kernelfuse.codegen.conv_tc) and the planner's tap-major weight copy.
+
+Run on the CPU (tests/emulation_helpers.py): the kernel file is built with the host compiler, the tensor-core step
+becomes its scalar fallback on the same shared-memory layouts, so the gathers (NCHW and channels-last), the swizzles,
+the phases of a transposed convolution, the edge masks and the epilogue are what the GPU runs. The reference is
+torch's convolution in float64 on the operands rounded to TF32 as the kernel rounds them, then the epilogue.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from emulation_helpers import emulated
+
+import kernelfuse.codegen.conv_igemm as conv_igemm
+from kernelfuse.capture import capture_module
+from kernelfuse.codegen import generate
+from kernelfuse.codegen.conv_igemm import dense_kernel
+from kernelfuse.codegen.conv_tc import DenseConfig
+from kernelfuse.plan import make_plan, owned_anchor_variants
+from kernelfuse.plan.conv import dense_refusal, tap_major_strides
+from kernelfuse.plan.interpret import run_env, run_fused
+
+
+class DenseConvs(torch.nn.Module):
+    """Convolutions the dense kernel takes (multiples of 32 input channels a group), each with an epilogue."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.edge = torch.nn.Conv2d(32, 40, 3, padding=1)  # 40 channels: a part-filled N tile; M past one tile
+        self.strided = torch.nn.Conv2d(64, 72, 3, stride=2, padding=2, dilation=2)  # two stages a tap, 128 wide
+        self.vol = torch.nn.Conv3d(32, 32, 2, bias=False)
+        self.up = torch.nn.ConvTranspose2d(32, 36, 3, stride=2, padding=1, output_padding=1)  # four phases
+        self.grouped = torch.nn.Conv2d(64, 64, 3, groups=2)
+        self.flat = torch.nn.ConvTranspose2d(32, 48, 3, padding=1)  # transposed, one phase
+        self.line = torch.nn.Conv1d(32, 40, 3)
+
+    def forward(self, a, b, c, d, e, f, g):
+        return (torch.relu(self.edge(a)) * 0.5, torch.tanh(self.strided(b)), self.vol(c) + 1.0,
+                torch.nn.functional.gelu(self.up(d)), torch.sigmoid(self.grouped(e)), self.flat(f) - 0.25,
+                torch.clamp(self.line(g), -1.0, 1.0))
+
+
+INPUTS = [(2, 32, 9, 11), (1, 64, 13, 12), (1, 32, 4, 5, 6), (1, 32, 5, 4), (1, 64, 6, 7), (1, 32, 6, 5), (2, 32, 30)]
+CONFIGS = {"default": None, "truncated": DenseConfig(round_tf32=False), "nhwc": DenseConfig(a_nhwc=True),
+           "eight-warps": DenseConfig(warps_n=4, epilogue_unroll=4)}
+
+
+def _tf32(t: torch.Tensor, round_: bool = True) -> torch.Tensor:
+    """fp32 -> TF32: round the low 13 mantissa bits to nearest, ties away from zero (cvt.rna), or drop them."""
+    bits = t.float().contiguous().view(torch.int32)
+    return (((bits + 0x1000) if round_ else bits) & ~0x1FFF).view(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def model_and_graph():
+    torch.manual_seed(0)
+    model = DenseConvs().eval()
+    inputs = [torch.randn(s) for s in INPUTS]
+    return model, inputs, capture_module(model, inputs)
+
+
+def _plan(graph):
+    """The owned-anchor plan with every convolution measured TF32 (as eager's cuDNN call on a GPU)."""
+    convs = frozenset(n.name for n in graph.nodes if n.op == "convolution.default")
+    (plan,) = owned_anchor_variants(graph, measured=convs)
+    return plan
+
+
+def test_every_eligible_convolution_reads_a_tap_major_weight_copy(model_and_graph):
+    _, _, graph = model_and_graph
+    plan = _plan(graph)
+    assert all(dense_kernel(plan.graph, s) for s in plan.fused)
+    for step in plan.fused:
+        node = step.anchor.node
+        w = plan.graph[node.args[1]]
+        assert w.op == "permute.default" and w.meta.stride == tap_major_strides(w.meta.shape, bool(node.args[6]))
+    source = generate(plan)
+    assert source.cuda.count("kf_conv_tc_k16<") == 2 * len(plan.fused)  # two k16 steps a stage, every kernel
+    # a convolution eager computes in full fp32 keeps the general kernel (3xTF32) and its contiguous weight
+    exact = replace(plan.options, fp32_convs=(plan.fused[0].anchor.node.name,))
+    kept = make_plan(graph, exact)
+    assert not dense_kernel(kept.graph, kept.fused[0]) and kept.graph[kept.fused[0].anchor.node.args[1]].op == "param"
+
+
+def test_refusals_name_the_cause():
+    class Small(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.narrow = torch.nn.Conv2d(16, 64, 3)
+            self.grouped_up = torch.nn.ConvTranspose2d(64, 64, 3, groups=2)
+
+        def forward(self, x, y):
+            return self.narrow(x), self.grouped_up(y)
+
+    graph = capture_module(Small(), [torch.randn(1, 16, 8, 8), torch.randn(1, 64, 8, 8)])
+    convs = [n for n in graph.nodes if n.op == "convolution.default"]
+    assert "16 input" in dense_refusal(graph, convs[0])
+    assert "grouped transposed" in dense_refusal(graph, convs[1])
+    assert not any(dense_kernel(_plan(graph).graph, s) for s in _plan(graph).fused)
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_dense_kernels_match_float64_on_tf32_operands(model_and_graph, tmp_path, monkeypatch, config):
+    model, inputs, graph = model_and_graph
+    cfg = CONFIGS[config]
+    if cfg is not None:
+        def config(s):
+            return replace(cfg, bn=64 if s.cog <= 64 else 128, a_nhwc=cfg.a_nhwc and len(s.kernel) > 1)
+        monkeypatch.setattr(conv_igemm, "dense_config", config)
+    plan = _plan(graph)
+    emu = emulated(plan, tmp_path)
+    state = {k: v.detach().double() for k, v in [*model.named_parameters(), *model.named_buffers()]}
+    env = run_env(plan, state, [t.double() for t in inputs])
+    round_ = cfg is None or cfg.round_tf32
+    for step in plan.fused:
+        node = step.anchor.node
+        x, w = env[node.args[0].name].float(), env[node.args[1].name].float()
+        if cfg is not None and cfg.a_nhwc and x.dim() > 3:
+            x = x.contiguous(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
+        b = env[node.args[2].name].float() if node.args[2] is not None else None
+        out = getattr(emu.kernels, step.kernel)(x, w, b, *[env[o.ref.name].float() for o in step.epilogue.operands])
+        ref_env = dict(env)
+        ref_env[node.args[0].name] = _tf32(x, round_).double()
+        ref_env[node.args[1].name] = _tf32(w, round_).double()
+        ref = run_fused(plan.graph, step, ref_env)
+        torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=2e-5, msg=f"{step.kernel}: {step.chain(graph)}")
+
+
+def test_dense_kernels_compile_for_sm90_without_spills(model_and_graph, tmp_path):
+    import re
+    import subprocess
+
+    from test_nvcc_compile import _nvcc
+
+    nvcc = _nvcc()
+    _, _, graph = model_and_graph
+    cu = tmp_path / "dense.cu"
+    cu.write_text(generate(_plan(graph)).cuda)
+    result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-O3", "-c", "-Xptxas", "-v", str(cu), "-o",
+                             str(tmp_path / "dense.o")], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "mma.sync" not in result.stderr and " 0 bytes spill stores" in result.stderr
+    assert not re.search(r"[1-9]\d* bytes spill (stores|loads)", result.stderr), result.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scale", [1, 8])
+def test_dense_convolutions_match_eager_on_the_gpu(scale: int) -> None:
+    """Every kind the dense kernel covers, built as the optimizer builds it (the tap-major weight copies hoisted),
+    against eager and float64 with the judge's rule, at the CPU test's sizes and with a batch 8 times larger."""
+    from test_conv_igemm_gpu import _run_scaled
+
+    assert _run_scaled(DenseConvs, INPUTS, scale) == ["generated"] * len(INPUTS)
