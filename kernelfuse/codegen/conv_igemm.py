@@ -550,9 +550,7 @@ __global__ void __launch_bounds__({THREADS}, {_min_blocks(cfg, split)}) {k}_kern
     else kf_cp_async_commit();
     const float* As = smem + (kt % {STAGES}) * BK * (LDA + LDB);
     const float* Bs = As + BK * LDA;
-#pragma unroll
-    for (int kk = 0; kk < BK; kk += 8)
-      kf_igemm_k8<2, {nf}, {str(split).lower()}>(acc, As + kk * LDA, LDA, Bs + kk * LDB, LDB, wm, 0);
+{_stage_products(nf, split)}
   }}
   __syncthreads();  // every warp is done with the stages: the accumulator tile reuses their memory
   // the tile through shared memory: every thread then applies the epilogue to elements in store order
@@ -571,6 +569,33 @@ __global__ void __launch_bounds__({THREADS}, {_min_blocks(cfg, split)}) {k}_kern
 }}
 """
     return body, grid
+
+
+def _stage_products(nf: int, split: bool) -> str:
+    """C lines: the stage's products into the accumulator. 3xTF32 (`split`) sums each stage in a fresh tensor-core
+    accumulator and adds it to `acc` in registers: the tensor cores' own fp32 accumulation rounds toward zero, an
+    error that grows with K (level-2-sized convolutions measured 2-5x eager's float64 error with one accumulator
+    across K; kernelfuse.codegen.gemm_tc has the same split, measured there)."""
+    if not split:
+        return """#pragma unroll
+    for (int kk = 0; kk < BK; kk += 8)
+      kf_igemm_k8<2, {nf}, false>(acc, As + kk * LDA, LDA, Bs + kk * LDB, LDB, wm, 0);""".replace("{nf}", str(nf))
+    return f"""    float part[2][{nf}][4];  // this stage's products: a fresh tensor-core accumulator
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < {nf}; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) part[i][j][e] = 0.0f;
+#pragma unroll
+    for (int kk = 0; kk < BK; kk += 8)
+      kf_igemm_k8<2, {nf}, true>(part, As + kk * LDA, LDA, Bs + kk * LDB, LDB, wm, 0);
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < {nf}; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[i][j][e] += part[i][j][e];  // round to nearest, outside the tensor cores"""
 
 
 def pixel_setup(geo: Geometry, s: ConvShape, ctype: str, lane: str = "threadIdx.x", origins: bool = False) -> str:
