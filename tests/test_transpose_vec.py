@@ -1,0 +1,57 @@
+"""The channels-last plan's layout changes on the CPU (tests/emulation_helpers.py): the NCHW -> channels-last copy
+of a convolution's input and the epilogue that writes the channels-last result back as NCHW, in their 16-byte
+form (fp32, channel and plane sizes multiples of 4) and their scalar form, against torch on the same values."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+from emulation_helpers import emulated
+
+from kernelfuse.capture import capture_module
+from kernelfuse.codegen import generate
+from kernelfuse.plan import make_plan
+from kernelfuse.plan.fuse import PlanOptions
+
+
+class ConvEpilogue(torch.nn.Module):
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(cin, cout, 3, bias=False)
+        self.shift = torch.nn.Parameter(torch.randn(cout, 1, 1))
+
+    def forward(self, x):
+        return torch.tanh(self.conv(x) - self.shift) * 2.0
+
+
+# (input, conv out channels): 16-byte both ways (8 channels, 6 x 10 = 60 positions), several tiles of 32 x 64
+# (40 channels, 10 x 12 = 120 positions), and the scalar fallbacks (6 channels; 5 x 7 = 35 positions)
+CASES = {"vector": ((2, 4, 8, 12), 8), "tiles": ((1, 8, 12, 14), 40), "scalar": ((2, 3, 7, 9), 6)}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_layout_changes_match_torch(case, tmp_path):
+    shape, cout = CASES[case]
+    torch.manual_seed(0)
+    model = ConvEpilogue(shape[1], cout).eval()
+    x = torch.randn(shape)
+    graph = capture_module(model, [x])
+    plan = make_plan(graph, PlanOptions(conv_layout="nhwc"))
+    (step,) = plan.fused
+    assert step.anchor.layout == "nhwc" and step.needs_kernel
+    vector = "_kernel_v<<<" in generate(plan).cuda
+    assert vector == (case != "scalar")
+    emu = emulated(plan, tmp_path)
+    converted = torch.empty_like(x, memory_format=torch.channels_last)  # the binding's launcher, without its CUDA check
+    n, c, h, w = shape
+    assert emu.lib.kf_nchw_to_nhwc_float32(ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(converted.data_ptr()),
+                                           ctypes.c_longlong(n), c, h * w, None) == 0
+    assert torch.equal(converted, x)
+    with torch.no_grad():
+        acc = torch.nn.functional.conv2d(x, model.conv.weight).contiguous(memory_format=torch.channels_last)
+        out = getattr(emu.kernels, step.kernel)(acc, model.shift.detach())
+        expected = torch.tanh(acc - model.shift) * 2.0
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
