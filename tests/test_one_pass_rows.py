@@ -1,7 +1,7 @@
 """Row kernels that gather their statistics in one pass: softmax, log_softmax and logsumexp find a row's max and
 sum of exp(x - max) together (online: a larger max rescales the sum); norms find the mean and variance together
 (Welford, Chan's merge). Their generated CUDA, run in the CPU emulation of CUDA, against eager on rows with -inf
-(some, all), +inf, NaN and large offsets, in each row strategy (a thread, a warp or a block per row)."""
+(some, all), +inf, NaN and large offsets, in each row strategy (a thread, 4 or 8 lanes, a warp or a block per row)."""
 
 from __future__ import annotations
 
@@ -20,8 +20,10 @@ def forward(self, x):
 CASES = {
     # name: (expression, input shape, the strategy line's start)
     "softmax_block": ("torch.softmax(x, -1)", (8, 3000), "// strategy: inner, 256 thread(s) per row"),
-    "log_softmax_warp": ("torch.log_softmax(x, 1)", (8, 100), "// strategy: inner, 32 thread(s) per row"),
-    "logsumexp_warp": ("torch.logsumexp(x, 1)", (8, 100), "// strategy: inner, 32 thread(s) per row"),
+    "log_softmax_warp": ("torch.log_softmax(x, 1)", (8, 300), "// strategy: inner, 32 thread(s) per row"),
+    "logsumexp_warp": ("torch.logsumexp(x, 1)", (8, 300), "// strategy: inner, 32 thread(s) per row"),
+    "log_softmax_lanes": ("torch.log_softmax(x, 1)", (8, 100), "// strategy: inner, 8 thread(s) per row"),
+    "logsumexp_lanes": ("torch.logsumexp(x, 1)", (16, 40), "// strategy: inner, 4 thread(s) per row"),
     "logsumexp_block": ("torch.logsumexp(x, 1)", (8, 3000), "// strategy: inner, 256 thread(s) per row"),
     "softmax_strided": ("torch.softmax(x, 1)", (2, 40, 4), "// strategy: strided, 1 thread(s) per row"),
 }
@@ -67,8 +69,12 @@ NORMS = {
     # name: (model body, input, the strategy line's start); sources offset by 100 (a variance far below the mean)
     "layer_norm_block": ("def __init__(self):\n    super().__init__()\n    self.ln = nn.LayerNorm(3000)\n\n"
                          "def forward(self, x):\n    return self.ln(x)", (8, 3000), "256 thread(s) per row"),
-    "layer_norm_warp": ("def __init__(self):\n    super().__init__()\n    self.ln = nn.LayerNorm(100)\n\n"
-                        "def forward(self, x):\n    return self.ln(x)", (8, 100), "32 thread(s) per row"),
+    "layer_norm_warp": ("def __init__(self):\n    super().__init__()\n    self.ln = nn.LayerNorm(300)\n\n"
+                        "def forward(self, x):\n    return self.ln(x)", (8, 300), "32 thread(s) per row"),
+    "layer_norm_lanes": ("def __init__(self):\n    super().__init__()\n    self.ln = nn.LayerNorm(64)\n\n"
+                         "def forward(self, x):\n    return self.ln(x)", (8, 64), "8 thread(s) per row"),
+    "layer_norm_ragged": ("def __init__(self):\n    super().__init__()\n    self.ln = nn.LayerNorm(64)\n\n"
+                          "def forward(self, x):\n    return self.ln(x)", (7, 64), "32 thread(s) per row"),
     "instance_norm": ("def forward(self, x):\n    return F.instance_norm(x)", (2, 4, 30, 40), "256 thread(s) per row"),
     "batch_norm_strided": ("def __init__(self):\n    super().__init__()\n    self.bn = nn.BatchNorm1d(16)\n\n"
                            "def forward(self, x):\n    return self.bn(x)", (64, 16), "strided, 1 thread(s) per row"),

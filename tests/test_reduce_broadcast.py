@@ -19,12 +19,12 @@ CASES = {
                     "strided, 1 thread(s) per row", True),
     "rms_strided_uncached": ("return x / torch.sqrt(torch.mean(x ** 2, dim=1, keepdim=True) + 1e-5)",
                              (2, 80, 2, 4), "strided, 1 thread(s) per row", False),
-    "l1_warp": ("return x / torch.mean(torch.abs(x), dim=1, keepdim=True)", (16, 100),
+    "l1_warp": ("return x / torch.mean(torch.abs(x), dim=1, keepdim=True)", (16, 300),
                 "inner, 32 thread(s) per row", True),
     "l2_block_uncached": ("return x / torch.sqrt(torch.sum(x * x, dim=-1, keepdim=True))", (4, 9000),
                           "inner, 256 thread(s) per row", False),
     "maxabs_scaled": ("return torch.tanh(x / torch.amax(torch.abs(x), dim=1, keepdim=True) * self.w)", (16, 100),
-                      "inner, 32 thread(s) per row", True),
+                      "inner, 8 thread(s) per row", True),
 }
 INIT = "def __init__(self):\n    super().__init__()\n    self.w = nn.Parameter(torch.rand(100) + 0.5)\n\n"
 

@@ -48,7 +48,7 @@ template <int TPR, bool MAX>
 __device__ __forceinline__ void kf_row_reduce_arg(float& v, long long& i) {
   if (TPR > 1) {
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
+    for (int o = (TPR < 32 ? TPR : 32) / 2; o > 0; o >>= 1) {
       const float v2 = __shfl_xor_sync(0xffffffffu, v, o);
       const long long i2 = __shfl_xor_sync(0xffffffffu, i, o);
       kf_arg_add<MAX>(v, i, v2, i2);

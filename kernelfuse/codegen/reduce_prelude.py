@@ -26,12 +26,13 @@ struct kf_logaddexp_op { __device__ __forceinline__ float operator()(float a, fl
   const float lo = b != b ? b : (b < a ? b : a), hi = b != b ? b : (a < b ? b : a);
   return (lo != hi || isfinite(lo)) ? hi + log1pf(expf(lo - hi)) : a; } };
 
-// Combine `v` across the TPR threads of a row (TPR 1: the thread owns the row; 32: a warp; else the block).
+// Combine `v` across the TPR threads of a row (TPR 1: the thread owns the row; up to 32: that many neighbouring
+// lanes of a warp, a row to each aligned group of them; else the block).
 template <int TPR, typename Op>
 __device__ __forceinline__ float kf_row_reduce(float v, Op op) {
   if (TPR == 1) return v;
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  for (int o = (TPR < 32 ? TPR : 32) / 2; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
   if (TPR <= 32) return v;
   __shared__ float kf_smem[32];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -82,7 +83,7 @@ template <int TPR, typename Merge>
 __device__ __forceinline__ void kf_row_reduce3(float& a, float& b, float& c, Merge merge) {
   if (TPR == 1) return;
 #pragma unroll
-  for (int o = 16; o > 0; o >>= 1) {
+  for (int o = (TPR < 32 ? TPR : 32) / 2; o > 0; o >>= 1) {
     const float a2 = __shfl_xor_sync(0xffffffffu, a, o), b2 = __shfl_xor_sync(0xffffffffu, b, o),
                 c2 = __shfl_xor_sync(0xffffffffu, c, o);
     merge(a, b, c, a2, b2, c2);
