@@ -68,7 +68,7 @@ class DenseConfig:
 def dense_config(s: ConvShape) -> DenseConfig:
     """The tiling for convolution `s`: 64 output channels a block for up to 64 a group, else 128; the epilogue
     unrolled by 4 (its libm calls interleave: Mish twice 14.0 -> 11.1 ms on level-2 problem 4, H200). Measured
-    against the other DenseConfig choices in benchmarks/results/conv_tc_probe_s42_h200.md."""
+    against the other DenseConfig choices in benchmarks/results/session42_h200x2.md (calls 1-2)."""
     return DenseConfig(bn=64 if s.cog <= 64 else 128, epilogue_unroll=4)
 
 
