@@ -61,10 +61,11 @@ INPUTS = [(2, 3, 9, 11), (1, 8, 10, 13), (2, 6, 7, 5), (1, 32, 12, 13), (2, 2, 5
           (1, 4, 3, 4, 5), (2, 4, 7), (3, 2, 1, 1)]
 
 
-def _tf32(t: torch.Tensor) -> torch.Tensor:
-    """fp32 -> TF32 as cvt.rna does it: round the low 13 mantissa bits to nearest, ties away from zero."""
+def _tf32(t: torch.Tensor, round_: bool = True) -> torch.Tensor:
+    """fp32 -> TF32: round the low 13 mantissa bits to nearest, ties away from zero, as cvt.rna does (or drop them,
+    as the tensor cores read an unrounded operand)."""
     bits = t.float().contiguous().view(torch.int32)
-    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+    return (((bits + 0x1000) if round_ else bits) & ~0x1FFF).view(torch.float32)
 
 
 @pytest.fixture(scope="module")

@@ -345,6 +345,7 @@ class Geometry:
     rank: int
     nph: int
     iv: int  # input pixels per channel
+    in_strides: list[int]  # input pixels per step of each spatial dimension
     tables: str
     tap_setup: str
     tap_lines: Callable[[str, str], list[str]]  # (tap expression, indent) -> the lines defining c0.. of that tap
@@ -429,7 +430,7 @@ def geometry(k: str, s: ConvShape, threads: int = THREADS) -> Geometry:
     spatial = " + ".join(f"i{d} * {in_strides[d]}" for d in range(rank))
     m_phase = f"{s.batch} * " + " * ".join(count)
     max_m = max(s.batch * p.pixels for p in found)
-    return Geometry(rank, nph, iv, tables, tap_setup, tap_lines, kp_expr, ntaps, count, v_lines, base, pix, gather,
+    return Geometry(rank, nph, iv, in_strides, tables, tap_setup, tap_lines, kp_expr, ntaps, count, v_lines, base, pix, gather,
                     spatial, m_phase, max_m, tuple(found))
 
 

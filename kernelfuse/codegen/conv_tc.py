@@ -16,7 +16,6 @@ The geometry (phases, taps, bounds, the epilogue's stores) is the implicit GEMM'
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -164,7 +163,7 @@ def render_dense(k: str, s: ConvShape, geo: Geometry, cfg: DenseConfig, ctype: s
     for (int d = 0; d < {rank}; ++d) a_org[i][d] = org_s[ml][d];
   }}"""
         bounds = " && ".join(f"i{d} >= 0 && i{d} < {s.in_size[d]}" for d in range(rank))
-        spatial = " + ".join(f"i{d} * {geo_stride}" for d, geo_stride in enumerate(_in_strides(s)))
+        spatial = " + ".join(f"i{d} * {stride}" for d, stride in enumerate(geo.in_strides))
         a_copy = f"""    {{
 {nl.join(geo.tap_lines("tap", "      "))}
       const int q = threadIdx.x & 7;
@@ -267,8 +266,3 @@ __global__ void __launch_bounds__({threads}, {2 if threads <= 128 else 1}) {k}_k
 }}
 """
     return body, grid
-
-
-def _in_strides(s: ConvShape) -> list[int]:
-    """Input pixels per step of each spatial dimension."""
-    return [math.prod(s.in_size[d + 1:]) for d in range(len(s.in_size))]
