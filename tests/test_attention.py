@@ -9,6 +9,7 @@ from __future__ import annotations
 import inspect
 import math
 
+import emulation_helpers
 import pytest
 import torch
 import torch.nn.functional as F
@@ -122,9 +123,36 @@ FLASH_CASES = {
 }
 
 
+# bf16 head dims that are odd multiples of 8 (24, 40, 72: the scores' last k16 step half zero pad): the flash kernel
+# (q, k and v contiguous along d), and the first tensor-core kernel with k strided along d (its element-wise loads)
+# or q strided (its 16-byte key and value loads); causal, bool and additive masks, a hand-written drop mask, ragged
+# S and L over several tiles
+PADDED_CASES = {
+    "sdpa_causal_s150_l170_d40": (_sdpa(is_causal=True), [_randn(1, 2, 150, 40), _randn(1, 2, 170, 40),
+                                                          _randn(1, 2, 170, 40)], "sdpa"),
+    "sdpa_causal_d72": (_sdpa(is_causal=True), [_randn(1, 2, 67, 72), _randn(1, 2, 67, 72), _randn(1, 2, 67, 72)],
+                        "sdpa"),
+    "sdpa_add_mask_d72": (_sdpa(), [_randn(2, 2, 37, 72), _randn(2, 2, 77, 72), _randn(2, 2, 77, 72),
+                                    _randn(37, 77)], "sdpa"),
+    "sdpa_bool_mask_d24": (_sdpa(), [_randn(1, 3, 33, 24), _randn(1, 3, 50, 24), _randn(1, 3, 50, 24),
+                                     _bool_mask(33, 50)], "sdpa"),
+    "handwritten_causal_d40": (_handwritten("causal", 2), [_randn(2, 70, 80)], "hand-written"),
+    "sdpa_strided_k_causal_d40": (_sdpa(is_causal=True), [_randn(1, 2, 67, 40), _randn(1, 2, 40, 67).transpose(-2, -1),
+                                                          _randn(1, 2, 67, 40)], "sdpa"),
+    "sdpa_strided_q_bool_mask_d40": (_sdpa(), [_randn(2, 2, 40, 19).transpose(-2, -1), _randn(2, 2, 77, 40),
+                                               _randn(2, 2, 77, 40), _bool_mask(19, 77)], "sdpa"),
+    "sdpa_strided_q_causal_d72": (_sdpa(is_causal=True), [_randn(1, 2, 72, 70).transpose(-2, -1),
+                                                          _randn(1, 2, 70, 72), _randn(1, 2, 70, 72)], "sdpa"),
+    "sdpa_strided_k_add_mask_d72": (_sdpa(), [_randn(2, 2, 37, 72), _randn(2, 2, 72, 77).transpose(-2, -1),
+                                              _randn(2, 2, 77, 72), _randn(37, 77)], "sdpa"),
+    "sdpa_strided_q_d24": (_sdpa(), [_randn(2, 2, 24, 33).transpose(-2, -1), _randn(2, 2, 33, 24),
+                                     _randn(2, 2, 33, 24)], "sdpa"),
+}
+
+
 def _planned(name: str, dtype: torch.dtype = torch.float32, values: torch.dtype | None = None):
     """(model, inputs, graph, plan) captured and planned in `dtype`; model and inputs in `values` if given."""
-    fn, inputs, _ = {**CASES, **FLASH_CASES}[name]
+    fn, inputs, _ = {**CASES, **FLASH_CASES, **PADDED_CASES}[name]
     width = inputs[0].shape[-1] if name.startswith("handwritten") else 0
     torch.manual_seed(0)
     model = Fn(fn, width).to(dtype)
@@ -276,19 +304,38 @@ def test_emulated_tf32_policy_kernel_matches_the_reference(name, tmp_path):
     assert (got - reference).abs().nan_to_num(0).max() > 1e-6  # TF32 rounding shows: not the FMA kernel
 
 
-TENSOR_CORE_CASES = sorted(n for n in CASES if not n.endswith(("d40", "d256")))  # head dims 16..128, steps of 16
+TENSOR_CORE_CASES = sorted([*(n for n in CASES if not n.endswith("d256")), *PADDED_CASES])  # head dims 16..128
+
+
+@pytest.fixture
+def poisoned_shared(tmp_path, monkeypatch):
+    """The emulation with every block's dynamic shared memory NaN-filled (fp32 and bf16 alike) before its threads
+    start: a kernel that computes with shared memory it never wrote (a head dim's pad columns left unzeroed) gives
+    NaN where the static buffer's leftovers (zeros at first) would hide it."""
+    define = "#define KF_DYNAMIC_SHARED(name) alignas(16) static float name[227 * 1024 / 4]"
+    text = emulation_helpers.EMULATION.read_text()
+    assert define in text
+    header = tmp_path / "cuda_emulation_poisoned.h"
+    header.write_text(text.replace(define, f"{define}; kf_emu_poison(name, sizeof(name))") + """
+inline void kf_emu_poison(float* smem, std::size_t bytes) {
+  if (threadIdx.x == 0) std::memset(smem, 0xff, bytes);
+  __syncthreads();
+}
+""")
+    monkeypatch.setattr(emulation_helpers, "EMULATION", header)
 
 
 @pytest.mark.parametrize("name", TENSOR_CORE_CASES)
-def test_emulated_bf16_tensor_core_kernel_matches_the_reference(name, tmp_path):
+def test_emulated_bf16_tensor_core_kernel_matches_the_reference(name, tmp_path, poisoned_shared):
     """bf16 on tensor cores: mma.sync m16n8k16, ldmatrix and cp.async emulated from their PTX layouts, against the
     float64 reference of the same bf16 inputs (probabilities rounded to bf16 for the second product: bf16
     tolerance). q, k and v contiguous along d take the flash kernel (4 warps of 16 query rows a block at these
-    sizes); k strided along d the first tensor-core kernel."""
+    sizes); q or k strided along d the first tensor-core kernel. Head dims that are odd multiples of 8 (24, 40, 72)
+    run there too, over zero pad columns in shared memory that starts NaN-filled here."""
     model, inputs, graph, plan = _planned(name, torch.bfloat16)
     step: AttnStep = plan.attention[0]
     assert uses_tensor_cores(step)
-    assert flash_warps(step, input_strides(step)) == (0 if name == "sdpa_strided_k_d32" else 4)
+    assert flash_warps(step, input_strides(step)) == (0 if "strided" in name else 4)
     with torch.no_grad():
         env = _values(graph, model, inputs)
     emu = emulated(plan, tmp_path)
@@ -300,15 +347,15 @@ def test_emulated_bf16_tensor_core_kernel_matches_the_reference(name, tmp_path):
 
 
 FLASH_128_QUERY_CASES = ["handwritten_causal_d96", "handwritten_relu_d64", "sdpa_causal_s150_l170_d32", "sdpa_gqa_d128",
-                         *FLASH_CASES]
+                         "sdpa_causal_s150_l170_d40", *FLASH_CASES]
 
 
 @pytest.mark.parametrize("device", ["emulated", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("name", FLASH_128_QUERY_CASES)
-def test_bf16_flash_kernel_with_128_query_blocks(name, device, tmp_path, monkeypatch):
+def test_bf16_flash_kernel_with_128_query_blocks(name, device, tmp_path, monkeypatch, poisoned_shared):
     """The flash kernel's 128-query blocks: 8 warps of 16 rows (chosen where they fill every SM: here with the SM
     count patched to 1). Warps whose rows are all past S or before a causal tile's first key sit tiles out, a bool
-    mask skips tiles."""
+    mask skips tiles; head dim 40 (5 copies a row: 256 threads leave one idle) over zero pad columns."""
     monkeypatch.setattr(attention, "SMS", 1)
     model, inputs, graph, plan = _planned(name, torch.bfloat16)
     step: AttnStep = plan.attention[0]
@@ -406,6 +453,37 @@ def test_gpu_kernel_matches_eager(name, dtype, tmp_path):
         torch.testing.assert_close(got.float(), reference.float(), rtol=2e-2, atol=2e-2, equal_nan=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(n for n in {**CASES, **PADDED_CASES}
+                                        if n.startswith("sdpa") and n.endswith(("d40", "d72"))))
+def test_gpu_bf16_padded_head_dims_match_torch_sdpa(name):
+    """bf16 at head dims 40 and 72 (odd multiples of 8, padded to the k16 steps inside the kernel) on the GPU: the
+    flash kernel, or the first tensor-core kernel where q or k is strided along d, within bf16 tolerance of the
+    float64 reference and of torch's own SDPA on CUDA (its flash or memory-efficient backend: fp32 scores,
+    probabilities rounded to bf16, as ours)."""
+    from kernelfuse.codegen import generate
+    from kernelfuse.emit.module import load_kernels
+
+    model, inputs, graph, plan = _planned(name, torch.bfloat16)
+    step: AttnStep = plan.attention[0]
+    assert uses_tensor_cores(step) and step.dims[5] in (40, 72)
+    kernels = load_kernels(generate(plan), f"attention_padded_{name}")
+    model, inputs = model.cuda(), [t.cuda() for t in inputs]
+    with torch.no_grad():
+        env = _values(graph, model, inputs)
+        sdpa = model(*inputs)  # F.scaled_dot_product_attention on the same CUDA tensors
+    args = [env[i.ref.name] for i in step.inputs]
+    got = getattr(kernels, step.kernel)(*args)
+    reference = attention_reference(step, *args[:3], args[3] if len(args) > 3 else None)
+    torch.testing.assert_close(got.float(), reference.float(), rtol=2e-2, atol=2e-2, equal_nan=True)
+    assert got.shape == sdpa.shape and got.dtype == sdpa.dtype == torch.bfloat16
+    if "bool_mask" in name:  # the row that attends to nothing: torch's CPU SDPA (and ours, above) gives zeros there,
+        # its CUDA backends do not (measured on an H200, torch 2.11); compare the other rows
+        attends = args[3].expand(got.shape[:-1] + args[3].shape[-1:]).any(-1, keepdim=True)
+        got, sdpa = got * attends, sdpa * attends
+    torch.testing.assert_close(got.float(), sdpa.float(), rtol=3e-2, atol=3e-2, equal_nan=True)
+
+
 @pytest.mark.parametrize("name", sorted(n for n in CASES if "relu" not in n))
 def test_library_variant_forward_matches_eager(name):
     """The `-sdpa` variant's emitted forward (one torch SDPA call on the same views, its result laid out as the
@@ -434,10 +512,14 @@ def test_library_variant_forward_matches_eager(name):
                                                ("sdpa_gqa_d128", torch.bfloat16, False),
                                                ("sdpa_gqa_d128", torch.float32, False),
                                                ("sdpa_bool_mask_d40", torch.bfloat16, False),
+                                               ("sdpa_causal_d72", torch.bfloat16, False),
+                                               ("sdpa_strided_k_add_mask_d72", torch.bfloat16, False),
+                                               ("sdpa_d256", torch.bfloat16, False),
                                                ("handwritten_causal_d96", torch.float32, True)])
 def test_kernels_build_with_nvcc_for_sm90(name, dtype, tf32, tmp_path):
-    """The tensor-core kernels (mma.sync needs sm_80+: bf16, fp32's flash kernel in 3xTF32 (strict, SDPA) and TF32
-    (the tf32 policy)) and the FMA kernel on bf16 (head dim 40) build."""
+    """The tensor-core kernels (mma.sync needs sm_80+: bf16, head dims 40 and 72 over a zero pad included; fp32's
+    flash kernel in 3xTF32 (strict, SDPA) and TF32 (the tf32 policy)) and the FMA kernel on bf16 (head dim 256)
+    build."""
     import subprocess
 
     from test_nvcc_compile import _nvcc
@@ -455,21 +537,24 @@ def test_kernels_build_with_nvcc_for_sm90(name, dtype, tf32, tmp_path):
     assert ("kf_attention<" not in cu.read_text()) == uses_tensor_cores(plan.attention[0])
 
 
-def _every_kind(m, q40, q32, keep40, keep32, add40, add32):
-    """Every mask kind on the FMA kernel (head dim 40) and on tensor cores (32, bf16 and fp32 SDPA)."""
+def _every_kind(m, qd, q32, keepd, keep32, addd, add32):
+    """Every mask kind at head dim d (qd: the FMA kernel, fp32 SDPA's 3xTF32 and bf16's padded tensor cores where d is
+    a multiple of 8) and on tensor cores (32, bf16 and fp32 SDPA)."""
     drop32 = torch.bmm(q32[0], q32[0].transpose(1, 2)).masked_fill(~keep32[0, 0], float("-inf"))
-    drop40 = torch.bmm(q40[0], q40[0].transpose(1, 2)).masked_fill(~keep40[0, 0], float("-inf"))
-    return (F.scaled_dot_product_attention(q40, q40, q40), F.scaled_dot_product_attention(q40, q40, q40, keep40),
-            F.scaled_dot_product_attention(q40, q40, q40, add40), F.scaled_dot_product_attention(q32, q32, q32, keep32),
+    dropd = torch.bmm(qd[0], qd[0].transpose(1, 2)).masked_fill(~keepd[0, 0], float("-inf"))
+    return (F.scaled_dot_product_attention(qd, qd, qd), F.scaled_dot_product_attention(qd, qd, qd, keepd),
+            F.scaled_dot_product_attention(qd, qd, qd, addd), F.scaled_dot_product_attention(q32, q32, q32, keep32),
             F.scaled_dot_product_attention(q32, q32, q32, add32),
             F.scaled_dot_product_attention(q32, q32, q32, is_causal=True),
-            torch.bmm(torch.softmax(drop32, -1), q32[0]), torch.bmm(torch.relu(drop40), q40[0]))
+            torch.bmm(torch.softmax(drop32, -1), q32[0]), torch.bmm(torch.relu(dropd), qd[0]))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_every_mask_kind_builds_with_nvcc_in_every_dtype(dtype, tmp_path):
+@pytest.mark.parametrize("dtype, d", [(torch.float32, 40), (torch.bfloat16, 40), (torch.bfloat16, 36),
+                                      (torch.float16, 40)])
+def test_every_mask_kind_builds_with_nvcc_in_every_dtype(dtype, d, tmp_path):
     """Each kernel template instantiated with each mask type builds (a bf16 additive mask compared with 0 once
-    broke the bf16 build on the GPU)."""
+    broke the bf16 build on the GPU): bf16 at head dim 40 on the padded tensor-core kernels, at 36 on the FMA
+    kernel."""
     import subprocess
 
     from test_nvcc_compile import _nvcc
@@ -477,13 +562,15 @@ def test_every_mask_kind_builds_with_nvcc_in_every_dtype(dtype, tmp_path):
     from kernelfuse.codegen import generate
 
     nvcc = _nvcc()
-    inputs = [torch.randn(1, 2, 9, 40, dtype=dtype), torch.randn(1, 2, 9, 32, dtype=dtype),
+    inputs = [torch.randn(1, 2, 9, d, dtype=dtype), torch.randn(1, 2, 9, 32, dtype=dtype),
               _bool_mask(1, 2, 9, 9, empty_row=False), _bool_mask(1, 2, 9, 9, empty_row=False),
               torch.randn(1, 2, 9, 9, dtype=dtype), torch.randn(1, 2, 9, 9, dtype=dtype)]
     plan = make_plan(rewrite(capture_module(Fn(_every_kind), inputs)))
     assert sorted((a.mask_kind, a.activation) for a in plan.attention) == sorted(
         [("none", "softmax"), ("keep", "softmax"), ("add", "softmax"), ("keep", "softmax"), ("add", "softmax"),
          ("none", "softmax"), ("drop", "softmax"), ("drop", "relu")]), plan.summary()
+    if dtype == torch.bfloat16:
+        assert {uses_tensor_cores(a) for a in plan.attention if a.dims[5] == d} == {d % 8 == 0}
     cu = tmp_path / "attention.cu"
     cu.write_text(generate(plan).cuda)
     result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-O1", "-c", str(cu), "-o", str(tmp_path / "a.o")],

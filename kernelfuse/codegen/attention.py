@@ -10,14 +10,16 @@ are computed. Inputs and the output are read and written through the strides the
 and copies around attention cost nothing; grouped-query attention reads kv head `head / group`. ReLU
 self-attention (relu in the softmax's place) is the same loop without the running statistics. bf16 attention runs
 the same algorithm on tensor cores (mma.sync m16n8k16, fp32 accumulation, the scores' accumulator fragments reused as
-the probabilities' operand fragments): where q, k and v are contiguous along d with 16-byte aligned rows, a
-FlashAttention-2-style kernel (blocks of 4 or 8 warps of 16 query rows, `flash_warps`; the query tile in
-registers; key and value tiles double-buffered in shared memory by cp.async and read by ldmatrix, exp2 softmax,
-per-element masking only on mask, tail and diagonal tiles); elsewhere a simpler one (4 warps, K and V staged through
-registers, V transposed). fp32 runs on tensor cores too where the step's arithmetic allows: TF32 under the tf32 policy,
-3xTF32 (torch's own fp32 SDPA arithmetic) for SDPA nodes under the strict policy, in the same flash structure where
-the layout allows (`kf_attention_fa2_f32_kernel`: m16n8k8 fragments by plain shared-memory loads, operands split
-as loaded); hand-written fp32 attention under the strict policy keeps exact FMA (its `-3xtf32` twin is judged).
+the probabilities' operand fragments; head dims in steps of 8 up to 128, an odd multiple of 8 padded to the product's
+k16 steps by 8 zero columns in shared memory, never read from or written to global memory): where q, k and v are
+contiguous along d with 16-byte aligned rows, a FlashAttention-2-style kernel (blocks of 4 or 8 warps of 16 query
+rows, `flash_warps`; the query tile in registers; key and value tiles double-buffered in shared memory by cp.async
+and read by ldmatrix, exp2 softmax, per-element masking only on mask, tail and diagonal tiles); elsewhere a simpler
+one (4 warps, K and V staged through registers, V transposed). fp32 runs on tensor cores too where the step's
+arithmetic allows: TF32 under the tf32 policy, 3xTF32 (torch's own fp32 SDPA arithmetic) for SDPA nodes under the
+strict policy, in the same flash structure where the layout allows (`kf_attention_fa2_f32_kernel`: m16n8k8 fragments
+by plain shared-memory loads, operands split as loaded); hand-written fp32 attention under the strict policy keeps
+exact FMA (its `-3xtf32` twin is judged).
 """
 
 from __future__ import annotations
@@ -41,13 +43,13 @@ def tile_shape(head_dim: int) -> tuple[int, int]:
 
 
 def uses_tensor_cores(step: AttnStep) -> bool:
-    """Tensor cores where the head dim allows (up to 128): bf16 (mma.sync m16n8k16, head dims in steps of 16), and
-    fp32 whose step's arithmetic is TF32 or 3xTF32 (m16n8k8, steps of 8); the rest (exact fp32, fp16, other head
-    dims) runs on the FMA kernel."""
+    """Tensor cores where the head dim allows (steps of 8, up to 128): bf16 (mma.sync m16n8k16; a head dim that is
+    an odd multiple of 8 is padded to the k16 steps inside the kernel), and fp32 whose step's arithmetic is TF32 or
+    3xTF32 (m16n8k8); the rest (exact fp32, fp16, other head dims) runs on the FMA kernel."""
     d, dtype = step.dims[5], step.out_meta.dtype
-    if dtype == torch.float32:
-        return step.math != "fma" and d % 8 == 0 and d <= 128
-    return dtype == torch.bfloat16 and d % 16 == 0 and d <= 128
+    if d % 8 or d > 128:
+        return False
+    return step.math != "fma" if dtype == torch.float32 else dtype == torch.bfloat16
 
 
 def flash_warps(step: AttnStep, strides: dict[str, tuple[int, ...]]) -> int:

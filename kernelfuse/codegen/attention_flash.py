@@ -1,6 +1,8 @@
 """The bf16 flash-attention kernel, FlashAttention-2 style (kernelfuse.codegen.attention picks it where q, k and v
-are contiguous along the head dim): its CUDA template, beside the older kernels of kernelfuse.codegen.attention_prelude
-whose parameter block, PTX wrappers and online softmax it shares (the file appends it after theirs)."""
+are contiguous along the head dim; head dims in steps of 8 up to 128, an odd multiple of 8 padded to the mma's k16
+steps by zero columns in shared memory): its CUDA template, beside the older kernels of
+kernelfuse.codegen.attention_prelude whose parameter block, PTX wrappers and online softmax it shares (the file
+appends it after theirs)."""
 
 from kernelfuse.codegen.attention_prelude import ONLINE_SOFTMAX
 
@@ -31,8 +33,10 @@ FLASH_TILE_START = r"""
     else
       __syncthreads();
     if (k0 + BK < kend) {  // the next tile's copies, while this one is computed
-      kf_attn_copy_rows<BK, D, THREADS>(ks + (buf ^ 1) * BK * DP, K + (k0 + BK) * p.sk[2], p.sk[2], p.L - k0 - BK);
-      kf_attn_copy_rows<BK, D, THREADS>(vs + (buf ^ 1) * BK * DP, V + (k0 + BK) * p.sv[2], p.sv[2], p.L - k0 - BK);
+      kf_attn_copy_rows<BK, D, DP, THREADS>(ks + (buf ^ 1) * BK * DP, K + (k0 + BK) * p.sk[2], p.sk[2],
+                                            p.L - k0 - BK);
+      kf_attn_copy_rows<BK, D, DP, THREADS>(vs + (buf ^ 1) * BK * DP, V + (k0 + BK) * p.sv[2], p.sv[2],
+                                            p.L - k0 - BK);
       kf_attn_cp_commit();
     }
     // nothing to do: a bool mask drops the tile for every query of the block, or the warp's rows are all past S or
@@ -69,9 +73,10 @@ FLASH_PRELUDE = r"""
 // ---- bf16 flash attention, FlashAttention-2 style, where q, k and v are contiguous along d with 16-byte aligned
 // rows: WARPS warps x 16 query rows a block (one m16 tile a warp; two, FlashAttention-2's 4 warps x 32 rows, measured
 // slower on every probe shape at stop 40), 64 keys a tile. The query tile arrives once (cp.async) into shared memory
-// and stays in registers as A fragments; key and value tiles stay row-major in shared memory, rows padded to D + 8
-// elements (the 8 rows an ldmatrix phase reads fall in distinct banks), two of each: tile j + 1's copies fly while
-// tile j is computed. Keys' B fragments come by ldmatrix, values' by ldmatrix.trans (no transposing pass).
+// and stays in registers as A fragments; key and value tiles stay row-major in shared memory, rows of
+// kf_attn_bf16_pitch elements (the 8 rows an ldmatrix phase reads fall in distinct banks; a head dim that is an odd
+// multiple of 8 has 8 zero columns after d for the last k16 step of the scores), two of each: tile j + 1's copies fly
+// while tile j is computed. Keys' B fragments come by ldmatrix, values' by ldmatrix.trans (no transposing pass).
 #ifndef KF_EMULATION
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 #define KF_ASM_SM80(...) asm volatile(__VA_ARGS__)
@@ -119,28 +124,30 @@ __device__ __forceinline__ void kf_attn_store2(float* dst, float a, float b, boo
   }
 }
 
-// ROWS rows of D elements (row stride `stride`) into shared rows of D + E (E: elements in 16 bytes; bf16 rows are
-// padded by 8, fp32 rows by 4), 16 bytes a copy; rows from `valid` on are zero-filled (their copies read nothing,
+// ROWS rows of D elements (row stride `stride`) into shared rows of DP (bf16: kf_attn_bf16_pitch; fp32: D + 4),
+// 16 bytes a copy, columns from D on untouched; rows from `valid` on are zero-filled (their copies read nothing,
 // from the first row's address: valid > 0). A thread keeps one column and steps RP rows at a time (one address and
 // one stride, where a copy index per thread would cost a 64-bit offset per copy); with D / E not dividing THREADS a
 // few threads stay idle.
-template <int ROWS, int D, int THREADS, typename U>
+template <int ROWS, int D, int DP, int THREADS, typename U>
 __device__ __forceinline__ void kf_attn_copy_rows(U* dst, const U* src, long long stride, int valid) {
   constexpr int E = 16 / sizeof(U), W = D / E, RP = THREADS / W;  // copies a row, rows a pass
   const int r = threadIdx.x / W, c = threadIdx.x % W * E;
   if (THREADS % W != 0 && r >= RP) return;
   const U* from = src + r * stride + c;
-  dst += r * (D + E) + c;
+  dst += r * DP + c;
 #pragma unroll
   for (int i = 0; i < ROWS; i += RP)
     if (ROWS % RP == 0 || r + i < ROWS)
-      kf_cp_async16(dst + i * (D + E), r + i < valid ? from + i * stride : src, r + i < valid);
+      kf_cp_async16(dst + i * DP, r + i < valid ? from + i * stride : src, r + i < valid);
 }
 
 template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32, (D <= 64 ? 16 : 8) / WARPS)
     kf_attention_fa2_kernel(const kf_attn_params p, int tiles, bool pairs) {
-  constexpr int THREADS = WARPS * 32, BQ = WARPS * 16, BK = 64, DP = D + 8, NT = BK / 8, DT = D / 8, KS = D / 16;
+  // KS: k16 steps over d (the last one half pad where D is an odd multiple of 8); DT: the output's n8 tiles
+  constexpr int THREADS = WARPS * 32, BQ = WARPS * 16, BK = 64, DP = kf_attn_bf16_pitch<D>, NT = BK / 8, DT = D / 8,
+                KS = (D + 15) / 16;
   constexpr float LOG2E = 1.4426950408889634f;
   KF_DYNAMIC_SHARED(kf_attn_smem);
   unsigned short* qs = reinterpret_cast<unsigned short*>(kf_attn_smem);  // [BQ][DP]
@@ -153,11 +160,12 @@ __global__ void __launch_bounds__(WARPS * 32, (D <= 64 ? 16 : 8) / WARPS)
   const unsigned short* K = (const unsigned short*)p.k + b * p.sk[0] + hk * p.sk[1];
   const unsigned short* V = (const unsigned short*)p.v + b * p.sv[0] + hk * p.sv[1];
   const M* mask = (const M*)p.mask + (MASK ? b * p.sm[0] + h * p.sm[1] : 0);
-  kf_attn_copy_rows<BQ, D, THREADS>(qs, Q, p.sq[2], p.S - q0);
+  kf_attn_copy_rows<BQ, D, DP, THREADS>(qs, Q, p.sq[2], p.S - q0);
   kf_attn_cp_commit();
-  kf_attn_copy_rows<BK, D, THREADS>(ks, K, p.sk[2], p.L);
-  kf_attn_copy_rows<BK, D, THREADS>(vs, V, p.sv[2], p.L);
+  kf_attn_copy_rows<BK, D, DP, THREADS>(ks, K, p.sk[2], p.L);
+  kf_attn_copy_rows<BK, D, DP, THREADS>(vs, V, p.sv[2], p.L);
   kf_attn_cp_commit();
+  kf_attn_zero_pad<D, DP, THREADS>(qs, BQ + 4 * BK);  // every query, key and value row's pad
   kf_attn_cp_wait<1>();  // the query tile; the first keys and values may still be on their way
   __syncthreads();
   // ldmatrix rows: lane i reads row i % 16 from column 8 * (i / 16) (an A operand; the values' two dim groups), for
@@ -220,11 +228,11 @@ __global__ void __launch_bounds__(WARPS * 32, (D <= 64 ? 16 : 8) / WARPS)
       unsigned int a[4];
       kf_attn_probs(s, kk, a);
 #pragma unroll
-      for (int j = 0; j < DT; j += 2) {  // dim groups j and j + 1
+      for (int j = 0; j < DT; j += 2) {  // dim groups j and j + 1 (an odd D / 8: the last group alone)
         unsigned int vb[4];
         kf_ldmatrix_x4_trans(vb, vt + kk * 16 * DP + j * 8);
         kf_mma_bf16_16816(o[j], a, vb[0], vb[1]);
-        kf_mma_bf16_16816(o[j + 1], a, vb[2], vb[3]);
+        if (j + 1 < DT) kf_mma_bf16_16816(o[j + 1], a, vb[2], vb[3]);
       }
     }
   }
@@ -233,7 +241,8 @@ __global__ void __launch_bounds__(WARPS * 32, (D <= 64 ? 16 : 8) / WARPS)
 template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, int WARPS>
 cudaError_t kf_attention_fa2(const kf_attn_params& p, int batch, cudaStream_t stream) {
   return kf_attn_launch<kf_attention_fa2_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, WARPS>>(
-      p, batch, WARPS * 16, WARPS * 32, (WARPS * 16 + 4 * 64) * (D + 8) * 2, kf_attn_pairs(p, 2), stream);
+      p, batch, WARPS * 16, WARPS * 32, (WARPS * 16 + 4 * 64) * kf_attn_bf16_pitch<D> * 2, kf_attn_pairs(p, 2),
+      stream);
 }
 
 // WARPS > 0: the flash kernel's blocks, WARPS warps of 16 query rows, where the bases are aligned
@@ -243,7 +252,7 @@ cudaError_t kf_attention_tc(const kf_attn_params& p, int batch, cudaStream_t str
     if (kf_attn_vectorised(p, 2, true))
       return kf_attention_fa2<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, WARPS>(p, batch, stream);
   return kf_attn_launch<kf_attention_tc_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU>>(
-      p, batch, 64, 128, ((64 + 64) * (D + 8) + D * (64 + 8)) * 2, kf_attn_vectorised(p, 2), stream);
+      p, batch, 64, 128, ((64 + 64) * kf_attn_bf16_pitch<D> + D * (64 + 8)) * 2, kf_attn_vectorised(p, 2), stream);
 }
 """
 
@@ -290,9 +299,9 @@ __global__ void __launch_bounds__(WARPS * 32) kf_attention_fa2_f32_kernel(const 
   const float* K = (const float*)p.k + b * p.sk[0] + hk * p.sk[1];
   const float* V = (const float*)p.v + b * p.sv[0] + hk * p.sv[1];
   const M* mask = (const M*)p.mask + (MASK ? b * p.sm[0] + h * p.sm[1] : 0);
-  kf_attn_copy_rows<BQ, D, THREADS>(qs, Q, p.sq[2], p.S - q0);
-  kf_attn_copy_rows<BK, D, THREADS>(ks, K, p.sk[2], p.L);
-  kf_attn_copy_rows<BK, D, THREADS>(vs, V, p.sv[2], p.L);
+  kf_attn_copy_rows<BQ, D, DP, THREADS>(qs, Q, p.sq[2], p.S - q0);
+  kf_attn_copy_rows<BK, D, DP, THREADS>(ks, K, p.sk[2], p.L);
+  kf_attn_copy_rows<BK, D, DP, THREADS>(vs, V, p.sv[2], p.L);
   kf_attn_cp_commit();
   const float* qrow = qs + (r0 + g) * DP + t;  // A fragment (row g, column t) of k-step kk at qrow + 8 kk
   float o[DT][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows g and g + 8 of the warp

@@ -268,8 +268,9 @@ cudaError_t kf_attention(const kf_attn_params& p, int batch, cudaStream_t stream
 }
 // ---- the same on tensor cores, for bf16 (mma.sync m16n8k16, fp32 accumulation) ----
 // 4 warps x 16 query rows; scores and the output accumulate in fp32 fragments, probabilities are rounded to bf16
-// for the second product (as flash attention does). Elements are raw bf16 bits (unsigned short). The flash kernel
-// below takes over where q, k and v are contiguous along d; this one stays for the other layouts.
+// for the second product (as flash attention does). Head dims in steps of 8: the scores in k16 steps over zero-padded
+// shared rows (kf_attn_bf16_pitch), the output in D / 8 n8 tiles. Elements are raw bf16 bits (unsigned short). The
+// flash kernel below takes over where q, k and v are contiguous along d; this one stays for the other layouts.
 __device__ __forceinline__ float kf_bf16_float(unsigned short x) { return __uint_as_float((unsigned int)x << 16); }
 __device__ __forceinline__ unsigned short kf_float_bf16(float f) {  // round to nearest even, NaN kept
   unsigned int u = __float_as_uint(f);
@@ -340,6 +341,20 @@ __device__ __forceinline__ void kf_attn_load_kv(const U* K, const U* V, U* ks, U
   }
 }
 
+// The bf16 tensor-core kernels' shared row pitch (row-major q and k tiles, the flash kernel's v tiles), in elements:
+// d rounded up to the mma's k16 steps, then 8 more, so that the 8 rows an ldmatrix phase or a fragment load reads fall
+// in distinct banks and every row stays 16-byte aligned. A head dim that is an odd multiple of 8 leaves 8 pad columns
+// after column D - 1, which the last k16 step of q k^T reads: zeros (kf_attn_zero_pad), adding nothing to the scores.
+template <int D> constexpr int kf_attn_bf16_pitch = (D + 15) / 16 * 16 + 8;
+
+// The pad columns D..D + 7 of `n` shared bf16 rows (pitch DP) zeroed where D is an odd multiple of 8: once a block,
+// before the barrier that precedes the first fragment load, as the tiles' loads write columns 0..D - 1 only
+template <int D, int DP, int THREADS>
+__device__ __forceinline__ void kf_attn_zero_pad(unsigned short* rows, int n) {
+  if constexpr (D % 16 != 0)
+    for (int r = threadIdx.x; r < n; r += THREADS) *reinterpret_cast<kf_attn_vec*>(rows + r * DP + D) = kf_attn_vec{};
+}
+
 // Can K and V (and Q, with `queries`) move 16 bytes at a time? Contiguous along d, 16-byte aligned bases and row
 // strides (in elements of `size` bytes).
 inline bool kf_attn_vectorised(const kf_attn_params& p, int size, bool queries = false) {
@@ -352,7 +367,8 @@ inline bool kf_attn_vectorised(const kf_attn_params& p, int size, bool queries =
 
 template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU>
 __global__ void __launch_bounds__(128) kf_attention_tc_kernel(const kf_attn_params p, int tiles, bool vec) {
-  constexpr int BQ = 64, BK = 64, DP = D + 8, KP = BK + 8, NT = BK / 8, DT = D / 8, KS = D / 16;
+  // KS: k16 steps over d (the last one half pad where D is an odd multiple of 8); DT: the output's n8 tiles
+  constexpr int BQ = 64, BK = 64, DP = kf_attn_bf16_pitch<D>, KP = BK + 8, NT = BK / 8, DT = D / 8, KS = (D + 15) / 16;
   KF_DYNAMIC_SHARED(kf_attn_smem);
   unsigned short* qs = reinterpret_cast<unsigned short*>(kf_attn_smem);  // [BQ][DP]
   unsigned short* ks = qs + BQ * DP;                                     // [BK][DP]: keys, row-major
@@ -368,6 +384,7 @@ __global__ void __launch_bounds__(128) kf_attention_tc_kernel(const kf_attn_para
     const int r = i / D, d = i % D;
     qs[r * DP + d] = q0 + r < p.S ? Q[(q0 + r) * p.sq[2] + d * p.sq[3]] : (unsigned short)0;
   }
+  kf_attn_zero_pad<D, DP, 128>(qs, BQ + BK);  // the query and key rows' pad
   __syncthreads();
   unsigned int qa[KS][4];  // the warp's 16 query rows as A fragments
 #pragma unroll
