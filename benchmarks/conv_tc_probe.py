@@ -26,7 +26,8 @@ from benchmarks.conv_igemm_probe import _bare
 from kernelfuse.bench.timer import median_event_ms
 from kernelfuse.capture import build_model, capture
 from kernelfuse.codegen import generate
-from kernelfuse.codegen.conv_igemm import conv_shape, dense_kernel
+from kernelfuse.codegen.conv_geometry import conv_shape
+from kernelfuse.codegen.conv_igemm import dense_kernel
 from kernelfuse.codegen.conv_tc import dense_config
 from kernelfuse.emit.module import load_kernels
 from kernelfuse.load import load_problem

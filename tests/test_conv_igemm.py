@@ -20,7 +20,8 @@ from emulation_helpers import emulated
 
 import kernelfuse.codegen.cuda as cuda_module
 from kernelfuse.capture import capture_module
-from kernelfuse.codegen.conv_igemm import conv_shape, phases, render_conv, tile_config
+from kernelfuse.codegen.conv_geometry import conv_shape, phases
+from kernelfuse.codegen.conv_igemm import render_conv, tile_config
 from kernelfuse.plan import make_plan, optimizer_variants, owned_anchor_variants, plan_variants
 from kernelfuse.plan.fuse import PlanOptions
 from kernelfuse.plan.interpret import run_env, run_fused

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # conv_igemm dispatches here
-    from kernelfuse.codegen.conv_igemm import ConvShape
+from kernelfuse.codegen.conv_geometry import ConvShape
 
 THREADS = 256
 ROWS = 4  # outputs per thread, down the second-to-last dimension

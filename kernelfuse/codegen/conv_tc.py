@@ -11,21 +11,18 @@ chosen so that every fragment load is conflict-free:
   A from channels-last, and B: row m (n) holds its 32 k, the 16-byte chunks XOR-swizzled by bit 0 of the row.
 Within each 16 k, MMA step s takes k = t and t + 4 from columns 4t + 2s and 4t + 2s + 1 of both operands (a
 reordering of the sum's terms), so one 8- or 16-byte load serves both of a lane's k.
-The geometry (phases, taps, bounds, the epilogue's stores) is the implicit GEMM's of `conv_igemm`.
+The geometry (phases, taps, bounds, the epilogue's stores) is the implicit GEMM's, from `conv_geometry`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # conv_igemm dispatches here
-    from kernelfuse.codegen.conv_igemm import ConvShape, Geometry
+from kernelfuse.codegen.conv_geometry import BM, ConvShape, Geometry
 
-BM = 128  # output pixels a block
 BK = 32
 LDA2 = BM + 2  # LDA2 % 8 == 2: a warp's 8-byte A loads (k-pair 2t + s, pixel g) hit 32 distinct banks per half
-LDC = BM + 4  # the accumulator tile's row stride (conv_igemm.tile_stores): its stores land on distinct banks
+LDC = BM + 4  # the accumulator tile's row stride (conv_geometry.tile_stores): its stores land on distinct banks
 
 
 @dataclass(frozen=True)
@@ -142,7 +139,7 @@ __device__ __forceinline__ void kf_conv_tc_k16(float (&acc)[MF][NF][4], const fl
 
 def render_dense(k: str, s: ConvShape, geo: Geometry, cfg: DenseConfig, ctype: str, operand_params: str, setup: str,
                  stores: str) -> tuple[str, tuple[int, int, int]]:
-    """(kernel text, grid) of the dense kernel for convolution `k`; `setup` and `stores` are conv_igemm's pixel
+    """(kernel text, grid) of the dense kernel for convolution `k`; `setup` and `stores` are conv_geometry's pixel
     setup (with origins for a channels-last input) and epilogue stores, which this kernel shares."""
     nl = "\n"
     per_tap = s.cig // BK
