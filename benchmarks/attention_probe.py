@@ -1,20 +1,25 @@
 """The flash-attention kernel against what a user would run instead, on level-3-like shapes, fp32 and bf16.
 
-    PYTHONPATH=. python benchmarks/attention_probe.py [OUT.md] [--no-compile]
+    PYTHONPATH=. python benchmarks/attention_probe.py [OUT.md] [--no-compile] [--bf16-only]
+        [--flash-configs default,warps4,...]
 
 Per shape and dtype: our kernel (kernelfuse.codegen.attention, built through the planner from an SDPA call; fp32
 in each arithmetic: exact FMA, 3xTF32, TF32),
 eager's unfused attention (q @ kᵀ * scale, mask, softmax, @ v), torch's SDPA under each backend that accepts the
 case (math, efficient, flash, cuDNN) and torch.compile of the unfused form. Each is checked against a float64
 reference (max abs error) and timed by CUDA events with L2 flushed (median of 20). Under 3 minutes on one H100
-(torch.compile's builds are most of it; --no-compile skips them).
+(torch.compile's builds are most of it; --no-compile skips them). --flash-configs builds the bf16 flash kernel once
+per named tiling (FLASH_CONFIGS; their builds overlap) and times each as its own "kernelfuse NAME" row.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
+from unittest.mock import patch
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +30,7 @@ from kernelfuse.capture import capture_module
 from kernelfuse.codegen import attention, generate
 from kernelfuse.emit.module import load_kernels
 from kernelfuse.plan import make_plan
+from kernelfuse.plan.ir import Plan
 
 
 @dataclass(frozen=True)
@@ -44,6 +50,22 @@ CASES = (
     Case("GPT-2 small", 8, 12, 1024, 64, "causal"),
     Case("UNet self-attn", 4, 8, 4096, 40, "none"),
 )
+# --flash-configs: tilings of the bf16 flash kernel, kernelfuse.codegen.attention.FlashConfig fields over each case's
+# default. At head dim 96 (ptxas, sm_90) the default's 8 warps hold 196 registers (one block an SM); a min_blocks of
+# 2 for 8 warps or 4 for 4 caps a thread at 128: 8 bytes spilled with the query fragments read from shared memory,
+# none with 32-key tiles. 4 warps of 64-key tiles fit 3 blocks an SM by shared memory (65 KB each): 167 registers.
+FLASH_CONFIGS = {
+    "default": {},
+    "warps4": {"warps": 4},
+    "warps8": {"warps": 8},
+    "keys32": {"keys": 32},
+    "qsmem8": {"warps": 8, "q_in_registers": False, "min_blocks": 2},
+    "qsmem4": {"warps": 4, "q_in_registers": False, "min_blocks": 4},
+    "qsmem8_keys32": {"warps": 8, "keys": 32, "q_in_registers": False, "min_blocks": 2},
+    "w8_k32_b2": {"warps": 8, "keys": 32, "min_blocks": 2},
+    "w4_k32_b4": {"warps": 4, "keys": 32, "min_blocks": 4},
+    "w4_b3": {"warps": 4, "min_blocks": 3},
+}
 BACKENDS = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 
@@ -93,37 +115,60 @@ def sdpa(case: Case):
     return run
 
 
-def our_kernels(dtype: torch.dtype) -> dict[str, tuple[object, list[str]]]:
+def our_kernels(dtype: torch.dtype, flash_configs: list[str]) -> dict[str, tuple[object, list[str]]]:
     """The planner's kernels for every case in each arithmetic (fp32: exact FMA, 3xTF32 as the strict policy gives
     SDPA nodes, TF32 as the tf32 policy gives, and 3xTF32 in the first tensor-core kernel, where the flash kernel
-    would take the case; bf16: tensor cores), and each one's kernel names."""
+    would take the case; bf16: tensor cores, once per tiling of `flash_configs` if any), and each one's kernel
+    names."""
     example = [t for case in CASES for t in inputs_of(case, dtype, "meta")]
     plan = make_plan(capture_module(Attentions(), example))
     assert len(plan.attention) == len(CASES), plan.summary()
     maths = ("fma", "3xtf32", "tf32") if dtype == torch.float32 else (plan.attention[0].math,)
     steps = [replace(a, kernel=f"a{i * len(CASES) + j}", math=m) for i, m in enumerate(maths)
              for j, a in enumerate(plan.attention)]
+    if dtype == torch.bfloat16 and flash_configs:
+        return flash_tilings(replace(plan, steps=tuple(steps)), flash_configs)
     kernels = load_kernels(generate(replace(plan, steps=tuple(steps))), f"attention_probe_{str(dtype)[6:]}")
     built = {f"kernelfuse {m}" if len(maths) > 1 else "kernelfuse":
              (kernels, [s.kernel for s in steps[i * len(CASES):(i + 1) * len(CASES)]]) for i, m in enumerate(maths)}
     if dtype == torch.float32:  # 3xTF32 again in the first tensor-core kernel, beside the flash kernel
-        flash = attention.flash_warps
-        attention.flash_warps = lambda step, strides: 0
-        try:
-            steps = [replace(a, math="3xtf32") for a in plan.attention]
+        steps = [replace(a, math="3xtf32") for a in plan.attention]
+        with patch.object(attention, "flash_warps", lambda step, strides: 0):
             first = load_kernels(generate(replace(plan, steps=tuple(steps))), "attention_probe_first_f32")
-        finally:
-            attention.flash_warps = flash
         built["kernelfuse 3xtf32 first kernel"] = (first, [s.kernel for s in steps])
     return built
 
 
+def flash_tilings(plan: Plan, names: list[str]) -> dict[str, tuple[object, list[str]]]:
+    """The bf16 plan's kernels once per FLASH_CONFIGS tiling, each case's default config with the tiling's fields
+    over it (the builds overlap: nvcc runs in subprocesses)."""
+    default = attention.flash_config
+    sources = {}
+    for name in names:
+        def tiled(step, strides, fields=FLASH_CONFIGS[name]):  # noqa: ANN001, ANN202 - flash_config's signature
+            config = default(step, strides)
+            return replace(config, **fields) if config.warps else config
+        with patch.object(attention, "flash_config", tiled):
+            sources[name] = generate(plan)
+    with ThreadPoolExecutor(8) as pool:
+        built = list(pool.map(lambda n: load_kernels(sources[n], f"attention_probe_flash_{n}"), names))
+    kernels = [a.kernel for a in plan.attention]
+    return {f"kernelfuse {name}": (ext, kernels) for name, ext in zip(names, built, strict=True)}
+
+
 def main(argv: list[str]) -> int:
-    compile_too = "--no-compile" not in argv
-    paths = [a for a in argv if not a.startswith("--")]
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", nargs="?", help="the table as markdown, with the GPU's name")
+    parser.add_argument("--no-compile", action="store_true", help="no torch.compile rows (most of the run time)")
+    parser.add_argument("--bf16-only", action="store_true", help="skip the fp32 cases")
+    parser.add_argument("--flash-configs", default="", help=f"bf16 flash tilings to time, of {','.join(FLASH_CONFIGS)}")
+    opts = parser.parse_args(argv)
+    flash_configs = [n for n in opts.flash_configs.split(",") if n]
+    if unknown := set(flash_configs) - set(FLASH_CONFIGS):
+        parser.error(f"unknown flash configs {sorted(unknown)}, not in {list(FLASH_CONFIGS)}")
     rows = ["| case | dtype | method | ms | max abs err vs fp64 | ours: speedup |", "|---|---|---|---|---|---|"]
-    for dtype in (torch.float32, torch.bfloat16):
-        built = our_kernels(dtype)
+    for dtype in (torch.bfloat16,) if opts.bf16_only else (torch.float32, torch.bfloat16):
+        built = our_kernels(dtype, flash_configs)
         for i, case in enumerate(CASES):
             args = inputs_of(case, dtype, "cuda")
             with torch.no_grad():
@@ -133,7 +178,7 @@ def main(argv: list[str]) -> int:
             methods["eager unfused"] = lambda a=args, c=case: unfused(c)(*a)
             for backend, enum in BACKENDS.items():
                 methods[f"sdpa {backend}"] = lambda a=args, c=case, e=enum: _with_backend(e, sdpa(c), a)
-            if compile_too:
+            if not opts.no_compile:
                 compiled = torch.compile(unfused(case), dynamic=False)
                 methods["torch.compile unfused"] = lambda a=args, f=compiled: f(*a)
             times: dict[str, float] = {}
@@ -160,8 +205,8 @@ def main(argv: list[str]) -> int:
             torch.cuda.empty_cache()
     text = "\n".join(rows) + "\n"
     print(text)
-    if paths:
-        with open(paths[0], "w") as f:
+    if opts.out:
+        with open(opts.out, "w") as f:
             f.write(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}\n\n" + text)
     return 0
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import replace
 
 import emulation_helpers
 import pytest
@@ -18,7 +19,7 @@ from torch import nn
 
 from kernelfuse.capture import capture_module
 from kernelfuse.codegen import attention
-from kernelfuse.codegen.attention import flash_warps, input_strides, uses_tensor_cores
+from kernelfuse.codegen.attention import FlashConfig, flash_config, flash_warps, input_strides, uses_tensor_cores
 from kernelfuse.plan import PlanOptions, interpret, make_plan
 from kernelfuse.plan.attention import SDPA, attention_reference
 from kernelfuse.plan.interpret import call_aten
@@ -150,9 +151,21 @@ PADDED_CASES = {
 }
 
 
+# The bf16 flash kernel's tilings (FlashConfig): head dim 96 causal over several query tiles and ragged key tiles (170
+# keys: 64 + 64 + 42, or five of 32 and 10), beside PADDED_CASES' head dim 40 with a causal and a bool mask
+TILING_CASES = {
+    "sdpa_causal_s150_l170_d96": (_sdpa(is_causal=True), [_randn(1, 1, 150, 96), _randn(1, 1, 170, 96),
+                                                          _randn(1, 1, 170, 96)], "sdpa"),
+}
+# Every tiling but the default (4 warps at the test sizes): 4 or 8 warps, 64- or 32-key tiles, the query fragments in
+# registers or re-read from shared memory (there with registers capped at 128 a thread, as the probe times them)
+FLASH_TILINGS = [FlashConfig(warps, keys, q_in_registers, 0 if q_in_registers else 16 // warps)
+                 for warps in (4, 8) for keys in (64, 32) for q_in_registers in (True, False)][1:]
+
+
 def _planned(name: str, dtype: torch.dtype = torch.float32, values: torch.dtype | None = None):
     """(model, inputs, graph, plan) captured and planned in `dtype`; model and inputs in `values` if given."""
-    fn, inputs, _ = {**CASES, **FLASH_CASES, **PADDED_CASES}[name]
+    fn, inputs, _ = {**CASES, **FLASH_CASES, **PADDED_CASES, **TILING_CASES}[name]
     width = inputs[0].shape[-1] if name.startswith("handwritten") else 0
     torch.manual_seed(0)
     model = Fn(fn, width).to(dtype)
@@ -374,6 +387,68 @@ def test_bf16_flash_kernel_with_128_query_blocks(name, device, tmp_path, monkeyp
     got = getattr(kernels, step.kernel)(*args)
     reference = attention_reference(step, *args[:3], args[3] if len(args) > 3 else None)
     torch.testing.assert_close(got.float(), reference.float(), rtol=2e-2, atol=2e-2, equal_nan=True)
+
+
+def test_flash_config_default_is_the_launch_bounds_rule():
+    """The default tiling renders the template arguments the kernel had before its tiling was a FlashConfig: 64-key
+    tiles, the query in registers, __launch_bounds__'s (D <= 64 ? 16 : 8) / WARPS blocks; min_blocks overrides it."""
+    assert [FlashConfig(w).template_args(d) for w in (4, 8) for d in (40, 64, 96)] == [
+        "4, 64, true, 4", "4, 64, true, 4", "4, 64, true, 2", "8, 64, true, 2", "8, 64, true, 2", "8, 64, true, 1"]
+    assert FlashConfig(8, 32, False, 2).template_args(96) == "8, 32, false, 2"
+    assert FlashConfig(0).template_args(96) == "0, 64, true, 0"  # not the flash kernel: the arguments go unused
+
+
+def _tiled_plan(name: str, monkeypatch):
+    """(model, inputs, graph, plan) for bf16 `name`, the plan's attention once per FLASH_TILINGS tiling, each its own
+    kernel of one file (flash_config patched to give kernel i tiling i)."""
+    model, inputs, graph, plan = _planned(name, torch.bfloat16)
+    (step,) = plan.steps
+    assert flash_config(step, input_strides(step)) == FlashConfig(4)  # the default, which FLASH_TILINGS leaves out
+    tilings = {f"{step.kernel}_t{i}": tiling for i, tiling in enumerate(FLASH_TILINGS)}
+    monkeypatch.setattr(attention, "flash_config", lambda s, strides: tilings[s.kernel])
+    return model, inputs, graph, replace(plan, steps=tuple(replace(step, kernel=k) for k in tilings))
+
+
+TILED = ["sdpa_causal_s150_l170_d96", "sdpa_causal_s150_l170_d40", "sdpa_bool_mask_d40"]
+
+
+@pytest.mark.parametrize("name", TILED)
+def test_emulated_bf16_flash_tilings_match_the_reference(name, tmp_path, monkeypatch, poisoned_shared):
+    """Every non-default tiling of the bf16 flash kernel (8 warps, 32-key tiles, the query fragments re-read by
+    ldmatrix at each k-step) against the float64 reference: the causal diagonal and the tiles a warp sits out at
+    either key tile, ragged last tiles, a bool mask with a row that attends to nothing, and head dim 40's zero pad
+    columns (re-read with the query fragments) in shared memory that starts NaN-filled."""
+    model, inputs, graph, plan = _tiled_plan(name, monkeypatch)
+    with torch.no_grad():
+        env = _values(graph, model, inputs)
+    kernels = emulated(plan, tmp_path).kernels
+    args = [env[i.ref.name] for i in plan.steps[0].inputs]
+    reference = attention_reference(plan.steps[0], *args[:3], args[3] if len(args) > 3 else None).float()
+    for step, tiling in zip(plan.steps, FLASH_TILINGS, strict=True):
+        got = getattr(kernels, step.kernel)(*args)
+        torch.testing.assert_close(got.float(), reference, rtol=2e-2, atol=2e-2, equal_nan=True,
+                                   msg=lambda m, t=tiling: f"{t}: {m}")
+
+
+@pytest.mark.parametrize("name", [*TILED, "sdpa_causal_d64"])
+def test_bf16_flash_tilings_build_with_nvcc_for_sm90(name, tmp_path, monkeypatch):
+    """Every non-default tiling, one file, at head dims 96, 40 and 64: __launch_bounds__ with min_blocks, 32-key
+    tiles, the query fragments read from shared memory build for sm_90."""
+    import subprocess
+
+    from test_nvcc_compile import _nvcc
+
+    from kernelfuse.codegen import generate
+
+    nvcc = _nvcc()
+    *_, plan = _tiled_plan(name, monkeypatch)
+    cu = tmp_path / "attention.cu"
+    cu.write_text(generate(plan).cuda)
+    result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-O3", "-c", str(cu), "-o", str(tmp_path / "a.o")],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    for tiling in FLASH_TILINGS:
+        assert f"{tiling.template_args(plan.steps[0].dims[5])}>(p, " in cu.read_text()
 
 
 _LDMATRIX_CHECK = r"""

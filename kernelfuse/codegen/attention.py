@@ -12,17 +12,19 @@ self-attention (relu in the softmax's place) is the same loop without the runnin
 the same algorithm on tensor cores (mma.sync m16n8k16, fp32 accumulation, the scores' accumulator fragments reused as
 the probabilities' operand fragments; head dims in steps of 8 up to 128, an odd multiple of 8 padded to the product's
 k16 steps by 8 zero columns in shared memory, never read from or written to global memory): where q, k and v are
-contiguous along d with 16-byte aligned rows, a FlashAttention-2-style kernel (blocks of 4 or 8 warps of 16 query
-rows, `flash_warps`; the query tile in registers; key and value tiles double-buffered in shared memory by cp.async
-and read by ldmatrix, exp2 softmax, per-element masking only on mask, tail and diagonal tiles); elsewhere a simpler
-one (4 warps, K and V staged through registers, V transposed). fp32 runs on tensor cores too where the step's
-arithmetic allows: TF32 under the tf32 policy, 3xTF32 (torch's own fp32 SDPA arithmetic) for SDPA nodes under the
-strict policy, in the same flash structure where the layout allows (`kf_attention_fa2_f32_kernel`: m16n8k8 fragments
-by plain shared-memory loads, operands split as loaded); hand-written fp32 attention under the strict policy keeps
-exact FMA (its `-3xtf32` twin is judged).
+contiguous along d with 16-byte aligned rows, a FlashAttention-2-style kernel (its tiling a `FlashConfig`: blocks of
+4 or 8 warps of 16 query rows, `flash_warps`, 64-key tiles, the query tile in registers; key and value tiles
+double-buffered in shared memory by cp.async and read by ldmatrix, exp2 softmax, per-element masking only on mask,
+tail and diagonal tiles); elsewhere a simpler one (4 warps, K and V staged through registers, V transposed). fp32 runs
+on tensor cores too where the step's arithmetic allows: TF32 under the tf32 policy, 3xTF32 (torch's own fp32 SDPA
+arithmetic) for SDPA nodes under the strict policy, in the same flash structure where the layout allows
+(`kf_attention_fa2_f32_kernel`: m16n8k8 fragments by plain shared-memory loads, operands split as loaded); hand-written
+fp32 attention under the strict policy keeps exact FMA (its `-3xtf32` twin is judged).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -71,6 +73,35 @@ def flash_warps(step: AttnStep, strides: dict[str, tuple[int, ...]]) -> int:
     return 8 if s > 64 and -(-s // 128) * b * h >= SMS else 4
 
 
+@dataclass(frozen=True)
+class FlashConfig:
+    """The bf16 flash kernel's tiling (kf_attention_fa2_kernel's last template arguments): `flash_config` gives the
+    default; benchmarks/attention_probe.py --flash-configs times others against it on the GPU."""
+
+    warps: int  # a block's warps, 16 query rows each; 0: not the flash kernel (the first tensor-core kernel)
+    keys: int = 64  # a key tile's rows: 64, or 32 (half the scores' registers and the K and V tiles' shared memory)
+    # the warp's query A fragments held in registers over the whole key loop, else read again from shared memory by
+    # ldmatrix at each k-step of q kᵀ: (D + 15) / 16 x 4 registers fewer, so that more blocks may fit an SM
+    q_in_registers: bool = True
+    min_blocks: int = 0  # __launch_bounds__'s blocks an SM, 0: `launch_blocks`'s rule
+
+    def launch_blocks(self, head_dim: int) -> int:
+        """Blocks an SM the registers must allow: min_blocks, else 512 threads up to head dim 64 and 256 above (at
+        most 128 registers a thread, 255 where the query fragments and the output accumulator need more)."""
+        return self.min_blocks or (16 if head_dim <= 64 else 8) // self.warps
+
+    def template_args(self, head_dim: int) -> str:
+        """kf_attention_tc's WARPS, BK, QREG and BLOCKS."""
+        blocks = self.launch_blocks(head_dim) if self.warps else 0
+        return f"{self.warps}, {self.keys}, {str(self.q_in_registers).lower()}, {blocks}"
+
+
+def flash_config(step: AttnStep, strides: dict[str, tuple[int, ...]]) -> FlashConfig:
+    """The bf16 flash kernel's tiling: `flash_warps` warps, 64-key tiles, the query fragments in registers (0
+    warps: the flash kernel does not apply)."""
+    return FlashConfig(flash_warps(step, strides))
+
+
 def flash_f32_keys(head_dim: int, keys: int) -> int:
     """Keys per tile of the fp32 flash kernel: 64 up to head dim 64, 32 above (its shared tiles, 4 x keys x (D + 4)
     floats beside the query tile's 64 rows, stay near 100 KB at D = 128: two blocks an SM); fewer, in steps of 16,
@@ -114,7 +145,7 @@ def render_attention(plan: Plan, step: AttnStep) -> tuple[str, Binding]:
         launch = f"kf_attention_f32tc<{mask_type}, {d}, {kind}, {flags}, {str(step.math == '3xtf32').lower()}, " \
             f"{flash_warps(step, strides)}, {flash_f32_keys(d, length)}>"
     elif tensor_cores:
-        launch = f"kf_attention_tc<{mask_type}, {d}, {kind}, {flags}, {flash_warps(step, strides)}>"
+        launch = f"kf_attention_tc<{mask_type}, {d}, {kind}, {flags}, {flash_config(step, strides).template_args(d)}>"
     else:
         launch = f"kf_attention<{ctype}, {mask_type}, {d}, {bq}, {bk}, {kind}, {flags}>"
     source = f"""// {step.kernel}: {step.chain(plan.graph)}  (B={b} H={h} KV heads={hk} S={s} L={length} D={d})

@@ -72,8 +72,11 @@ FLASH_STORE = r"""
 FLASH_PRELUDE = r"""
 // ---- bf16 flash attention, FlashAttention-2 style, where q, k and v are contiguous along d with 16-byte aligned
 // rows: WARPS warps x 16 query rows a block (one m16 tile a warp; two, FlashAttention-2's 4 warps x 32 rows, measured
-// slower on every probe shape at stop 40), 64 keys a tile. The query tile arrives once (cp.async) into shared memory
-// and stays in registers as A fragments; key and value tiles stay row-major in shared memory, rows of
+// slower on every probe shape at stop 40), BK keys a tile (64 or 32), at least BLOCKS blocks an SM
+// (__launch_bounds__: the registers a thread may hold). The tiling is kernelfuse.codegen.attention.FlashConfig. The
+// query tile arrives once (cp.async) into shared memory; its A fragments stay in registers for the whole key loop
+// (QREG), or are read again by ldmatrix at each k-step of q k^T (KS x 4 registers fewer, for more blocks an SM); key
+// and value tiles stay row-major in shared memory, rows of
 // kf_attn_bf16_pitch elements (the 8 rows an ldmatrix phase reads fall in distinct banks; a head dim that is an odd
 // multiple of 8 has 8 zero columns after d for the last k16 step of the scores), two of each: tile j + 1's copies fly
 // while tile j is computed. Keys' B fragments come by ldmatrix, values' by ldmatrix.trans (no transposing pass).
@@ -142,11 +145,12 @@ __device__ __forceinline__ void kf_attn_copy_rows(U* dst, const U* src, long lon
       kf_cp_async16(dst + i * DP, r + i < valid ? from + i * stride : src, r + i < valid);
 }
 
-template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, int WARPS>
-__global__ void __launch_bounds__(WARPS * 32, (D <= 64 ? 16 : 8) / WARPS)
+template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, int WARPS, int BK, bool QREG,
+          int BLOCKS>
+__global__ void __launch_bounds__(WARPS * 32, BLOCKS)
     kf_attention_fa2_kernel(const kf_attn_params p, int tiles, bool pairs) {
   // KS: k16 steps over d (the last one half pad where D is an odd multiple of 8); DT: the output's n8 tiles
-  constexpr int THREADS = WARPS * 32, BQ = WARPS * 16, BK = 64, DP = kf_attn_bf16_pitch<D>, NT = BK / 8, DT = D / 8,
+  constexpr int THREADS = WARPS * 32, BQ = WARPS * 16, DP = kf_attn_bf16_pitch<D>, NT = BK / 8, DT = D / 8,
                 KS = (D + 15) / 16;
   constexpr float LOG2E = 1.4426950408889634f;
   KF_DYNAMIC_SHARED(kf_attn_smem);
@@ -171,9 +175,12 @@ __global__ void __launch_bounds__(WARPS * 32, (D <= 64 ? 16 : 8) / WARPS)
   // ldmatrix rows: lane i reads row i % 16 from column 8 * (i / 16) (an A operand; the values' two dim groups), for
   // the keys row i % 8 + 8 * (i / 16) from column 8 * (i / 8 % 2) (the B fragments of two key groups)
   const int arow = lane % 16 * DP + lane / 16 * 8, krow = (lane % 8 + lane / 16 * 8) * DP + lane / 8 % 2 * 8;
-  unsigned int qa[KS][4];  // the warp's query rows as A fragments, every k-step's
+  // the warp's query rows as A fragments: every k-step's (QREG), else the current k-step's
+  const unsigned short* qt = qs + r0 * DP + arow;
+  unsigned int qa[QREG ? KS : 1][4];
+  if constexpr (QREG)
 #pragma unroll
-  for (int kk = 0; kk < KS; ++kk) kf_ldmatrix_x4(qa[kk], qs + r0 * DP + arow + kk * 16);
+    for (int kk = 0; kk < KS; ++kk) kf_ldmatrix_x4(qa[kk], qt + kk * 16);
   float o[DT][4], m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // rows g and g + 8: output, max and sum
 #pragma unroll
   for (int j = 0; j < DT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
@@ -188,14 +195,17 @@ __global__ void __launch_bounds__(WARPS * 32, (D <= 64 ? 16 : 8) / WARPS)
 #pragma unroll
     for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
 #pragma unroll
-    for (int kk = 0; kk < KS; ++kk)
+    for (int kk = 0; kk < KS; ++kk) {
+      if constexpr (!QREG) kf_ldmatrix_x4(qa[0], qt + kk * 16);
+      const unsigned int(&q)[4] = qa[QREG ? kk : 0];
 #pragma unroll
       for (int j = 0; j < NT; j += 2) {  // key groups j and j + 1
         unsigned int kb[4];
         kf_ldmatrix_x4(kb, kt + j * 8 * DP + kk * 16);
-        kf_mma_bf16_16816(s[j], qa[kk], kb[0], kb[1]);
-        kf_mma_bf16_16816(s[j + 1], qa[kk], kb[2], kb[3]);
+        kf_mma_bf16_16816(s[j], q, kb[0], kb[1]);
+        kf_mma_bf16_16816(s[j + 1], q, kb[2], kb[3]);
       }
+    }
     const int rt = q0 + r0;  // the warp's first row
 #pragma unroll
     for (int j = 0; j < NT; ++j)
@@ -238,19 +248,16 @@ __global__ void __launch_bounds__(WARPS * 32, (D <= 64 ? 16 : 8) / WARPS)
   }
   using OutT = unsigned short;
 """ + FLASH_STORE + r"""
-template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, int WARPS>
-cudaError_t kf_attention_fa2(const kf_attn_params& p, int batch, cudaStream_t stream) {
-  return kf_attn_launch<kf_attention_fa2_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, WARPS>>(
-      p, batch, WARPS * 16, WARPS * 32, (WARPS * 16 + 4 * 64) * kf_attn_bf16_pitch<D> * 2, kf_attn_pairs(p, 2),
-      stream);
-}
-
-// WARPS > 0: the flash kernel's blocks, WARPS warps of 16 query rows, where the bases are aligned
-template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, int WARPS>
+// WARPS > 0: the flash kernel (WARPS warps of 16 query rows, BK keys a tile, QREG, BLOCKS) where the bases are
+// aligned
+template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, int WARPS, int BK, bool QREG,
+          int BLOCKS>
 cudaError_t kf_attention_tc(const kf_attn_params& p, int batch, cudaStream_t stream) {
   if constexpr (WARPS > 0)  // the plan's strides suit the flash kernel: it runs where the bases are aligned too
     if (kf_attn_vectorised(p, 2, true))
-      return kf_attention_fa2<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, WARPS>(p, batch, stream);
+      return kf_attn_launch<kf_attention_fa2_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, WARPS, BK, QREG, BLOCKS>>(
+          p, batch, WARPS * 16, WARPS * 32, (WARPS * 16 + 4 * BK) * kf_attn_bf16_pitch<D> * 2, kf_attn_pairs(p, 2),
+          stream);
   return kf_attn_launch<kf_attention_tc_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, RELU>>(
       p, batch, 64, 128, ((64 + 64) * kf_attn_bf16_pitch<D> + D * (64 + 8)) * 2, kf_attn_vectorised(p, 2), stream);
 }
