@@ -259,6 +259,52 @@ def test_collapse_clamps_negative(fn):
     prove(fn, signed(4, 6), rule="collapse_clamps", fires=False)
 
 
+MISH_FORMS = [
+    lambda m, x: x * torch.tanh(F.softplus(x)),
+    lambda m, x: torch.multiply(torch.tanh(F.softplus(x)), x),  # level-2 52's activation
+    lambda m, x: torch.tanh(F.softplus(x, 1.0, 30.0)) * x + 1.0,  # a higher threshold: the same values
+]
+
+
+def _mish_input(*shape: int) -> torch.Tensor:
+    """specials() and the region around softplus's threshold and tanh's saturation (9 to 21)."""
+    t = specials(*shape)
+    flat = t.view(-1)
+    flat[::4] = torch.linspace(8.5, 21.0, flat[::4].numel())
+    return t
+
+
+@pytest.mark.parametrize("fn", MISH_FORMS)
+def test_mish_written_out_exact(fn):
+    r = prove(fn, _mish_input(6, 8), rule="mish_written_out", rtol=0)
+    assert [n.op for n in r.graph.nodes if n.op in ("mish.default", "tanh.default", "softplus.default")] == \
+        ["mish.default"]
+
+
+@pytest.mark.parametrize("fn", MISH_FORMS)
+def test_mish_written_out_exact_in_float32(fn):
+    """float32 too (prove runs float64): within 2 ulp on the CPU, where ATen's vectorised mish, softplus and tanh
+    round differently from each other (its CUDA kernels compute both forms with the same expf, log1pf, tanhf)."""
+    model, x = Fn(fn), _mish_input(6, 8)
+    graph = capture_module(model, [x])
+    result = apply_rules(graph)
+    assert "mish_written_out" in result.rules_fired
+    with torch.no_grad():
+        before, after = run_graph(graph, model, [x]), run_graph(result.graph, model, [x])
+    for b, a in zip(before, after, strict=True):
+        torch.testing.assert_close(a, b, rtol=2.4e-7, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda m, x: x * torch.tanh(F.softplus(x, 2.0)),  # beta 2
+    lambda m, x: x * torch.tanh(F.softplus(x, 1.0, 5.0)),  # a threshold below tanh's saturation
+    lambda m, x: (x + 1.0) * torch.tanh(F.softplus(x)),  # another operand
+    lambda m, x: (x * torch.tanh(F.softplus(x)), torch.tanh(F.softplus(x)) + 1.0),  # the tanh has another reader
+])
+def test_mish_written_out_negative(fn):
+    prove(fn, signed(6, 8), rule="mish_written_out", fires=False)
+
+
 @pytest.mark.parametrize("fn", [
     lambda m, x: torch.sigmoid(x * 1.0),
     lambda m, x: torch.sigmoid(1 * x),

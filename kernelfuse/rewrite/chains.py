@@ -128,6 +128,35 @@ def collapse_clamps(graph: Graph, node: Node) -> Replacement | None:
     return b.done(out, f"{node.op.split('.')[0]}({inner_node.op.split('.')[0]}(x)) = clamp(x, {lo}, {hi})")
 
 
+def mish_written_out(graph: Graph, node: Node) -> Replacement | None:
+    """x * tanh(softplus(x)) (either order of the product) is mish(x): ATen's mish is x * tanh(log1p(exp(x))), and
+    softplus (beta 1) is log1p(exp(x)) up to its threshold; past it (20 or more) softplus is x, where tanh of either
+    is 1 in float32 and float64 (from x = 9.1 and 19.1 on). The same arithmetic, NaN and +-Inf included, in float32
+    and float64 (ATen's CUDA kernels compute both forms with expf, log1pf and tanhf; its vectorised CPU kernels
+    differ by an ulp); other dtypes round the intermediate values, which mish does not. The tanh and softplus must
+    have no other reader, so that they go."""
+    if node.op != "mul.Tensor" or len(node.args) != 2 or not all(isinstance(a, Ref) for a in node.args):
+        return None
+    for t, x in (node.args, node.args[::-1]):
+        tanh = graph[t]
+        if tanh.op != "tanh.default" or single_use(graph, tanh.name) is not node or not isinstance(tanh.args[0], Ref):
+            continue
+        soft = graph[tanh.args[0]]
+        if soft.op != "softplus.default" or soft.keywords or soft.args[0] != x \
+                or single_use(graph, soft.name) is not tanh:
+            continue
+        beta = scalar(soft.args[1]) if len(soft.args) > 1 else 1.0
+        threshold = scalar(soft.args[2]) if len(soft.args) > 2 else 20.0
+        if beta != 1.0 or threshold is None or threshold < 20.0:
+            continue
+        if any(m is None or m.dtype not in (torch.float32, torch.float64) or m != node.meta
+               for m in (graph[x].meta, soft.meta, tanh.meta)):
+            continue
+        b = Builder(graph, node)
+        return b.done(b.add("mish.default", x), "x * tanh(softplus(x)) = mish(x)")
+    return None
+
+
 def double_views(graph: Graph, node: Node) -> Replacement | None:
     """A transpose undone (t(t(x)), transpose(transpose(x, a, b), a, b)), permutes composed into one (or none
     when they cancel), and a view/reshape to the shape its input already has, are x or one view of x. Views

@@ -22,6 +22,7 @@ from kernelfuse.rewrite.chains import (
     collapse_clamps,
     common_subexpressions,
     double_views,
+    mish_written_out,
     neutral_scalars,
     pad_without_padding,
 )
@@ -155,6 +156,7 @@ RULES: tuple[Rule, ...] = (
     _local(pad_without_padding),
     _local(double_views),
     _local(collapse_clamps),
+    _local(mish_written_out),
     _local(size1_reductions),
     _local(reduce_before_monotonic),
     _local(reduce_before_affine),
