@@ -9,6 +9,7 @@ from kernelfuse.verify.float64 import (
     SLACK_REL,
     Float64Check,
     accuracy_ok,
+    as_accurate_as,
     check_float64,
     float64_model,
     max_abs_error,
@@ -25,7 +26,7 @@ from kernelfuse.verify.policy import POLICIES, Policy, get_policy
 
 __all__ = [
     "POISON_BYTE", "POLICIES", "SLACK_FACTOR", "SLACK_REL", "Comparison", "Float64Check", "NumericsFlags", "Policy",
-    "StateCheck", "accuracy_ok", "changed_inputs", "check_float64", "compare_outputs",
+    "StateCheck", "accuracy_ok", "as_accurate_as", "changed_inputs", "check_float64", "compare_outputs",
     "compare_state", "describe", "fingerprint", "flags_applied", "flatten_outputs", "float64_model", "get_policy",
     "inputs_to", "max_abs_error", "max_abs_value", "mean_abs_error", "no_less_accurate", "no_tf32_flags",
     "poison_free_memory", "same_bits", "tf32_flags", "to_float64",

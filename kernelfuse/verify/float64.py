@@ -13,13 +13,14 @@ candidate may differ from eager's rounding, but must not be less accurate than t
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from kernelfuse.verify.compare import CHUNK, flatten_outputs
+from kernelfuse.verify.compare import CHUNK, compare_outputs, flatten_outputs
 
 SLACK_FACTOR = 2.0
 SLACK_REL = 1e-6
@@ -118,6 +119,13 @@ def no_less_accurate(ours: Any, base: Any, ref: Any) -> bool:
     (float64, or fp32 where `base` is bf16). Where rounding at other points than eager is allowed (TF32 eager, bf16
     autocast), the judge and the bf16 CPU check both accept a result outside the tolerance on it."""
     return check_float64(ours, base, base, ref).ok and as_accurate_on_average(ours, base, ref)
+
+
+def as_accurate_as(out: Any, base: Any, ref64: Any) -> bool:
+    """`out` in `base`'s structure with NaN and Inf where `base` has them, and `no_less_accurate` than it against
+    `ref64` over the finite elements: the judge's test of a candidate outside the tolerance of a baseline that is
+    no exact answer itself, and the CPU check's float64 rule."""
+    return compare_outputs(base, out, math.inf, 0.0).ok and no_less_accurate(out, base, ref64)
 
 
 def max_abs_value(out: Any) -> float:
