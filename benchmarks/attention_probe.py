@@ -49,13 +49,16 @@ CASES = (
     Case("L3-30 Swin window", 640, 3, 49, 32, "add"),
     Case("GPT-2 small", 8, 12, 1024, 64, "causal"),
     Case("UNet self-attn", 4, 8, 4096, 40, "none"),
+    Case("Llama-style head dim 128", 4, 32, 1024, 128, "causal"),
 )
 # --flash-configs: tilings of the bf16 flash kernel, kernelfuse.codegen.attention.FlashConfig fields over each case's
-# default. At head dim 96 (ptxas, sm_90) the default's 8 warps hold 196 registers (one block an SM); a min_blocks of
+# default (flash_config's rule: since stop 44 the query fragments come from shared memory at head dims 65-96). At
+# head dim 96 (ptxas, sm_90) 8 warps with the query in registers hold 196 registers (one block an SM); a min_blocks of
 # 2 for 8 warps or 4 for 4 caps a thread at 128: 8 bytes spilled with the query fragments read from shared memory,
 # none with 32-key tiles. 4 warps of 64-key tiles fit 3 blocks an SM by shared memory (65 KB each): 167 registers.
 FLASH_CONFIGS = {
     "default": {},
+    "qreg8": {"warps": 8, "q_in_registers": True, "min_blocks": 0},
     "warps4": {"warps": 4},
     "warps8": {"warps": 8},
     "keys32": {"keys": 32},

@@ -157,10 +157,11 @@ TILING_CASES = {
     "sdpa_causal_s150_l170_d96": (_sdpa(is_causal=True), [_randn(1, 1, 150, 96), _randn(1, 1, 170, 96),
                                                           _randn(1, 1, 170, 96)], "sdpa"),
 }
-# Every tiling but the default (4 warps at the test sizes): 4 or 8 warps, 64- or 32-key tiles, the query fragments in
-# registers or re-read from shared memory (there with registers capped at 128 a thread, as the probe times them)
+# The tilings: 4 or 8 warps, 64- or 32-key tiles, the query fragments in registers or re-read from shared memory
+# (there with registers capped at 128 a thread, as the probe times them); the tests take every one but the case's
+# default, which the other tests run
 FLASH_TILINGS = [FlashConfig(warps, keys, q_in_registers, 0 if q_in_registers else 16 // warps)
-                 for warps in (4, 8) for keys in (64, 32) for q_in_registers in (True, False)][1:]
+                 for warps in (4, 8) for keys in (64, 32) for q_in_registers in (True, False)]
 
 
 def _planned(name: str, dtype: torch.dtype = torch.float32, values: torch.dtype | None = None):
@@ -398,15 +399,27 @@ def test_flash_config_default_is_the_launch_bounds_rule():
     assert FlashConfig(0).template_args(96) == "0, 64, true, 0"  # not the flash kernel: the arguments go unused
 
 
+@pytest.mark.parametrize(("name", "want"), [("sdpa_causal_s150_l170_d96", FlashConfig(4, 64, False, 4)),
+                                             ("sdpa_causal_s150_l170_d40", FlashConfig(4)),
+                                             ("sdpa_causal_d64", FlashConfig(4))])
+def test_flash_config_reads_the_query_from_shared_memory_above_head_dim_64(name, want):
+    """Head dims 65-96 re-read the query fragments from shared memory at 128 registers (two blocks of 8 warps an SM
+    instead of one); up to 64 they stay in registers."""
+    *_, plan = _planned(name, torch.bfloat16)
+    (step,) = plan.steps
+    assert flash_config(step, input_strides(step)) == want
+
+
 def _tiled_plan(name: str, monkeypatch):
-    """(model, inputs, graph, plan) for bf16 `name`, the plan's attention once per FLASH_TILINGS tiling, each its own
-    kernel of one file (flash_config patched to give kernel i tiling i)."""
+    """(model, inputs, graph, plan, tilings) for bf16 `name`: the plan's attention once per FLASH_TILINGS tiling but
+    the case's default, each its own kernel of one file (tilings: kernel name -> tiling; flash_config patched to
+    give each kernel its tiling)."""
     model, inputs, graph, plan = _planned(name, torch.bfloat16)
     (step,) = plan.steps
-    assert flash_config(step, input_strides(step)) == FlashConfig(4)  # the default, which FLASH_TILINGS leaves out
-    tilings = {f"{step.kernel}_t{i}": tiling for i, tiling in enumerate(FLASH_TILINGS)}
+    default = flash_config(step, input_strides(step))
+    tilings = {f"{step.kernel}_t{i}": tiling for i, tiling in enumerate(t for t in FLASH_TILINGS if t != default)}
     monkeypatch.setattr(attention, "flash_config", lambda s, strides: tilings[s.kernel])
-    return model, inputs, graph, replace(plan, steps=tuple(replace(step, kernel=k) for k in tilings))
+    return model, inputs, graph, replace(plan, steps=tuple(replace(step, kernel=k) for k in tilings)), tilings
 
 
 TILED = ["sdpa_causal_s150_l170_d96", "sdpa_causal_s150_l170_d40", "sdpa_bool_mask_d40"]
@@ -418,13 +431,14 @@ def test_emulated_bf16_flash_tilings_match_the_reference(name, tmp_path, monkeyp
     ldmatrix at each k-step) against the float64 reference: the causal diagonal and the tiles a warp sits out at
     either key tile, ragged last tiles, a bool mask with a row that attends to nothing, and head dim 40's zero pad
     columns (re-read with the query fragments) in shared memory that starts NaN-filled."""
-    model, inputs, graph, plan = _tiled_plan(name, monkeypatch)
+    model, inputs, graph, plan, tilings = _tiled_plan(name, monkeypatch)
     with torch.no_grad():
         env = _values(graph, model, inputs)
     kernels = emulated(plan, tmp_path).kernels
     args = [env[i.ref.name] for i in plan.steps[0].inputs]
     reference = attention_reference(plan.steps[0], *args[:3], args[3] if len(args) > 3 else None).float()
-    for step, tiling in zip(plan.steps, FLASH_TILINGS, strict=True):
+    for step in plan.steps:
+        tiling = tilings[step.kernel]
         got = getattr(kernels, step.kernel)(*args)
         torch.testing.assert_close(got.float(), reference, rtol=2e-2, atol=2e-2, equal_nan=True,
                                    msg=lambda m, t=tiling: f"{t}: {m}")
@@ -441,13 +455,13 @@ def test_bf16_flash_tilings_build_with_nvcc_for_sm90(name, tmp_path, monkeypatch
     from kernelfuse.codegen import generate
 
     nvcc = _nvcc()
-    *_, plan = _tiled_plan(name, monkeypatch)
+    *_, plan, tilings = _tiled_plan(name, monkeypatch)
     cu = tmp_path / "attention.cu"
     cu.write_text(generate(plan).cuda)
     result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-O3", "-c", str(cu), "-o", str(tmp_path / "a.o")],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    for tiling in FLASH_TILINGS:
+    for tiling in tilings.values():
         assert f"{tiling.template_args(plan.steps[0].dims[5])}>(p, " in cu.read_text()
 
 
