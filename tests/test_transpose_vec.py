@@ -55,3 +55,38 @@ def test_layout_changes_match_torch(case, tmp_path):
         expected = torch.tanh(acc - model.shift) * 2.0
     assert out.is_contiguous()
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+
+
+class ConvResidual(torch.nn.Module):
+    """A per-channel shift (loaded once for a thread's 4 positions) beside a full-shape residual (per element)."""
+
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(cin, cout, 3, bias=False)
+        self.shift = torch.nn.Parameter(torch.randn(cout, 1, 1))
+
+    def forward(self, x, residual):
+        return torch.sigmoid(self.conv(x) * self.shift) + residual
+
+
+@pytest.mark.parametrize("case", ["vector", "tiles"])
+def test_vector_epilogue_loads_plane_constant_operands_once(case, tmp_path):
+    """The 16-byte epilogue takes the per-channel operand as one value for a thread's 4 positions and the
+    residual per element: both against torch, over several tiles and samples."""
+    shape, cout = CASES[case]
+    torch.manual_seed(1)
+    model = ConvResidual(shape[1], cout).eval()
+    x = torch.randn(shape)
+    residual = torch.randn(shape[0], cout, shape[2] - 2, shape[3] - 2)
+    plan = make_plan(capture_module(model, [x, residual]), PlanOptions(conv_layout="nhwc"))
+    (step,) = plan.fused
+    cuda = generate(plan).cuda
+    assert f"{step.kernel}_apply_h(" in cuda and "float in0_h" in cuda and "in1_h" not in cuda
+    emu = emulated(plan, tmp_path)
+    with torch.no_grad():
+        acc = torch.nn.functional.conv2d(x, model.conv.weight).contiguous(memory_format=torch.channels_last)
+        shift = model.shift.detach()
+        args = [shift if tuple(o.meta.shape) == tuple(shift.shape) else residual for o in step.epilogue.operands]
+        out = getattr(emu.kernels, step.kernel)(acc, *args)
+        expected = torch.sigmoid(acc * model.shift) + residual
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)

@@ -91,11 +91,15 @@ def _rounded(expr: str, ctype: str) -> str:
     return f"kf_load(kf_store<{ctype}>({expr}))"
 
 
-def apply_function(k: str, epi: Epilogue, ctype: str, index_t: str) -> str:
-    """`float k0_apply(float acc, index_t i, operands...)`: the epilogue at logical output index i."""
+def apply_function(k: str, epi: Epilogue, ctype: str, index_t: str, hoisted: tuple[int, ...] = ()) -> str:
+    """`float k0_apply(float acc, index_t i, operands...)`: the epilogue at logical output index i. With
+    `hoisted` operand numbers, `k0_apply_h(..., float in{j}_h...)` instead: those operands come in as values the
+    caller loaded once for several elements that share their offset."""
     params = "".join(f", const {ctype}* __restrict__ in{i}_p" for i in range(len(epi.operands)))
+    params += "".join(f", float in{j}_h" for j in hoisted)
     offsets = {f"in{i}": offset_expr(o.strides, epi.out.shape) for i, o in enumerate(epi.operands)}
-    lines = [f"__device__ __forceinline__ float {k}_apply(float acc, {index_t} i{params}) {{"]
-    lines += program_lines(epi, "acc", offsets, "", "  ", ctype)
+    name = f"{k}_apply_h" if hoisted else f"{k}_apply"
+    lines = [f"__device__ __forceinline__ float {name}(float acc, {index_t} i{params}) {{"]
+    lines += program_lines(epi, "acc", offsets, "", "  ", ctype, {f"in{j}": f"in{j}_h" for j in hoisted})
     lines += ["  return result;", "}"]
     return "\n".join(lines) + "\n"

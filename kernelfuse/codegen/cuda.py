@@ -18,14 +18,14 @@ from kernelfuse.codegen.attention import render_attention
 from kernelfuse.codegen.attention_flash import FLASH_PRELUDE
 from kernelfuse.codegen.attention_prelude import ATTENTION_PRELUDE
 from kernelfuse.codegen.binding import Binding, kernels_class, pointer_launcher, py_tuple
-from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, apply_function, channels_last_format
+from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, apply_function, channels_last_format, offset_expr
 from kernelfuse.codegen.conv_igemm import IGEMM_PRELUDE, dense_kernel, render_conv
 from kernelfuse.codegen.conv_tc import CONV_TC_PRELUDE
 from kernelfuse.codegen.gemm_tc import GEMM_PRELUDE, render_gemm
 from kernelfuse.codegen.generated import REDUCE_PRELUDE, keeps_rows_on_chip, render_generated
 from kernelfuse.codegen.onchip import ONCHIP_PRELUDE
 from kernelfuse.ops import POINTWISE_BY_ATEN, prelude_for
-from kernelfuse.plan.ir import FusedStep, Plan
+from kernelfuse.plan.ir import Epilogue, FusedStep, Plan
 
 THREADS = 256
 MAX_BLOCKS = 1 << 20  # kf_blocks' cap on the grid of the flat kernels
@@ -262,7 +262,10 @@ def _step_sources(plan: Plan, step: FusedStep, tile: int) -> tuple[str, Binding]
     if step.anchor.layout == "nhwc":
         body = _transpose_kernel(k, out, ctype, index_t, operand_params, operand_args, tile)
         if _vector_transpose(out):
-            body += _transpose_kernel_vec(k, out, index_t, operand_params, operand_args)
+            hoisted = _plane_invariant(epi)
+            if hoisted:
+                apply_fn += apply_function(k, epi, ctype, index_t, hoisted)
+            body += _transpose_kernel_vec(k, epi, index_t, operand_params, operand_args, hoisted)
     else:
         body = _flat_kernel(k, out, ctype, index_t, operand_params, operand_args)
     launch_params = "".join(f", const void* in{i}" for i in range(len(epi.operands)))
@@ -332,13 +335,26 @@ def _vector_transpose(out: TensorMeta) -> bool:
     return out.dtype == torch.float32 and len(out.shape) >= 3 and c % 4 == 0 and hw % 4 == 0 and out.numel > 0
 
 
-def _transpose_kernel_vec(k: str, out: TensorMeta, index_t: str, operand_params: str, operand_args: str) -> str:
+def _plane_invariant(epi: Epilogue) -> tuple[int, ...]:
+    """The epilogue's operands constant over each (n, c) plane (per-channel or per-sample: a bias, a scale): the
+    vector kernel loads each once for a thread's 4 positions instead of finding its offset per element."""
+    planes = [d for d, size in enumerate(epi.out.shape) if d >= 2 and size != 1]
+    return tuple(j for j, o in enumerate(epi.operands) if all(o.strides[d] == 0 for d in planes))
+
+
+def _transpose_kernel_vec(k: str, epi: Epilogue, index_t: str, operand_params: str, operand_args: str,
+                          hoisted: tuple[int, ...]) -> str:
     """The transposed epilogue with 16-byte accesses: a block takes 32 channels x 64 positions, reads each
     pixel's 4 channels as one float4 and writes each channel's 4 positions as one float4 (level-2 54: the 32 x 32
-    scalar tile moved its 2.1 GB in 0.80 ms, torch.compile's Triton kernel in 0.56, H200)."""
+    scalar tile moved its 2.1 GB in 0.80 ms, torch.compile's Triton kernel in 0.56, H200). A thread's 4 positions
+    share a plane: the `hoisted` operands (per channel or sample) are loaded once for them."""
+    out = epi.out
     n, c = out.shape[0], out.shape[1]
     hw = out.numel // max(n * c, 1)
-    apply = lambda e, v: f"{k}_apply({v}, i + {e}{operand_args})"  # noqa: E731
+    preload = "".join(f"\n      const float in{j}_h = kf_load(in{j}[{offset_expr(epi.operands[j].strides, out.shape)}]);"
+                      for j in hoisted)
+    name, extra = (f"{k}_apply_h", "".join(f", in{j}_h" for j in hoisted)) if hoisted else (f"{k}_apply", "")
+    apply = lambda e, v: f"{name}({v}, i + {e}{operand_args}{extra})"  # noqa: E731
     return f"""
 // The same with 16-byte accesses both ways: a block is 32 channels x 64 positions; the launcher picks it where
 // both pointers are 16-byte aligned.
@@ -363,7 +379,7 @@ __global__ void __launch_bounds__({THREADS}) {k}_kernel_v(const float* __restric
   for (int j = 0; j < 2; ++j) {{  // a thread's channel, 4 positions of it
     const int t = threadIdx.x + j * {THREADS}, r = t >> 4, h = (t & 15) * 4;
     if (hw0 + h < HW && c0 + r < C) {{
-      const {index_t} i = base + ({index_t})(c0 + r) * HW + hw0 + h;
+      const {index_t} i = base + ({index_t})(c0 + r) * HW + hw0 + h;{preload}
       float4 v;
       v.x = {apply(0, "tile[r][h]")};
       v.y = {apply(1, "tile[r][h + 1]")};
