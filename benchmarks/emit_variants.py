@@ -6,23 +6,30 @@ needs their files:
     PYTHONPATH=. python benchmarks/kernel_profile.py PROBLEM.py OUT_DIR/<name>__<variant>.py --compile
 Files are named `<problem>__<variant>.py` (strict precision unless --precision says otherwise, captured under
 autocast for bf16 as optimize does; no convolution layouts measured: the default ones).
+
+`--onchip 512x48,256x24,...` writes each plan that has an on-chip row kernel (kernelfuse.codegen.onchip) once per
+tiling as well, `<problem>__<variant>__onchip<threads>x<chunk KB>.py`: the block's threads and its chunk of the row
+in KB (today's 512 x 48), to time them against each other with `kernelfuse eval PROBLEM FILE --baselines ''`.
 """
 
 from __future__ import annotations
 
 import sys
+from contextlib import ExitStack
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 
 from kernelfuse.capture import build_model, capture
+from kernelfuse.codegen import onchip, reduce
 from kernelfuse.load import load_problem
 from kernelfuse.pipeline import emit_file
 from kernelfuse.plan import optimizer_variants
 from kernelfuse.rewrite import apply_rules
 
 
-def main(out: Path, problems: list[str], precision: str = "strict") -> None:
+def main(out: Path, problems: list[str], precision: str = "strict", tilings: tuple[str, ...] = ()) -> None:
     out.mkdir(parents=True, exist_ok=True)
     autocast = torch.bfloat16 if precision == "bf16" else None
     for path in problems:
@@ -30,8 +37,26 @@ def main(out: Path, problems: list[str], precision: str = "strict") -> None:
         graph = apply_rules(capture(problem, build_model(problem), autocast=autocast)).graph
         for plan in optimizer_variants(graph, precision):
             target = out / f"{problem.name}__{plan.variant}.py"
-            target.write_text(emit_file(problem, plan, f"variant {plan.variant}, written for profiling"))
+            text = emit_file(problem, plan, f"variant {plan.variant}, written for profiling")
+            target.write_text(text)
             print(target)
+            if "_onchip_kernel" not in text:
+                continue
+            for tiling in tilings:
+                with onchip_tiling(tiling):
+                    target = out / f"{problem.name}__{plan.variant}__onchip{tiling}.py"
+                    target.write_text(emit_file(problem, plan, f"variant {plan.variant}, on-chip tiling {tiling}"))
+                print(target)
+
+
+def onchip_tiling(tiling: str) -> ExitStack:
+    """The on-chip row kernel's block threads and chunk bytes set from `THREADSxKB` while the stack is open."""
+    threads, kb = (int(x) for x in tiling.split("x"))
+    stack = ExitStack()
+    stack.enter_context(patch.object(onchip, "ONCHIP_THREADS", threads))
+    stack.enter_context(patch.object(reduce, "ONCHIP_THREADS", threads))
+    stack.enter_context(patch.object(onchip, "CHUNK_BYTES", kb * 1024))
+    return stack
 
 
 if __name__ == "__main__":
@@ -41,6 +66,11 @@ if __name__ == "__main__":
         at = argv.index("--precision")
         chosen = argv[at + 1]
         del argv[at:at + 2]
+    onchip_tilings: tuple[str, ...] = ()
+    if "--onchip" in argv:
+        at = argv.index("--onchip")
+        onchip_tilings = tuple(argv[at + 1].split(","))
+        del argv[at:at + 2]
     if len(argv) < 2:
         sys.exit(__doc__)
-    main(Path(argv[0]), argv[1:], chosen)
+    main(Path(argv[0]), argv[1:], chosen, onchip_tilings)
