@@ -1,10 +1,11 @@
 """cuDNN's graph API as the convolution-with-epilogue route (issue 22's third candidate), measured on the GPU.
 
 For each problem's first Conv2d, with its shapes: cuDNN's runtime-fusion graph (conv_fprop, then the epilogue as
-pointwise nodes in the same graph) against torch's channels-last convolution alone (the bare anchor) and eager's
-whole chain. Two epilogues: level-2 54's (bias, times a per-channel tensor, leaky ReLU, GELU) and 4's (bias, mish,
-mish written as x tanh(softplus(x))). Output channels-last and NCHW. Reports ms (CUDA events, median), plan build
-seconds and max error against float64, beside eager's.
+pointwise nodes in the same graph, and once more with genstats: the per-channel sum and sum of squares a training
+batch norm needs, from the same kernel) against torch's channels-last convolution alone (the bare anchor) and
+eager's whole chain. Two epilogues: level-2 54's (bias, times a per-channel tensor, leaky ReLU, GELU) and 4's
+(bias, mish, mish written as x tanh(softplus(x))). Output channels-last and NCHW. Reports ms (CUDA events, median),
+plan build seconds and max error against float64, beside eager's.
 
 Needs `pip install 'kernelfuse[cudnn-graph]'` (nvidia-cudnn-frontend's `cudnn` module, imported after torch so that
 it uses torch's bundled libcudnn). Run from the repo root on the GPU machine:
@@ -50,8 +51,10 @@ def _torch4(y, m):
 EPILOGUES = {"54-chain": (_chain54, _torch54), "mish-mish": (_chain4, _torch4), "bare": (None, None)}
 
 
-def graph_conv(cudnn, x, w, b, m, conv: torch.nn.Conv2d, epilogue: Callable | None, out_layout: str):
-    """(run(), output tensor, build seconds) of one cuDNN graph: conv_fprop [+ bias + epilogue]."""
+def graph_conv(cudnn, x, w, b, m, conv: torch.nn.Conv2d, epilogue: Callable | None, out_layout: str,
+               stats: bool = False):
+    """(run(), output tensor, build seconds, (per-channel sum, sum of squares) or None) of one cuDNN graph:
+    conv_fprop [+ bias + epilogue] [+ genstats: the statistics a training batch norm needs, from the same kernel]."""
     handle = cudnn.create_handle()
     cudnn.set_stream(handle, torch.cuda.current_stream().cuda_stream)
     g = cudnn.pygraph(io_data_type=cudnn.data_type.FLOAT, intermediate_data_type=cudnn.data_type.FLOAT,
@@ -73,6 +76,9 @@ def graph_conv(cudnn, x, w, b, m, conv: torch.nn.Conv2d, epilogue: Callable | No
     if out_layout == "nhwc":
         out = out.contiguous(memory_format=torch.channels_last)
     y.set_output(True).set_dim(list(out.size())).set_stride(list(out.stride())).set_data_type(cudnn.data_type.FLOAT)
+    totals = g.genstats(input=y) if stats else ()
+    for total in totals:
+        total.set_output(True).set_dim([1, k, 1, 1]).set_stride([k, 1, k, k]).set_data_type(cudnn.data_type.FLOAT)
     start = time.perf_counter()
     g.validate()
     g.build_operation_graph()
@@ -82,7 +88,11 @@ def graph_conv(cudnn, x, w, b, m, conv: torch.nn.Conv2d, epilogue: Callable | No
     built = time.perf_counter() - start
     workspace = torch.empty(max(g.get_workspace_size(), 1), device="cuda", dtype=torch.uint8)
     feeds[y] = out
-    return (lambda: g.execute(feeds, workspace, handle=handle)), out, built
+    sums = None
+    if stats:
+        sums = tuple(torch.empty(1, k, 1, 1, device="cuda") for _ in range(2))
+        feeds.update({total: t for total, t in zip(totals, sums, strict=True)})
+    return (lambda: g.execute(feeds, workspace, handle=handle)), out, built, sums
 
 
 def _kernels(run: Callable) -> str:
@@ -119,17 +129,23 @@ def probe(path: str, cudnn) -> None:
             print(f"| {label} | eager, NCHW | {median_event_ms(eager):.3f} | | {eager_err:.2e} | |")
         else:
             ref, eager_err = ref_conv - conv.bias.double().reshape(1, k, 1, 1), None
-        for layout in ("nhwc", "nchw"):
+        for layout, stats in (("nhwc", False), ("nchw", False), ("nhwc", True)):
+            what = f"cuDNN graph, out {layout}{' + genstats' if stats else ''}"
             try:
-                run, out, built = graph_conv(cudnn, xl, wl, b, m, conv, epi, layout)
+                run, out, built, sums = graph_conv(cudnn, xl, wl, b, m, conv, epi, layout, stats)
                 run()
                 torch.cuda.synchronize()
                 err = (out.double() - ref).abs().max().item()
                 eager_col = f"{eager_err:.2e}" if eager_err is not None else ""
-                print(f"| {label} | cuDNN graph, out {layout} ({_kernels(run)}) | {median_event_ms(run):.3f} | "
+                if sums is not None:  # relative errors of the channel sums and sums of squares against float64
+                    want = (ref.sum((0, 2, 3)), (ref * ref).sum((0, 2, 3)))
+                    rel = [((got.double().flatten() - expect).abs() / expect.abs().clamp_min(1e-30)).max().item()
+                           for got, expect in zip(sums, want, strict=True)]
+                    eager_col += f" (stats rel. err {rel[0]:.1e}, {rel[1]:.1e})"
+                print(f"| {label} | {what} ({_kernels(run)}) | {median_event_ms(run):.3f} | "
                       f"{built:.2f} | {err:.2e} | {eager_col} |")
             except Exception as e:  # noqa: BLE001 - a probe: an unsupported graph is a result
-                print(f"| {label} | cuDNN graph, out {layout} | n/a | | {str(e).splitlines()[0][:160]} | |")
+                print(f"| {label} | {what} | n/a | | {str(e).splitlines()[0][:160]} | |")
         sys.stdout.flush()
 
 
