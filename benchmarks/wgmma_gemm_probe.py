@@ -1,0 +1,238 @@
+"""A 3xTF32 GEMM on Hopper's wgmma, measured against cuBLAS (strict fp32 and TF32) and float64: is the warpgroup
+instruction the way past cuBLAS's fp32 SGEMM for the Linear layers of the strict policy?
+
+Our mma.sync 3xTF32 kernel (kernelfuse.codegen.gemm_tc) runs at 0.93-1.03x of cuBLAS's fp32 GEMM (stop 43). wgmma
+issues 64 x N x 8 products per warpgroup from shared-memory descriptors; at a third of the TF32 tensor rate the
+3xTF32 product still has about twice the FP32 FMA rate to spend. This probe is the kernel alone, not yet a plan
+anchor: C = A Bᵀ (A M x K, B N x K, both row-major, as nn.Linear), M and N multiples of 128, K of 32.
+
+The kernel: 128 x 128 tiles, two consumer warpgroups of 64 rows, K in stages of 32 through a 3-deep cp.async ring.
+B's stage lands in shared memory in the 128-byte swizzled K-major layout wgmma's descriptors read; every thread
+then splits it in place, position by position, into its TF32-rounded big part and the rounded remainder (a second
+tile). A's fragments come from a padded (conflict-free) tile into registers and split there. Per 8-deep k step
+three wgmma.m64n128k8: small x big, big x small, big x big; each stage's products go to a fresh accumulator that
+is then added to the running sum in fp32 (the tensor cores' accumulation truncates: stop 41). SPLIT 1 is plain
+TF32 (big x big only, accumulated across stages) for the raw rate.
+
+Run on the GPU machine from the repo root (builds for sm_90a):
+    PYTHONPATH=. python benchmarks/wgmma_gemm_probe.py > $OUT/wgmma_gemm_probe.md
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.utils.cpp_extension import load_inline
+
+from kernelfuse.bench.timer import median_event_ms
+
+SHAPES = [(1024, 8192, 8192), (2048, 8192, 8192), (4096, 4096, 4096), (128, 4096, 4096)]
+
+
+def _accumulator_operands(name: str, first: int) -> tuple[str, str]:
+    """(the PTX register list {%first, ...} of 64 floats, the asm operand list "+f"(name[0]), ...)."""
+    regs = ", ".join(f"%{first + i}" for i in range(64))
+    ops = ", ".join(f'"+f"({name}[{i}])' for i in range(64))
+    return "{" + regs + "}", ops
+
+
+_D_REGS, _D_OPS = _accumulator_operands("d", 0)
+
+CUDA = r"""
+#include <torch/extension.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+constexpr int BM = 128, BN = 128, BK = 32, STAGES = 3, THREADS = 256;
+constexpr int A_PITCH = BK + 4;                          // floats a row of the A tile: fragment reads conflict-free
+constexpr int B_TILE = BN * BK;                          // floats of one B tile (128 rows of 128 bytes, swizzled)
+constexpr int STAGE_FLOATS = 2 * B_TILE + BM * A_PITCH;  // B big | B small | A: 51200 bytes, a multiple of 1024
+constexpr int SMEM_BYTES = STAGES * STAGE_FLOATS * 4 + 1024;
+
+__device__ __forceinline__ float tf32_round(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
+  return __uint_as_float(r);
+}
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+// wgmma's shared-memory matrix descriptor: K-major rows of 128 bytes, 128-byte swizzle, 8-row groups 1024 bytes apart
+__device__ __forceinline__ uint64_t b_descriptor(const float* tile, int k_step) {
+  const uint64_t addr = (unsigned)__cvta_generic_to_shared(tile) + k_step * 32;
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
+__device__ __forceinline__ void wgmma_tf32(float (&d)[64], const uint32_t (&a)[4], uint64_t desc, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 D_REGS, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      : D_OPS
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+}
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+
+// One stage's tiles, k0 on: B's rows swizzled (16-byte chunk c of row r at chunk c ^ (r % 8)), A's padded.
+__device__ __forceinline__ void load_stage(float* stage, const float* A, const float* B, int K, int m0, int n0,
+                                           int k0) {
+  float* b = stage;
+  float* a = stage + 2 * B_TILE;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int q = threadIdx.x + i * THREADS, r = q >> 3, c = q & 7;
+    cp_async16(b + r * BK + ((c ^ (r & 7)) << 2), B + (size_t)(n0 + r) * K + k0 + c * 4);
+    cp_async16(a + r * A_PITCH + c * 4, A + (size_t)(m0 + r) * K + k0 + c * 4);
+  }
+}
+
+template <int SPLIT>
+__global__ void __launch_bounds__(THREADS, 1) gemm_wgmma(const float* __restrict__ A, const float* __restrict__ B,
+                                                         float* __restrict__ C, int M, int N, int K) {
+  extern __shared__ float smem_raw[];
+  float* smem = reinterpret_cast<float*>(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);  // 1024-aligned: swizzle
+  const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int KT = K / BK;
+  float total[64], d[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) total[i] = 0.0f;
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < KT) load_stage(smem + s * STAGE_FLOATS, A, B, K, m0, n0, s * BK);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < KT; ++kt) {
+    cp_async_wait<STAGES - 2>();
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async's writes, then wgmma's async reads
+    __syncthreads();  // the stage is in; every warpgroup is done with the slot the next load overwrites
+    if (kt + STAGES - 1 < KT)
+      load_stage(smem + ((kt + STAGES - 1) % STAGES) * STAGE_FLOATS, A, B, K, m0, n0, (kt + STAGES - 1) * BK);
+    cp_async_commit();
+    float* stage = smem + (kt % STAGES) * STAGE_FLOATS;
+    float* b_big = stage;
+    float* b_small = stage + B_TILE;
+    const float* a_tile = stage + 2 * B_TILE;
+    if (SPLIT == 3) {  // B split in place, position by position (the swizzle does not matter)
+#pragma unroll
+      for (int i = 0; i < B_TILE / 4 / THREADS; ++i) {
+        const int q = (threadIdx.x + i * THREADS) * 4;
+        const float4 v = *reinterpret_cast<const float4*>(b_big + q);
+        const float4 big = make_float4(tf32_round(v.x), tf32_round(v.y), tf32_round(v.z), tf32_round(v.w));
+        const float4 small = make_float4(tf32_round(v.x - big.x), tf32_round(v.y - big.y), tf32_round(v.z - big.z),
+                                         tf32_round(v.w - big.w));
+        *reinterpret_cast<float4*>(b_big + q) = big;
+        *reinterpret_cast<float4*>(b_small + q) = small;
+      }
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic stores, then wgmma's async reads
+      __syncthreads();
+    }
+    const int row = wg * 64 + warp * 16 + g;
+    uint32_t a_big[4][4], a_small[4][4];
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      const float raw[4] = {a_tile[row * A_PITCH + ks * 8 + t], a_tile[(row + 8) * A_PITCH + ks * 8 + t],
+                            a_tile[row * A_PITCH + ks * 8 + t + 4], a_tile[(row + 8) * A_PITCH + ks * 8 + t + 4]};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float big = tf32_round(raw[j]);
+        a_big[ks][j] = __float_as_uint(big);
+        a_small[ks][j] = __float_as_uint(tf32_round(raw[j] - big));
+      }
+    }
+    wgmma_fence();
+    if (SPLIT == 3) {
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) {
+        wgmma_tf32(d, a_small[ks], b_descriptor(b_big, ks), ks > 0);
+        wgmma_tf32(d, a_big[ks], b_descriptor(b_small, ks), 1);
+        wgmma_tf32(d, a_big[ks], b_descriptor(b_big, ks), 1);
+      }
+    } else {
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) wgmma_tf32(total, a_big[ks], b_descriptor(b_big, ks), kt > 0 || ks > 0);
+    }
+    wgmma_commit();
+    wgmma_wait();
+    if (SPLIT == 3) {
+#pragma unroll
+      for (int i = 0; i < 64; ++i) total[i] += d[i];
+    }
+  }
+  // accumulator fragment of m64n128: n8 block j holds (row g, cols 8j + 2t, +1) and (row g + 8, the same cols)
+  const int row = m0 + wg * 64 + warp * 16 + g;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const int col = n0 + 8 * j + 2 * t;
+    *reinterpret_cast<float2*>(C + (size_t)row * N + col) = make_float2(total[4 * j], total[4 * j + 1]);
+    *reinterpret_cast<float2*>(C + (size_t)(row + 8) * N + col) = make_float2(total[4 * j + 2], total[4 * j + 3]);
+  }
+}
+}  // namespace
+
+void run(torch::Tensor a, torch::Tensor b, torch::Tensor c, int64_t split) {
+  const int M = a.size(0), K = a.size(1), N = b.size(0);
+  TORCH_CHECK(M % BM == 0 && N % BN == 0 && K % BK == 0, "the probe's kernel takes M, N % 128 == 0, K % 32 == 0");
+  auto kernel = split == 3 ? gemm_wgmma<3> : gemm_wgmma<1>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
+  kernel<<<dim3(N / BN, M / BM), THREADS, SMEM_BYTES, c10::cuda::getCurrentCUDAStream()>>>(
+      a.data_ptr<float>(), b.data_ptr<float>(), c.data_ptr<float>(), M, N, K);
+  TORCH_CHECK(cudaGetLastError() == cudaSuccess, "launch failed");
+}
+""".replace("D_REGS", _D_REGS).replace("D_OPS", _D_OPS)
+
+
+def build():
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")  # wgmma needs the arch-specific target
+    return load_inline("kf_wgmma_gemm_probe", cpp_sources="void run(torch::Tensor a, torch::Tensor b, torch::Tensor c, "
+                       "int64_t split);", cuda_sources=CUDA, functions=["run"], extra_cuda_cflags=["-O3"])
+
+
+def main() -> None:
+    ext = build()
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; TFLOP/s = 2MNK / time; error = max |C - "
+          "float64| / max |float64|\n")
+    print("| M x N x K | method | ms | TFLOP/s | rel. max error | error / cuBLAS fp32's |\n|---|---|---|---|---|---|")
+    for m, n, k in SHAPES:
+        probe_shape(ext, m, n, k)
+
+
+def probe_shape(ext, m: int, n: int, k: int) -> None:
+    """One shape's rows: cuBLAS in fp32 and TF32, the wgmma kernel in 3xTF32 and TF32."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(m, k, device="cuda", generator=g)
+    b = torch.randn(n, k, device="cuda", generator=g) / k ** 0.5
+    ref = a.double() @ b.double().T
+    scale = ref.abs().max().item()
+    c = torch.empty(m, n, device="cuda")
+
+    def cublas(tf32: bool):
+        def call():
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            return a @ b.T
+        return call
+
+    rows = [("cuBLAS fp32 (eager, strict)", cublas(False)), ("cuBLAS TF32", cublas(True)),
+            ("wgmma 3xTF32", lambda: ext.run(a, b, c, 3)), ("wgmma TF32", lambda: ext.run(a, b, c, 1))]
+    base_err = None
+    for label, call in rows:
+        out = call()
+        out = c if out is None else out
+        err = (out.double() - ref).abs().max().item() / scale
+        base_err = base_err or err
+        ms = median_event_ms(call, 10)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        print(f"| {m} x {n} x {k} | {label} | {ms:.3f} | {2 * m * n * k / ms / 1e9:.0f} | {err:.2e} | "
+              f"{err / base_err:.2f} |", flush=True)
+
+if __name__ == "__main__":
+    main()
