@@ -197,8 +197,32 @@ def build():
                        "int64_t split);", cuda_sources=CUDA, functions=["run"], extra_cuda_cflags=["-O3"])
 
 
+def layout_check(ext) -> None:
+    """Exact integer products that name their operands: A one-hot (A[m][k] = 1 where k = m % 32), B[n][k] =
+    (n % 16) * 64 + k, small enough for TF32. C[m][n] then names the B element each output read; the first
+    mismatches are printed decoded, so that a wrong fragment or swizzle shows which rows and columns it mixed up."""
+    m, n, k = 128, 256, 64
+    a = torch.zeros(m, k, device="cuda")
+    rows = torch.arange(m, device="cuda")
+    a[rows, rows % 32] = 1.0
+    nn, kk = torch.meshgrid(torch.arange(n, device="cuda"), torch.arange(k, device="cuda"), indexing="ij")
+    b = ((nn % 16) * 64 + kk % 64).float()
+    want = a @ b.T
+    for split in (1, 3):
+        c = torch.full((m, n), float("nan"), device="cuda")
+        ext.run(a, b, c, split)
+        torch.cuda.synchronize()
+        bad = (c != want).nonzero()
+        print(f"layout check, SPLIT {split}: {'ok' if len(bad) == 0 else f'{len(bad)} of {m * n} wrong'}")
+        for i, j in bad[:12].tolist():
+            got = c[i, j].item()
+            print(f"  C[{i}][{j}] = {got:g} (B row % 16 = {int(got) // 64 if got == got else '?'}, k = "
+                  f"{int(got) % 64 if got == got else '?'}), want {want[i, j].item():g}")
+
+
 def main() -> None:
     ext = build()
+    layout_check(ext)
     print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; TFLOP/s = 2MNK / time; error = max |C - "
           "float64| / max |float64|\n")
     print("| M x N x K | method | ms | TFLOP/s | rel. max error | error / cuBLAS fp32's |\n|---|---|---|---|---|---|")
