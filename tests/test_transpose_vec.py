@@ -1,6 +1,7 @@
-"""The channels-last plan's layout changes on the CPU (tests/emulation_helpers.py): the NCHW -> channels-last copy
-of a convolution's input and the epilogue that writes the channels-last result back as NCHW, in their 16-byte
-form (fp32, channel and plane sizes multiples of 4) and their scalar form, against torch on the same values."""
+"""The library anchors' epilogue kernels on the CPU (tests/emulation_helpers.py): the channels-last plan's layout
+changes (the NCHW -> channels-last copy of a convolution's input, the epilogue that writes the channels-last result
+back as NCHW) in their 16-byte form (fp32, channel and plane sizes multiples of 4) and their scalar form, and the
+NCHW / matmul (flat) epilogue; operands constant over a 16-byte vector loaded once for it. Against torch."""
 
 from __future__ import annotations
 
@@ -89,4 +90,62 @@ def test_vector_epilogue_loads_plane_constant_operands_once(case, tmp_path):
         args = [shift if tuple(o.meta.shape) == tuple(shift.shape) else residual for o in step.epilogue.operands]
         out = getattr(emu.kernels, step.kernel)(acc, *args)
         expected = torch.sigmoid(acc * model.shift) + residual
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+
+
+class LinearEpilogue(torch.nn.Module):
+    """A per-row scale (one value for a vector's 4 columns) beside a per-column bias (one per element)."""
+
+    def __init__(self, k: int, n: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(n, k))
+        self.bias = torch.nn.Parameter(torch.randn(n))
+
+    def forward(self, x, row_scale):
+        return torch.tanh((x @ self.weight.T + self.bias) * row_scale)
+
+
+@pytest.mark.parametrize("case", ["vector", "tiles", "scalar"])
+def test_flat_epilogue_loads_vector_constant_operands_once(case, tmp_path):
+    """The NCHW (flat) epilogue: the per-channel shift is loaded once for a 16-byte vector where the plane is a
+    multiple of 4 elements (60 and 120 positions, rows of 10 and 12: a vector may cross a row), per element where
+    it is not (35 positions); the full-shape residual always per element. Both against torch."""
+    shape, cout = CASES[case]
+    torch.manual_seed(2)
+    model = ConvResidual(shape[1], cout).eval()
+    x = torch.randn(shape)
+    residual = torch.randn(shape[0], cout, shape[2] - 2, shape[3] - 2)
+    plan = make_plan(capture_module(model, [x, residual]), PlanOptions(conv_layout="nchw"))
+    (step,) = plan.fused
+    assert step.anchor.layout == "nchw"
+    cuda = generate(plan).cuda
+    assert (f"{step.kernel}_apply_h(" in cuda) == (case != "scalar") and "in1_h" not in cuda
+    emu = emulated(plan, tmp_path)
+    with torch.no_grad():
+        acc = torch.nn.functional.conv2d(x, model.conv.weight)
+        shift = model.shift.detach()
+        args = [shift if tuple(o.meta.shape) == tuple(shift.shape) else residual for o in step.epilogue.operands]
+        out = getattr(emu.kernels, step.kernel)(acc.clone(), *args)  # in place: the NCHW epilogue writes acc
+        expected = torch.sigmoid(acc * model.shift) + residual
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_flat_epilogue_of_a_matmul_hoists_the_row_operand_only(tmp_path):
+    """A GEMM output (M, N): a vector is 4 columns of one row, so the per-row scale is loaded once for it and the
+    per-column bias per element."""
+    torch.manual_seed(3)
+    model = LinearEpilogue(16, 12).eval()
+    x, row_scale = torch.randn(8, 16), torch.randn(8, 1)
+    plan = make_plan(capture_module(model, [x, row_scale]))
+    (step,) = plan.fused
+    cuda = generate(plan).cuda
+    hoisted = [o.meta.shape for j, o in enumerate(step.epilogue.operands) if f"float in{j}_h" in cuda]
+    assert hoisted == [torch.Size([8, 1])], hoisted
+    emu = emulated(plan, tmp_path)
+    with torch.no_grad():
+        acc = x @ model.weight.T
+        named = {(12,): model.bias.detach(), (8, 1): row_scale}
+        operands = [named[tuple(o.meta.shape)] for o in step.epilogue.operands]
+        out = getattr(emu.kernels, step.kernel)(acc.clone(), *operands)
+        expected = torch.tanh((acc + model.bias) * row_scale)
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)

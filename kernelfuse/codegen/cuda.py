@@ -262,20 +262,36 @@ def _step_sources(plan: Plan, step: FusedStep, tile: int) -> tuple[str, Binding]
     if step.anchor.layout == "nhwc":
         body = _transpose_kernel(k, out, ctype, index_t, operand_params, operand_args, tile)
         if _vector_transpose(out):
-            hoisted = _plane_invariant(epi)
+            hoisted = _vector_invariant(epi, 4)
             if hoisted:
                 apply_fn += apply_function(k, epi, ctype, index_t, hoisted)
             body += _transpose_kernel_vec(k, epi, index_t, operand_params, operand_args, hoisted)
     else:
-        body = _flat_kernel(k, out, ctype, index_t, operand_params, operand_args)
+        hoisted = _vector_invariant(epi, 16 // out.dtype.itemsize)
+        if hoisted:
+            apply_fn += apply_function(k, epi, ctype, index_t, hoisted)
+        body = _flat_kernel(k, epi, ctype, index_t, operand_params, operand_args, hoisted)
     launch_params = "".join(f", const void* in{i}" for i in range(len(epi.operands)))
     launch_args = "".join(f", (const {ctype}*)in{i}" for i in range(len(epi.operands)))
     launch = _launch_function(k, step, out, ctype, launch_params, launch_args, tile)
     return comment + apply_fn + body + launch, _binding(plan, step)
 
 
-def _flat_kernel(k: str, out: TensorMeta, ctype: str, index_t: str, operand_params: str, operand_args: str) -> str:
-    vec = 16 // torch.tensor([], dtype=out.dtype).element_size()
+def _flat_kernel(k: str, epi: Epilogue, ctype: str, index_t: str, operand_params: str, operand_args: str,
+                 hoisted: tuple[int, ...]) -> str:
+    """Elementwise over the contiguous output, VEC elements per 16-byte access; the `hoisted` operands (the same
+    for a vector's VEC elements: `_vector_invariant`) loaded once a vector. The launcher takes VEC = 1 where a
+    pointer is not 16-byte aligned: a vector is then one element and the hoisted load is that element's own."""
+    out = epi.out
+    vec = 16 // out.dtype.itemsize
+    first_index = f"v * VEC{'' if hoisted else ' + j'}"
+    preload = "".join(f"\n    const float in{j}_h = kf_load(in{j}[{offset_expr(epi.operands[j].strides, out.shape, 'i0')}]);"
+                      for j in hoisted)
+    if hoisted:
+        call = f"{k}_apply_h(kf_load(p.v[j]), i0 + j{operand_args}{''.join(f', in{j}_h' for j in hoisted)})"
+        start = f"\n    const {index_t} i0 = {first_index};{preload}"
+    else:
+        call, start = f"{k}_apply(kf_load(p.v[j]), {first_index}{operand_args})", ""
     return f"""
 // Elementwise over the contiguous output; VEC elements per 16-byte access, in place when acc == out.
 template <int VEC>
@@ -284,10 +300,10 @@ __global__ void __launch_bounds__({THREADS}) {k}_kernel(const {ctype}* acc, {cty
   const {index_t} stride = ({index_t})gridDim.x * blockDim.x;
   const {index_t} first = ({index_t})blockIdx.x * blockDim.x + threadIdx.x;
   for ({index_t} v = first; v < kNumel / VEC; v += stride) {{
-    kf_pack<{ctype}, VEC> p = reinterpret_cast<const kf_pack<{ctype}, VEC>*>(acc)[v];
+    kf_pack<{ctype}, VEC> p = reinterpret_cast<const kf_pack<{ctype}, VEC>*>(acc)[v];{start}
 #pragma unroll
     for (int j = 0; j < VEC; ++j)
-      p.v[j] = kf_store<{ctype}>({k}_apply(kf_load(p.v[j]), v * VEC + j{operand_args}));
+      p.v[j] = kf_store<{ctype}>({call});
     reinterpret_cast<kf_pack<{ctype}, VEC>*>(out)[v] = p;
   }}
   for ({index_t} i = kNumel / VEC * VEC + first; i < kNumel; i += stride)
@@ -335,11 +351,21 @@ def _vector_transpose(out: TensorMeta) -> bool:
     return out.dtype == torch.float32 and len(out.shape) >= 3 and c % 4 == 0 and hw % 4 == 0 and out.numel > 0
 
 
-def _plane_invariant(epi: Epilogue) -> tuple[int, ...]:
-    """The epilogue's operands constant over each (n, c) plane (per-channel or per-sample: a bias, a scale): the
-    vector kernel loads each once for a thread's 4 positions instead of finding its offset per element."""
-    planes = [d for d, size in enumerate(epi.out.shape) if d >= 2 and size != 1]
-    return tuple(j for j, o in enumerate(epi.operands) if all(o.strides[d] == 0 for d in planes))
+def _vector_invariant(epi: Epilogue, vec: int) -> tuple[int, ...]:
+    """The epilogue's operands whose offset is the same for `vec` consecutive output elements starting at a
+    multiple of `vec` (a per-channel bias or scale over an NCHW plane whose size is a multiple of vec; a per-row
+    operand of a GEMM output with a multiple of vec columns): a vector kernel loads each once for its vec elements
+    instead of finding its offset per element. Such elements differ only in the shortest run of trailing dims whose
+    size is a multiple of vec; none where the output has no such run."""
+    shape, size, run = epi.out.shape, 1, []
+    for d in reversed(range(len(shape))):
+        run.append(d)
+        size *= shape[d]
+        if size % vec == 0:
+            break
+    else:
+        return ()
+    return tuple(j for j, o in enumerate(epi.operands) if all(o.strides[d] == 0 for d in run if shape[d] != 1))
 
 
 def _transpose_kernel_vec(k: str, epi: Epilogue, index_t: str, operand_params: str, operand_args: str,
