@@ -12,7 +12,6 @@ from torch import nn
 
 from kernelfuse.capture import capture_module
 from kernelfuse.plan import make_plan
-from kernelfuse.plan.interpret import call_aten
 from kernelfuse.rewrite import rewrite
 
 
@@ -160,17 +159,3 @@ def planned(name: str, dtype: torch.dtype = torch.float32, values: torch.dtype |
         model = model.to(values)
         inputs = [t.to(values) if t.is_floating_point() else t for t in inputs]
     return model, inputs, graph, make_plan(graph)
-
-
-def node_values(graph, model, inputs) -> dict[str, object]:
-    """Every node's value, computed with the ATen ops themselves."""
-    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-    env: dict[str, object] = {}
-    for node in graph.nodes:
-        if node.op == "input":
-            env[node.name] = inputs[int(node.target)]
-        elif node.op in ("param", "buffer"):
-            env[node.name] = state[str(node.target)]
-        else:
-            env[node.name] = call_aten(node, env)
-    return env

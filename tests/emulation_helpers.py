@@ -24,6 +24,7 @@ from kernelfuse.codegen.dryrun import binding_off_the_gpu
 from kernelfuse.codegen.generated import workspace_floats
 from kernelfuse.codegen.iteration import tensor_args
 from kernelfuse.plan import Plan
+from kernelfuse.plan.interpret import call_aten
 from kernelfuse.plan.ir import GenStep
 
 EMULATION = Path(__file__).parent / "fixtures" / "cuda_emulation.h"
@@ -143,3 +144,18 @@ def emulated_against_interpreter(plan: Plan, tmp_path: Path, ulps: int = 1) -> i
         assert torch.allclose(got.float(), expected.float(), rtol=ulp, atol=ulp, equal_nan=True), \
             (step.kernel, (got.float() - expected.float()).abs().max().item())
     return len(plan.generated)
+
+
+def node_values(graph, model, inputs) -> dict[str, object]:
+    """Every node's value, computed with the ATen ops themselves: what a plan's kernels are fed, and the reference
+    values of a graph's outputs."""
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    env: dict[str, object] = {}
+    for node in graph.nodes:
+        if node.op == "input":
+            env[node.name] = inputs[int(node.target)]
+        elif node.op in ("param", "buffer"):
+            env[node.name] = state[str(node.target)]
+        else:
+            env[node.name] = call_aten(node, env)
+    return env

@@ -11,8 +11,8 @@ import inspect
 import pytest
 import torch
 import torch.nn.functional as F
-from attention_cases import CASES, PADDED_CASES, Fn, bool_mask, node_values, planned, randn, sdpa_fn
-from emulation_helpers import emulated
+from attention_cases import CASES, PADDED_CASES, Fn, bool_mask, planned, randn, sdpa_fn
+from emulation_helpers import emulated, node_values
 
 from kernelfuse.capture import capture_module
 from kernelfuse.codegen.attention import flash_warps, input_strides, uses_tensor_cores

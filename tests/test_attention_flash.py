@@ -9,8 +9,8 @@ from dataclasses import replace
 import emulation_helpers
 import pytest
 import torch
-from attention_cases import CASES, FLASH_CASES, PADDED_CASES, node_values, planned
-from emulation_helpers import emulated
+from attention_cases import CASES, FLASH_CASES, PADDED_CASES, planned
+from emulation_helpers import emulated, node_values
 
 from kernelfuse.codegen import attention
 from kernelfuse.codegen.attention import FlashConfig, flash_config, flash_warps, input_strides, uses_tensor_cores

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from emulation_helpers import node_values
 from torch import nn
 
 from kernelfuse.capture import Graph, capture_module
-from kernelfuse.plan.interpret import call_aten
 from kernelfuse.rewrite import RULE_NAMES, apply_rules, rewrite
 from kernelfuse.rewrite.rules import UnknownRewriteError
 
@@ -31,15 +31,7 @@ class Fn(nn.Module):
 
 def run_graph(graph: Graph, model: nn.Module, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """Evaluate a graph node by node with the ATen ops themselves (what the planner's torch steps run)."""
-    state = dict(model.named_parameters())
-    env: dict[str, object] = {}
-    for node in graph.nodes:
-        if node.op == "input":
-            env[node.name] = inputs[int(node.target)]
-        elif node.op in ("param", "buffer"):
-            env[node.name] = state[str(node.target)]
-        else:
-            env[node.name] = call_aten(node, env)
+    env = node_values(graph, model, inputs)
     return [env[r.name] for r in graph.outputs]
 
 

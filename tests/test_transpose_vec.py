@@ -70,25 +70,31 @@ class ConvResidual(torch.nn.Module):
         return torch.sigmoid(self.conv(x) * self.shift) + residual
 
 
-@pytest.mark.parametrize("case", ["vector", "tiles"])
-def test_vector_epilogue_loads_plane_constant_operands_once(case, tmp_path):
-    """The 16-byte epilogue takes the per-channel operand as one value for a thread's 4 positions and the
-    residual per element: both against torch, over several tiles and samples."""
+@pytest.mark.parametrize("layout", ["nhwc", "nchw"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_epilogues_load_vector_constant_operands_once(case, layout, tmp_path):
+    """The channels-last and the NCHW (flat) epilogue: the per-channel operand is loaded once for a 16-byte vector
+    where the plane is a multiple of 4 elements (60 and 120 positions, rows of 10 and 12: a vector may cross a
+    row), per element where it is not (35 positions: the scalar kernels); the full-shape residual always per
+    element. Both against torch, over several tiles and samples."""
     shape, cout = CASES[case]
     torch.manual_seed(1)
     model = ConvResidual(shape[1], cout).eval()
     x = torch.randn(shape)
     residual = torch.randn(shape[0], cout, shape[2] - 2, shape[3] - 2)
-    plan = make_plan(capture_module(model, [x, residual]), PlanOptions(conv_layout="nhwc"))
+    plan = make_plan(capture_module(model, [x, residual]), PlanOptions(conv_layout=layout))
     (step,) = plan.fused
+    assert step.anchor.layout == layout
     cuda = generate(plan).cuda
-    assert f"{step.kernel}_apply_h(" in cuda and "float in0_h" in cuda and "in1_h" not in cuda
+    assert (f"{step.kernel}_apply_h(" in cuda) == (case != "scalar") and "in1_h" not in cuda
     emu = emulated(plan, tmp_path)
     with torch.no_grad():
-        acc = torch.nn.functional.conv2d(x, model.conv.weight).contiguous(memory_format=torch.channels_last)
+        acc = torch.nn.functional.conv2d(x, model.conv.weight)
+        if layout == "nhwc":
+            acc = acc.contiguous(memory_format=torch.channels_last)
         shift = model.shift.detach()
         args = [shift if tuple(o.meta.shape) == tuple(shift.shape) else residual for o in step.epilogue.operands]
-        out = getattr(emu.kernels, step.kernel)(acc, *args)
+        out = getattr(emu.kernels, step.kernel)(acc.clone(), *args)  # the NCHW epilogue writes acc in place
         expected = torch.sigmoid(acc * model.shift) + residual
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
 
@@ -103,31 +109,6 @@ class LinearEpilogue(torch.nn.Module):
 
     def forward(self, x, row_scale):
         return torch.tanh((x @ self.weight.T + self.bias) * row_scale)
-
-
-@pytest.mark.parametrize("case", ["vector", "tiles", "scalar"])
-def test_flat_epilogue_loads_vector_constant_operands_once(case, tmp_path):
-    """The NCHW (flat) epilogue: the per-channel shift is loaded once for a 16-byte vector where the plane is a
-    multiple of 4 elements (60 and 120 positions, rows of 10 and 12: a vector may cross a row), per element where
-    it is not (35 positions); the full-shape residual always per element. Both against torch."""
-    shape, cout = CASES[case]
-    torch.manual_seed(2)
-    model = ConvResidual(shape[1], cout).eval()
-    x = torch.randn(shape)
-    residual = torch.randn(shape[0], cout, shape[2] - 2, shape[3] - 2)
-    plan = make_plan(capture_module(model, [x, residual]), PlanOptions(conv_layout="nchw"))
-    (step,) = plan.fused
-    assert step.anchor.layout == "nchw"
-    cuda = generate(plan).cuda
-    assert (f"{step.kernel}_apply_h(" in cuda) == (case != "scalar") and "in1_h" not in cuda
-    emu = emulated(plan, tmp_path)
-    with torch.no_grad():
-        acc = torch.nn.functional.conv2d(x, model.conv.weight)
-        shift = model.shift.detach()
-        args = [shift if tuple(o.meta.shape) == tuple(shift.shape) else residual for o in step.epilogue.operands]
-        out = getattr(emu.kernels, step.kernel)(acc.clone(), *args)  # in place: the NCHW epilogue writes acc
-        expected = torch.sigmoid(acc * model.shift) + residual
-    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
 
 
 def test_flat_epilogue_of_a_matmul_hoists_the_row_operand_only(tmp_path):
