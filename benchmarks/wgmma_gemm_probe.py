@@ -11,8 +11,9 @@ B's stage lands in shared memory in the 128-byte swizzled K-major layout wgmma's
 then splits it in place, position by position, into its TF32-rounded big part and the rounded remainder (a second
 tile). A's fragments come from a padded (conflict-free) tile into registers and split there. Per 8-deep k step
 three wgmma.m64n128k8: small x big, big x small, big x big; each stage's products go to a fresh accumulator that
-is then added to the running sum in fp32 (the tensor cores' accumulation truncates: stop 41). SPLIT 1 is plain
-TF32 (big x big only, accumulated across stages) for the raw rate.
+is then added to the running sum in fp32 (the tensor cores' accumulation truncates: stop 41). `run(..., 33)` is
+the same with four stages and the next stage's B split while this stage's products run; `run(..., 1)` plain TF32
+(big x big only, accumulated across stages) for the raw rate.
 
 Run on the GPU machine from the repo root (builds for sm_90a):
     PYTHONPATH=. python benchmarks/wgmma_gemm_probe.py > $OUT/wgmma_gemm_probe.md
@@ -94,6 +95,59 @@ __device__ __forceinline__ void load_stage(float* stage, const float* A, const f
   }
 }
 
+// B's stage split in place, position by position (the swizzle does not matter): TF32-rounded big part over the
+// fp32 value, the rounded remainder into the second tile
+__device__ __forceinline__ void split_b(float* b_big, float* b_small) {
+#pragma unroll
+  for (int i = 0; i < B_TILE / 4 / THREADS; ++i) {
+    const int q = (threadIdx.x + i * THREADS) * 4;
+    const float4 v = *reinterpret_cast<const float4*>(b_big + q);
+    const float4 big = make_float4(tf32_round(v.x), tf32_round(v.y), tf32_round(v.z), tf32_round(v.w));
+    *reinterpret_cast<float4*>(b_big + q) = big;
+    *reinterpret_cast<float4*>(b_small + q) = make_float4(tf32_round(v.x - big.x), tf32_round(v.y - big.y),
+                                                          tf32_round(v.z - big.z), tf32_round(v.w - big.w));
+  }
+}
+
+// The warp's A fragments of the stage's four k8 steps (rows row and row + 8, columns t and t + 4), split
+__device__ __forceinline__ void a_fragments(const float* a_tile, int row, int t, uint32_t (&a_big)[4][4],
+                                            uint32_t (&a_small)[4][4]) {
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+    const float raw[4] = {a_tile[row * A_PITCH + ks * 8 + t], a_tile[(row + 8) * A_PITCH + ks * 8 + t],
+                          a_tile[row * A_PITCH + ks * 8 + t + 4], a_tile[(row + 8) * A_PITCH + ks * 8 + t + 4]};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float big = tf32_round(raw[j]);
+      a_big[ks][j] = __float_as_uint(big);
+      a_small[ks][j] = __float_as_uint(tf32_round(raw[j] - big));
+    }
+  }
+}
+
+// The stage's 3xTF32 products into a fresh accumulator d: small x big, big x small, big x big per k8 step
+__device__ __forceinline__ void issue_3x(float (&d)[64], const uint32_t (&a_big)[4][4], const uint32_t (&a_small)[4][4],
+                                         const float* b_big, const float* b_small) {
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+    wgmma_tf32(d, a_small[ks], b_descriptor(b_big, ks), ks > 0);
+    wgmma_tf32(d, a_big[ks], b_descriptor(b_small, ks), 1);
+    wgmma_tf32(d, a_big[ks], b_descriptor(b_big, ks), 1);
+  }
+}
+
+// accumulator fragment of m64n128: n8 block j holds (row g, cols 8j + 2t, +1) and (row g + 8, the same cols)
+__device__ __forceinline__ void store_c(float* C, int N, int row, int col0, int t, const float (&total)[64]) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const int col = col0 + 8 * j + 2 * t;
+    *reinterpret_cast<float2*>(C + (size_t)row * N + col) = make_float2(total[4 * j], total[4 * j + 1]);
+    *reinterpret_cast<float2*>(C + (size_t)(row + 8) * N + col) = make_float2(total[4 * j + 2], total[4 * j + 3]);
+  }
+}
+
+__device__ __forceinline__ void fence_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
 template <int SPLIT>
 __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma(const float* __restrict__ A, const float* __restrict__ B,
                                                          float* __restrict__ C, int M, int N, int K) {
@@ -101,7 +155,7 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma(const float* __restrict
   float* smem = reinterpret_cast<float*>(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);  // 1024-aligned: swizzle
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
   const int wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, t = lane % 4;
+  const int g = lane / 4, t = lane % 4, row = wg * 64 + warp * 16 + g;
   const int KT = K / BK;
   float total[64], d[64];
 #pragma unroll
@@ -113,53 +167,25 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma(const float* __restrict
   }
   for (int kt = 0; kt < KT; ++kt) {
     cp_async_wait<STAGES - 2>();
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // cp.async's writes, then wgmma's async reads
+    fence_async();    // cp.async's writes, then wgmma's async reads
     __syncthreads();  // the stage is in; every warpgroup is done with the slot the next load overwrites
     if (kt + STAGES - 1 < KT)
       load_stage(smem + ((kt + STAGES - 1) % STAGES) * STAGE_FLOATS, A, B, K, m0, n0, (kt + STAGES - 1) * BK);
     cp_async_commit();
     float* stage = smem + (kt % STAGES) * STAGE_FLOATS;
-    float* b_big = stage;
-    float* b_small = stage + B_TILE;
-    const float* a_tile = stage + 2 * B_TILE;
-    if (SPLIT == 3) {  // B split in place, position by position (the swizzle does not matter)
-#pragma unroll
-      for (int i = 0; i < B_TILE / 4 / THREADS; ++i) {
-        const int q = (threadIdx.x + i * THREADS) * 4;
-        const float4 v = *reinterpret_cast<const float4*>(b_big + q);
-        const float4 big = make_float4(tf32_round(v.x), tf32_round(v.y), tf32_round(v.z), tf32_round(v.w));
-        const float4 small = make_float4(tf32_round(v.x - big.x), tf32_round(v.y - big.y), tf32_round(v.z - big.z),
-                                         tf32_round(v.w - big.w));
-        *reinterpret_cast<float4*>(b_big + q) = big;
-        *reinterpret_cast<float4*>(b_small + q) = small;
-      }
-      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");  // generic stores, then wgmma's async reads
+    if (SPLIT == 3) {
+      split_b(stage, stage + B_TILE);
+      fence_async();  // generic stores, then wgmma's async reads
       __syncthreads();
     }
-    const int row = wg * 64 + warp * 16 + g;
     uint32_t a_big[4][4], a_small[4][4];
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-      const float raw[4] = {a_tile[row * A_PITCH + ks * 8 + t], a_tile[(row + 8) * A_PITCH + ks * 8 + t],
-                            a_tile[row * A_PITCH + ks * 8 + t + 4], a_tile[(row + 8) * A_PITCH + ks * 8 + t + 4]};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float big = tf32_round(raw[j]);
-        a_big[ks][j] = __float_as_uint(big);
-        a_small[ks][j] = __float_as_uint(tf32_round(raw[j] - big));
-      }
-    }
+    a_fragments(stage + 2 * B_TILE, row, t, a_big, a_small);
     wgmma_fence();
     if (SPLIT == 3) {
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        wgmma_tf32(d, a_small[ks], b_descriptor(b_big, ks), ks > 0);
-        wgmma_tf32(d, a_big[ks], b_descriptor(b_small, ks), 1);
-        wgmma_tf32(d, a_big[ks], b_descriptor(b_big, ks), 1);
-      }
+      issue_3x(d, a_big, a_small, stage, stage + B_TILE);
     } else {
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) wgmma_tf32(total, a_big[ks], b_descriptor(b_big, ks), kt > 0 || ks > 0);
+      for (int ks = 0; ks < 4; ++ks) wgmma_tf32(total, a_big[ks], b_descriptor(stage, ks), kt > 0 || ks > 0);
     }
     wgmma_commit();
     wgmma_wait();
@@ -168,23 +194,69 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma(const float* __restrict
       for (int i = 0; i < 64; ++i) total[i] += d[i];
     }
   }
-  // accumulator fragment of m64n128: n8 block j holds (row g, cols 8j + 2t, +1) and (row g + 8, the same cols)
-  const int row = m0 + wg * 64 + warp * 16 + g;
+  store_c(C, N, m0 + row, n0, t, total);
+}
+
+// 3xTF32 with the next stage's B split while the tensor cores run this stage's products: four stages (200 KB), the
+// load of stage kt + 3 issued into the slot stage kt - 1 freed
+constexpr int OVERLAP_STAGES = 4;
+constexpr int OVERLAP_SMEM_BYTES = OVERLAP_STAGES * STAGE_FLOATS * 4 + 1024;
+
+__global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_overlap(const float* __restrict__ A,
+    const float* __restrict__ B, float* __restrict__ C, int M, int N, int K) {
+  constexpr int S = OVERLAP_STAGES;
+  extern __shared__ float smem_raw[];
+  float* smem = reinterpret_cast<float*>(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
+  const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4, row = wg * 64 + warp * 16 + g;
+  const int KT = K / BK;
+  float total[64], d[64];
 #pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const int col = n0 + 8 * j + 2 * t;
-    *reinterpret_cast<float2*>(C + (size_t)row * N + col) = make_float2(total[4 * j], total[4 * j + 1]);
-    *reinterpret_cast<float2*>(C + (size_t)(row + 8) * N + col) = make_float2(total[4 * j + 2], total[4 * j + 3]);
+  for (int i = 0; i < 64; ++i) total[i] = 0.0f;
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (s < KT) load_stage(smem + s * STAGE_FLOATS, A, B, K, m0, n0, s * BK);
+    cp_async_commit();
   }
+  cp_async_wait<S - 2>();  // stage 0 is in
+  __syncthreads();
+  split_b(smem, smem + B_TILE);
+  fence_async();
+  __syncthreads();
+  for (int kt = 0; kt < KT; ++kt) {
+    if (kt + S - 1 < KT)  // into stage kt - 1's slot: every warpgroup finished it before the last barrier
+      load_stage(smem + ((kt + S - 1) % S) * STAGE_FLOATS, A, B, K, m0, n0, (kt + S - 1) * BK);
+    cp_async_commit();
+    float* stage = smem + (kt % S) * STAGE_FLOATS;
+    uint32_t a_big[4][4], a_small[4][4];
+    a_fragments(stage + 2 * B_TILE, row, t, a_big, a_small);
+    wgmma_fence();
+    issue_3x(d, a_big, a_small, stage, stage + B_TILE);
+    wgmma_commit();
+    if (kt + 1 < KT) {  // while the products run: stage kt + 1 in (two later groups may be pending), its B split
+      cp_async_wait<S - 2>();
+      __syncthreads();
+      float* next = smem + ((kt + 1) % S) * STAGE_FLOATS;
+      split_b(next, next + B_TILE);
+      fence_async();
+    }
+    wgmma_wait();
+#pragma unroll
+    for (int i = 0; i < 64; ++i) total[i] += d[i];
+    __syncthreads();  // the next stage's split is visible; every warpgroup is done with this stage's slot
+  }
+  store_c(C, N, m0 + row, n0, t, total);
 }
 }  // namespace
 
 void run(torch::Tensor a, torch::Tensor b, torch::Tensor c, int64_t split) {
   const int M = a.size(0), K = a.size(1), N = b.size(0);
   TORCH_CHECK(M % BM == 0 && N % BN == 0 && K % BK == 0, "the probe's kernel takes M, N % 128 == 0, K % 32 == 0");
-  auto kernel = split == 3 ? gemm_wgmma<3> : gemm_wgmma<1>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM_BYTES);
-  kernel<<<dim3(N / BN, M / BM), THREADS, SMEM_BYTES, c10::cuda::getCurrentCUDAStream()>>>(
+  auto kernel = split == 3 ? gemm_wgmma<3> : split == 1 ? gemm_wgmma<1> : gemm_wgmma_overlap;
+  const int smem = split == 33 ? OVERLAP_SMEM_BYTES : SMEM_BYTES;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  kernel<<<dim3(N / BN, M / BM), THREADS, smem, c10::cuda::getCurrentCUDAStream()>>>(
       a.data_ptr<float>(), b.data_ptr<float>(), c.data_ptr<float>(), M, N, K);
   TORCH_CHECK(cudaGetLastError() == cudaSuccess, "launch failed");
 }
@@ -208,7 +280,7 @@ def layout_check(ext) -> None:
     nn, kk = torch.meshgrid(torch.arange(n, device="cuda"), torch.arange(k, device="cuda"), indexing="ij")
     b = ((nn % 16) * 64 + kk % 64).float()
     want = a @ b.T
-    for split in (1, 3):
+    for split in (1, 3, 33):
         c = torch.full((m, n), float("nan"), device="cuda")
         ext.run(a, b, c, split)
         torch.cuda.synchronize()
@@ -246,7 +318,9 @@ def probe_shape(ext, m: int, n: int, k: int) -> None:
         return call
 
     rows = [("cuBLAS fp32 (eager, strict)", cublas(False)), ("cuBLAS TF32", cublas(True)),
-            ("wgmma 3xTF32", lambda: ext.run(a, b, c, 3)), ("wgmma TF32", lambda: ext.run(a, b, c, 1))]
+            ("wgmma 3xTF32", lambda: ext.run(a, b, c, 3)),
+            ("wgmma 3xTF32, next B split during the products", lambda: ext.run(a, b, c, 33)),
+            ("wgmma TF32", lambda: ext.run(a, b, c, 1))]
     base_err = None
     for label, call in rows:
         out = call()
