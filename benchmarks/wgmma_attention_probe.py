@@ -235,7 +235,7 @@ void run(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor o, boo
 
 
 def build():
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")  # wgmma needs the arch-specific target
+    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0a"  # wgmma needs the arch-specific target, whatever the host sets
     return load_inline("kf_wgmma_attention_probe", cpp_sources="void run(torch::Tensor q, torch::Tensor k, "
                        "torch::Tensor v, torch::Tensor o, bool causal);", cuda_sources=CUDA, functions=["run"],
                        extra_cuda_cflags=["-O3"])

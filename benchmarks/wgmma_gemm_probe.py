@@ -264,7 +264,7 @@ void run(torch::Tensor a, torch::Tensor b, torch::Tensor c, int64_t split) {
 
 
 def build():
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")  # wgmma needs the arch-specific target
+    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0a"  # wgmma needs the arch-specific target, whatever the host sets
     return load_inline("kf_wgmma_gemm_probe", cpp_sources="void run(torch::Tensor a, torch::Tensor b, torch::Tensor c, "
                        "int64_t split);", cuda_sources=CUDA, functions=["run"], extra_cuda_cflags=["-O3"])
 
