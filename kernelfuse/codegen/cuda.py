@@ -260,17 +260,16 @@ def _step_sources(plan: Plan, step: FusedStep, tile: int) -> tuple[str, Binding]
     apply_fn = apply_function(k, epi, ctype, index_t)
     comment = f"// {k}: {step.chain(plan.graph)}\n"
     if step.anchor.layout == "nhwc":
+        vector = _vector_transpose(out)
+        hoisted = _vector_invariant(epi, 4) if vector else ()
         body = _transpose_kernel(k, out, ctype, index_t, operand_params, operand_args, tile)
-        if _vector_transpose(out):
-            hoisted = _vector_invariant(epi, 4)
-            if hoisted:
-                apply_fn += apply_function(k, epi, ctype, index_t, hoisted)
+        if vector:
             body += _transpose_kernel_vec(k, epi, index_t, operand_params, operand_args, hoisted)
     else:
         hoisted = _vector_invariant(epi, 16 // out.dtype.itemsize)
-        if hoisted:
-            apply_fn += apply_function(k, epi, ctype, index_t, hoisted)
         body = _flat_kernel(k, epi, ctype, index_t, operand_params, operand_args, hoisted)
+    if hoisted:
+        apply_fn += apply_function(k, epi, ctype, index_t, hoisted)
     launch_params = "".join(f", const void* in{i}" for i in range(len(epi.operands)))
     launch_args = "".join(f", (const {ctype}*)in{i}" for i in range(len(epi.operands)))
     launch = _launch_function(k, step, out, ctype, launch_params, launch_args, tile)
@@ -285,10 +284,9 @@ def _flat_kernel(k: str, epi: Epilogue, ctype: str, index_t: str, operand_params
     out = epi.out
     vec = 16 // out.dtype.itemsize
     first_index = f"v * VEC{'' if hoisted else ' + j'}"
-    preload = "".join(f"\n    const float in{j}_h = kf_load(in{j}[{offset_expr(epi.operands[j].strides, out.shape, 'i0')}]);"
-                      for j in hoisted)
     if hoisted:
-        call = f"{k}_apply_h(kf_load(p.v[j]), i0 + j{operand_args}{''.join(f', in{j}_h' for j in hoisted)})"
+        preload, extra = _hoisted_loads(epi, hoisted, "i0", "    ")
+        call = f"{k}_apply_h(kf_load(p.v[j]), i0 + j{operand_args}{extra})"
         start = f"\n    const {index_t} i0 = {first_index};{preload}"
     else:
         call, start = f"{k}_apply(kf_load(p.v[j]), {first_index}{operand_args})", ""
@@ -368,6 +366,14 @@ def _vector_invariant(epi: Epilogue, vec: int) -> tuple[int, ...]:
     return tuple(j for j, o in enumerate(epi.operands) if all(o.strides[d] == 0 for d in run if shape[d] != 1))
 
 
+def _hoisted_loads(epi: Epilogue, hoisted: tuple[int, ...], index: str, ind: str) -> tuple[str, str]:
+    """(the lines that load the `hoisted` operands once, at output index `index`, as `in{j}_h`; the arguments that
+    pass them on to `k*_apply_h`)."""
+    loads = "".join(f"\n{ind}const float in{j}_h = "
+                    f"kf_load(in{j}[{offset_expr(epi.operands[j].strides, epi.out.shape, index)}]);" for j in hoisted)
+    return loads, "".join(f", in{j}_h" for j in hoisted)
+
+
 def _transpose_kernel_vec(k: str, epi: Epilogue, index_t: str, operand_params: str, operand_args: str,
                           hoisted: tuple[int, ...]) -> str:
     """The transposed epilogue with 16-byte accesses: a block takes 32 channels x 64 positions, reads each
@@ -377,9 +383,8 @@ def _transpose_kernel_vec(k: str, epi: Epilogue, index_t: str, operand_params: s
     out = epi.out
     n, c = out.shape[0], out.shape[1]
     hw = out.numel // max(n * c, 1)
-    preload = "".join(f"\n      const float in{j}_h = kf_load(in{j}[{offset_expr(epi.operands[j].strides, out.shape)}]);"
-                      for j in hoisted)
-    name, extra = (f"{k}_apply_h", "".join(f", in{j}_h" for j in hoisted)) if hoisted else (f"{k}_apply", "")
+    preload, extra = _hoisted_loads(epi, hoisted, "i", "      ")
+    name = f"{k}_apply_h" if hoisted else f"{k}_apply"
     apply = lambda e, v: f"{name}({v}, i + {e}{operand_args}{extra})"  # noqa: E731
     return f"""
 // The same with 16-byte accesses both ways: a block is 32 channels x 64 positions; the launcher picks it where
