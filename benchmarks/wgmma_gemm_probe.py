@@ -148,23 +148,36 @@ __device__ __forceinline__ void store_c(float* C, int N, int row, int col0, int 
 
 __device__ __forceinline__ void fence_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// A block's place: its tile's corner, this thread's accumulator row within the tile (warpgroup, warp, lane group)
+// and its column pair; the shared memory base 1024-aligned (the 128-byte swizzle's atom)
+struct Place {
+  float* smem;
+  int m0, n0, row, t;
+};
+__device__ __forceinline__ Place place(float* smem_raw) {
+  const int wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
+  return {reinterpret_cast<float*>(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023), (int)blockIdx.y * BM,
+          (int)blockIdx.x * BN, wg * 64 + warp * 16 + lane / 4, lane % 4};
+}
+// the first S - 1 stages in flight, one commit group each (empty past K's end)
+template <int S>
+__device__ __forceinline__ void prefetch(const Place& at, const float* A, const float* B, int K) {
+#pragma unroll
+  for (int s = 0; s < S - 1; ++s) {
+    if (s < K / BK) load_stage(at.smem + s * STAGE_FLOATS, A, B, K, at.m0, at.n0, s * BK);
+    cp_async_commit();
+  }
+}
+
 template <int SPLIT>
 __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma(const float* __restrict__ A, const float* __restrict__ B,
                                                          float* __restrict__ C, int M, int N, int K) {
   extern __shared__ float smem_raw[];
-  float* smem = reinterpret_cast<float*>(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);  // 1024-aligned: swizzle
-  const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
-  const int wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, t = lane % 4, row = wg * 64 + warp * 16 + g;
-  const int KT = K / BK;
-  float total[64], d[64];
-#pragma unroll
-  for (int i = 0; i < 64; ++i) total[i] = 0.0f;
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < KT) load_stage(smem + s * STAGE_FLOATS, A, B, K, m0, n0, s * BK);
-    cp_async_commit();
-  }
+  const Place at = place(smem_raw);
+  float* const smem = at.smem;
+  const int m0 = at.m0, n0 = at.n0, row = at.row, t = at.t, KT = K / BK;
+  float total[64] = {}, d[64];
+  prefetch<STAGES>(at, A, B, K);
   for (int kt = 0; kt < KT; ++kt) {
     cp_async_wait<STAGES - 2>();
     fence_async();    // cp.async's writes, then wgmma's async reads
@@ -206,19 +219,11 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_overlap(const float* __
     const float* __restrict__ B, float* __restrict__ C, int M, int N, int K) {
   constexpr int S = OVERLAP_STAGES;
   extern __shared__ float smem_raw[];
-  float* smem = reinterpret_cast<float*>(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
-  const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN;
-  const int wg = threadIdx.x / 128, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32;
-  const int g = lane / 4, t = lane % 4, row = wg * 64 + warp * 16 + g;
-  const int KT = K / BK;
-  float total[64], d[64];
-#pragma unroll
-  for (int i = 0; i < 64; ++i) total[i] = 0.0f;
-#pragma unroll
-  for (int s = 0; s < S - 1; ++s) {
-    if (s < KT) load_stage(smem + s * STAGE_FLOATS, A, B, K, m0, n0, s * BK);
-    cp_async_commit();
-  }
+  const Place at = place(smem_raw);
+  float* const smem = at.smem;
+  const int m0 = at.m0, n0 = at.n0, row = at.row, t = at.t, KT = K / BK;
+  float total[64] = {}, d[64];
+  prefetch<S>(at, A, B, K);
   cp_async_wait<S - 2>();  // stage 0 is in
   __syncthreads();
   split_b(smem, smem + B_TILE);
