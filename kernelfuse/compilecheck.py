@@ -58,7 +58,7 @@ def cuda_source_of(text: str) -> str | None:
 
 
 def nvcc_command(nvcc: str, source: Path, output: Path) -> list[str]:
-    arch = os.environ.get("KERNELFUSE_NVCC_ARCH", "sm_90")
+    arch = os.environ.get("KERNELFUSE_NVCC_ARCH", "sm_90a")  # what the loader builds on an H100
     return [nvcc, *TORCH_NVCC_FLAGS, *LOADER_FLAGS, f"-arch={arch}", str(source), "-o", str(output)]
 
 

@@ -28,10 +28,12 @@ def _extension():
         digest = hashlib.sha256(CUDA_SRC.encode()).hexdigest()[:16]
         # Keep torch's headers out of the kernel file where this torch allows it: a much faster build.
         options = {"no_implicit_headers": True} if "no_implicit_headers" in inspect.signature(load_inline).parameters else {}
-        # Compile the kernels for the GPU at hand only (not a long TORCH_CUDA_ARCH_LIST from the environment).
+        # Compile the kernels for the GPU at hand only (not a long TORCH_CUDA_ARCH_LIST from the environment); on
+        # a 9.0 device (H100, H200) for sm_90a, whose wgmma the GEMM kernels' launchers take there.
         arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
         if torch.cuda.is_available():
-            os.environ["TORCH_CUDA_ARCH_LIST"] = "%d.%d" % torch.cuda.get_device_capability()
+            capability = torch.cuda.get_device_capability()
+            os.environ["TORCH_CUDA_ARCH_LIST"] = "%d.%d" % capability + ("a" if capability == (9, 0) else "")
         try:
             path = load_inline(
                 name=f"kernelfuse_{NAME}_{digest}",

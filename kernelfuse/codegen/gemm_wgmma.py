@@ -1,0 +1,196 @@
+"""The 3xTF32 GEMM's main loop on Hopper's warpgroup MMA (wgmma), for sm_90a builds: the same product and the same
+epilogue call as kernelfuse.codegen.gemm_tc's mma.sync loop, about 1.4x its speed where the tiles fill the GPU.
+
+Measured (benchmarks/wgmma_gemm_probe.py, stop 45, H200, `benchmarks/results/wgmma_gemm_probe_s45_h200.md`):
+1024 x 8192 x 8192 in 1.94 ms against cuBLAS's strict-fp32 SGEMM's 2.78 ms (71 against 50 TFLOP/s), error
+against float64 0.19x SGEMM's; 4096^3 1.94 against 2.79 ms. At 128 x 4096 x 4096 (32 tiles on 132 SMs) it is half
+cuBLAS's speed, so the launcher takes this loop only where the 128 x 128 tiles cover three quarters of the SMs, and
+only on a compute-capability 9.0 device (the file's loader then builds for sm_90a); else the mma.sync loop runs.
+
+The loop: 128 x 128 tiles, two warpgroups of 64 rows, K in stages of 32 through a four-deep cp.async ring (zeros
+past M, N and K). B's stage lands in the 128-byte swizzled K-major layout wgmma's descriptors read and is split in
+place into its TF32 rounding and the rounded remainder (a second tile) while the tensor cores run the previous
+stage; A's fragments come from a padded tile into registers and are split there. Per 8-deep k step three
+wgmma.m64n128k8 (small x big, big x small, big x big) into a fresh accumulator per stage, added to the running sum
+in fp32 with round-to-nearest (the tensor cores' accumulation truncates: stop 41).
+"""
+
+from __future__ import annotations
+
+WG_BM, WG_BN, WG_BK, WG_STAGES, WG_THREADS = 128, 128, 32, 4, 256
+WG_STAGE_FLOATS = 2 * WG_BN * WG_BK + WG_BM * (WG_BK + 4)  # B big | B small | A (padded rows): 51200 bytes
+WG_SMEM_BYTES = WG_STAGES * WG_STAGE_FLOATS * 4 + 1024  # + the 1024-byte alignment of the swizzled tiles
+
+
+def _accumulator_operands() -> tuple[str, str]:
+    """(the PTX register list {%0, ...} of the 64 accumulator floats, the asm operand list "+f"(d[0]), ...)."""
+    regs = ", ".join(f"%{i}" for i in range(64))
+    ops = ", ".join(f'"+f"(d[{i}])' for i in range(64))
+    return "{" + regs + "}", ops
+
+
+_D_REGS, _D_OPS = _accumulator_operands()
+
+WGMMA_PRELUDE = r"""
+// ---- the 3xTF32 GEMM's main loop on wgmma, sm_90a (kernelfuse.codegen.gemm_wgmma) ----
+#if defined(__CUDACC__)
+namespace kf_wg {
+KF_WG_SIZES
+[[maybe_unused]] constexpr int A_PITCH = BK + 4;  // floats a row of the A tile: the fragment reads are conflict-free
+[[maybe_unused]] constexpr int B_TILE = BN * BK;  // floats of one B tile: 128 rows of 128 bytes, swizzled
+[[maybe_unused]] constexpr int STAGE_FLOATS = 2 * B_TILE + BM * A_PITCH;
+static_assert(STAGE_FLOATS * 4 % 1024 == 0, "each stage's B tiles start on the swizzle's 1024-byte atom");
+
+// the launcher's choice: wgmma on a compute-capability 9.0 device (the loader built sm_90a) where the tiles cover
+// three quarters of its SMs; the device's answers read once per device
+inline bool fits(int M, int N) {
+  static int major[16], minor[16], sms[16];
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev >= 16) return false;
+  if (sms[dev] == 0) {
+    cudaDeviceGetAttribute(&major[dev], cudaDevAttrComputeCapabilityMajor, dev);
+    cudaDeviceGetAttribute(&minor[dev], cudaDevAttrComputeCapabilityMinor, dev);
+    cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev);
+  }
+  const long long tiles = (long long)((M + BM - 1) / BM) * ((N + BN - 1) / BN);
+  return major[dev] == 9 && minor[dev] == 0 && tiles * 4 >= 3LL * sms[dev];
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// wgmma's shared-memory descriptor of a B tile at k step ks: K-major rows of 128 bytes, 128-byte swizzle, groups of
+// eight rows 1024 bytes apart
+__device__ __forceinline__ uint64_t b_desc(const float* tile, int ks) {
+  const uint64_t addr = (unsigned)__cvta_generic_to_shared(tile) + ks * 32;
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+__device__ __forceinline__ void mma(float (&d)[64], const unsigned (&a)[4], uint64_t desc, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 D_REGS, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+      : D_OPS
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+}
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+// generic-proxy writes to shared memory (the split), then wgmma's asynchronous reads of them
+__device__ __forceinline__ void fence_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// K tile k0 of both operands into a stage, zeros past M, N and K: B's rows swizzled (16-byte chunk c of row r at
+// chunk c ^ (r % 8)), A's padded
+__device__ __forceinline__ void load_stage(float* stage, const float* A, const float* B, int M, int N, int K, int m0,
+                                           int n0, int k0) {
+  float* b = stage;
+  float* a = stage + 2 * B_TILE;
+#pragma unroll
+  for (int i = 0; i < BN * BK / 4 / THREADS; ++i) {
+    const int q = threadIdx.x + i * THREADS, r = q >> 3, c = q & 7, k = k0 + c * 4;
+    const bool b_in = n0 + r < N && k < K, a_in = m0 + r < M && k < K;
+    kf_gemm_cp16(b + r * BK + ((c ^ (r & 7)) << 2), b_in ? B + (long long)(n0 + r) * K + k : B, b_in);
+    kf_gemm_cp16(a + r * A_PITCH + c * 4, a_in ? A + (long long)(m0 + r) * K + k : A, a_in);
+  }
+}
+
+// a stage's B split in place, position by position (the swizzle does not matter): its TF32 rounding over the fp32
+// value, the rounded remainder into the second tile
+__device__ __forceinline__ void split_b(float* big, float* small) {
+#pragma unroll
+  for (int i = 0; i < B_TILE / 4 / THREADS; ++i) {
+    const int q = (threadIdx.x + i * THREADS) * 4;
+    const float4 v = *reinterpret_cast<const float4*>(big + q);
+    const float4 h = make_float4(kf_round_tf32(v.x), kf_round_tf32(v.y), kf_round_tf32(v.z), kf_round_tf32(v.w));
+    *reinterpret_cast<float4*>(big + q) = h;
+    *reinterpret_cast<float4*>(small + q) = make_float4(kf_round_tf32(v.x - h.x), kf_round_tf32(v.y - h.y),
+                                                        kf_round_tf32(v.z - h.z), kf_round_tf32(v.w - h.w));
+  }
+}
+
+// a stage's products into the fresh accumulator d: the thread's A fragments of the four k8 steps (rows row and
+// row + 8, columns t and t + 4), split, then small x big, big x small, big x big each step
+__device__ __forceinline__ void stage_products(float (&d)[64], const float* stage, int row, int t) {
+  const float* a = stage + 2 * B_TILE;
+  unsigned big[4][4], small[4][4];
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+    const float raw[4] = {a[row * A_PITCH + ks * 8 + t], a[(row + 8) * A_PITCH + ks * 8 + t],
+                          a[row * A_PITCH + ks * 8 + t + 4], a[(row + 8) * A_PITCH + ks * 8 + t + 4]};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float h = kf_round_tf32(raw[j]);
+      big[ks][j] = __float_as_uint(h);
+      small[ks][j] = __float_as_uint(kf_round_tf32(raw[j] - h));
+    }
+  }
+  fence();
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+    mma(d, small[ks], b_desc(stage, ks), ks > 0);
+    mma(d, big[ks], b_desc(stage + B_TILE, ks), 1);
+    mma(d, big[ks], b_desc(stage, ks), 1);
+  }
+  commit();
+}
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}  // namespace kf_wg
+
+// C = A Bᵀ (A: M x K, B: N x K, row-major, K % 4 == 0, 16-byte aligned rows) for the block's 128 x 128 tile,
+// each element pair to epi(row, col, v0, v1, pair) as kf_gemm_3xtf32 gives them; THREADS threads, dynamic shared
+// memory gemm_wgmma.WG_SMEM_BYTES, grid (N tiles, M tiles)
+template <typename Epi>
+__device__ __forceinline__ void kf_gemm_3xtf32_wgmma(const float* __restrict__ A, const float* __restrict__ B, int M,
+                                                     int N, int K, Epi epi) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  using namespace kf_wg;
+  extern __shared__ float kf_wg_raw[];
+  float* const smem = reinterpret_cast<float*>(((uintptr_t)kf_wg_raw + 1023) & ~(uintptr_t)1023);
+  const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN, KT = (K + BK - 1) / BK;
+  const int row = threadIdx.x / 128 * 64 + threadIdx.x % 128 / 32 * 16 + threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  float total[64] = {}, d[64];
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < KT) load_stage(smem + s * STAGE_FLOATS, A, B, M, N, K, m0, n0, s * BK);
+    kf_cp_async_commit();  // empty groups past K's end keep the count the waits rely on
+  }
+  kf_cp_async_wait<STAGES - 2>();
+  __syncthreads();
+  split_b(smem, smem + B_TILE);
+  fence_async();
+  __syncthreads();
+#pragma unroll 1
+  for (int kt = 0; kt < KT; ++kt) {
+    if (kt + STAGES - 1 < KT)  // into stage kt - 1's slot: every warpgroup finished it before the last barrier
+      load_stage(smem + (kt + STAGES - 1) % STAGES * STAGE_FLOATS, A, B, M, N, K, m0, n0, (kt + STAGES - 1) * BK);
+    kf_cp_async_commit();
+    stage_products(d, smem + kt % STAGES * STAGE_FLOATS, row, t);
+    if (kt + 1 < KT) {  // while the products run: stage kt + 1 in (two later groups may be pending), its B split
+      kf_cp_async_wait<STAGES - 2>();
+      __syncthreads();
+      float* next = smem + (kt + 1) % STAGES * STAGE_FLOATS;
+      split_b(next, next + B_TILE);
+      fence_async();
+    }
+    wait();
+#pragma unroll
+    for (int i = 0; i < 64; ++i) total[i] += d[i];
+    __syncthreads();  // the next stage's split is visible; every warpgroup is done with this stage's slot
+  }
+  // accumulator fragment of m64n128: n8 block j holds (row, cols 8j + 2t, +1) and (row + 8, the same columns)
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const int col = n0 + 8 * j + 2 * t;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = m0 + row + 8 * h;
+      if (r < M && col < N) epi(r, col, total[4 * j + 2 * h], total[4 * j + 2 * h + 1], col + 1 < N);
+    }
+  }
+#else
+  __trap();  // launched only on a 9.0 device, where the loader builds sm_90a (kf_wg::fits)
+#endif
+}
+#endif  // __CUDACC__
+""".replace("D_REGS", _D_REGS).replace("D_OPS", _D_OPS).replace(
+    "KF_WG_SIZES",
+    f"[[maybe_unused]] constexpr int BM = {WG_BM}, BN = {WG_BN}, BK = {WG_BK}, STAGES = {WG_STAGES}, "
+    f"THREADS = {WG_THREADS};")
