@@ -58,6 +58,7 @@ __device__ __forceinline__ float tf32_round(float x) {
   asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
   return __uint_as_float(r);
 }
+__device__ __forceinline__ float tf32_trunc(float x) { return __uint_as_float(__float_as_uint(x) & 0xffffe000u); }
 __device__ __forceinline__ void cp_async16(void* dst, const void* src) {
   const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d), "l"(src));
@@ -97,11 +98,17 @@ __device__ __forceinline__ void load_stage(float* stage, const float* A, const f
 
 // B's stage split in place, position by position (the swizzle does not matter): TF32-rounded big part over the
 // fp32 value, the rounded remainder into the second tile
+template <bool TRUNC = false>
 __device__ __forceinline__ void split_b(float* b_big, float* b_small) {
 #pragma unroll
   for (int i = 0; i < B_TILE / 4 / THREADS; ++i) {
     const int q = (threadIdx.x + i * THREADS) * 4;
     const float4 v = *reinterpret_cast<const float4*>(b_big + q);
+    if (TRUNC) {  // the big part is the fp32 value itself (the tensor cores read its top 19 bits): only the rest
+      *reinterpret_cast<float4*>(b_small + q) = make_float4(v.x - tf32_trunc(v.x), v.y - tf32_trunc(v.y),
+                                                            v.z - tf32_trunc(v.z), v.w - tf32_trunc(v.w));
+      continue;
+    }
     const float4 big = make_float4(tf32_round(v.x), tf32_round(v.y), tf32_round(v.z), tf32_round(v.w));
     *reinterpret_cast<float4*>(b_big + q) = big;
     *reinterpret_cast<float4*>(b_small + q) = make_float4(tf32_round(v.x - big.x), tf32_round(v.y - big.y),
@@ -110,6 +117,7 @@ __device__ __forceinline__ void split_b(float* b_big, float* b_small) {
 }
 
 // The warp's A fragments of the stage's four k8 steps (rows row and row + 8, columns t and t + 4), split
+template <bool TRUNC = false>
 __device__ __forceinline__ void a_fragments(const float* a_tile, int row, int t, uint32_t (&a_big)[4][4],
                                             uint32_t (&a_small)[4][4]) {
 #pragma unroll
@@ -118,6 +126,11 @@ __device__ __forceinline__ void a_fragments(const float* a_tile, int row, int t,
                           a_tile[row * A_PITCH + ks * 8 + t + 4], a_tile[(row + 8) * A_PITCH + ks * 8 + t + 4]};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
+      if (TRUNC) {
+        a_big[ks][j] = __float_as_uint(raw[j]);
+        a_small[ks][j] = __float_as_uint(raw[j] - tf32_trunc(raw[j]));
+        continue;
+      }
       const float big = tf32_round(raw[j]);
       a_big[ks][j] = __float_as_uint(big);
       a_small[ks][j] = __float_as_uint(tf32_round(raw[j] - big));
@@ -215,6 +228,7 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma(const float* __restrict
 constexpr int OVERLAP_STAGES = 4;
 constexpr int OVERLAP_SMEM_BYTES = OVERLAP_STAGES * STAGE_FLOATS * 4 + 1024;
 
+template <bool TRUNC>
 __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_overlap(const float* __restrict__ A,
     const float* __restrict__ B, float* __restrict__ C, int M, int N, int K) {
   constexpr int S = OVERLAP_STAGES;
@@ -226,7 +240,7 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_overlap(const float* __
   prefetch<S>(at, A, B, K);
   cp_async_wait<S - 2>();  // stage 0 is in
   __syncthreads();
-  split_b(smem, smem + B_TILE);
+  split_b<TRUNC>(smem, smem + B_TILE);
   fence_async();
   __syncthreads();
   for (int kt = 0; kt < KT; ++kt) {
@@ -235,7 +249,7 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_overlap(const float* __
     cp_async_commit();
     float* stage = smem + (kt % S) * STAGE_FLOATS;
     uint32_t a_big[4][4], a_small[4][4];
-    a_fragments(stage + 2 * B_TILE, row, t, a_big, a_small);
+    a_fragments<TRUNC>(stage + 2 * B_TILE, row, t, a_big, a_small);
     wgmma_fence();
     issue_3x(d, a_big, a_small, stage, stage + B_TILE);
     wgmma_commit();
@@ -243,7 +257,7 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_overlap(const float* __
       cp_async_wait<S - 2>();
       __syncthreads();
       float* next = smem + ((kt + 1) % S) * STAGE_FLOATS;
-      split_b(next, next + B_TILE);
+      split_b<TRUNC>(next, next + B_TILE);
       fence_async();
     }
     wgmma_wait();
@@ -258,8 +272,9 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_overlap(const float* __
 void run(torch::Tensor a, torch::Tensor b, torch::Tensor c, int64_t split) {
   const int M = a.size(0), K = a.size(1), N = b.size(0);
   TORCH_CHECK(M % BM == 0 && N % BN == 0 && K % BK == 0, "the probe's kernel takes M, N % 128 == 0, K % 32 == 0");
-  auto kernel = split == 3 ? gemm_wgmma<3> : split == 1 ? gemm_wgmma<1> : gemm_wgmma_overlap;
-  const int smem = split == 33 ? OVERLAP_SMEM_BYTES : SMEM_BYTES;
+  auto kernel = split == 3 ? gemm_wgmma<3> : split == 1 ? gemm_wgmma<1>
+      : split == 34 ? gemm_wgmma_overlap<true> : gemm_wgmma_overlap<false>;
+  const int smem = split >= 33 ? OVERLAP_SMEM_BYTES : SMEM_BYTES;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   kernel<<<dim3(N / BN, M / BM), THREADS, smem, c10::cuda::getCurrentCUDAStream()>>>(
       a.data_ptr<float>(), b.data_ptr<float>(), c.data_ptr<float>(), M, N, K);
@@ -285,7 +300,7 @@ def layout_check(ext) -> None:
     nn, kk = torch.meshgrid(torch.arange(n, device="cuda"), torch.arange(k, device="cuda"), indexing="ij")
     b = ((nn % 16) * 64 + kk % 64).float()
     want = a @ b.T
-    for split in (1, 3, 33):
+    for split in (1, 3, 33, 34):
         c = torch.full((m, n), float("nan"), device="cuda")
         ext.run(a, b, c, split)
         torch.cuda.synchronize()
@@ -325,6 +340,7 @@ def probe_shape(ext, m: int, n: int, k: int) -> None:
     rows = [("cuBLAS fp32 (eager, strict)", cublas(False)), ("cuBLAS TF32", cublas(True)),
             ("wgmma 3xTF32", lambda: ext.run(a, b, c, 3)),
             ("wgmma 3xTF32, next B split during the products", lambda: ext.run(a, b, c, 33)),
+            ("the same, big parts truncated by the tensor cores (only the rest written)", lambda: ext.run(a, b, c, 34)),
             ("wgmma TF32", lambda: ext.run(a, b, c, 1))]
     base_err = None
     for label, call in rows:

@@ -1,18 +1,21 @@
 """The 3xTF32 GEMM's main loop on Hopper's warpgroup MMA (wgmma), for sm_90a builds: the same product and the same
-epilogue call as kernelfuse.codegen.gemm_tc's mma.sync loop, about 1.4x its speed where the tiles fill the GPU.
+epilogue call as kernelfuse.codegen.gemm_tc's mma.sync loop, about 1.65x its speed where the tiles fill the GPU.
 
 Measured (benchmarks/wgmma_gemm_probe.py, stop 45, H200, `benchmarks/results/wgmma_gemm_probe_s45_h200.md`):
-1024 x 8192 x 8192 in 1.94 ms against cuBLAS's strict-fp32 SGEMM's 2.78 ms (71 against 50 TFLOP/s), error
-against float64 0.19x SGEMM's; 4096^3 1.94 against 2.79 ms. At 128 x 4096 x 4096 (32 tiles on 132 SMs) it is half
-cuBLAS's speed, so the launcher takes this loop only where the 128 x 128 tiles cover three quarters of the SMs, and
-only on a compute-capability 9.0 device (the file's loader then builds for sm_90a); else the mma.sync loop runs.
+1024 x 8192 x 8192 in 1.65 ms against cuBLAS's strict-fp32 SGEMM's 2.73 ms (83 against 50 TFLOP/s), error against
+float64 0.24x SGEMM's; 4096^3 1.65 against 2.80 ms. Splitting by rounding (both parts written) took 1.94 ms: the
+loop is bound by shared memory's bandwidth (B is read three times a k step), so each write saved counts. At 128 x
+4096 x 4096 (32 tiles on 132 SMs) it is half cuBLAS's speed, so the launcher takes this loop only where the 128 x
+128 tiles cover three quarters of the SMs, and only on a compute-capability 9.0 device (the file's loader then
+builds for sm_90a); else the mma.sync loop runs.
 
 The loop: 128 x 128 tiles, two warpgroups of 64 rows, K in stages of 32 through a four-deep cp.async ring (zeros
-past M, N and K). B's stage lands in the 128-byte swizzled K-major layout wgmma's descriptors read and is split in
-place into its TF32 rounding and the rounded remainder (a second tile) while the tensor cores run the previous
-stage; A's fragments come from a padded tile into registers and are split there. Per 8-deep k step three
-wgmma.m64n128k8 (small x big, big x small, big x big) into a fresh accumulator per stage, added to the running sum
-in fp32 with round-to-nearest (the tensor cores' accumulation truncates: stop 41).
+past M, N and K). B's stage lands in the 128-byte swizzled K-major layout wgmma's descriptors read. The fp32 tile
+is its own big part (the tensor cores read a TF32 operand's top 19 bits: they truncate it themselves); while the
+tensor cores run the previous stage, the remainder under that truncation goes to a second tile. A's fragments come
+from a padded tile into registers and are split there the same way. Per 8-deep k step three wgmma.m64n128k8 (small
+x big, big x small, big x big) into a fresh accumulator per stage, added to the running sum in fp32 with
+round-to-nearest (the tensor cores' accumulation truncates: stop 41).
 """
 
 from __future__ import annotations
@@ -92,22 +95,21 @@ __device__ __forceinline__ void load_stage(float* stage, const float* A, const f
   }
 }
 
-// a stage's B split in place, position by position (the swizzle does not matter): its TF32 rounding over the fp32
-// value, the rounded remainder into the second tile
-__device__ __forceinline__ void split_b(float* big, float* small) {
+// a stage's B split: its fp32 tile stays the big part (the tensor cores read a TF32 operand's top 19 bits, so they
+// truncate it themselves), the remainder under that truncation goes to the second tile
+__device__ __forceinline__ float trunc_tf32(float x) { return __uint_as_float(__float_as_uint(x) & 0xffffe000u); }
+__device__ __forceinline__ void split_b(const float* big, float* small) {
 #pragma unroll
   for (int i = 0; i < B_TILE / 4 / THREADS; ++i) {
     const int q = (threadIdx.x + i * THREADS) * 4;
     const float4 v = *reinterpret_cast<const float4*>(big + q);
-    const float4 h = make_float4(kf_round_tf32(v.x), kf_round_tf32(v.y), kf_round_tf32(v.z), kf_round_tf32(v.w));
-    *reinterpret_cast<float4*>(big + q) = h;
-    *reinterpret_cast<float4*>(small + q) = make_float4(kf_round_tf32(v.x - h.x), kf_round_tf32(v.y - h.y),
-                                                        kf_round_tf32(v.z - h.z), kf_round_tf32(v.w - h.w));
+    *reinterpret_cast<float4*>(small + q) =
+        make_float4(v.x - trunc_tf32(v.x), v.y - trunc_tf32(v.y), v.z - trunc_tf32(v.z), v.w - trunc_tf32(v.w));
   }
 }
 
 // a stage's products into the fresh accumulator d: the thread's A fragments of the four k8 steps (rows row and
-// row + 8, columns t and t + 4), split, then small x big, big x small, big x big each step
+// row + 8, columns t and t + 4), split as B's, then small x big, big x small, big x big each step
 __device__ __forceinline__ void stage_products(float (&d)[64], const float* stage, int row, int t) {
   const float* a = stage + 2 * B_TILE;
   unsigned big[4][4], small[4][4];
@@ -117,9 +119,8 @@ __device__ __forceinline__ void stage_products(float (&d)[64], const float* stag
                           a[row * A_PITCH + ks * 8 + t + 4], a[(row + 8) * A_PITCH + ks * 8 + t + 4]};
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      const float h = kf_round_tf32(raw[j]);
-      big[ks][j] = __float_as_uint(h);
-      small[ks][j] = __float_as_uint(kf_round_tf32(raw[j] - h));
+      big[ks][j] = __float_as_uint(raw[j]);
+      small[ks][j] = __float_as_uint(raw[j] - trunc_tf32(raw[j]));
     }
   }
   fence();
