@@ -96,6 +96,18 @@ def test_floor_and_the_suspicion_margin():
     assert floor.to_dict()["bound"] == "compute" and "GFLOP" in floor.describe()
 
 
+def test_the_fp32_ceiling_counts_3xtf32_where_it_beats_sgemm():
+    """H200 (stop 45): SGEMM 50 TFLOP/s, TF32 385: fp32-accurate products run at 128 (3xTF32), and a correct 3xTF32
+    GEMM at 1.65 ms is then above the floor of 1024 x 8192 x 8192 (1.07 ms), not below an SGEMM floor of 2.75."""
+    from kernelfuse.bench.floor import fp32_accurate_rate
+
+    flops, kind = fp32_accurate_rate(50e12, 385e12)
+    assert kind == "fp32 (3xTF32)" and flops == pytest.approx(128.3e12, rel=1e-3)
+    floor = floor_estimate(2 * 1024 * 8192 * 8192, 300_000_000, Ceilings(flops, 3e12, kind))
+    assert below_floor(1.65, floor) is None and floor.ms == pytest.approx(1.071, rel=1e-3)
+    assert fp32_accurate_rate(50e12, 120e12) == (50e12, "fp32")  # a GPU whose TF32 is under 3x its FMA rate
+
+
 def test_flops_and_bytes_of_a_linear():
     model = torch.nn.Linear(64, 32, bias=False)
     x = torch.rand(16, 64)
