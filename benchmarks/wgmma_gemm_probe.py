@@ -12,7 +12,9 @@ then splits it in place, position by position, into its TF32-rounded big part an
 tile). A's fragments come from a padded (conflict-free) tile into registers and split there. Per 8-deep k step
 three wgmma.m64n128k8: small x big, big x small, big x big; each stage's products go to a fresh accumulator that
 is then added to the running sum in fp32 (the tensor cores' accumulation truncates: stop 41). `run(..., 33)` is
-the same with four stages and the next stage's B split while this stage's products run; `run(..., 1)` plain TF32
+the same with four stages and the next stage's B split while this stage's products run; `run(..., 34)` that with
+the truncating split (the fp32 tile is its own big part: the form kernelfuse.codegen.gemm_wgmma took, stop 45);
+`run(..., 35)` that with the next stage's A fragments also split during the products; `run(..., 1)` plain TF32
 (big x big only, accumulated across stages) for the raw rate.
 
 Run on the GPU machine from the repo root (builds for sm_90a):
@@ -228,7 +230,9 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma(const float* __restrict
 constexpr int OVERLAP_STAGES = 4;
 constexpr int OVERLAP_SMEM_BYTES = OVERLAP_STAGES * STAGE_FLOATS * 4 + 1024;
 
-template <bool TRUNC>
+// PREFETCH_A: the next stage's A fragments are loaded and split while this stage's products run (after its B split),
+// so that between two stages' products only the wait, the sum and a barrier remain
+template <bool TRUNC, bool PREFETCH_A = false>
 __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_overlap(const float* __restrict__ A,
     const float* __restrict__ B, float* __restrict__ C, int M, int N, int K) {
   constexpr int S = OVERLAP_STAGES;
@@ -243,24 +247,36 @@ __global__ void __launch_bounds__(THREADS, 1) gemm_wgmma_overlap(const float* __
   split_b<TRUNC>(smem, smem + B_TILE);
   fence_async();
   __syncthreads();
+  uint32_t a_big[4][4], a_small[4][4];
+  if (PREFETCH_A) a_fragments<TRUNC>(smem + 2 * B_TILE, row, t, a_big, a_small);
   for (int kt = 0; kt < KT; ++kt) {
     if (kt + S - 1 < KT)  // into stage kt - 1's slot: every warpgroup finished it before the last barrier
       load_stage(smem + ((kt + S - 1) % S) * STAGE_FLOATS, A, B, K, m0, n0, (kt + S - 1) * BK);
     cp_async_commit();
     float* stage = smem + (kt % S) * STAGE_FLOATS;
-    uint32_t a_big[4][4], a_small[4][4];
-    a_fragments<TRUNC>(stage + 2 * B_TILE, row, t, a_big, a_small);
+    if (!PREFETCH_A) a_fragments<TRUNC>(stage + 2 * B_TILE, row, t, a_big, a_small);
     wgmma_fence();
     issue_3x(d, a_big, a_small, stage, stage + B_TILE);
     wgmma_commit();
+    uint32_t next_big[4][4], next_small[4][4];
     if (kt + 1 < KT) {  // while the products run: stage kt + 1 in (two later groups may be pending), its B split
       cp_async_wait<S - 2>();
       __syncthreads();
       float* next = smem + ((kt + 1) % S) * STAGE_FLOATS;
       split_b<TRUNC>(next, next + B_TILE);
       fence_async();
+      if (PREFETCH_A) a_fragments<TRUNC>(next + 2 * B_TILE, row, t, next_big, next_small);
     }
     wgmma_wait();
+    if (PREFETCH_A) {  // this stage's A registers are free only now (the products read them asynchronously)
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          a_big[ks][j] = next_big[ks][j];
+          a_small[ks][j] = next_small[ks][j];
+        }
+    }
 #pragma unroll
     for (int i = 0; i < 64; ++i) total[i] += d[i];
     __syncthreads();  // the next stage's split is visible; every warpgroup is done with this stage's slot
@@ -273,7 +289,8 @@ void run(torch::Tensor a, torch::Tensor b, torch::Tensor c, int64_t split) {
   const int M = a.size(0), K = a.size(1), N = b.size(0);
   TORCH_CHECK(M % BM == 0 && N % BN == 0 && K % BK == 0, "the probe's kernel takes M, N % 128 == 0, K % 32 == 0");
   auto kernel = split == 3 ? gemm_wgmma<3> : split == 1 ? gemm_wgmma<1>
-      : split == 34 ? gemm_wgmma_overlap<true> : gemm_wgmma_overlap<false>;
+      : split == 34 ? gemm_wgmma_overlap<true> : split == 35 ? gemm_wgmma_overlap<true, true>
+      : gemm_wgmma_overlap<false>;
   const int smem = split >= 33 ? OVERLAP_SMEM_BYTES : SMEM_BYTES;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   kernel<<<dim3(N / BN, M / BM), THREADS, smem, c10::cuda::getCurrentCUDAStream()>>>(
@@ -300,7 +317,7 @@ def layout_check(ext) -> None:
     nn, kk = torch.meshgrid(torch.arange(n, device="cuda"), torch.arange(k, device="cuda"), indexing="ij")
     b = ((nn % 16) * 64 + kk % 64).float()
     want = a @ b.T
-    for split in (1, 3, 33, 34):
+    for split in (1, 3, 33, 34, 35):
         c = torch.full((m, n), float("nan"), device="cuda")
         ext.run(a, b, c, split)
         torch.cuda.synchronize()
@@ -341,6 +358,7 @@ def probe_shape(ext, m: int, n: int, k: int) -> None:
             ("wgmma 3xTF32", lambda: ext.run(a, b, c, 3)),
             ("wgmma 3xTF32, next B split during the products", lambda: ext.run(a, b, c, 33)),
             ("the same, big parts truncated by the tensor cores (only the rest written)", lambda: ext.run(a, b, c, 34)),
+            ("the same, next A fragments split during the products", lambda: ext.run(a, b, c, 35)),
             ("wgmma TF32", lambda: ext.run(a, b, c, 1))]
     base_err = None
     for label, call in rows:
