@@ -100,6 +100,7 @@ def test_every_prelude_compiles_in_one_file(tmp_path):
     """A plan may need all the kernel families at once (ConvolutionalVisionTransformer: implicit-GEMM convolutions
     beside attention): their preludes must not define one name twice (both once had a kf_tf32)."""
     from kernelfuse.codegen.attention_flash import FLASH_PRELUDE
+    from kernelfuse.codegen.attention_mma import MMA_ATTENTION_PRELUDE
     from kernelfuse.codegen.attention_prelude import ATTENTION_PRELUDE
     from kernelfuse.codegen.conv_igemm import IGEMM_PRELUDE
     from kernelfuse.codegen.cuda import HEADER
@@ -108,7 +109,8 @@ def test_every_prelude_compiles_in_one_file(tmp_path):
 
     nvcc = _nvcc()
     cu = tmp_path / "preludes.cu"
-    cu.write_text("\n".join([HEADER, REDUCE_PRELUDE, ONCHIP_PRELUDE, ATTENTION_PRELUDE, FLASH_PRELUDE, IGEMM_PRELUDE]))
+    cu.write_text("\n".join([HEADER, REDUCE_PRELUDE, ONCHIP_PRELUDE, ATTENTION_PRELUDE, MMA_ATTENTION_PRELUDE,
+                             FLASH_PRELUDE, IGEMM_PRELUDE]))
     result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-c", str(cu), "-o", str(tmp_path / "p.o")],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]

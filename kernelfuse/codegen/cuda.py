@@ -16,6 +16,7 @@ import torch
 from kernelfuse.codegen.arg_reduce import ARG_PRELUDE, INDEX_KINDS
 from kernelfuse.codegen.attention import render_attention
 from kernelfuse.codegen.attention_flash import FLASH_PRELUDE
+from kernelfuse.codegen.attention_mma import MMA_ATTENTION_PRELUDE
 from kernelfuse.codegen.attention_prelude import ATTENTION_PRELUDE
 from kernelfuse.codegen.binding import Binding, kernels_class
 from kernelfuse.codegen.common import C_TYPES
@@ -197,7 +198,7 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
     if any(keeps_rows_on_chip(g) for g in gens):
         cuda.append(ONCHIP_PRELUDE)
     if attention:
-        cuda += [ATTENTION_PRELUDE, FLASH_PRELUDE]
+        cuda += [ATTENTION_PRELUDE, MMA_ATTENTION_PRELUDE, FLASH_PRELUDE]
     if any(s.anchor.epilogue_inside for s in steps):
         cuda.append(IGEMM_PRELUDE)  # the TF32 rounding, cp.async and mma helpers of both anchor kernels
     if any(s.anchor.epilogue_inside and s.anchor.family == "matmul" for s in steps):
