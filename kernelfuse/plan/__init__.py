@@ -21,7 +21,7 @@ from kernelfuse.plan.ir import (
     Statement,
     TorchStep,
 )
-from kernelfuse.plan.schedule import broadcast_strides
+from kernelfuse.plan.program import broadcast_strides
 
 __all__ = [
     "Anchor",

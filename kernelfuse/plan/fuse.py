@@ -32,7 +32,8 @@ from kernelfuse.plan.ir import (
     TorchStep,
 )
 from kernelfuse.plan.layout import channels_last_graph
-from kernelfuse.plan.schedule import FLOAT_DTYPES, RESHAPES, build_program, schedule, space_strides
+from kernelfuse.plan.program import build_program, space_strides
+from kernelfuse.plan.schedule import FLOAT_DTYPES, RESHAPES, schedule
 
 KEPT_REASON = "kept as a torch call: a kernel over it failed to plan or generate (see the fallbacks)"
 CL_REASON = "kept as a torch call in the channels-last graph: its kernel writes only the contiguous layout"

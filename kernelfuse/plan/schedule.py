@@ -18,7 +18,8 @@ from kernelfuse.ops import POINTWISE_BY_ATEN
 from kernelfuse.ops.anchors import RESHAPES
 from kernelfuse.ops.reductions import HALF_DTYPES, ReduceSpec
 from kernelfuse.ops.scans import GENERATED_BY_ATEN
-from kernelfuse.plan.ir import EArg, GenStep, Operand, Program, Statement
+from kernelfuse.plan.ir import GenStep, Operand, Program
+from kernelfuse.plan.program import broadcasts, build_program
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CASTS = frozenset({"_to_copy.default"})
@@ -81,7 +82,7 @@ def can_fuse_pointwise(graph: Graph, node: Node, space: TensorMeta, mixed: bool 
         other = meta is not None and meta.dtype != space.dtype and not (mixed and meta.dtype in FLOAT_DTYPES)
         if meta is None or (other and not in_kernel_bool and not promoted):
             return False, f"operand %{ref.name} has another dtype"
-        if not _broadcasts(meta.shape, node.meta.shape):
+        if not broadcasts(meta.shape, node.meta.shape):
             return False, f"operand %{ref.name} does not broadcast to the output"
     floats = [graph[r].meta.dtype for r in node.refs if graph[r].meta is not None]
     if not any(d == space.dtype or (mixed and d in FLOAT_DTYPES) for d in floats):
@@ -409,121 +410,3 @@ def _trim_reshapes(graph: Graph, members: list[Node]) -> list[Node]:
         inside.discard(members[-1].name)
         members = members[:-1]
     return members
-
-
-def build_program(graph: Graph, members: list[Node], meta: TensorMeta, space: tuple[int, ...],
-             acc: str | None = None) -> tuple[Operand | None, Program]:
-    """Statements for `members` over `space`; the first tensor the first member reads from outside is the source
-    (`acc`) unless `acc` names the value entering the program. Operand strides are mapped onto `space`."""
-    names: dict[str, str] = {acc: "acc"} if acc else {}
-    operands: list[Operand] = []
-    shape = meta.shape
-    source: list[Operand] = []
-    ok = True
-    preferred = None if acc else _full_size_source(graph, members, meta)
-
-    def value(arg: object) -> EArg:
-        nonlocal ok
-        if not isinstance(arg, Ref):
-            return float(arg)  # type: ignore[arg-type]
-        if arg.name in names:
-            return names[arg.name]
-        node = graph[arg]
-        strides = space_strides(node.meta, shape, space)
-        if strides is None:
-            ok = False
-            strides = (0,) * len(space)
-        operand = Operand(arg, node.meta, strides)
-        if not source and acc is None and node.meta.dtype != torch.bool \
-                and arg.name == (preferred or arg.name):  # a bool mask is read as an operand
-            source.append(operand)
-            names[arg.name] = "acc"
-        else:
-            names[arg.name] = f"in{len(operands)}"
-            operands.append(operand)
-        return names[arg.name]
-
-    statements = []
-    for node in members:
-        shape = node.meta.shape
-        if node.op in RESHAPES:  # the same elements in the same order: a new shape, the same flat index
-            statements.append(Statement(node.name, "reshape", node.op, (value(node.args[0]),), (shape,)))
-            names[node.name] = node.name
-            continue
-        row = POINTWISE_BY_ATEN[node.op]
-        args = tuple(value(a) for a in _read_args(node))
-        params = tuple(constant_arg(node, pos, default) for pos, default in row.params)
-        statements.append(Statement(node.name, row.ir, row.aten, args, params, node.meta.dtype))
-        names[node.name] = node.name
-    src = source[0] if source else None
-    if not ok:
-        return None, Program((), (), space)
-    if src is None and acc is None:
-        return None, Program((), (), space)
-    return src, Program(tuple(statements), tuple(operands), space)
-
-
-def _read_args(node: Node) -> tuple[object, ...]:
-    """The values a program member reads, in the order build_program meets them: a reshape's source, else the
-    table row's operands (0.0 for one the call left out)."""
-    if node.op in RESHAPES:
-        return (node.args[0],)
-    return tuple(node.args[i] if i < len(node.args) else 0.0 for i in POINTWISE_BY_ATEN[node.op].operands)
-
-
-def _full_size_source(graph: Graph, members: list[Node], meta: TensorMeta) -> str | None:
-    """The tensor a pointwise kernel reads as its source: the first one it reads from outside that has every
-    element of the output (`A.unsqueeze(1) * B`: B, not the broadcast A), so that the source and the output share
-    their strides and the kernel moves 16 bytes per access; None (the first one read) where none does. Which
-    tensor is the source changes no arithmetic: the statements name their arguments."""
-    inside = {m.name for m in members}
-    for node in members:
-        for arg in _read_args(node):
-            if isinstance(arg, Ref) and arg.name not in inside:
-                m = graph[arg].meta
-                if m is not None and m.dtype != torch.bool and m.shape == meta.shape and m.stride == meta.stride:
-                    return arg.name
-    return None
-
-
-def space_strides(meta: TensorMeta, shape: tuple[int, ...], space: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The element strides of a tensor broadcast to `shape`, viewed as `space` (a regrouping of `shape`), or None
-    when that view does not exist (its layout cannot follow the regrouping)."""
-    strides = broadcast_strides(meta, TensorMeta(tuple(shape), meta.dtype, tuple(shape)))
-    if tuple(shape) == tuple(space):
-        return strides
-    probe = torch.empty_strided(shape, strides, device="meta")
-    try:
-        return tuple(probe.view(space).stride())
-    except RuntimeError:
-        return None
-
-
-def broadcast_strides(meta: TensorMeta, out: TensorMeta) -> tuple[int, ...]:
-    """The operand's element stride along each output dimension; 0 where it broadcasts."""
-    offset = len(out.shape) - len(meta.shape)
-    strides = []
-    for d in range(len(out.shape)):
-        k = d - offset
-        if k < 0 or (meta.shape[k] == 1 and out.shape[d] != 1):
-            strides.append(0)
-        else:
-            strides.append(meta.stride[k])
-    return tuple(strides)
-
-
-def _broadcasts(shape: tuple[int, ...], out: tuple[int, ...]) -> bool:
-    if len(shape) > len(out):
-        return False
-    offset = len(out) - len(shape)
-    return all(d in (1, out[i + offset]) for i, d in enumerate(shape))
-
-
-def constant_arg(node: Node, pos: int | str, default: object) -> object:
-    """A constant argument by keyword name or by position; an omitted or None (optional) one is the default."""
-    if isinstance(pos, str):
-        got = node.keywords.get(pos, default)
-        return default if got is None else got
-    plain = node.positional
-    got = plain[pos] if pos < len(plain) else default
-    return default if got is None else got

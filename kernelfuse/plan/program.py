@@ -1,0 +1,130 @@
+"""A generated kernel's members as a Program (kernelfuse.plan.ir): their statements in order, the value entering
+the kernel (its source), and every other tensor read as an operand with its strides mapped onto the kernel's
+iteration space. The scheduler (kernelfuse.plan.schedule) decides the members; this module only writes them down."""
+
+from __future__ import annotations
+
+import torch
+
+from kernelfuse.capture import Graph, Node, Ref, TensorMeta
+from kernelfuse.ops import POINTWISE_BY_ATEN
+from kernelfuse.ops.anchors import RESHAPES
+from kernelfuse.plan.ir import EArg, Operand, Program, Statement
+
+
+def build_program(graph: Graph, members: list[Node], meta: TensorMeta, space: tuple[int, ...],
+             acc: str | None = None) -> tuple[Operand | None, Program]:
+    """Statements for `members` over `space`; the first tensor the first member reads from outside is the source
+    (`acc`) unless `acc` names the value entering the program. Operand strides are mapped onto `space`."""
+    names: dict[str, str] = {acc: "acc"} if acc else {}
+    operands: list[Operand] = []
+    shape = meta.shape
+    source: list[Operand] = []
+    ok = True
+    preferred = None if acc else _full_size_source(graph, members, meta)
+
+    def value(arg: object) -> EArg:
+        nonlocal ok
+        if not isinstance(arg, Ref):
+            return float(arg)  # type: ignore[arg-type]
+        if arg.name in names:
+            return names[arg.name]
+        node = graph[arg]
+        strides = space_strides(node.meta, shape, space)
+        if strides is None:
+            ok = False
+            strides = (0,) * len(space)
+        operand = Operand(arg, node.meta, strides)
+        if not source and acc is None and node.meta.dtype != torch.bool \
+                and arg.name == (preferred or arg.name):  # a bool mask is read as an operand
+            source.append(operand)
+            names[arg.name] = "acc"
+        else:
+            names[arg.name] = f"in{len(operands)}"
+            operands.append(operand)
+        return names[arg.name]
+
+    statements = []
+    for node in members:
+        shape = node.meta.shape
+        if node.op in RESHAPES:  # the same elements in the same order: a new shape, the same flat index
+            statements.append(Statement(node.name, "reshape", node.op, (value(node.args[0]),), (shape,)))
+            names[node.name] = node.name
+            continue
+        row = POINTWISE_BY_ATEN[node.op]
+        args = tuple(value(a) for a in _read_args(node))
+        params = tuple(constant_arg(node, pos, default) for pos, default in row.params)
+        statements.append(Statement(node.name, row.ir, row.aten, args, params, node.meta.dtype))
+        names[node.name] = node.name
+    src = source[0] if source else None
+    if not ok:
+        return None, Program((), (), space)
+    if src is None and acc is None:
+        return None, Program((), (), space)
+    return src, Program(tuple(statements), tuple(operands), space)
+
+
+def _read_args(node: Node) -> tuple[object, ...]:
+    """The values a program member reads, in the order build_program meets them: a reshape's source, else the
+    table row's operands (0.0 for one the call left out)."""
+    if node.op in RESHAPES:
+        return (node.args[0],)
+    return tuple(node.args[i] if i < len(node.args) else 0.0 for i in POINTWISE_BY_ATEN[node.op].operands)
+
+
+def _full_size_source(graph: Graph, members: list[Node], meta: TensorMeta) -> str | None:
+    """The tensor a pointwise kernel reads as its source: the first one it reads from outside that has every
+    element of the output (`A.unsqueeze(1) * B`: B, not the broadcast A), so that the source and the output share
+    their strides and the kernel moves 16 bytes per access; None (the first one read) where none does. Which
+    tensor is the source changes no arithmetic: the statements name their arguments."""
+    inside = {m.name for m in members}
+    for node in members:
+        for arg in _read_args(node):
+            if isinstance(arg, Ref) and arg.name not in inside:
+                m = graph[arg].meta
+                if m is not None and m.dtype != torch.bool and m.shape == meta.shape and m.stride == meta.stride:
+                    return arg.name
+    return None
+
+
+def space_strides(meta: TensorMeta, shape: tuple[int, ...], space: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The element strides of a tensor broadcast to `shape`, viewed as `space` (a regrouping of `shape`), or None
+    when that view does not exist (its layout cannot follow the regrouping)."""
+    strides = broadcast_strides(meta, TensorMeta(tuple(shape), meta.dtype, tuple(shape)))
+    if tuple(shape) == tuple(space):
+        return strides
+    probe = torch.empty_strided(shape, strides, device="meta")
+    try:
+        return tuple(probe.view(space).stride())
+    except RuntimeError:
+        return None
+
+
+def broadcast_strides(meta: TensorMeta, out: TensorMeta) -> tuple[int, ...]:
+    """The operand's element stride along each output dimension; 0 where it broadcasts."""
+    offset = len(out.shape) - len(meta.shape)
+    strides = []
+    for d in range(len(out.shape)):
+        k = d - offset
+        if k < 0 or (meta.shape[k] == 1 and out.shape[d] != 1):
+            strides.append(0)
+        else:
+            strides.append(meta.stride[k])
+    return tuple(strides)
+
+
+def broadcasts(shape: tuple[int, ...], out: tuple[int, ...]) -> bool:
+    if len(shape) > len(out):
+        return False
+    offset = len(out) - len(shape)
+    return all(d in (1, out[i + offset]) for i, d in enumerate(shape))
+
+
+def constant_arg(node: Node, pos: int | str, default: object) -> object:
+    """A constant argument by keyword name or by position; an omitted or None (optional) one is the default."""
+    if isinstance(pos, str):
+        got = node.keywords.get(pos, default)
+        return default if got is None else got
+    plain = node.positional
+    got = plain[pos] if pos < len(plain) else default
+    return default if got is None else got
