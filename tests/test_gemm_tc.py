@@ -201,24 +201,30 @@ def test_hopper_launchers_take_the_wgmma_loop_where_the_tiles_fill_the_gpu(model
 
 
 def test_the_wgmma_loop_assembles_for_sm_90a_without_spills(model_and_graph, tmp_path):
-    """The file as the loader builds it on an H100 (sm_90a): ptxas takes the wgmma instructions, no spills."""
+    """The file as the loader builds it on an H100 (sm_90a, the compile check's flags): ptxas takes the wgmma
+    instructions without spills, and the library exports the switch the loader sets (callable off the GPU)."""
     import subprocess
 
-    from kernelfuse.compilecheck import find_nvcc
+    from kernelfuse.codegen.binding import _KernelLibrary
+    from kernelfuse.compilecheck import find_nvcc, nvcc_command
 
     nvcc = find_nvcc()
     if nvcc is None:
         pytest.skip("nvcc not found")
-    cu = tmp_path / "gemm.cu"
+    cu, lib = tmp_path / "gemm.cu", tmp_path / "gemm.so"
     cu.write_text(generate(_gemm_plan(model_and_graph[2])).cuda)
-    result = subprocess.run([nvcc, "-std=c++17", "-O3", "-arch=sm_90a", "-Xptxas", "-v", "-c", str(cu), "-o",
-                             str(tmp_path / "gemm.o")], capture_output=True, text=True)
+    result = subprocess.run([*nvcc_command(nvcc, cu, lib), "-Xptxas", "-v"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
+    assert "-arch=sm_90a" in nvcc_command(nvcc, cu, lib)
     assert "_kernel_wg" in result.stderr and " 0 bytes spill stores" in result.stderr
     assert not [line for line in result.stderr.splitlines() if "spill stores" in line and " 0 bytes spill" not in line]
     ptx = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90a", "-ptx", str(cu), "-o", "-"], capture_output=True,
                          text=True)
     assert "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32" in ptx.stdout
+    library = _KernelLibrary(str(lib))
+    assert hasattr(library._lib, "kf_wgmma_enable")
+    library._allow_wgmma(True)
+    library._allow_wgmma(False)
 
 
 class Wide(torch.nn.Module):

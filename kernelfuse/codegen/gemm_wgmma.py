@@ -44,11 +44,17 @@ KF_WG_SIZES
 [[maybe_unused]] constexpr int STAGE_FLOATS = 2 * B_TILE + BM * A_PITCH;
 static_assert(STAGE_FLOATS * 4 % 1024 == 0, "each stage's B tiles start on the swizzle's 1024-byte atom");
 
-// the launcher's choice: wgmma on a compute-capability 9.0 device (the loader built sm_90a) where the tiles cover
+// set by the loader (kf_wgmma_enable) when it built this library for sm_90a; off, the kernels below only trap
+inline bool& enabled() {
+  static bool on = false;
+  return on;
+}
+// the launcher's choice: wgmma where the library holds it, on a compute-capability 9.0 device, where the tiles cover
 // three quarters of its SMs; the device's answers read once per device
 inline bool fits(int M, int N) {
   static int major[16], minor[16], sms[16];
   int dev = 0;
+  if (!enabled()) return false;
   cudaGetDevice(&dev);
   if (dev >= 16) return false;
   if (sms[dev] == 0) {
@@ -134,6 +140,7 @@ __device__ __forceinline__ void stage_products(float (&d)[64], const float* stag
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }  // namespace kf_wg
+KF_EXPORT void kf_wgmma_enable(int on) { kf_wg::enabled() = on != 0; }
 
 // C = A Bᵀ (A: M x K, B: N x K, row-major, K % 4 == 0, 16-byte aligned rows) for the block's 128 x 128 tile,
 // each element pair to epi(row, col, v0, v1, pair) as kf_gemm_3xtf32 gives them; THREADS threads, dynamic shared
@@ -187,7 +194,7 @@ __device__ __forceinline__ void kf_gemm_3xtf32_wgmma(const float* __restrict__ A
     }
   }
 #else
-  __trap();  // launched only on a 9.0 device, where the loader builds sm_90a (kf_wg::fits)
+  __trap();  // never launched: kf_wg::fits is false unless the loader built sm_90a
 #endif
 }
 #endif  // __CUDACC__

@@ -22,6 +22,7 @@ def _extension():
     global _EXTENSION
     if _EXTENSION is None:
         import os
+        import warnings
 
         from torch.utils.cpp_extension import load_inline
 
@@ -29,28 +30,43 @@ def _extension():
         # Keep torch's headers out of the kernel file where this torch allows it: a much faster build.
         options = {"no_implicit_headers": True} if "no_implicit_headers" in inspect.signature(load_inline).parameters else {}
         # Compile the kernels for the GPU at hand only (not a long TORCH_CUDA_ARCH_LIST from the environment); on
-        # a 9.0 device (H100, H200) for sm_90a, whose wgmma the GEMM kernels' launchers take there.
+        # a 9.0 device (H100, H200) for sm_90a, whose wgmma the GEMM launchers then take; where that build fails
+        # (a torch or nvcc that does not know the target), for sm_90, and the launchers keep their mma.sync loop.
         arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+        targets = [None]
         if torch.cuda.is_available():
             capability = torch.cuda.get_device_capability()
-            os.environ["TORCH_CUDA_ARCH_LIST"] = "%d.%d" % capability + ("a" if capability == (9, 0) else "")
+            targets = ["%d.%d" % capability]
+            if capability == (9, 0):
+                targets.insert(0, "9.0a")
         try:
-            path = load_inline(
-                name=f"kernelfuse_{NAME}_{digest}",
-                cpp_sources="",  # nothing on the C++ side: Python calls the kernels' C launchers through ctypes
-                cuda_sources=CUDA_SRC,
-                # only the KF_EXPORT launchers leave the library: torch loads it RTLD_GLOBAL, where two files' equal
-                # template kernels would otherwise resolve to one library's copy (a launch then fails)
-                extra_cuda_cflags=["-O3", "-Xcompiler", "-fvisibility=hidden"],
-                is_python_module=False,
-                **options,
-            )
+            for target in targets:
+                if target is not None:
+                    os.environ["TORCH_CUDA_ARCH_LIST"] = target
+                try:
+                    path = load_inline(
+                        name=f"kernelfuse_{NAME}_{digest}",
+                        cpp_sources="",  # nothing on the C++ side: Python calls the kernels' C launchers (ctypes)
+                        cuda_sources=CUDA_SRC,
+                        # only the KF_EXPORT launchers leave the library: torch loads it RTLD_GLOBAL, where two
+                        # files' equal template kernels would otherwise resolve to one library's copy
+                        extra_cuda_cflags=["-O3", "-Xcompiler", "-fvisibility=hidden"],
+                        is_python_module=False,
+                        **options,
+                    )
+                    break
+                except Exception as err:  # torch before 2.3 ("Unknown CUDA arch"), nvcc before 12.0: sm_90
+                    if target != "9.0a":
+                        raise
+                    warnings.warn(f"kernelfuse: building for sm_90a failed ({str(err).splitlines()[0][:200]}); "
+                                  "building for sm_90 without the wgmma GEMM loop", stacklevel=2)
         finally:
             if arch is None:
                 os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
             else:
                 os.environ["TORCH_CUDA_ARCH_LIST"] = arch
         _EXTENSION = _Kernels(path)
+        _EXTENSION._allow_wgmma(target == "9.0a")
     return _EXTENSION
 '''
 
