@@ -47,6 +47,9 @@ class DenseConvs(torch.nn.Module):
 INPUTS = [(2, 32, 9, 11), (1, 64, 13, 12), (1, 32, 4, 5, 6), (1, 32, 5, 4), (1, 64, 6, 7), (1, 32, 6, 5), (2, 32, 30)]
 CONFIGS = {"default": None, "truncated": DenseConfig(round_tf32=False), "nhwc": DenseConfig(a_nhwc=True),
            "eight-warps": DenseConfig(warps_n=4, epilogue_unroll=4)}
+# sizes whose tiles cover three quarters of an H100's SMs: the launchers take the wgmma form (conv_wgmma)
+WIDE_INPUTS = [(16, 32, 40, 44), (32, 64, 52, 48), (4, 32, 16, 20, 24), (8, 32, 40, 32), (8, 64, 48, 56),
+               (8, 32, 48, 40), (64, 32, 400)]
 
 
 
@@ -153,3 +156,82 @@ def test_dense_convolutions_match_eager_on_the_gpu(scale: int) -> None:
     from test_conv_igemm_gpu import _run_scaled
 
     assert _run_scaled(DenseConvs, INPUTS, scale) == ["generated"] * len(INPUTS)
+
+
+def _c_eval(expr: str, **values: int) -> int:
+    """A generated C integer expression (shifts, masks, arithmetic: the same operators in Python) at `values`."""
+    return eval(expr.replace("threadIdx.x", "tid"), {}, values)  # noqa: S307 (our own constant expressions)
+
+
+def test_wgmma_gathers_cover_each_stage_once_on_distinct_banks():
+    """The wgmma form's input gathers (kernelfuse.codegen.conv_wgmma): the 256 threads' 16 copies a stage write every
+    (pixel row, channel) of the 128 x 32 tile exactly once, each warp's copy i on 32 distinct banks of the 128-byte
+    swizzle; each row's pixel tables are written by one thread, and that thread gathers for that row."""
+    from kernelfuse.codegen.conv_wgmma import WGC_CHANNEL, WGC_ROW, WGC_SEL, WGC_THREADS, WGC_WRITER
+
+    def swz128(row: int, k: int) -> int:  # kf_wg::swz128
+        return row * 32 + (((k >> 2) ^ (row & 7)) << 2) + (k & 3)
+
+    seen: dict[tuple[int, int], int] = {}
+    writers: dict[int, int] = {}
+    for tid in range(WGC_THREADS):
+        row = _c_eval(WGC_ROW, tid=tid)
+        if _c_eval(WGC_WRITER, tid=tid):
+            writers[row] = writers.get(row, 0) + 1
+        sel = _c_eval(WGC_SEL, tid=tid)
+        for i in range(16):
+            j = _c_eval(WGC_CHANNEL, i=i, sel=sel)
+            seen[(row, j)] = seen.get((row, j), 0) + 1
+    assert set(seen) == {(r, j) for r in range(128) for j in range(32)} and set(seen.values()) == {1}
+    assert writers == {r: 1 for r in range(128)}
+    for warp in range(WGC_THREADS // 32):
+        for i in range(16):
+            banks = set()
+            for tid in range(warp * 32, warp * 32 + 32):
+                row, sel = _c_eval(WGC_ROW, tid=tid), _c_eval(WGC_SEL, tid=tid)
+                banks.add(swz128(row, _c_eval(WGC_CHANNEL, i=i, sel=sel)) % 32)
+            assert len(banks) == 32, (warp, i, sorted(banks))
+
+
+def test_wgmma_form_assembles_for_sm_90a_without_spills(model_and_graph, tmp_path):
+    """The dense convolutions' file at sizes with enough tiles, as the loader builds it on an H100 (sm_90a): each
+    carries a wgmma kernel (m64n64k8 or m64n128k8 by its tile) that ptxas takes without spills, and the launchers'
+    switch is defined once; at the small sizes no convolution carries one (no Hopper part would take it)."""
+    import re
+    import subprocess
+
+    from test_nvcc_compile import _nvcc
+
+    nvcc = _nvcc()
+    assert "_kernel_wg" not in generate(_plan(model_and_graph[2])).cuda
+    torch.manual_seed(0)
+    plan = _plan(capture_module(DenseConvs().eval(), [torch.randn(s) for s in WIDE_INPUTS]))
+    source = generate(plan).cuda
+    assert source.count("KF_EXPORT void kf_wgmma_enable") == 1
+    assert source.count("_kernel_wg<<<") == len(plan.fused)
+    cu = tmp_path / "dense.cu"
+    cu.write_text(source)
+    result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90a", "-O3", "-c", "-Xptxas", "-v", str(cu), "-o",
+                             str(tmp_path / "dense.o")], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert not re.search(r"[1-9]\d* bytes spill (stores|loads)", result.stderr), result.stderr[-3000:]
+    assert "serialized" not in result.stderr  # ptxas did not have to wait out each wgmma
+    ptx = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90a", "-ptx", str(cu), "-o", "-"], capture_output=True,
+                         text=True, timeout=600).stdout
+    shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k8\.f32\.tf32\.tf32", ptx)
+    assert set(shapes) == {"64", "128"} and len(shapes) == 4 * len(plan.fused)
+
+
+@pytest.mark.gpu
+def test_wgmma_dense_convolutions_run_and_match_eager_on_hopper() -> None:
+    """On an H100/H200 every dense convolution's launcher takes its wgmma kernel (in the profile), and the outputs
+    pass the judge's rule against eager and float64."""
+    from test_conv_igemm_gpu import _run_scaled
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the wgmma form runs on compute capability 9.0")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        assert _run_scaled(DenseConvs, WIDE_INPUTS, 1) == ["generated"] * len(WIDE_INPUTS)
+        torch.cuda.synchronize()
+    ran = {e.name for e in prof.events() if "_kernel_wg" in e.name}
+    assert len(ran) == len(WIDE_INPUTS), sorted(ran)

@@ -204,15 +204,32 @@ def geometry(k: str, s: ConvShape, threads: int = BM) -> Geometry:
                     pix, gather, spatial, m_phase, max_m, tuple(found))
 
 
-def pixel_setup(geo: Geometry, s: ConvShape, ctype: str, lane: str = "threadIdx.x", origins: bool = False) -> str:
+def block_lines(geo: Geometry, per_tap: int) -> str:
+    """C lines: the block's phase, group, first output pixel (m0) and channel (n0), the phase's pixels (MPH) and K
+    stages (KT, `per_tap` a tap); a block past its phase's pixels returns. Phases vary fastest (see conv_igemm)."""
+    return f"""  const int ph = blockIdx.x % {geo.nph}, grp = blockIdx.z;
+  const int m0 = blockIdx.x / {geo.nph} * {BM}, n0 = blockIdx.y * BN;
+  const int MPH = {geo.m_phase}, KT = {geo.ntaps} * {per_tap};
+  if (m0 >= MPH) return;
+  (void)ph;"""
+
+
+def pixel_setup(geo: Geometry, s: ConvShape, ctype: str, lane: str = "threadIdx.x", origins: bool = False,
+                writer: str | None = None) -> str:
     """C lines: the output pixel m = m0 + `lane` of this thread (its column of A), its input origin `base`, its
     image's input `xg`, and the block's image and pixel of each column (img_s, pix_s: -1 past the phase's pixels),
-    written by the threads whose lane is threadIdx.x; `origins`: the input origins too (org_s)."""
+    written by the threads whose lane is threadIdx.x, or where given by those for which `writer` holds (one a
+    lane); `origins`: the input origins too (org_s)."""
     nl = "\n"
     count = geo.count
     org = f"""
     for (int d = 0; d < {geo.rank}; ++d) org_s[threadIdx.x][d] = base[d];""" if origins else ""
+    assert writer is None or not origins, "origins are written by the threads whose lane is threadIdx.x"
     writes = f"""
+    if ({writer}) {{
+      img_s[{lane}] = m_ok ? img : -1;
+      pix_s[{lane}] = {geo.pix};
+    }}""" if writer is not None else f"""
     if ({lane} == threadIdx.x) {{
       img_s[threadIdx.x] = m_ok ? img : -1;
       pix_s[threadIdx.x] = {geo.pix};{org}

@@ -25,6 +25,14 @@ from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, apply_function, chan
 from kernelfuse.codegen.conv_depthwise import render_depthwise
 from kernelfuse.codegen.conv_geometry import BM, ConvShape, conv_shape, geometry, pixel_setup, tile_stores
 from kernelfuse.codegen.conv_tc import dense_config, render_dense
+from kernelfuse.codegen.conv_wgmma import (
+    WGC_MIN_TILES,
+    WGC_ROW,
+    WGC_THREADS,
+    WGC_WRITER,
+    render_dense_wgmma,
+    wgmma_launch,
+)
 from kernelfuse.plan.conv import DENSE_CHANNELS, tap_major_strides
 from kernelfuse.plan.ir import FusedStep, Plan
 
@@ -199,7 +207,10 @@ def render_conv(plan: Plan, step: FusedStep, out_layout: str = "nchw") -> tuple[
     ops = range(len(epi.operands))
     operand_params = "".join(f", const {ctype}* __restrict__ in{i}" for i in ops)
     operand_args = "".join(f", in{i}" for i in ops)
+    launch_params = "".join(f", const void* in{i}" for i in ops)
+    launch_args = "".join(f", (const {ctype}*)in{i}" for i in ops)
     smem = 0  # dynamic shared memory bytes
+    wgmma = ""  # the launcher's branch to a wgmma form of the kernel
     if step.anchor.impl == "direct":  # planned for a depthwise convolution (kernelfuse.plan.fuse.depthwise)
         comment = f"// {k}: {step.chain(plan.graph)}  (direct depthwise convolution, epilogue inside, {out_layout} " \
                   "output)\n"
@@ -216,19 +227,24 @@ def render_conv(plan: Plan, step: FusedStep, out_layout: str = "nchw") -> tuple[
             tile_stores(k, shape, cfg.bn, cfg.threads, index_t, ctype, has_bias, out_layout, operand_args,
                         cfg.epilogue_unroll))
         threads, smem = cfg.threads, cfg.smem_bytes
+        if grid[0] * grid[1] * grid[2] >= WGC_MIN_TILES:  # its wgmma form, taken on Hopper (codegen.conv_wgmma)
+            body += render_dense_wgmma(
+                k, shape, geo, cfg.bn, cfg.round_tf32, operand_params,
+                pixel_setup(geo, shape, ctype, WGC_ROW, writer=WGC_WRITER),
+                tile_stores(k, shape, cfg.bn, WGC_THREADS, index_t, ctype, has_bias, out_layout, operand_args,
+                            cfg.epilogue_unroll))
+            wgmma = wgmma_launch(k, grid, cfg.bn, ctype, launch_args)
     else:
         comment = f"// {k}: {step.chain(plan.graph)}  (implicit GEMM, epilogue inside, {out_layout} output)\n"
         body, grid = _kernel(k, shape, tile_config(shape), ctype, index_t, has_bias, step.anchor.fp32, out_layout, operand_params,
                              operand_args)
         threads = THREADS
-    launch_params = "".join(f", const void* in{i}" for i in ops)
-    launch_args = "".join(f", (const {ctype}*)in{i}" for i in ops)
     opt_in = f"""  const cudaError_t opted = kf_opt_in<{k}_kernel>({smem});
   if (opted != cudaSuccess) return opted;
 """ if smem else ""
     launch = f"""
 KF_EXPORT cudaError_t {k}_launch(const void* x, const void* w, const void* bias, void* out{launch_params}, cudaStream_t stream) {{
-{opt_in}  dim3 grid({grid[0]}, {grid[1]}, {grid[2]});
+{wgmma}{opt_in}  dim3 grid({grid[0]}, {grid[1]}, {grid[2]});
   {k}_kernel<<<grid, {threads}, {smem}, stream>>>((const {ctype}*)x, (const {ctype}*)w, (const {ctype}*)bias, ({ctype}*)out{launch_args});
   return cudaGetLastError();
 }}

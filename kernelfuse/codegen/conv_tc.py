@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernelfuse.codegen.conv_geometry import BM, ConvShape, Geometry
+from kernelfuse.codegen.conv_geometry import BM, ConvShape, Geometry, block_lines
 
 BK = 32
 LDA2 = BM + 2  # LDA2 % 8 == 2: a warp's 8-byte A loads (k-pair 2t + s, pixel g) hit 32 distinct banks per half
@@ -198,11 +198,7 @@ __global__ void __launch_bounds__({threads}, {2 if threads <= 128 else 1}) {k}_k
   constexpr int A_STAGE = {cfg.a_stage}, STAGE = A_STAGE + BN * BK;
   KF_DYNAMIC_SHARED(smem);
   __shared__ int img_s[{BM}], pix_s[{BM}];
-{origins}  // phases vary fastest (see conv_igemm)
-  const int ph = blockIdx.x % {geo.nph}, grp = blockIdx.z, m0 = blockIdx.x / {geo.nph} * {BM}, n0 = blockIdx.y * BN;
-  const int MPH = {geo.m_phase}, KT = {geo.ntaps} * {per_tap};
-  if (m0 >= MPH) return;
-  (void)ph;
+{origins}{block_lines(geo, per_tap)}
 {setup}
 {geo.tap_setup}
 {a_setup}

@@ -22,9 +22,10 @@ from kernelfuse.codegen.binding import Binding, kernels_class
 from kernelfuse.codegen.common import C_TYPES
 from kernelfuse.codegen.conv_igemm import IGEMM_PRELUDE, dense_kernel, render_conv
 from kernelfuse.codegen.conv_tc import CONV_TC_PRELUDE
+from kernelfuse.codegen.conv_wgmma import CONV_WGMMA_PRELUDE
 from kernelfuse.codegen.epilogue import render_fused
 from kernelfuse.codegen.gemm_tc import GEMM_PRELUDE, render_gemm
-from kernelfuse.codegen.gemm_wgmma import WGMMA_PRELUDE
+from kernelfuse.codegen.gemm_wgmma import WGMMA_COMMON, WGMMA_PRELUDE
 from kernelfuse.codegen.generated import REDUCE_PRELUDE, keeps_rows_on_chip, render_generated
 from kernelfuse.codegen.onchip import ONCHIP_PRELUDE
 from kernelfuse.ops import POINTWISE_BY_ATEN, prelude_for
@@ -202,9 +203,11 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
     if any(s.anchor.epilogue_inside for s in steps):
         cuda.append(IGEMM_PRELUDE)  # the TF32 rounding, cp.async and mma helpers of both anchor kernels
     if any(s.anchor.epilogue_inside and s.anchor.family == "matmul" for s in steps):
-        cuda += [GEMM_PRELUDE, WGMMA_PRELUDE]
+        cuda += [GEMM_PRELUDE, WGMMA_COMMON, WGMMA_PRELUDE]
     if any(s.anchor.epilogue_inside and s.anchor.family == "conv" and dense_kernel(plan.graph, s) for s in steps):
-        cuda.append(CONV_TC_PRELUDE)
+        if WGMMA_COMMON not in cuda:
+            cuda.append(WGMMA_COMMON)
+        cuda += [CONV_TC_PRELUDE, CONV_WGMMA_PRELUDE]
     bindings: list[Binding] = []
     functions: list[str] = []
     channels_last = [s for s in plan.fused if s.anchor.layout == "nhwc"]  # with or without an epilogue kernel

@@ -34,24 +34,20 @@ def _accumulator_operands() -> tuple[str, str]:
 
 _D_REGS, _D_OPS = _accumulator_operands()
 
-WGMMA_PRELUDE = r"""
-// ---- the 3xTF32 GEMM's main loop on wgmma, sm_90a (kernelfuse.codegen.gemm_wgmma) ----
+# What every wgmma kernel of a file shares (the GEMM's loop here, the dense convolution's in conv_wgmma): the switch
+# the loader sets, the launchers' test, the shared-memory descriptor of a 128-byte-swizzled K-major tile, the fences.
+WGMMA_COMMON = r"""
+// ---- Hopper's warpgroup MMA (wgmma), sm_90a: what the GEMM and convolution loops share ----
 #if defined(__CUDACC__)
 namespace kf_wg {
-KF_WG_SIZES
-[[maybe_unused]] constexpr int A_PITCH = BK + 4;  // floats a row of the A tile: the fragment reads are conflict-free
-[[maybe_unused]] constexpr int B_TILE = BN * BK;  // floats of one B tile: 128 rows of 128 bytes, swizzled
-[[maybe_unused]] constexpr int STAGE_FLOATS = 2 * B_TILE + BM * A_PITCH;
-static_assert(STAGE_FLOATS * 4 % 1024 == 0, "each stage's B tiles start on the swizzle's 1024-byte atom");
-
-// set by the loader (kf_wgmma_enable) when it built this library for sm_90a; off, the kernels below only trap
+// set by the loader (kf_wgmma_enable) when it built this library for sm_90a; off, the wgmma kernels only trap
 inline bool& enabled() {
   static bool on = false;
   return on;
 }
-// the launcher's choice: wgmma where the library holds it, on a compute-capability 9.0 device, where the tiles cover
-// three quarters of its SMs; the device's answers read once per device
-inline bool fits(int M, int N) {
+// the launchers' choice: wgmma where the library holds it, on a compute-capability 9.0 device, where a launch's
+// `tiles` blocks cover three quarters of its SMs; the device's answers read once per device
+inline bool fits_tiles(long long tiles) {
   static int major[16], minor[16], sms[16];
   int dev = 0;
   if (!enabled()) return false;
@@ -62,29 +58,55 @@ inline bool fits(int M, int N) {
     cudaDeviceGetAttribute(&minor[dev], cudaDevAttrComputeCapabilityMinor, dev);
     cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev);
   }
-  const long long tiles = (long long)((M + BM - 1) / BM) * ((N + BN - 1) / BN);
   return major[dev] == 9 && minor[dev] == 0 && tiles * 4 >= 3LL * sms[dev];
+}
+// (row, k) of a K-major tile of rows of 32 floats (128 bytes) in the 128-byte swizzle wgmma's descriptors read:
+// 16-byte chunk c of row r at chunk c ^ (r % 8)
+__host__ __device__ __forceinline__ int swz128(int row, int k) {
+  return row * 32 + (((k >> 2) ^ (row & 7)) << 2) + (k & 3);
 }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// wgmma's shared-memory descriptor of a B tile at k step ks: K-major rows of 128 bytes, 128-byte swizzle, groups of
-// eight rows 1024 bytes apart
-__device__ __forceinline__ uint64_t b_desc(const float* tile, int ks) {
+// wgmma's shared-memory descriptor of such a tile (1024-byte aligned) at k step ks: K-major rows of 128 bytes,
+// 128-byte swizzle, groups of eight rows 1024 bytes apart
+__device__ __forceinline__ uint64_t desc(const float* tile, int ks) {
   const uint64_t addr = (unsigned)__cvta_generic_to_shared(tile) + ks * 32;
   return ((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
-__device__ __forceinline__ void mma(float (&d)[64], const unsigned (&a)[4], uint64_t desc, int accumulate) {
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// wait until at most N committed groups of this warpgroup's products are still running
+template <int N> __device__ __forceinline__ void wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// generic-proxy writes to shared memory (copies, splits, roundings), then wgmma's asynchronous reads of them
+__device__ __forceinline__ void fence_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+#endif  // __CUDA_ARCH_FEAT_SM90_ALL
+}  // namespace kf_wg
+KF_EXPORT void kf_wgmma_enable(int on) { kf_wg::enabled() = on != 0; }
+#endif  // __CUDACC__
+"""
+
+WGMMA_PRELUDE = r"""
+// ---- the 3xTF32 GEMM's main loop on wgmma, sm_90a (kernelfuse.codegen.gemm_wgmma) ----
+#if defined(__CUDACC__)
+namespace kf_wg {
+KF_WG_SIZES
+[[maybe_unused]] constexpr int A_PITCH = BK + 4;  // floats a row of the A tile: the fragment reads are conflict-free
+[[maybe_unused]] constexpr int B_TILE = BN * BK;  // floats of one B tile: 128 rows of 128 bytes, swizzled
+[[maybe_unused]] constexpr int STAGE_FLOATS = 2 * B_TILE + BM * A_PITCH;
+static_assert(STAGE_FLOATS * 4 % 1024 == 0, "each stage's B tiles start on the swizzle's 1024-byte atom");
+// the GEMM launcher's choice (fits_tiles) for its M x N output
+inline bool fits(int M, int N) { return fits_tiles((long long)((M + BM - 1) / BM) * ((N + BN - 1) / BN)); }
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ void mma(float (&d)[64], const unsigned (&a)[4], uint64_t b, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32 D_REGS, {%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
       : D_OPS
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
-__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wait() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-// generic-proxy writes to shared memory (the split), then wgmma's asynchronous reads of them
-__device__ __forceinline__ void fence_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // K tile k0 of both operands into a stage, zeros past M, N and K: B's rows swizzled (16-byte chunk c of row r at
 // chunk c ^ (r % 8)), A's padded
@@ -132,15 +154,14 @@ __device__ __forceinline__ void stage_products(float (&d)[64], const float* stag
   fence();
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) {
-    mma(d, small[ks], b_desc(stage, ks), ks > 0);
-    mma(d, big[ks], b_desc(stage + B_TILE, ks), 1);
-    mma(d, big[ks], b_desc(stage, ks), 1);
+    mma(d, small[ks], desc(stage, ks), ks > 0);
+    mma(d, big[ks], desc(stage + B_TILE, ks), 1);
+    mma(d, big[ks], desc(stage, ks), 1);
   }
   commit();
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }  // namespace kf_wg
-KF_EXPORT void kf_wgmma_enable(int on) { kf_wg::enabled() = on != 0; }
 
 // C = A Bᵀ (A: M x K, B: N x K, row-major, K % 4 == 0, 16-byte aligned rows) for the block's 128 x 128 tile,
 // each element pair to epi(row, col, v0, v1, pair) as kf_gemm_3xtf32 gives them; THREADS threads, dynamic shared
@@ -178,7 +199,7 @@ __device__ __forceinline__ void kf_gemm_3xtf32_wgmma(const float* __restrict__ A
       split_b(next, next + B_TILE);
       fence_async();
     }
-    wait();
+    wait<0>();
 #pragma unroll
     for (int i = 0; i < 64; ++i) total[i] += d[i];
     __syncthreads();  // the next stage's split is visible; every warpgroup is done with this stage's slot

@@ -1,0 +1,189 @@
+"""The dense convolution's main loop on Hopper's warpgroup MMA (wgmma), for sm_90a builds: the same implicit GEMM,
+gathers and epilogue as kernelfuse.codegen.conv_tc's mma.sync kernel, which other GPUs and the CPU emulation run.
+
+Why: the dense mma.sync kernel reaches 84-100 TFLOP/s against cuDNN's sm90 wgmma kernels' 240-330 (stop 42), so
+the judge ships cuDNN and the convolution's output makes a round trip through memory before its epilogue. The same
+loop structure on wgmma runs the GEMM anchor at 158 TFLOP/s in TF32 (stop 45, `wgmma_gemm_probe.py`).
+
+The loop: 128 output pixels x BN (64 or 128) output channels a block, two warpgroups of 64 pixels, K in stages of
+32 channels of one tap. Both operands land in the 128-byte swizzled K-major layout that wgmma's descriptors read
+(`kf_wg::swz128`): the weight in 16-byte cp.async copies, the input gathered NCHW in 4-byte copies, two threads a
+pixel, each copy instruction of a warp on 32 distinct banks (eight pixels x four channels). Six stages, four in
+flight; a landed stage is rounded to TF32 in place (round to nearest, as eager's cuDNN kernels and the mma.sync
+kernel do; the tensor cores would truncate), then its products stay in flight while the next stage lands
+(wgmma.wait_group 1). The accumulator stays in the tensor cores across stages, as in cuDNN's TF32 kernels, and
+goes through shared memory to conv_geometry's epilogue stores.
+
+Not yet measured on a GPU (written at stop 46 without device time): the launcher takes it only on a
+compute-capability 9.0 device whose library was built for sm_90a, where the tiles cover 3/4 of the SMs; the
+judge verifies and times the plan that carries it against the library plan.
+"""
+
+from __future__ import annotations
+
+from kernelfuse.codegen.conv_geometry import BM, ConvShape, Geometry, block_lines
+from kernelfuse.codegen.conv_tc import BK, LDC
+
+WGC_THREADS, WGC_STAGES = 256, 6
+# fewer blocks than this never take the wgmma form on any compute-capability 9.0 part (kf_wg::fits_tiles: 3/4 of
+# the SMs, 78 on the smallest, H20), so such a convolution's file does not carry it (each adds ~0.6 s of ptxas)
+WGC_MIN_TILES = 59
+# the thread's row of A (its output pixel), so that a warp's rows cover all eight swizzle phases twice, and the
+# thread of each pixel pair that writes the block's pixel tables
+WGC_ROW = "(((threadIdx.x >> 5) << 4) | (threadIdx.x & 15))"
+WGC_WRITER = "(threadIdx.x & 16) == 0"
+# the channels j of a stage's 32 that the thread gathers at its copy i (of 16): with `sel` (which of the four
+# threads of a warp that share a swizzle phase it is), a warp's copy i writes eight rows x four channels
+WGC_SEL = "(((threadIdx.x >> 2) & 2) | ((threadIdx.x >> 4) & 1))"
+WGC_CHANNEL = "(4 * (i >> 1) + ((sel + 2 * (i & 1)) & 3))"
+
+
+def wgmma_conv_smem_bytes(bn: int) -> int:
+    """Dynamic shared memory of a block: the stages (the accumulator tile reuses them) and the 1024-byte alignment
+    of the swizzled tiles."""
+    stage_bytes = 4 * (BM + bn) * BK
+    assert WGC_STAGES * stage_bytes >= 4 * bn * LDC, "the accumulator tile must fit in the stages' memory"
+    return WGC_STAGES * stage_bytes + 1024
+
+
+def wgmma_launch(k: str, grid: tuple[int, int, int], bn: int, ctype: str, launch_args: str) -> str:
+    """The launcher's first lines for convolution `k`: its wgmma kernel, where kf_wg::fits_tiles takes it."""
+    smem = wgmma_conv_smem_bytes(bn)
+    return f"""#if defined(__CUDACC__)
+  if (kf_wg::fits_tiles({grid[0] * grid[1] * grid[2]})) {{  // Hopper, tiles enough: the wgmma main loop
+    const cudaError_t opted = kf_opt_in<{k}_kernel_wg>({smem});
+    if (opted != cudaSuccess) return opted;
+    {k}_kernel_wg<<<dim3({grid[0]}, {grid[1]}, {grid[2]}), {WGC_THREADS}, {smem}, stream>>>((const {ctype}*)x, (const {ctype}*)w, (const {ctype}*)bias, ({ctype}*)out{launch_args});
+    return cudaGetLastError();
+  }}
+#endif
+"""
+
+
+def _mma(n: int) -> str:
+    """One wgmma.m64nNk8 TF32 product, both operands from shared-memory descriptors, accumulating into d."""
+    count = n // 2
+    regs = "{" + ", ".join(f"%{i}" for i in range(count)) + "}"
+    ops = ", ".join(f'"+f"(d[{i}])' for i in range(count))
+    return f"""__device__ __forceinline__ void kf_cw_mma_n{n}(float (&d)[{count}], uint64_t a, uint64_t b) {{
+  asm volatile(
+      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{count + 2}, 0;\\n"
+      "wgmma.mma_async.sync.aligned.m64n{n}k8.f32.tf32.tf32 {regs}, %{count}, %{count + 1}, p, 1, 1;\\n}}\\n"
+      : {ops}
+      : "l"(a), "l"(b), "r"(1));
+}}
+"""
+
+
+CONV_WGMMA_PRELUDE = f"""
+// ---- the dense convolution's main loop on wgmma, sm_90a (kernelfuse.codegen.conv_wgmma) ----
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+{_mma(64)}{_mma(128)}#endif
+"""
+
+
+def render_dense_wgmma(k: str, s: ConvShape, geo: Geometry, bn: int, round_tf32: bool, operand_params: str,
+                       setup: str, stores: str) -> str:
+    """The text of `{k}_kernel_wg`, the wgmma form of conv_tc's dense kernel for convolution `k` (same parameters,
+    grid and epilogue); `setup` is conv_geometry's pixel setup with row WGC_ROW written by WGC_WRITER, `stores`
+    its epilogue stores for WGC_THREADS threads."""
+    nl = "\n"
+    per_tap = s.cig // BK
+    stage_floats = (BM + bn) * BK
+    rounding = f"""      __syncthreads();  // every thread's copies of stage kt + 1 landed
+      {{  // its TF32 rounding to nearest, in place (the tensor cores would truncate)
+        float4* st = reinterpret_cast<float4*>(smem + (kt + 1) % STAGES * STAGE);
+#pragma unroll
+        for (int i = 0; i < STAGE / 4 / {WGC_THREADS}; ++i) {{
+          float4 v = st[threadIdx.x + i * {WGC_THREADS}];
+          v = make_float4(kf_round_tf32(v.x), kf_round_tf32(v.y), kf_round_tf32(v.z), kf_round_tf32(v.w));
+          st[threadIdx.x + i * {WGC_THREADS}] = v;
+        }}
+      }}
+""" if round_tf32 else ""
+    return f"""#if defined(__CUDACC__)
+__global__ void __launch_bounds__({WGC_THREADS}, 1) {k}_kernel_wg(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias, float* __restrict__ out{operand_params}) {{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  constexpr int BK = {BK}, BN = {bn}, LDC = {LDC}, COG = {s.cog}, CIG = {s.cig}, KV = {s.kv};
+  constexpr int A_TILE = {BM} * BK, STAGE = {stage_floats}, STAGES = {WGC_STAGES};
+  extern __shared__ float kf_wgc_raw[];
+  float* const smem = reinterpret_cast<float*>(((uintptr_t)kf_wgc_raw + 1023) & ~(uintptr_t)1023);
+  __shared__ int img_s[{BM}], pix_s[{BM}];
+{block_lines(geo, per_tap)}
+{setup}
+{geo.tap_setup}
+  const float* wg = w + (long long)grp * COG * KV * CIG;
+  // a stage's A: this thread gathers 16 of its pixel's 32 channels, so that each copy instruction of a warp writes
+  // eight rows x four channels, on 32 distinct banks of the swizzled tile
+  const int ml = m - m0, sel = {WGC_SEL};
+  auto issue = [&](int kt) {{
+    float* As = smem + kt % STAGES * STAGE;
+    float* Bs = As + A_TILE;
+    const int tap = kt / {per_tap}, ci0 = kt % {per_tap} * BK;
+    {{
+{nl.join(geo.tap_lines("tap", "      "))}
+      bool ok = m_ok;
+{nl.join(geo.gather("      "))}
+      const float* src = xg + (ok ? {geo.spatial} + ci0 * {geo.iv} : 0);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) {{
+        const int j = {WGC_CHANNEL};
+        kf_cp_async4(As + kf_wg::swz128(ml, j), src + j * {geo.iv}, ok);
+      }}
+    }}
+    const int kp = {geo.kp_expr};
+#pragma unroll
+    for (int c = 0; c < {bn * BK // 4 // WGC_THREADS}; ++c) {{
+      const int e = threadIdx.x + c * {WGC_THREADS}, n = e >> 3, q = e & 7;
+      const bool in = n0 + n < COG;
+      kf_gemm_cp16(Bs + kf_wg::swz128(n, 4 * q), in ? wg + ((long long)(n0 + n) * KV + kp) * CIG + ci0 + q * 4 : wg, in);
+    }}
+    kf_cp_async_commit();
+  }};
+  float d[{bn // 2}];
+#pragma unroll
+  for (int i = 0; i < {bn // 2}; ++i) d[i] = 0.0f;
+  const int a_row0 = threadIdx.x / 128 * 64;  // this warpgroup's 64 rows of A
+#pragma unroll
+  for (int st = 0; st < STAGES - 2; ++st) {{
+    if (st < KT) issue(st);
+    else kf_cp_async_commit();  // empty groups keep the count the waits below rely on
+  }}
+#pragma unroll 1
+  for (int kt = -1; kt < KT; ++kt) {{
+    if (kt >= 0) {{
+      if (kt + STAGES - 2 < KT) issue(kt + STAGES - 2);  // stage kt - 2's slot: its products ended before the barrier
+      else kf_cp_async_commit();
+      const float* As = smem + kt % STAGES * STAGE;
+      kf_wg::fence();
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+        kf_cw_mma_n{bn}(d, kf_wg::desc(As + a_row0 * BK, ks), kf_wg::desc(As + A_TILE, ks));
+      kf_wg::commit();
+    }}
+    if (kt + 1 < KT) {{  // while the products run: stage kt + 1 lands (at most STAGES - 3 later groups pending)
+      kf_cp_async_wait<STAGES - 3>();
+{rounding}      kf_wg::fence_async();  // the stage's generic-proxy writes, then wgmma's reads of them
+    }}
+    kf_wg::wait<1>();  // stage kt - 1's products are done in this warpgroup
+    __syncthreads();   // ... and in the other; stage kt + 1 is in place for both
+  }}
+  kf_wg::wait<0>();
+  kf_cp_async_wait<0>();
+  __syncthreads();  // every warpgroup is done with the stages: the accumulator tile reuses their memory
+  {{
+    // accumulator fragment of m64nBN: n8 block j holds (row, columns 8j + 2t, +1) and (row + 8, the same columns)
+    const int r = a_row0 + threadIdx.x % 128 / 32 * 16 + threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) smem[(8 * j + 2 * t + (e & 1)) * LDC + r + (e >> 1) * 8] = d[4 * j + e];
+  }}
+  __syncthreads();
+{stores}
+#else
+  __trap();  // never launched: kf_wg::fits_tiles is false unless the loader built sm_90a
+#endif
+}}
+#endif
+"""
