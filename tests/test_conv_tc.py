@@ -103,14 +103,30 @@ def test_refusals_name_the_cause():
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_dense_kernels_match_float64_on_tf32_operands(model_and_graph, tmp_path, monkeypatch, config):
-    model, inputs, graph = model_and_graph
     cfg = CONFIGS[config]
     if cfg is not None:
         def config(s):
             return replace(cfg, bn=64 if s.cog <= 64 else 128, a_nhwc=cfg.a_nhwc and len(s.kernel) > 1)
         monkeypatch.setattr(conv_igemm, "dense_config", config)
+    _check_against_float64(model_and_graph, tmp_path, cfg)
+
+
+def test_wgmma_form_matches_float64_on_tf32_operands(model_and_graph, tmp_path, monkeypatch):
+    """The wgmma form (kernelfuse.codegen.conv_wgmma) in the CPU emulation, where a descriptor is its tile's address
+    and each thread computes its own accumulator fragment: the stages' gathers, ring slots and rounding, and the
+    accumulator's way through shared memory to the epilogue, are what the GPU runs; the products' order is not."""
+    monkeypatch.setattr(conv_igemm, "WGC_MIN_TILES", 0)  # every convolution carries the form at the small sizes
+    _check_against_float64(model_and_graph, tmp_path, None, wgmma=True)
+
+
+def _check_against_float64(model_and_graph, tmp_path, cfg: DenseConfig | None, wgmma: bool = False) -> None:
+    """Each convolution's emulated kernel (the wgmma form where `wgmma`) against float64 on its TF32 operands."""
+    model, inputs, graph = model_and_graph
     plan = _plan(graph)
     emu = emulated(plan, tmp_path)
+    if wgmma:
+        assert generate(plan).cuda.count("_kernel_wg<<<") == len(plan.fused)
+        emu.lib.kf_wgmma_enable(1)
     state = {k: v.detach().double() for k, v in [*model.named_parameters(), *model.named_buffers()]}
     env = run_env(plan, state, [t.double() for t in inputs])
     round_ = cfg is None or cfg.round_tf32

@@ -14,9 +14,11 @@ kernel do; the tensor cores would truncate), then its products stay in flight wh
 (wgmma.wait_group 1). The accumulator stays in the tensor cores across stages, as in cuDNN's TF32 kernels, and
 goes through shared memory to conv_geometry's epilogue stores.
 
-Not yet measured on a GPU (written at stop 46 without device time): the launcher takes it only on a
-compute-capability 9.0 device whose library was built for sm_90a, where the tiles cover 3/4 of the SMs; the
-judge verifies and times the plan that carries it against the library plan.
+Not yet run on a GPU (written at stop 46 without device time). The tests' CPU emulation runs it (kf_wg's emulated
+descriptors and products), so its gathers, ring slots, rounding and accumulator layout are checked against float64;
+the descriptors' bit layout and the products' asynchrony are the GEMM loop's, which has run. The launcher takes it
+only on a compute-capability 9.0 device whose library was built for sm_90a, where the tiles cover 3/4 of the SMs;
+the judge verifies and times the plan that carries it against the library plan.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def wgmma_conv_smem_bytes(bn: int) -> int:
 def wgmma_launch(k: str, grid: tuple[int, int, int], bn: int, ctype: str, launch_args: str) -> str:
     """The launcher's first lines for convolution `k`: its wgmma kernel, where kf_wg::fits_tiles takes it."""
     smem = wgmma_conv_smem_bytes(bn)
-    return f"""#if defined(__CUDACC__)
+    return f"""#if defined(__CUDACC__) || defined(KF_EMULATION)
   if (kf_wg::fits_tiles({grid[0] * grid[1] * grid[2]})) {{  // Hopper, tiles enough: the wgmma main loop
     const cudaError_t opted = kf_opt_in<{k}_kernel_wg>({smem});
     if (opted != cudaSuccess) return opted;
@@ -78,7 +80,10 @@ def _mma(n: int) -> str:
 CONV_WGMMA_PRELUDE = f"""
 // ---- the dense convolution's main loop on wgmma, sm_90a (kernelfuse.codegen.conv_wgmma) ----
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-{_mma(64)}{_mma(128)}#endif
+{_mma(64)}{_mma(128)}#elif defined(KF_EMULATION)
+inline void kf_cw_mma_n64(float (&d)[32], uint64_t a, uint64_t b) {{ kf_wg::mma_emulated<64>(d, a, b); }}
+inline void kf_cw_mma_n128(float (&d)[64], uint64_t a, uint64_t b) {{ kf_wg::mma_emulated<128>(d, a, b); }}
+#endif
 """
 
 
@@ -95,18 +100,17 @@ def render_dense_wgmma(k: str, s: ConvShape, geo: Geometry, bn: int, round_tf32:
         float4* st = reinterpret_cast<float4*>(smem + (kt + 1) % STAGES * STAGE);
 #pragma unroll
         for (int i = 0; i < STAGE / 4 / {WGC_THREADS}; ++i) {{
-          float4 v = st[threadIdx.x + i * {WGC_THREADS}];
-          v = make_float4(kf_round_tf32(v.x), kf_round_tf32(v.y), kf_round_tf32(v.z), kf_round_tf32(v.w));
-          st[threadIdx.x + i * {WGC_THREADS}] = v;
+          const float4 v = st[threadIdx.x + i * {WGC_THREADS}];
+          st[threadIdx.x + i * {WGC_THREADS}] = float4{{kf_round_tf32(v.x), kf_round_tf32(v.y), kf_round_tf32(v.z), kf_round_tf32(v.w)}};
         }}
       }}
 """ if round_tf32 else ""
-    return f"""#if defined(__CUDACC__)
+    return f"""#if defined(__CUDACC__) || defined(KF_EMULATION)
 __global__ void __launch_bounds__({WGC_THREADS}, 1) {k}_kernel_wg(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias, float* __restrict__ out{operand_params}) {{
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(KF_EMULATION)
   constexpr int BK = {BK}, BN = {bn}, LDC = {LDC}, COG = {s.cog}, CIG = {s.cig}, KV = {s.kv};
   constexpr int A_TILE = {BM} * BK, STAGE = {stage_floats}, STAGES = {WGC_STAGES};
-  extern __shared__ float kf_wgc_raw[];
+  KF_DYNAMIC_SHARED(kf_wgc_raw);
   float* const smem = reinterpret_cast<float*>(((uintptr_t)kf_wgc_raw + 1023) & ~(uintptr_t)1023);
   __shared__ int img_s[{BM}], pix_s[{BM}];
 {block_lines(geo, per_tap)}

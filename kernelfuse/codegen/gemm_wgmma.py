@@ -38,13 +38,17 @@ _D_REGS, _D_OPS = _accumulator_operands()
 # the loader sets, the launchers' test, the shared-memory descriptor of a 128-byte-swizzled K-major tile, the fences.
 WGMMA_COMMON = r"""
 // ---- Hopper's warpgroup MMA (wgmma), sm_90a: what the GEMM and convolution loops share ----
-#if defined(__CUDACC__)
+#if defined(__CUDACC__) || defined(KF_EMULATION)
 namespace kf_wg {
 // set by the loader (kf_wgmma_enable) when it built this library for sm_90a; off, the wgmma kernels only trap
 inline bool& enabled() {
   static bool on = false;
   return on;
 }
+#if defined(KF_EMULATION)
+// the tests' CPU emulation takes the wgmma forms it has (the convolution's) wherever the test enabled them
+inline bool fits_tiles(long long) { return enabled(); }
+#else
 // the launchers' choice: wgmma where the library holds it, on a compute-capability 9.0 device, where a launch's
 // `tiles` blocks cover three quarters of its SMs; the device's answers read once per device
 inline bool fits_tiles(long long tiles) {
@@ -60,9 +64,10 @@ inline bool fits_tiles(long long tiles) {
   }
   return major[dev] == 9 && minor[dev] == 0 && tiles * 4 >= 3LL * sms[dev];
 }
+#endif
 // (row, k) of a K-major tile of rows of 32 floats (128 bytes) in the 128-byte swizzle wgmma's descriptors read:
 // 16-byte chunk c of row r at chunk c ^ (r % 8)
-__host__ __device__ __forceinline__ int swz128(int row, int k) {
+__device__ __forceinline__ int swz128(int row, int k) {
   return row * 32 + (((k >> 2) ^ (row & 7)) << 2) + (k & 3);
 }
 
@@ -81,10 +86,33 @@ template <int N> __device__ __forceinline__ void wait() {
 }
 // generic-proxy writes to shared memory (copies, splits, roundings), then wgmma's asynchronous reads of them
 __device__ __forceinline__ void fence_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+#elif defined(KF_EMULATION)
+// The tests' CPU emulation: a descriptor is the tile's address (1024-byte aligned) plus its k step, the fences and
+// waits are nothing (each product is done when it returns), and a thread computes its own fragment of an m64nNk8
+// product, both operands K-major swizzled tiles read as the tensor cores read them (a TF32 operand's top 19 bits).
+inline uint64_t desc(const float* tile, int ks) { return (uint64_t)(uintptr_t)tile | (uint64_t)ks; }
+inline void fence() {}
+inline void commit() {}
+template <int N> inline void wait() {}
+inline void fence_async() {}
+template <int N> inline void mma_emulated(float (&d)[N / 2], uint64_t a, uint64_t b) {
+  const float* A = reinterpret_cast<const float*>((uintptr_t)(a & ~uint64_t(1023)));
+  const float* B = reinterpret_cast<const float*>((uintptr_t)(b & ~uint64_t(1023)));
+  const int ka = int(a & 1023) * 8, kb = int(b & 1023) * 8;
+  const int row = threadIdx.x % 128 / 32 * 16 + threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  auto tf32 = [](float x) { return __uint_as_float(__float_as_uint(x) & 0xffffe000u); };
+  for (int j = 0; j < N / 8; ++j)
+    for (int e = 0; e < 4; ++e) {  // (row, 8j + 2t), (row, 8j + 2t + 1), then the same for row + 8
+      const int r = row + (e >> 1) * 8, c = 8 * j + 2 * t + (e & 1);
+      float v = d[4 * j + e];
+      for (int kk = 0; kk < 8; ++kk) v = fmaf(tf32(A[swz128(r, ka + kk)]), tf32(B[swz128(c, kb + kk)]), v);
+      d[4 * j + e] = v;
+    }
+}
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }  // namespace kf_wg
 KF_EXPORT void kf_wgmma_enable(int on) { kf_wg::enabled() = on != 0; }
-#endif  // __CUDACC__
+#endif  // __CUDACC__ || KF_EMULATION
 """
 
 WGMMA_PRELUDE = r"""
