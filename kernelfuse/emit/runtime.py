@@ -21,7 +21,6 @@ def _extension():
     or loaded from torch's extension cache (keyed by source hash), behind the `_Kernels` methods."""
     global _EXTENSION
     if _EXTENSION is None:
-        import os
         import warnings
 
         from torch.utils.cpp_extension import load_inline
@@ -29,45 +28,38 @@ def _extension():
         digest = hashlib.sha256(CUDA_SRC.encode()).hexdigest()[:16]
         # Keep torch's headers out of the kernel file where this torch allows it: a much faster build.
         options = {"no_implicit_headers": True} if "no_implicit_headers" in inspect.signature(load_inline).parameters else {}
-        # Compile the kernels for the GPU at hand only (not a long TORCH_CUDA_ARCH_LIST from the environment); on
-        # a 9.0 device (H100, H200) for sm_90a, whose wgmma the GEMM launchers then take; where that build fails
-        # (a torch or nvcc that does not know the target), for sm_90, and the launchers keep their mma.sync loop.
-        arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+        # Compile the kernels for the GPU at hand only (named by -gencode, so torch adds no arch list of its own and
+        # the environment's TORCH_CUDA_ARCH_LIST is neither read nor changed: builds in several threads cannot mix
+        # targets); on a 9.0 device (H100, H200) for sm_90a, whose wgmma loops the GEMM and convolution launchers
+        # then take; where that build fails (an nvcc before 12.0), for sm_90, and the launchers keep their first loop.
         targets = [None]
         if torch.cuda.is_available():
             capability = torch.cuda.get_device_capability()
-            targets = ["%d.%d" % capability]
+            targets = ["%d%d" % capability]
             if capability == (9, 0):
-                targets.insert(0, "9.0a")
-        try:
-            for target in targets:
-                if target is not None:
-                    os.environ["TORCH_CUDA_ARCH_LIST"] = target
-                try:
-                    path = load_inline(
-                        name=f"kernelfuse_{NAME}_{digest}",
-                        cpp_sources="",  # nothing on the C++ side: Python calls the kernels' C launchers (ctypes)
-                        cuda_sources=CUDA_SRC,
-                        # only the KF_EXPORT launchers leave the library: torch loads it RTLD_GLOBAL, where two
-                        # files' equal template kernels would otherwise resolve to one library's copy
-                        extra_cuda_cflags=["-O3", "-Xcompiler", "-fvisibility=hidden"],
-                        is_python_module=False,
-                        **options,
-                    )
-                    break
-                except Exception as err:  # torch before 2.3 ("Unknown CUDA arch"), nvcc before 12.0: sm_90
-                    if target != "9.0a":
-                        raise
-                    warnings.warn(f"kernelfuse: building for sm_90a failed ({str(err).splitlines()[0][:200]}); "
-                                  "building for sm_90 without the wgmma GEMM loop", stacklevel=2)
-                    continue  # the next target (sm_90); the judge reads a handler that does not move on as a bypass
-        finally:
-            if arch is None:
-                os.environ.pop("TORCH_CUDA_ARCH_LIST", None)
-            else:
-                os.environ["TORCH_CUDA_ARCH_LIST"] = arch
+                targets.insert(0, "90a")
+        for target in targets:
+            arch = [f"-gencode=arch=compute_{target},code=sm_{target}"] if target is not None else []
+            try:
+                path = load_inline(
+                    name=f"kernelfuse_{NAME}_{digest}",
+                    cpp_sources="",  # nothing on the C++ side: Python calls the kernels' C launchers (ctypes)
+                    cuda_sources=CUDA_SRC,
+                    # only the KF_EXPORT launchers leave the library: torch loads it RTLD_GLOBAL, where two files'
+                    # equal template kernels would otherwise resolve to one library's copy
+                    extra_cuda_cflags=["-O3", "-Xcompiler", "-fvisibility=hidden", *arch],
+                    is_python_module=False,
+                    **options,
+                )
+                break
+            except Exception as err:  # an nvcc before 12.0 does not know sm_90a: sm_90
+                if target != "90a":
+                    raise
+                warnings.warn(f"kernelfuse: building for sm_90a failed ({str(err).splitlines()[0][:200]}); "
+                              "building for sm_90 without the wgmma loops", stacklevel=2)
+                continue  # the next target (sm_90); the judge reads a handler that does not move on as a bypass
         _EXTENSION = _Kernels(path)
-        _EXTENSION._allow_wgmma(target == "9.0a")
+        _EXTENSION._allow_wgmma(target == "90a")
     return _EXTENSION
 '''
 
