@@ -1,4 +1,5 @@
-"""GPU probe: tilings of the dense implicit-GEMM convolution (kernelfuse.codegen.conv_tc) against cuDNN.
+"""GPU probe: tilings of the dense implicit-GEMM convolution (kernelfuse.codegen.conv_tc, and its wgmma form
+kernelfuse.codegen.conv_wgmma) against cuDNN.
 
 For each problem file, its first convolution the dense kernel takes is built once per configuration and timed (CUDA
 events, median of 20, L2 flushed) bare (no epilogue) and with the epilogue inside, next to cuDNN alone in NCHW and
@@ -6,7 +7,7 @@ channels-last (operands converted beforehand) and the NCHW -> channels-last copy
 configuration needs. Checked: ours against cuDNN under eager's flags (max abs difference).
 
 Run on the GPU host from the repo root:
-  PYTHONPATH=. python benchmarks/conv_tc_probe.py PROBLEM.py [PROBLEM.py ...] [--configs default,nhwc,...]
+  PYTHONPATH=. python benchmarks/conv_tc_probe.py PROBLEM.py [PROBLEM.py ...] [--configs mma,wgmma,...]
 """
 
 from __future__ import annotations
@@ -35,15 +36,20 @@ from kernelfuse.plan import Plan, owned_anchor_variants
 from kernelfuse.plan.interpret import run_env, run_fused
 from kernelfuse.rewrite import apply_rules
 
+# DenseConfig changes; "mma" names keep the mma.sync kernel (no wgmma form in the file), the others run the wgmma
+# form on a compute-capability 9.0 GPU where its tiles cover 3/4 of the SMs (kernelfuse.codegen.conv_wgmma)
 CONFIGS = {
-    "default": {},
-    "truncated": {"round_tf32": False},
-    "unroll4": {"epilogue_unroll": 4},
-    "8warps": {"warps_n": 4},
-    "nhwc": {"a_nhwc": True},
-    "nhwc-trunc": {"a_nhwc": True, "round_tf32": False},
-    "nhwc-8warps": {"a_nhwc": True, "warps_n": 4, "epilogue_unroll": 4},
-    "stages4": {"stages": 4},
+    "mma": {"_wgmma": False},
+    "mma-truncated": {"_wgmma": False, "round_tf32": False},
+    "mma-unroll4": {"_wgmma": False, "epilogue_unroll": 4},
+    "mma-8warps": {"_wgmma": False, "warps_n": 4},
+    "mma-nhwc": {"_wgmma": False, "a_nhwc": True},
+    "mma-stages4": {"_wgmma": False, "stages": 4},
+    "wgmma": {},
+    "wgmma-truncated": {"round_tf32": False},
+    "wgmma-s4": {"wg_stages": 4},
+    "wgmma-s4-2blocks": {"wg_stages": 4, "wg_min_blocks": 2},
+    "wgmma-s4-2blocks-trunc": {"wg_stages": 4, "wg_min_blocks": 2, "round_tf32": False},
 }
 
 
@@ -93,10 +99,13 @@ def probe(path: Path, configs: list[str]) -> list[str]:
                  f"{median_event_ms(lambda: torch.convolution(xc, wc, b, *conv_args)):.3f} to_cl="
                  f"{median_event_ms(lambda: x.contiguous(memory_format=fmt)):.3f} ms"]
         bare = replace(bare, kernel=f"{step.kernel}b")
-        cfgs = {name: replace(dense_config(shape), **CONFIGS[name]) for name in configs}
+        cfgs = {name: replace(dense_config(shape), **{k: v for k, v in CONFIGS[name].items() if k != "_wgmma"})
+                for name in configs}
         sources = {}
         for name, cfg in cfgs.items():
-            with patch.object(conv_igemm, "dense_config", lambda s, cfg=cfg: cfg):
+            min_tiles = conv_igemm.WGC_MIN_TILES if CONFIGS[name].get("_wgmma", True) else 1 << 40
+            with patch.object(conv_igemm, "dense_config", lambda s, cfg=cfg: cfg), \
+                    patch.object(conv_igemm, "WGC_MIN_TILES", min_tiles):
                 sources[name] = generate(Plan(plan.graph, (step, bare), f"probe_{name}"))
         started = time.perf_counter()
         with ThreadPoolExecutor(8) as pool:  # nvcc runs in subprocesses: the builds overlap
@@ -110,8 +119,9 @@ def probe(path: Path, configs: list[str]) -> list[str]:
             diff = (out - ref).abs().max().item()
             t_bare = median_event_ms(lambda: getattr(ext, bare.kernel)(xin, wk, b))  # noqa: B023
             t_fused = median_event_ms(lambda: getattr(ext, step.kernel)(xin, wk, b, *operands))  # noqa: B023
-            lines.append(f"  {name:12s} bn={cfg.bn} threads={cfg.threads} bare={t_bare:.3f} fused={t_fused:.3f} ms"
-                         f"  max|ours-cudnn|={diff:.1e}")
+            wg = "_kernel_wg" in sources[name].cuda
+            lines.append(f"  {name:24s} bn={cfg.bn} {'wgmma' if wg else 'mma.sync'} bare={t_bare:.3f} "
+                         f"fused={t_fused:.3f} ms  max|ours-cudnn|={diff:.1e}")
     return lines
 
 

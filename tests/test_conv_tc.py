@@ -111,12 +111,17 @@ def test_dense_kernels_match_float64_on_tf32_operands(model_and_graph, tmp_path,
     _check_against_float64(model_and_graph, tmp_path, cfg)
 
 
-def test_wgmma_form_matches_float64_on_tf32_operands(model_and_graph, tmp_path, monkeypatch):
+@pytest.mark.parametrize("config", ["default", "3-stage ring", "4 stages, truncated"])
+def test_wgmma_form_matches_float64_on_tf32_operands(model_and_graph, tmp_path, monkeypatch, config):
     """The wgmma form (kernelfuse.codegen.conv_wgmma) in the CPU emulation, where a descriptor is its tile's address
     and each thread computes its own accumulator fragment: the stages' gathers, ring slots and rounding, and the
     accumulator's way through shared memory to the epilogue, are what the GPU runs; the products' order is not."""
     monkeypatch.setattr(conv_igemm, "WGC_MIN_TILES", 0)  # every convolution carries the form at the small sizes
-    _check_against_float64(model_and_graph, tmp_path, None, wgmma=True)
+    cfg = {"default": None, "3-stage ring": DenseConfig(wg_stages=3),
+           "4 stages, truncated": DenseConfig(wg_stages=4, round_tf32=False)}[config]
+    if cfg is not None:
+        monkeypatch.setattr(conv_igemm, "dense_config", lambda s: replace(cfg, bn=64 if s.cog <= 64 else 128))
+    _check_against_float64(model_and_graph, tmp_path, cfg, wgmma=True)
 
 
 def _check_against_float64(model_and_graph, tmp_path, cfg: DenseConfig | None, wgmma: bool = False) -> None:

@@ -229,11 +229,11 @@ def render_conv(plan: Plan, step: FusedStep, out_layout: str = "nchw") -> tuple[
         threads, smem = cfg.threads, cfg.smem_bytes
         if grid[0] * grid[1] * grid[2] >= WGC_MIN_TILES:  # its wgmma form, taken on Hopper (codegen.conv_wgmma)
             body += render_dense_wgmma(
-                k, shape, geo, cfg.bn, cfg.round_tf32, operand_params,
+                k, shape, geo, cfg, operand_params,
                 pixel_setup(geo, shape, ctype, WGC_ROW, writer=WGC_WRITER),
                 tile_stores(k, shape, cfg.bn, WGC_THREADS, index_t, ctype, has_bias, out_layout, operand_args,
                             cfg.epilogue_unroll))
-            wgmma = wgmma_launch(k, grid, cfg.bn, ctype, launch_args)
+            wgmma = wgmma_launch(k, grid, cfg, ctype, launch_args)
     else:
         comment = f"// {k}: {step.chain(plan.graph)}  (implicit GEMM, epilogue inside, {out_layout} output)\n"
         body, grid = _kernel(k, shape, tile_config(shape), ctype, index_t, has_bias, step.anchor.fp32, out_layout, operand_params,

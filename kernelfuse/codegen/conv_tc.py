@@ -29,7 +29,9 @@ LDC = BM + 4  # the accumulator tile's row stride (conv_geometry.tile_stores): i
 class DenseConfig:
     """One tiling of the dense kernel: `bn` output channels a block, warps_m x warps_n warps over the 128 x bn tile,
     `stages` K stages in flight; the input read NCHW or channels-last (`a_nhwc`); TF32 rounding to nearest of the
-    operands (`round_tf32`; else the tensor cores ignore the low mantissa bits); the epilogue loop unrolled."""
+    operands (`round_tf32`; else the tensor cores ignore the low mantissa bits); the epilogue loop unrolled. Its
+    wgmma form (kernelfuse.codegen.conv_wgmma, NCHW input): `wg_stages` stages in its ring, `wg_min_blocks` blocks
+    an SM the registers must allow."""
 
     bn: int = 128
     warps_m: int = 2
@@ -38,6 +40,8 @@ class DenseConfig:
     a_nhwc: bool = False
     round_tf32: bool = True
     epilogue_unroll: int = 1
+    wg_stages: int = 6
+    wg_min_blocks: int = 1
 
     @property
     def threads(self) -> int:

@@ -24,9 +24,9 @@ the judge verifies and times the plan that carries it against the library plan.
 from __future__ import annotations
 
 from kernelfuse.codegen.conv_geometry import BM, ConvShape, Geometry, block_lines
-from kernelfuse.codegen.conv_tc import BK, LDC
+from kernelfuse.codegen.conv_tc import BK, LDC, DenseConfig
 
-WGC_THREADS, WGC_STAGES = 256, 6
+WGC_THREADS = 256
 # fewer blocks than this never take the wgmma form on any compute-capability 9.0 part (kf_wg::fits_tiles: 3/4 of
 # the SMs, 78 on the smallest, H20), so such a convolution's file does not carry it (each adds ~0.6 s of ptxas)
 WGC_MIN_TILES = 59
@@ -40,17 +40,19 @@ WGC_SEL = "(((threadIdx.x >> 2) & 2) | ((threadIdx.x >> 4) & 1))"
 WGC_CHANNEL = "(4 * (i >> 1) + ((sel + 2 * (i & 1)) & 3))"
 
 
-def wgmma_conv_smem_bytes(bn: int) -> int:
+def wgmma_conv_smem_bytes(cfg: DenseConfig) -> int:
     """Dynamic shared memory of a block: the stages (the accumulator tile reuses them) and the 1024-byte alignment
     of the swizzled tiles."""
-    stage_bytes = 4 * (BM + bn) * BK
-    assert WGC_STAGES * stage_bytes >= 4 * bn * LDC, "the accumulator tile must fit in the stages' memory"
-    return WGC_STAGES * stage_bytes + 1024
+    stage_bytes = 4 * (BM + cfg.bn) * BK
+    assert cfg.wg_stages >= 3, "two stages in flight beside the one the products read, at least"
+    assert cfg.wg_stages * stage_bytes >= 4 * cfg.bn * LDC, "the accumulator tile must fit in the stages' memory"
+    assert cfg.wg_stages * stage_bytes + 1024 <= 227 * 1024, "a block's shared memory on Hopper"
+    return cfg.wg_stages * stage_bytes + 1024
 
 
-def wgmma_launch(k: str, grid: tuple[int, int, int], bn: int, ctype: str, launch_args: str) -> str:
+def wgmma_launch(k: str, grid: tuple[int, int, int], cfg: DenseConfig, ctype: str, launch_args: str) -> str:
     """The launcher's first lines for convolution `k`: its wgmma kernel, where kf_wg::fits_tiles takes it."""
-    smem = wgmma_conv_smem_bytes(bn)
+    smem = wgmma_conv_smem_bytes(cfg)
     return f"""#if defined(__CUDACC__) || defined(KF_EMULATION)
   if (kf_wg::fits_tiles({grid[0] * grid[1] * grid[2]})) {{  // Hopper, tiles enough: the wgmma main loop
     const cudaError_t opted = kf_opt_in<{k}_kernel_wg>({smem});
@@ -87,12 +89,13 @@ inline void kf_cw_mma_n128(float (&d)[64], uint64_t a, uint64_t b) {{ kf_wg::mma
 """
 
 
-def render_dense_wgmma(k: str, s: ConvShape, geo: Geometry, bn: int, round_tf32: bool, operand_params: str,
-                       setup: str, stores: str) -> str:
+def render_dense_wgmma(k: str, s: ConvShape, geo: Geometry, cfg: DenseConfig, operand_params: str, setup: str,
+                       stores: str) -> str:
     """The text of `{k}_kernel_wg`, the wgmma form of conv_tc's dense kernel for convolution `k` (same parameters,
     grid and epilogue); `setup` is conv_geometry's pixel setup with row WGC_ROW written by WGC_WRITER, `stores`
     its epilogue stores for WGC_THREADS threads."""
     nl = "\n"
+    bn = cfg.bn
     per_tap = s.cig // BK
     stage_floats = (BM + bn) * BK
     rounding = f"""      __syncthreads();  // every thread's copies of stage kt + 1 landed
@@ -104,12 +107,12 @@ def render_dense_wgmma(k: str, s: ConvShape, geo: Geometry, bn: int, round_tf32:
           st[threadIdx.x + i * {WGC_THREADS}] = float4{{kf_round_tf32(v.x), kf_round_tf32(v.y), kf_round_tf32(v.z), kf_round_tf32(v.w)}};
         }}
       }}
-""" if round_tf32 else ""
+""" if cfg.round_tf32 else ""
     return f"""#if defined(__CUDACC__) || defined(KF_EMULATION)
-__global__ void __launch_bounds__({WGC_THREADS}, 1) {k}_kernel_wg(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias, float* __restrict__ out{operand_params}) {{
+__global__ void __launch_bounds__({WGC_THREADS}, {cfg.wg_min_blocks}) {k}_kernel_wg(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias, float* __restrict__ out{operand_params}) {{
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(KF_EMULATION)
   constexpr int BK = {BK}, BN = {bn}, LDC = {LDC}, COG = {s.cog}, CIG = {s.cig}, KV = {s.kv};
-  constexpr int A_TILE = {BM} * BK, STAGE = {stage_floats}, STAGES = {WGC_STAGES};
+  constexpr int A_TILE = {BM} * BK, STAGE = {stage_floats}, STAGES = {cfg.wg_stages};
   KF_DYNAMIC_SHARED(kf_wgc_raw);
   float* const smem = reinterpret_cast<float*>(((uintptr_t)kf_wgc_raw + 1023) & ~(uintptr_t)1023);
   __shared__ int img_s[{BM}], pix_s[{BM}];
