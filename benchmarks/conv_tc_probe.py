@@ -50,6 +50,8 @@ CONFIGS = {
     "wgmma-s4": {"wg_stages": 4},
     "wgmma-s4-2blocks": {"wg_stages": 4, "wg_min_blocks": 2},
     "wgmma-s4-2blocks-trunc": {"wg_stages": 4, "wg_min_blocks": 2, "round_tf32": False},
+    "wgmma-regA": {"wg_a_regs": True},
+    "wgmma-regA-s4-2blocks": {"wg_a_regs": True, "wg_stages": 4, "wg_min_blocks": 2},
 }
 
 

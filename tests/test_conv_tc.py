@@ -111,14 +111,17 @@ def test_dense_kernels_match_float64_on_tf32_operands(model_and_graph, tmp_path,
     _check_against_float64(model_and_graph, tmp_path, cfg)
 
 
-@pytest.mark.parametrize("config", ["default", "3-stage ring", "4 stages, truncated"])
+@pytest.mark.parametrize("config", ["default", "3-stage ring", "4 stages, truncated", "A from registers",
+                                    "A from registers, 3 stages, truncated"])
 def test_wgmma_form_matches_float64_on_tf32_operands(model_and_graph, tmp_path, monkeypatch, config):
     """The wgmma form (kernelfuse.codegen.conv_wgmma) in the CPU emulation, where a descriptor is its tile's address
     and each thread computes its own accumulator fragment: the stages' gathers, ring slots and rounding, and the
     accumulator's way through shared memory to the epilogue, are what the GPU runs; the products' order is not."""
     monkeypatch.setattr(conv_igemm, "WGC_MIN_TILES", 0)  # every convolution carries the form at the small sizes
     cfg = {"default": None, "3-stage ring": DenseConfig(wg_stages=3),
-           "4 stages, truncated": DenseConfig(wg_stages=4, round_tf32=False)}[config]
+           "4 stages, truncated": DenseConfig(wg_stages=4, round_tf32=False),
+           "A from registers": DenseConfig(wg_a_regs=True),
+           "A from registers, 3 stages, truncated": DenseConfig(wg_a_regs=True, wg_stages=3, round_tf32=False)}[config]
     if cfg is not None:
         monkeypatch.setattr(conv_igemm, "dense_config", lambda s: replace(cfg, bn=64 if s.cog <= 64 else 128))
     _check_against_float64(model_and_graph, tmp_path, cfg, wgmma=True)
@@ -187,8 +190,9 @@ def _c_eval(expr: str, **values: int) -> int:
 def test_wgmma_gathers_cover_each_stage_once_on_distinct_banks():
     """The wgmma form's input gathers (kernelfuse.codegen.conv_wgmma): the 256 threads' 16 copies a stage write every
     (pixel row, channel) of the 128 x 32 tile exactly once, each warp's copy i on 32 distinct banks of the 128-byte
-    swizzle; each row's pixel tables are written by one thread, and that thread gathers for that row."""
-    from kernelfuse.codegen.conv_wgmma import WGC_CHANNEL, WGC_ROW, WGC_SEL, WGC_THREADS, WGC_WRITER
+    swizzle and of the padded rows that register fragments read; each row's pixel tables are written by one thread,
+    and that thread gathers for that row."""
+    from kernelfuse.codegen.conv_wgmma import WGC_A_PITCH, WGC_CHANNEL, WGC_ROW, WGC_SEL, WGC_THREADS, WGC_WRITER
 
     def swz128(row: int, k: int) -> int:  # kf_wg::swz128
         return row * 32 + (((k >> 2) ^ (row & 7)) << 2) + (k & 3)
@@ -205,13 +209,14 @@ def test_wgmma_gathers_cover_each_stage_once_on_distinct_banks():
             seen[(row, j)] = seen.get((row, j), 0) + 1
     assert set(seen) == {(r, j) for r in range(128) for j in range(32)} and set(seen.values()) == {1}
     assert writers == {r: 1 for r in range(128)}
-    for warp in range(WGC_THREADS // 32):
-        for i in range(16):
-            banks = set()
-            for tid in range(warp * 32, warp * 32 + 32):
-                row, sel = _c_eval(WGC_ROW, tid=tid), _c_eval(WGC_SEL, tid=tid)
-                banks.add(swz128(row, _c_eval(WGC_CHANNEL, i=i, sel=sel)) % 32)
-            assert len(banks) == 32, (warp, i, sorted(banks))
+    for offset in (swz128, lambda row, k: row * WGC_A_PITCH + k):  # swizzled, or padded for register fragments
+        for warp in range(WGC_THREADS // 32):
+            for i in range(16):
+                banks = set()
+                for tid in range(warp * 32, warp * 32 + 32):
+                    row, sel = _c_eval(WGC_ROW, tid=tid), _c_eval(WGC_SEL, tid=tid)
+                    banks.add(offset(row, _c_eval(WGC_CHANNEL, i=i, sel=sel)) % 32)
+                assert len(banks) == 32, (warp, i, sorted(banks))
 
 
 def test_wgmma_form_assembles_for_sm_90a_without_spills(model_and_graph, tmp_path):

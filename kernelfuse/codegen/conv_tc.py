@@ -31,7 +31,7 @@ class DenseConfig:
     `stages` K stages in flight; the input read NCHW or channels-last (`a_nhwc`); TF32 rounding to nearest of the
     operands (`round_tf32`; else the tensor cores ignore the low mantissa bits); the epilogue loop unrolled. Its
     wgmma form (kernelfuse.codegen.conv_wgmma, NCHW input): `wg_stages` stages in its ring, `wg_min_blocks` blocks
-    an SM the registers must allow."""
+    an SM the registers must allow, A by descriptor or (`wg_a_regs`) as register fragments, as the GEMM loop."""
 
     bn: int = 128
     warps_m: int = 2
@@ -42,6 +42,7 @@ class DenseConfig:
     epilogue_unroll: int = 1
     wg_stages: int = 6
     wg_min_blocks: int = 1
+    wg_a_regs: bool = False
 
     @property
     def threads(self) -> int:

@@ -12,7 +12,9 @@ pixel, each copy instruction of a warp on 32 distinct banks (eight pixels x four
 flight; a landed stage is rounded to TF32 in place (round to nearest, as eager's cuDNN kernels and the mma.sync
 kernel do; the tensor cores would truncate), then its products stay in flight while the next stage lands
 (wgmma.wait_group 1). The accumulator stays in the tensor cores across stages, as in cuDNN's TF32 kernels, and
-goes through shared memory to conv_geometry's epilogue stores.
+goes through shared memory to conv_geometry's epilogue stores. With `wg_a_regs` A is read as register fragments
+from rows padded to 36 floats (the GEMM loop's way, the form of wgmma that has run) and rounded there; only B is
+rounded in place.
 
 Not yet run on a GPU (written at stop 46 without device time). The tests' CPU emulation runs it (kf_wg's emulated
 descriptors and products), so its gathers, ring slots, rounding and accumulator layout are checked against float64;
@@ -27,6 +29,7 @@ from kernelfuse.codegen.conv_geometry import BM, ConvShape, Geometry, block_line
 from kernelfuse.codegen.conv_tc import BK, LDC, DenseConfig
 
 WGC_THREADS = 256
+WGC_A_PITCH = BK + 4  # floats a row of A read as register fragments: the fragment reads are conflict-free
 # fewer blocks than this never take the wgmma form on any compute-capability 9.0 part (kf_wg::fits_tiles: 3/4 of
 # the SMs, 78 on the smallest, H20), so such a convolution's file does not carry it (each adds ~0.6 s of ptxas)
 WGC_MIN_TILES = 59
@@ -40,10 +43,18 @@ WGC_SEL = "(((threadIdx.x >> 2) & 2) | ((threadIdx.x >> 4) & 1))"
 WGC_CHANNEL = "(4 * (i >> 1) + ((sel + 2 * (i & 1)) & 3))"
 
 
+def stage_floats(cfg: DenseConfig) -> int:
+    """Floats of one stage: the A tile (swizzled rows of 32, or rows padded to WGC_A_PITCH for register fragments)
+    and the B tile; a multiple of 256 (1024 bytes), so every stage's swizzled tile starts on the swizzle's atom."""
+    floats = BM * (WGC_A_PITCH if cfg.wg_a_regs else BK) + cfg.bn * BK
+    assert floats % 256 == 0
+    return floats
+
+
 def wgmma_conv_smem_bytes(cfg: DenseConfig) -> int:
     """Dynamic shared memory of a block: the stages (the accumulator tile reuses them) and the 1024-byte alignment
     of the swizzled tiles."""
-    stage_bytes = 4 * (BM + cfg.bn) * BK
+    stage_bytes = 4 * stage_floats(cfg)
     assert cfg.wg_stages >= 3, "two stages in flight beside the one the products read, at least"
     assert cfg.wg_stages * stage_bytes >= 4 * cfg.bn * LDC, "the accumulator tile must fit in the stages' memory"
     assert cfg.wg_stages * stage_bytes + 1024 <= 227 * 1024, "a block's shared memory on Hopper"
@@ -79,12 +90,30 @@ def _mma(n: int) -> str:
 """
 
 
+def _mma_registers(n: int) -> str:
+    """The same product with A's m64k8 fragment from registers (four TF32 values a thread, as the GEMM loop)."""
+    count = n // 2
+    regs = "{" + ", ".join(f"%{i}" for i in range(count)) + "}"
+    ops = ", ".join(f'"+f"(d[{i}])' for i in range(count))
+    a = ", ".join(f"%{count + i}" for i in range(4))
+    return f"""__device__ __forceinline__ void kf_cw_mma_ra_n{n}(float (&d)[{count}], const unsigned (&a)[4], uint64_t b) {{
+  asm volatile(
+      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{count + 5}, 0;\\n"
+      "wgmma.mma_async.sync.aligned.m64n{n}k8.f32.tf32.tf32 {regs}, {{{a}}}, %{count + 4}, p, 1, 1;\\n}}\\n"
+      : {ops}
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}}
+"""
+
+
 CONV_WGMMA_PRELUDE = f"""
 // ---- the dense convolution's main loop on wgmma, sm_90a (kernelfuse.codegen.conv_wgmma) ----
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-{_mma(64)}{_mma(128)}#elif defined(KF_EMULATION)
+{_mma(64)}{_mma(128)}{_mma_registers(64)}{_mma_registers(128)}#elif defined(KF_EMULATION)
 inline void kf_cw_mma_n64(float (&d)[32], uint64_t a, uint64_t b) {{ kf_wg::mma_emulated<64>(d, a, b); }}
 inline void kf_cw_mma_n128(float (&d)[64], uint64_t a, uint64_t b) {{ kf_wg::mma_emulated<128>(d, a, b); }}
+inline void kf_cw_mma_ra_n64(float (&d)[32], const unsigned (&a)[4], uint64_t b) {{ kf_wg::mma_emulated_ra<64>(d, a, b); }}
+inline void kf_cw_mma_ra_n128(float (&d)[64], const unsigned (&a)[4], uint64_t b) {{ kf_wg::mma_emulated_ra<128>(d, a, b); }}
 #endif
 """
 
@@ -97,12 +126,17 @@ def render_dense_wgmma(k: str, s: ConvShape, geo: Geometry, cfg: DenseConfig, op
     nl = "\n"
     bn = cfg.bn
     per_tap = s.cig // BK
-    stage_floats = (BM + bn) * BK
+    regs = cfg.wg_a_regs
+    # the stage's layout: A's swizzled rows then B, or (A from registers) B then A's padded rows
+    tiles = "float* As = stage;\n    float* Bs = stage + A_TILE;" if not regs else \
+        "float* Bs = stage;\n    float* As = stage + B_TILE;"
+    a_at = "kf_wg::swz128(ml, j)" if not regs else f"ml * {WGC_A_PITCH} + j"
+    rounded = "STAGE" if not regs else "B_TILE"  # the floats the rounding pass takes (A from registers: B only)
     rounding = f"""      __syncthreads();  // every thread's copies of stage kt + 1 landed
       {{  // its TF32 rounding to nearest, in place (the tensor cores would truncate)
         float4* st = reinterpret_cast<float4*>(smem + (kt + 1) % STAGES * STAGE);
 #pragma unroll
-        for (int i = 0; i < STAGE / 4 / {WGC_THREADS}; ++i) {{
+        for (int i = 0; i < {rounded} / 4 / {WGC_THREADS}; ++i) {{
           const float4 v = st[threadIdx.x + i * {WGC_THREADS}];
           st[threadIdx.x + i * {WGC_THREADS}] = float4{{kf_round_tf32(v.x), kf_round_tf32(v.y), kf_round_tf32(v.z), kf_round_tf32(v.w)}};
         }}
@@ -112,7 +146,8 @@ def render_dense_wgmma(k: str, s: ConvShape, geo: Geometry, cfg: DenseConfig, op
 __global__ void __launch_bounds__({WGC_THREADS}, {cfg.wg_min_blocks}) {k}_kernel_wg(const float* __restrict__ x, const float* __restrict__ w, const float* __restrict__ bias, float* __restrict__ out{operand_params}) {{
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(KF_EMULATION)
   constexpr int BK = {BK}, BN = {bn}, LDC = {LDC}, COG = {s.cog}, CIG = {s.cig}, KV = {s.kv};
-  constexpr int A_TILE = {BM} * BK, STAGE = {stage_floats}, STAGES = {cfg.wg_stages};
+  [[maybe_unused]] constexpr int A_TILE = {BM} * {WGC_A_PITCH if regs else BK}, B_TILE = BN * BK;
+  constexpr int STAGE = {stage_floats(cfg)}, STAGES = {cfg.wg_stages};
   KF_DYNAMIC_SHARED(kf_wgc_raw);
   float* const smem = reinterpret_cast<float*>(((uintptr_t)kf_wgc_raw + 1023) & ~(uintptr_t)1023);
   __shared__ int img_s[{BM}], pix_s[{BM}];
@@ -121,11 +156,11 @@ __global__ void __launch_bounds__({WGC_THREADS}, {cfg.wg_min_blocks}) {k}_kernel
 {geo.tap_setup}
   const float* wg = w + (long long)grp * COG * KV * CIG;
   // a stage's A: this thread gathers 16 of its pixel's 32 channels, so that each copy instruction of a warp writes
-  // eight rows x four channels, on 32 distinct banks of the swizzled tile
+  // eight rows x four channels, on 32 distinct banks
   const int ml = m - m0, sel = {WGC_SEL};
   auto issue = [&](int kt) {{
-    float* As = smem + kt % STAGES * STAGE;
-    float* Bs = As + A_TILE;
+    float* stage = smem + kt % STAGES * STAGE;
+    {tiles}
     const int tap = kt / {per_tap}, ci0 = kt % {per_tap} * BK;
     {{
 {nl.join(geo.tap_lines("tap", "      "))}
@@ -135,7 +170,7 @@ __global__ void __launch_bounds__({WGC_THREADS}, {cfg.wg_min_blocks}) {k}_kernel
 #pragma unroll
       for (int i = 0; i < 16; ++i) {{
         const int j = {WGC_CHANNEL};
-        kf_cp_async4(As + kf_wg::swz128(ml, j), src + j * {geo.iv}, ok);
+        kf_cp_async4(As + {a_at}, src + j * {geo.iv}, ok);
       }}
     }}
     const int kp = {geo.kp_expr};
@@ -151,6 +186,7 @@ __global__ void __launch_bounds__({WGC_THREADS}, {cfg.wg_min_blocks}) {k}_kernel
 #pragma unroll
   for (int i = 0; i < {bn // 2}; ++i) d[i] = 0.0f;
   const int a_row0 = threadIdx.x / 128 * 64;  // this warpgroup's 64 rows of A
+  const int a_row = a_row0 + threadIdx.x % 128 / 32 * 16 + threadIdx.x % 32 / 4, a_t = threadIdx.x % 4;
 #pragma unroll
   for (int st = 0; st < STAGES - 2; ++st) {{
     if (st < KT) issue(st);
@@ -161,12 +197,7 @@ __global__ void __launch_bounds__({WGC_THREADS}, {cfg.wg_min_blocks}) {k}_kernel
     if (kt >= 0) {{
       if (kt + STAGES - 2 < KT) issue(kt + STAGES - 2);  // stage kt - 2's slot: its products ended before the barrier
       else kf_cp_async_commit();
-      const float* As = smem + kt % STAGES * STAGE;
-      kf_wg::fence();
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks)
-        kf_cw_mma_n{bn}(d, kf_wg::desc(As + a_row0 * BK, ks), kf_wg::desc(As + A_TILE, ks));
-      kf_wg::commit();
+{_products(bn, regs, cfg.round_tf32)}
     }}
     if (kt + 1 < KT) {{  // while the products run: stage kt + 1 lands (at most STAGES - 3 later groups pending)
       kf_cp_async_wait<STAGES - 3>();
@@ -179,12 +210,11 @@ __global__ void __launch_bounds__({WGC_THREADS}, {cfg.wg_min_blocks}) {k}_kernel
   kf_cp_async_wait<0>();
   __syncthreads();  // every warpgroup is done with the stages: the accumulator tile reuses their memory
   {{
-    // accumulator fragment of m64nBN: n8 block j holds (row, columns 8j + 2t, +1) and (row + 8, the same columns)
-    const int r = a_row0 + threadIdx.x % 128 / 32 * 16 + threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    // accumulator fragment of m64nBN: n8 block j holds (a_row, columns 8j + 2t, +1) and (a_row + 8, the same)
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) smem[(8 * j + 2 * t + (e & 1)) * LDC + r + (e >> 1) * 8] = d[4 * j + e];
+      for (int e = 0; e < 4; ++e) smem[(8 * j + 2 * a_t + (e & 1)) * LDC + a_row + (e >> 1) * 8] = d[4 * j + e];
   }}
   __syncthreads();
 {stores}
@@ -194,3 +224,31 @@ __global__ void __launch_bounds__({WGC_THREADS}, {cfg.wg_min_blocks}) {k}_kernel
 }}
 #endif
 """
+
+
+def _products(bn: int, regs: bool, round_tf32: bool) -> str:
+    """C lines: stage kt's four k8 products into d, issued (not waited for), A by descriptor or from registers (the
+    fragment of rows a_row and a_row + 8, columns a_t and a_t + 4 of each k8 step, rounded there)."""
+    stage = "      const float* stage = smem + kt % STAGES * STAGE;"
+    if not regs:
+        return f"""{stage}
+      kf_wg::fence();
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+        kf_cw_mma_n{bn}(d, kf_wg::desc(stage + a_row0 * BK, ks), kf_wg::desc(stage + A_TILE, ks));
+      kf_wg::commit();"""
+    value = "kf_round_tf32(v)" if round_tf32 else "v"
+    return f"""{stage}
+      const float* As = stage + B_TILE;
+      unsigned a[4][4];
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {{
+          const float v = As[(a_row + (r & 1) * 8) * {WGC_A_PITCH} + ks * 8 + a_t + (r >> 1) * 4];
+          a[ks][r] = __float_as_uint({value});
+        }}
+      kf_wg::fence();
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) kf_cw_mma_ra_n{bn}(d, a[ks], kf_wg::desc(stage, ks));
+      kf_wg::commit();"""

@@ -109,6 +109,27 @@ template <int N> inline void mma_emulated(float (&d)[N / 2], uint64_t a, uint64_
       d[4 * j + e] = v;
     }
 }
+// the same with A's m64k8 fragment from registers: (row, t), (row + 8, t), (row, t + 4), (row + 8, t + 4) of the
+// k step, the rows of a lane's quad; the thread gathers its rows' eight k from its quad (emulated shuffles)
+template <int N> inline void mma_emulated_ra(float (&d)[N / 2], const unsigned (&a)[4], uint64_t b) {
+  const float* B = reinterpret_cast<const float*>((uintptr_t)(b & ~uint64_t(1023)));
+  const int kb = int(b & 1023) * 8, quad = threadIdx.x % 32 / 4 * 4;
+  float rows[2][8];
+  for (int t = 0; t < 4; ++t)
+    for (int h = 0; h < 2; ++h) {
+      rows[h][t] = __shfl_sync(0xffffffffu, __uint_as_float(a[h]), quad + t);
+      rows[h][t + 4] = __shfl_sync(0xffffffffu, __uint_as_float(a[2 + h]), quad + t);
+    }
+  auto tf32 = [](float x) { return __uint_as_float(__float_as_uint(x) & 0xffffe000u); };
+  const int t = threadIdx.x % 4;
+  for (int j = 0; j < N / 8; ++j)
+    for (int e = 0; e < 4; ++e) {
+      const int c = 8 * j + 2 * t + (e & 1);
+      float v = d[4 * j + e];
+      for (int kk = 0; kk < 8; ++kk) v = fmaf(tf32(rows[e >> 1][kk]), tf32(B[swz128(c, kb + kk)]), v);
+      d[4 * j + e] = v;
+    }
+}
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }  // namespace kf_wg
 KF_EXPORT void kf_wgmma_enable(int on) { kf_wg::enabled() = on != 0; }
