@@ -14,7 +14,7 @@ kernel do; the tensor cores would truncate), then its products stay in flight wh
 (wgmma.wait_group 1). The accumulator stays in the tensor cores across stages, as in cuDNN's TF32 kernels, and
 goes through shared memory to conv_geometry's epilogue stores. With `wg_a_regs` A is read as register fragments
 from rows padded to 36 floats (the GEMM loop's way, the form of wgmma that has run) and rounded there; only B is
-rounded in place.
+rounded in place, and each stage's products end before the next stage's fragments are loaded.
 
 Not yet run on a GPU (written at stop 46 without device time). The tests' CPU emulation runs it (kf_wg's emulated
 descriptors and products), so its gathers, ring slots, rounding and accumulator layout are checked against float64;
@@ -132,6 +132,10 @@ def render_dense_wgmma(k: str, s: ConvShape, geo: Geometry, cfg: DenseConfig, op
         "float* Bs = stage;\n    float* As = stage + B_TILE;"
     a_at = "kf_wg::swz128(ml, j)" if not regs else f"ml * {WGC_A_PITCH} + j"
     rounded = "STAGE" if not regs else "B_TILE"  # the floats the rounding pass takes (A from registers: B only)
+    # one group stays in flight across iterations where both operands are in shared memory; A's registers may not
+    # be written (the next stage's fragments) while a product that reads them runs, so with them every group ends
+    wait_line = "kf_wg::wait<1>();  // stage kt - 1's products are done in this warpgroup" if not regs else \
+        "kf_wg::wait<0>();  // stage kt's products are done in this warpgroup (its A registers are free)"
     rounding = f"""      __syncthreads();  // every thread's copies of stage kt + 1 landed
       {{  // its TF32 rounding to nearest, in place (the tensor cores would truncate)
         float4* st = reinterpret_cast<float4*>(smem + (kt + 1) % STAGES * STAGE);
@@ -203,7 +207,7 @@ __global__ void __launch_bounds__({WGC_THREADS}, {cfg.wg_min_blocks}) {k}_kernel
       kf_cp_async_wait<STAGES - 3>();
 {rounding}      kf_wg::fence_async();  // the stage's generic-proxy writes, then wgmma's reads of them
     }}
-    kf_wg::wait<1>();  // stage kt - 1's products are done in this warpgroup
+    {wait_line}
     __syncthreads();   // ... and in the other; stage kt + 1 is in place for both
   }}
   kf_wg::wait<0>();
