@@ -79,11 +79,17 @@ def test_half_precision_linears_stay_cublas():
     assert not any(p.variant.endswith("-tcgemm") for p in optimizer_variants(graph))
 
 
-def test_gemm_kernels_on_the_cpu_match_float64(model_and_graph, tmp_path):
+@pytest.mark.parametrize("loop", ["mma.sync", "wgmma"])
+def test_gemm_kernels_on_the_cpu_match_float64(model_and_graph, tmp_path, loop):
+    """Both main loops in the emulation; the wgmma one (kernelfuse.codegen.gemm_wgmma) with kf_wg's emulated
+    descriptors and register fragments: its stages, the B split, the per-stage accumulators and the fragment's way to
+    the epilogue are what the GPU runs."""
     model, inputs, _ = model_and_graph
     graph = model_and_graph[2]
     plan = _gemm_plan(graph)
     emu = emulated(plan, tmp_path)
+    if loop == "wgmma":
+        emu.lib.kf_wgmma_enable(1)  # the emulation's launchers then take it at any size
     state = {k: v.detach().double() for k, v in [*model.named_parameters(), *model.named_buffers()]}
     env = run_env(plan, state, [t.double() for t in inputs])
     checked = 0

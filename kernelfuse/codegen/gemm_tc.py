@@ -248,7 +248,7 @@ struct {k}_epi {{
 __global__ void __launch_bounds__({THREADS}, 2) {k}_kernel({params}) {{
   kf_gemm_3xtf32<{BM}, {BN}, {BK}, {WARPS_M}, {WARPS_N}, {STAGES}>(x, w, M, N, K, {k}_epi{{out, bias{operand_args}, N}});
 }}
-#if defined(__CUDACC__)
+#if defined(__CUDACC__) || defined(KF_EMULATION)
 __global__ void __launch_bounds__({WG_THREADS}, 1) {k}_kernel_wg({params}) {{
   kf_gemm_3xtf32_wgmma(x, w, M, N, K, {k}_epi{{out, bias{operand_args}, N}});
 }}
@@ -263,7 +263,7 @@ __global__ void __launch_bounds__({WG_THREADS}, 1) {k}_kernel_wg({params}) {{
     args = f"(const float*)x, (const float*)w, (const float*)bias, (float*)out{operand_casts}, {s.m}, {s.n}, {s.k}"
     kernel = head + body + f"""
 KF_EXPORT cudaError_t {k}_launch(const void* x, const void* w, const void* bias, void* out{"".join(f", const void* in{i}" for i in ops)}, cudaStream_t stream) {{
-#if defined(__CUDACC__)
+#if defined(__CUDACC__) || defined(KF_EMULATION)
   if (kf_wg::fits({s.m}, {s.n})) {{  // Hopper, tiles enough: the wgmma main loop
     const cudaError_t opted = kf_opt_in<{name}_kernel_wg>({WG_SMEM_BYTES});
     if (opted != cudaSuccess) return opted;

@@ -15,7 +15,8 @@ is its own big part (the tensor cores read a TF32 operand's top 19 bits: they tr
 tensor cores run the previous stage, the remainder under that truncation goes to a second tile. A's fragments come
 from a padded tile into registers and are split there the same way. Per 8-deep k step three wgmma.m64n128k8 (small
 x big, big x small, big x big) into a fresh accumulator per stage, added to the running sum in fp32 with
-round-to-nearest (the tensor cores' accumulation truncates: stop 41).
+round-to-nearest (the tensor cores' accumulation truncates: stop 41). The tests' CPU emulation runs this loop too
+(kf_wg's emulated descriptors and register fragments, KF_EMULATION), so CI checks its logic without a GPU.
 """
 
 from __future__ import annotations
@@ -138,7 +139,7 @@ KF_EXPORT void kf_wgmma_enable(int on) { kf_wg::enabled() = on != 0; }
 
 WGMMA_PRELUDE = r"""
 // ---- the 3xTF32 GEMM's main loop on wgmma, sm_90a (kernelfuse.codegen.gemm_wgmma) ----
-#if defined(__CUDACC__)
+#if defined(__CUDACC__) || defined(KF_EMULATION)
 namespace kf_wg {
 KF_WG_SIZES
 [[maybe_unused]] constexpr int A_PITCH = BK + 4;  // floats a row of the A tile: the fragment reads are conflict-free
@@ -156,6 +157,14 @@ __device__ __forceinline__ void mma(float (&d)[64], const unsigned (&a)[4], uint
       : D_OPS
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
+#elif defined(KF_EMULATION)
+inline void mma(float (&d)[64], const unsigned (&a)[4], uint64_t b, int accumulate) {
+  if (!accumulate)  // scale-d 0: the product replaces the accumulator
+    for (float& v : d) v = 0.0f;
+  mma_emulated_ra<128>(d, a, b);
+}
+#endif
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(KF_EMULATION)
 
 // K tile k0 of both operands into a stage, zeros past M, N and K: B's rows swizzled (16-byte chunk c of row r at
 // chunk c ^ (r % 8)), A's padded
@@ -181,7 +190,7 @@ __device__ __forceinline__ void split_b(const float* big, float* small) {
     const int q = (threadIdx.x + i * THREADS) * 4;
     const float4 v = *reinterpret_cast<const float4*>(big + q);
     *reinterpret_cast<float4*>(small + q) =
-        make_float4(v.x - trunc_tf32(v.x), v.y - trunc_tf32(v.y), v.z - trunc_tf32(v.z), v.w - trunc_tf32(v.w));
+        float4{v.x - trunc_tf32(v.x), v.y - trunc_tf32(v.y), v.z - trunc_tf32(v.z), v.w - trunc_tf32(v.w)};
   }
 }
 
@@ -218,9 +227,9 @@ __device__ __forceinline__ void stage_products(float (&d)[64], const float* stag
 template <typename Epi>
 __device__ __forceinline__ void kf_gemm_3xtf32_wgmma(const float* __restrict__ A, const float* __restrict__ B, int M,
                                                      int N, int K, Epi epi) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(KF_EMULATION)
   using namespace kf_wg;
-  extern __shared__ float kf_wg_raw[];
+  KF_DYNAMIC_SHARED(kf_wg_raw);
   float* const smem = reinterpret_cast<float*>(((uintptr_t)kf_wg_raw + 1023) & ~(uintptr_t)1023);
   const int m0 = blockIdx.y * BM, n0 = blockIdx.x * BN, KT = (K + BK - 1) / BK;
   const int row = threadIdx.x / 128 * 64 + threadIdx.x % 128 / 32 * 16 + threadIdx.x % 32 / 4, t = threadIdx.x % 4;
@@ -267,7 +276,7 @@ __device__ __forceinline__ void kf_gemm_3xtf32_wgmma(const float* __restrict__ A
   __trap();  // never launched: kf_wg::fits is false unless the loader built sm_90a
 #endif
 }
-#endif  // __CUDACC__
+#endif  // __CUDACC__ || KF_EMULATION
 """.replace("D_REGS", _D_REGS).replace("D_OPS", _D_OPS).replace(
     "KF_WG_SIZES",
     f"[[maybe_unused]] constexpr int BM = {WG_BM}, BN = {WG_BN}, BK = {WG_BK}, STAGES = {WG_STAGES}, "
