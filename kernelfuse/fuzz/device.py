@@ -25,7 +25,7 @@ from kernelfuse.verify.compare import compare_outputs
 from kernelfuse.verify.float64 import check_float64, float64_model, to_float64
 
 NVCC_PLACES = ("/usr/local/cuda/bin/nvcc", "/usr/local/bin/nvcc")
-NVCC_FLAGS = ("-std=c++17", "-arch=sm_90", "-c")  # tests/test_nvcc_compile.py's flags
+NVCC_FLAGS = ("-std=c++17", "-arch=sm_90a", "-c")  # the target the loader builds on an H100 (its wgmma loops too)
 NVCC_TIMEOUT_S = 300
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kernelfuse" / "fuzz_nvcc"
 TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 1e-2}  # the judge's strict policy: 1e-4 otherwise
