@@ -234,6 +234,7 @@ def render_conv(plan: Plan, step: FusedStep, out_layout: str = "nchw") -> tuple[
                 tile_stores(k, shape, cfg.bn, WGC_THREADS, index_t, ctype, has_bias, out_layout, operand_args,
                             cfg.epilogue_unroll))
             wgmma = wgmma_launch(k, grid, cfg, ctype, launch_args)
+            comment = comment.replace(" output)\n", f" output; {k}_kernel_wg: its wgmma form, for Hopper)\n")
     else:
         comment = f"// {k}: {step.chain(plan.graph)}  (implicit GEMM, epilogue inside, {out_layout} output)\n"
         body, grid = _kernel(k, shape, tile_config(shape), ctype, index_t, has_bias, step.anchor.fp32, out_layout, operand_params,
