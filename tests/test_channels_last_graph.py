@@ -101,6 +101,31 @@ def test_a_view_that_needs_the_old_strides_gives_no_channels_last_graph(tmp_path
     assert "fused-cl" not in [p.variant for p in plans]
 
 
+def test_a_view_the_fake_tensors_accept_but_real_ones_refuse_gives_no_channels_last_graph(tmp_path):
+    # fuzz seed 75000, model 400 (shrunk): the first convolution's (1, 2, 1, 1, 2) output is channels-last, strides
+    # (4, 1, 4, 4, 2), where flatten's view(1, 4) fails; the fake tensors the layouts propagate on took it, and the
+    # CPU check's interpreter then raised on the variant
+    body = """
+def __init__(self):
+    super().__init__()
+    self.m1 = nn.Conv3d(1, 2, 3, padding=1)
+    self.m2 = nn.Conv3d(2, 1, 3, stride=3, padding=2, dilation=2, bias=False)
+    self.to(torch.float16)  # the bias stays in the convolution node (in fp32 a rewrite moves it to an add)
+
+def forward(self, x):
+    v1 = self.m1(x)
+    return torch.flatten(v1, 1), self.m2(v1), v1
+"""
+    problem = load_problem(write_problem(tmp_path, "flat_cl", body,
+                                          "[torch.randn(1, 1, 1, 1, 2, dtype=torch.float16)]"))
+    model = build_model(problem).eval()
+    graph = rewrite(capture(problem, model))
+    assert channels_last_graph(graph) is None
+    plans = plan_variants(graph)
+    assert "fused-cl" not in [p.variant for p in plans]
+    assert all(check.ok for check in check_plans(problem, model, graph, plans))
+
+
 def test_a_pooling_left_to_torch_gives_its_pointwise_ops_to_another_kernel(tmp_path):
     # the pooling kernel writes NCHW only: max_pool stays a torch call (channels-last in and out). The ReLU that a
     # rewrite moved behind it (max then relu) was its kernel's epilogue; it joins the next kernel's prologue
