@@ -106,11 +106,12 @@ def test_every_prelude_compiles_in_one_file(tmp_path):
     from kernelfuse.codegen.cuda import HEADER
     from kernelfuse.codegen.generated import REDUCE_PRELUDE
     from kernelfuse.codegen.onchip import ONCHIP_PRELUDE
+    from kernelfuse.codegen.tensorcore import TENSORCORE_PRELUDE
 
     nvcc = _nvcc()
     cu = tmp_path / "preludes.cu"
     cu.write_text("\n".join([HEADER, REDUCE_PRELUDE, ONCHIP_PRELUDE, ATTENTION_PRELUDE, MMA_ATTENTION_PRELUDE,
-                             FLASH_PRELUDE, IGEMM_PRELUDE]))
+                             FLASH_PRELUDE, TENSORCORE_PRELUDE, IGEMM_PRELUDE]))
     result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-c", str(cu), "-o", str(tmp_path / "p.o")],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-4000:]

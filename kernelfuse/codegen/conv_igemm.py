@@ -40,68 +40,7 @@ THREADS = BM  # four warps, each a 32-row slice of the BM = 128 tile
 STAGES = 3  # shared-memory stages of K: two in flight while one multiplies (41 KB at the widest tile)
 
 IGEMM_PRELUDE = r"""
-// Implicit-GEMM convolutions (kernelfuse.codegen.conv_igemm).
-// TF32 rounding as the tensor cores' operand conversion does it: nearest, ties away from zero.
-__device__ __forceinline__ float kf_round_tf32(float x) {
-#if defined(__CUDA_ARCH__)
-  unsigned int r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return __uint_as_float(r);
-#else
-  unsigned int u;
-  __builtin_memcpy(&u, &x, 4);
-  if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;
-  float r;
-  __builtin_memcpy(&r, &u, 4);
-  return r;
-#endif
-}
-
-// 4-byte asynchronous copy global -> shared, zero-filled where !pred (src is then not read); in the CPU
-// emulation a plain copy, and commit/wait do nothing (each copy is complete when it returns).
-__device__ __forceinline__ void kf_cp_async4(float* dst, const float* src, bool pred) {
-#if defined(__CUDA_ARCH__)
-  const unsigned int s = (unsigned int)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(s), "l"(src), "r"(pred ? 4 : 0));
-#else
-  *dst = pred ? *src : 0.0f;
-#endif
-}
-#ifndef KF_DYNAMIC_SHARED
-#define KF_DYNAMIC_SHARED(name) extern __shared__ __align__(16) float name[]
-#endif
-// 16 bytes global -> shared, zeros where !in (src is then not read); in the CPU emulation a plain copy
-__device__ __forceinline__ void kf_gemm_cp16(float* dst, const float* src, bool in) {
-#if defined(__CUDA_ARCH__)
-  const unsigned int s = (unsigned int)__cvta_generic_to_shared(dst);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(src), "r"(in ? 16 : 0));
-#else
-  for (int q = 0; q < 4; ++q) dst[q] = in ? src[q] : 0.0f;
-#endif
-}
-
-__device__ __forceinline__ void kf_cp_async_commit() {
-#if defined(__CUDA_ARCH__)
-  asm volatile("cp.async.commit_group;");
-#endif
-}
-// wait until at most N committed groups (the stages in flight) are still copying
-template <int N> __device__ __forceinline__ void kf_cp_async_wait() {
-#if defined(__CUDA_ARCH__)
-  asm volatile("cp.async.wait_group %0;" ::"n"(N));
-#endif
-}
-
-// One m16n8k8 TF32 multiply-add on the tensor cores (fp32 accumulate).
-__device__ __forceinline__ void kf_mma_tf32(float (&c)[4], const unsigned int (&a)[4], const unsigned int (&b)[2]) {
-#if defined(__CUDA_ARCH__)
-  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-               "{%0,%1,%2,%3};"
-               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
-#endif
-}
-
+// Implicit-GEMM convolutions (kernelfuse.codegen.conv_igemm), on codegen.tensorcore's helpers.
 // One k8 step of a warp's MF x NF tiles of m16n8 (rows wm.., columns wn..), operands from shared memory stored
 // k-major (A[k][m], B[k][n]) as fp32 and rounded to TF32 as they enter the tensor cores. SPLIT (where eager's
 // convolution computes in full fp32): each operand is its TF32 part plus the TF32 rounding of the rest, and three
@@ -218,8 +157,6 @@ def render_conv(plan: Plan, step: FusedStep, out_layout: str = "nchw") -> tuple[
                                                operand_args)
     elif dense_kernel(plan.graph, step):
         cfg = dense_config(shape)
-        comment = f"// {k}: {step.chain(plan.graph)}  (dense implicit GEMM on TF32 tensor cores, epilogue inside, " \
-                  f"{'channels-last' if cfg.a_nhwc else 'NCHW'} input, {out_layout} output)\n"
         geo = geometry(k, shape)
         lane = "threadIdx.x" if cfg.threads == BM else f"threadIdx.x % {BM}"
         body, grid = render_dense(
@@ -227,14 +164,17 @@ def render_conv(plan: Plan, step: FusedStep, out_layout: str = "nchw") -> tuple[
             tile_stores(k, shape, cfg.bn, cfg.threads, index_t, ctype, has_bias, out_layout, operand_args,
                         cfg.epilogue_unroll))
         threads, smem = cfg.threads, cfg.smem_bytes
-        if grid[0] * grid[1] * grid[2] >= WGC_MIN_TILES:  # its wgmma form, taken on Hopper (codegen.conv_wgmma)
+        hopper = grid[0] * grid[1] * grid[2] >= WGC_MIN_TILES  # the file carries its wgmma form (codegen.conv_wgmma)
+        comment = f"// {k}: {step.chain(plan.graph)}  (dense implicit GEMM on TF32 tensor cores, epilogue inside, " \
+                  f"{'channels-last' if cfg.a_nhwc else 'NCHW'} input, {out_layout} output" \
+                  f"{f'; {k}_kernel_wg: its wgmma form, for Hopper' if hopper else ''})\n"
+        if hopper:
             body += render_dense_wgmma(
                 k, shape, geo, cfg, operand_params,
                 pixel_setup(geo, shape, ctype, WGC_ROW, writer=WGC_WRITER),
                 tile_stores(k, shape, cfg.bn, WGC_THREADS, index_t, ctype, has_bias, out_layout, operand_args,
                             cfg.epilogue_unroll))
             wgmma = wgmma_launch(k, grid, cfg, ctype, launch_args)
-            comment = comment.replace(" output)\n", f" output; {k}_kernel_wg: its wgmma form, for Hopper)\n")
     else:
         comment = f"// {k}: {step.chain(plan.graph)}  (implicit GEMM, epilogue inside, {out_layout} output)\n"
         body, grid = _kernel(k, shape, tile_config(shape), ctype, index_t, has_bias, step.anchor.fp32, out_layout, operand_params,

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from kernelfuse.codegen.conv_geometry import BM, ConvShape, Geometry, block_lines
 from kernelfuse.codegen.conv_tc import BK, LDC, DenseConfig
+from kernelfuse.codegen.gemm_wgmma import accumulator_operands
 
 WGC_THREADS = 256
 WGC_A_PITCH = BK + 4  # floats a row of A read as register fragments: the fragment reads are conflict-free
@@ -75,33 +76,23 @@ def wgmma_launch(k: str, grid: tuple[int, int, int], cfg: DenseConfig, ctype: st
 """
 
 
-def _mma(n: int) -> str:
-    """One wgmma.m64nNk8 TF32 product, both operands from shared-memory descriptors, accumulating into d."""
+def _mma(n: int, a_regs: bool) -> str:
+    """One wgmma.m64nNk8 TF32 product accumulating into d, B from its shared-memory descriptor, A from its own
+    (kf_cw_mma_nN) or from registers (kf_cw_mma_ra_nN: four TF32 values a thread, as the GEMM loop)."""
     count = n // 2
-    regs = "{" + ", ".join(f"%{i}" for i in range(count)) + "}"
-    ops = ", ".join(f'"+f"(d[{i}])' for i in range(count))
-    return f"""__device__ __forceinline__ void kf_cw_mma_n{n}(float (&d)[{count}], uint64_t a, uint64_t b) {{
+    regs, ops = accumulator_operands(count)
+    if a_regs:
+        name, a_param, a_operand, a_inputs = f"kf_cw_mma_ra_n{n}", "const unsigned (&a)[4]", \
+            "{" + ", ".join(f"%{count + i}" for i in range(4)) + "}", '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3])'
+    else:
+        name, a_param, a_operand, a_inputs = f"kf_cw_mma_n{n}", "uint64_t a", f"%{count}", '"l"(a)'
+    b, flag = count + (4 if a_regs else 1), count + (5 if a_regs else 2)
+    return f"""__device__ __forceinline__ void {name}(float (&d)[{count}], {a_param}, uint64_t b) {{
   asm volatile(
-      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{count + 2}, 0;\\n"
-      "wgmma.mma_async.sync.aligned.m64n{n}k8.f32.tf32.tf32 {regs}, %{count}, %{count + 1}, p, 1, 1;\\n}}\\n"
+      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{flag}, 0;\\n"
+      "wgmma.mma_async.sync.aligned.m64n{n}k8.f32.tf32.tf32 {regs}, {a_operand}, %{b}, p, 1, 1;\\n}}\\n"
       : {ops}
-      : "l"(a), "l"(b), "r"(1));
-}}
-"""
-
-
-def _mma_registers(n: int) -> str:
-    """The same product with A's m64k8 fragment from registers (four TF32 values a thread, as the GEMM loop)."""
-    count = n // 2
-    regs = "{" + ", ".join(f"%{i}" for i in range(count)) + "}"
-    ops = ", ".join(f'"+f"(d[{i}])' for i in range(count))
-    a = ", ".join(f"%{count + i}" for i in range(4))
-    return f"""__device__ __forceinline__ void kf_cw_mma_ra_n{n}(float (&d)[{count}], const unsigned (&a)[4], uint64_t b) {{
-  asm volatile(
-      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{count + 5}, 0;\\n"
-      "wgmma.mma_async.sync.aligned.m64n{n}k8.f32.tf32.tf32 {regs}, {{{a}}}, %{count + 4}, p, 1, 1;\\n}}\\n"
-      : {ops}
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+      : {a_inputs}, "l"(b), "r"(1));
 }}
 """
 
@@ -109,7 +100,7 @@ def _mma_registers(n: int) -> str:
 CONV_WGMMA_PRELUDE = f"""
 // ---- the dense convolution's main loop on wgmma, sm_90a (kernelfuse.codegen.conv_wgmma) ----
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-{_mma(64)}{_mma(128)}{_mma_registers(64)}{_mma_registers(128)}#elif defined(KF_EMULATION)
+{"".join(_mma(n, regs) for regs in (False, True) for n in (64, 128))}#elif defined(KF_EMULATION)
 inline void kf_cw_mma_n64(float (&d)[32], uint64_t a, uint64_t b) {{ kf_wg::mma_emulated<64>(d, a, b); }}
 inline void kf_cw_mma_n128(float (&d)[64], uint64_t a, uint64_t b) {{ kf_wg::mma_emulated<128>(d, a, b); }}
 inline void kf_cw_mma_ra_n64(float (&d)[32], const unsigned (&a)[4], uint64_t b) {{ kf_wg::mma_emulated_ra<64>(d, a, b); }}

@@ -28,6 +28,7 @@ from kernelfuse.codegen.gemm_tc import GEMM_PRELUDE, render_gemm
 from kernelfuse.codegen.gemm_wgmma import WGMMA_COMMON, WGMMA_PRELUDE
 from kernelfuse.codegen.generated import REDUCE_PRELUDE, keeps_rows_on_chip, render_generated
 from kernelfuse.codegen.onchip import ONCHIP_PRELUDE
+from kernelfuse.codegen.tensorcore import TENSORCORE_PRELUDE
 from kernelfuse.ops import POINTWISE_BY_ATEN, prelude_for
 from kernelfuse.plan.ir import Plan
 
@@ -201,12 +202,14 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
     if attention:
         cuda += [ATTENTION_PRELUDE, MMA_ATTENTION_PRELUDE, FLASH_PRELUDE]
     if any(s.anchor.epilogue_inside for s in steps):
-        cuda.append(IGEMM_PRELUDE)  # the TF32 rounding, cp.async and mma helpers of both anchor kernels
-    if any(s.anchor.epilogue_inside and s.anchor.family == "matmul" for s in steps):
-        cuda += [GEMM_PRELUDE, WGMMA_COMMON, WGMMA_PRELUDE]
-    if any(s.anchor.epilogue_inside and s.anchor.family == "conv" and dense_kernel(plan.graph, s) for s in steps):
-        if WGMMA_COMMON not in cuda:
-            cuda.append(WGMMA_COMMON)
+        cuda += [TENSORCORE_PRELUDE, IGEMM_PRELUDE]  # the TF32 rounding, cp.async and mma helpers; the igemm step
+    gemm = any(s.anchor.epilogue_inside and s.anchor.family == "matmul" for s in steps)
+    dense = any(s.anchor.epilogue_inside and s.anchor.family == "conv" and dense_kernel(plan.graph, s) for s in steps)
+    if gemm or dense:  # both kernels have a wgmma main loop for Hopper; the loader's switch and helpers, once
+        cuda.append(WGMMA_COMMON)
+    if gemm:
+        cuda += [GEMM_PRELUDE, WGMMA_PRELUDE]
+    if dense:
         cuda += [CONV_TC_PRELUDE, CONV_WGMMA_PRELUDE]
     bindings: list[Binding] = []
     functions: list[str] = []

@@ -26,14 +26,15 @@ WG_STAGE_FLOATS = 2 * WG_BN * WG_BK + WG_BM * (WG_BK + 4)  # B big | B small | A
 WG_SMEM_BYTES = WG_STAGES * WG_STAGE_FLOATS * 4 + 1024  # + the 1024-byte alignment of the swizzled tiles
 
 
-def _accumulator_operands() -> tuple[str, str]:
-    """(the PTX register list {%0, ...} of the 64 accumulator floats, the asm operand list "+f"(d[0]), ...)."""
-    regs = ", ".join(f"%{i}" for i in range(64))
-    ops = ", ".join(f'"+f"(d[{i}])' for i in range(64))
+def accumulator_operands(count: int = 64) -> tuple[str, str]:
+    """(the PTX register list {%0, ...} of `count` accumulator floats, the asm operand list "+f"(d[0]), ...): a
+    wgmma.m64nN product's accumulator is N / 2 floats a thread."""
+    regs = ", ".join(f"%{i}" for i in range(count))
+    ops = ", ".join(f'"+f"(d[{i}])' for i in range(count))
     return "{" + regs + "}", ops
 
 
-_D_REGS, _D_OPS = _accumulator_operands()
+_D_REGS, _D_OPS = accumulator_operands()
 
 # What every wgmma kernel of a file shares (the GEMM's loop here, the dense convolution's in conv_wgmma): the switch
 # the loader sets, the launchers' test, the shared-memory descriptor of a 128-byte-swizzled K-major tile, the fences.
@@ -96,40 +97,40 @@ inline void fence() {}
 inline void commit() {}
 template <int N> inline void wait() {}
 inline void fence_async() {}
-template <int N> inline void mma_emulated(float (&d)[N / 2], uint64_t a, uint64_t b) {
-  const float* A = reinterpret_cast<const float*>((uintptr_t)(a & ~uint64_t(1023)));
+// this thread's accumulator fragment (rows row and row + 8, columns 8j + 2t and + 1) plus A's `rows` (those two
+// rows' eight k of the step) times B's tile at descriptor b
+template <int N> inline void accumulate_fragment(float (&d)[N / 2], const float (&rows)[2][8], uint64_t b) {
   const float* B = reinterpret_cast<const float*>((uintptr_t)(b & ~uint64_t(1023)));
-  const int ka = int(a & 1023) * 8, kb = int(b & 1023) * 8;
-  const int row = threadIdx.x % 128 / 32 * 16 + threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  const int kb = int(b & 1023) * 8, t = threadIdx.x % 4;
   auto tf32 = [](float x) { return __uint_as_float(__float_as_uint(x) & 0xffffe000u); };
   for (int j = 0; j < N / 8; ++j)
     for (int e = 0; e < 4; ++e) {  // (row, 8j + 2t), (row, 8j + 2t + 1), then the same for row + 8
-      const int r = row + (e >> 1) * 8, c = 8 * j + 2 * t + (e & 1);
+      const int c = 8 * j + 2 * t + (e & 1);
       float v = d[4 * j + e];
-      for (int kk = 0; kk < 8; ++kk) v = fmaf(tf32(A[swz128(r, ka + kk)]), tf32(B[swz128(c, kb + kk)]), v);
+      for (int kk = 0; kk < 8; ++kk) v = fmaf(tf32(rows[e >> 1][kk]), tf32(B[swz128(c, kb + kk)]), v);
       d[4 * j + e] = v;
     }
+}
+// an m64nNk8 product, A's tile at descriptor a
+template <int N> inline void mma_emulated(float (&d)[N / 2], uint64_t a, uint64_t b) {
+  const float* A = reinterpret_cast<const float*>((uintptr_t)(a & ~uint64_t(1023)));
+  const int ka = int(a & 1023) * 8, row = threadIdx.x % 128 / 32 * 16 + threadIdx.x % 32 / 4;
+  float rows[2][8];
+  for (int h = 0; h < 2; ++h)
+    for (int kk = 0; kk < 8; ++kk) rows[h][kk] = A[swz128(row + 8 * h, ka + kk)];
+  accumulate_fragment<N>(d, rows, b);
 }
 // the same with A's m64k8 fragment from registers: (row, t), (row + 8, t), (row, t + 4), (row + 8, t + 4) of the
 // k step, the rows of a lane's quad; the thread gathers its rows' eight k from its quad (emulated shuffles)
 template <int N> inline void mma_emulated_ra(float (&d)[N / 2], const unsigned (&a)[4], uint64_t b) {
-  const float* B = reinterpret_cast<const float*>((uintptr_t)(b & ~uint64_t(1023)));
-  const int kb = int(b & 1023) * 8, quad = threadIdx.x % 32 / 4 * 4;
+  const int quad = threadIdx.x % 32 / 4 * 4;
   float rows[2][8];
   for (int t = 0; t < 4; ++t)
     for (int h = 0; h < 2; ++h) {
       rows[h][t] = __shfl_sync(0xffffffffu, __uint_as_float(a[h]), quad + t);
       rows[h][t + 4] = __shfl_sync(0xffffffffu, __uint_as_float(a[2 + h]), quad + t);
     }
-  auto tf32 = [](float x) { return __uint_as_float(__float_as_uint(x) & 0xffffe000u); };
-  const int t = threadIdx.x % 4;
-  for (int j = 0; j < N / 8; ++j)
-    for (int e = 0; e < 4; ++e) {
-      const int c = 8 * j + 2 * t + (e & 1);
-      float v = d[4 * j + e];
-      for (int kk = 0; kk < 8; ++kk) v = fmaf(tf32(rows[e >> 1][kk]), tf32(B[swz128(c, kb + kk)]), v);
-      d[4 * j + e] = v;
-    }
+  accumulate_fragment<N>(d, rows, b);
 }
 #endif  // __CUDA_ARCH_FEAT_SM90_ALL
 }  // namespace kf_wg
