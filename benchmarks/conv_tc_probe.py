@@ -39,19 +39,19 @@ from kernelfuse.rewrite import apply_rules
 # DenseConfig changes; "mma" names keep the mma.sync kernel (no wgmma form in the file), the others run the wgmma
 # form on a compute-capability 9.0 GPU where its tiles cover 3/4 of the SMs (kernelfuse.codegen.conv_wgmma)
 CONFIGS = {
-    "mma": {"_wgmma": False},
-    "mma-truncated": {"_wgmma": False, "round_tf32": False},
-    "mma-unroll4": {"_wgmma": False, "epilogue_unroll": 4},
-    "mma-8warps": {"_wgmma": False, "warps_n": 4},
-    "mma-nhwc": {"_wgmma": False, "a_nhwc": True},
-    "mma-stages4": {"_wgmma": False, "stages": 4},
-    "wgmma": {},
-    "wgmma-truncated": {"round_tf32": False},
-    "wgmma-s4": {"wg_stages": 4},
-    "wgmma-s4-2blocks": {"wg_stages": 4, "wg_min_blocks": 2},
-    "wgmma-s4-2blocks-trunc": {"wg_stages": 4, "wg_min_blocks": 2, "round_tf32": False},
-    "wgmma-regA": {"wg_a_regs": True},
-    "wgmma-regA-s4-2blocks": {"wg_a_regs": True, "wg_stages": 4, "wg_min_blocks": 2},
+    "mma": {},
+    "mma-truncated": {"round_tf32": False},
+    "mma-unroll4": {"epilogue_unroll": 4},
+    "mma-8warps": {"warps_n": 4},
+    "mma-nhwc": {"a_nhwc": True},
+    "mma-stages4": {"stages": 4},
+    "wgmma": {"wgmma": True},
+    "wgmma-truncated": {"wgmma": True, "round_tf32": False},
+    "wgmma-s4": {"wgmma": True, "wg_stages": 4},
+    "wgmma-s4-2blocks": {"wgmma": True, "wg_stages": 4, "wg_min_blocks": 2},
+    "wgmma-s4-2blocks-trunc": {"wgmma": True, "wg_stages": 4, "wg_min_blocks": 2, "round_tf32": False},
+    "wgmma-regA": {"wgmma": True, "wg_a_regs": True},
+    "wgmma-regA-s4-2blocks": {"wgmma": True, "wg_a_regs": True, "wg_stages": 4, "wg_min_blocks": 2},
 }
 
 
@@ -101,13 +101,10 @@ def probe(path: Path, configs: list[str]) -> list[str]:
                  f"{median_event_ms(lambda: torch.convolution(xc, wc, b, *conv_args)):.3f} to_cl="
                  f"{median_event_ms(lambda: x.contiguous(memory_format=fmt)):.3f} ms"]
         bare = replace(bare, kernel=f"{step.kernel}b")
-        cfgs = {name: replace(dense_config(shape), **{k: v for k, v in CONFIGS[name].items() if k != "_wgmma"})
-                for name in configs}
+        cfgs = {name: replace(dense_config(shape), **CONFIGS[name]) for name in configs}
         sources = {}
         for name, cfg in cfgs.items():
-            min_tiles = conv_igemm.WGC_MIN_TILES if CONFIGS[name].get("_wgmma", True) else 1 << 40
-            with patch.object(conv_igemm, "dense_config", lambda s, cfg=cfg: cfg), \
-                    patch.object(conv_igemm, "WGC_MIN_TILES", min_tiles):
+            with patch.object(conv_igemm, "dense_config", lambda s, cfg=cfg: cfg):
                 sources[name] = generate(Plan(plan.graph, (step, bare), f"probe_{name}"))
         started = time.perf_counter()
         with ThreadPoolExecutor(8) as pool:  # nvcc runs in subprocesses: the builds overlap

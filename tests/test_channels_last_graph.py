@@ -20,6 +20,7 @@ from kernelfuse.emit import emit_modelnew
 from kernelfuse.load import load_problem
 from kernelfuse.pipeline import build_model
 from kernelfuse.plan import plan_variants
+from kernelfuse.plan.ir import TorchStep
 from kernelfuse.plan.layout import channels_last_graph
 from kernelfuse.rewrite import rewrite
 
@@ -146,6 +147,27 @@ def test_the_channels_last_plan_is_made_with_measured_layouts_too(tmp_path):
     convs = [n.name for n in graph.nodes if n.op == "convolution.default"]
     plans = plan_variants(graph, "strict", conv_layouts=dict.fromkeys(convs, "nchw"))
     assert plans[-1].variant == "fused-cl"
+
+
+def test_the_channels_last_plan_keeps_eager_fp32_convolutions_free_of_tf32(tmp_path):
+    # where eager's NCHW call computes in full fp32 (measured), cuDNN may still pick a TF32 algorithm for the
+    # channels-last operands: each of the variant's convolutions, fused or a torch call, runs with TF32 off
+    # (H200: the graphed GPU test's fused-cl variant was 78x over the strict bound before)
+    problem, _, graph, _ = _plans(tmp_path, POOLED)
+    convs = [n.name for n in graph.nodes if n.op == "convolution.default"]
+    plans = plan_variants(graph, "strict", conv_layouts=dict.fromkeys(convs, "nchw"), fp32_convs=frozenset(convs))
+    cl = plans[-1]
+    assert cl.variant == "fused-cl"
+    flags = {s.anchor.node.name: s.anchor.fp32 for s in cl.fused if s.anchor.family == "conv"}
+    flags.update({s.node.name: s.fp32 for s in cl.steps if isinstance(s, TorchStep)
+                  and s.node.op == "convolution.default"})
+    assert flags == dict.fromkeys(convs, True), flags
+    source = emit_modelnew(problem, cl, generate(cl), "test")
+    wrapped = [line for line in source.splitlines() if "= _without_tf32(lambda: " in line and "convolution" in line]
+    assert len(wrapped) == len(convs), source
+    assert "def _without_tf32" in source
+    unmeasured = plan_variants(graph, "strict", conv_layouts=dict.fromkeys(convs, "nchw"))[-1]
+    assert "_without_tf32(" not in emit_modelnew(problem, unmeasured, generate(unmeasured), "test")
 
 
 SQUEEZE_EXCITE = """

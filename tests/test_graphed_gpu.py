@@ -14,6 +14,7 @@ import pytest
 import torch
 from optimizer_helpers import write_problem
 
+from kernelfuse.bench.layout import measure_conv_layouts
 from kernelfuse.capture import build_model, capture
 from kernelfuse.codegen import generate
 from kernelfuse.emit import emit_modelnew
@@ -42,7 +43,15 @@ def forward(self, x):
 def _graphed_file(tmp_path: Path) -> tuple[Path, Path]:
     problem_path = write_problem(tmp_path, "deep", DEEP, "[torch.randn(2, 16, 16, 16)]")
     problem = load_problem(problem_path)
-    plan = plan_variants(rewrite(capture(problem, build_model(problem))))[-1].as_graphed()
+    graph = rewrite(capture(problem, build_model(problem)))
+    # planned as the optimizer plans on a GPU: each convolution's layout and arithmetic measured, so that the
+    # channels-last variant's convolutions run with TF32 off where eager's compute in fp32 (H200's cuDNN picks a
+    # TF32 algorithm for these channels-last operands, 78x over the strict bound)
+    timings = measure_conv_layouts(graph)
+    assert timings is not None
+    plan = plan_variants(graph, conv_layouts={t.node: t.choice for t in timings},
+                         fp32_convs=frozenset(t.node for t in timings if t.fp32))[-1].as_graphed()
+    assert plan.variant == "fused-cl+graph", plan.summary()
     assert plan.generated, plan.summary()
     out = tmp_path / "deep_graphed.py"
     out.write_text(emit_modelnew(problem, plan, generate(plan), "GPU test"))

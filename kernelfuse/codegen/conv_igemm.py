@@ -164,7 +164,7 @@ def render_conv(plan: Plan, step: FusedStep, out_layout: str = "nchw") -> tuple[
             tile_stores(k, shape, cfg.bn, cfg.threads, index_t, ctype, has_bias, out_layout, operand_args,
                         cfg.epilogue_unroll))
         threads, smem = cfg.threads, cfg.smem_bytes
-        hopper = grid[0] * grid[1] * grid[2] >= WGC_MIN_TILES  # the file carries its wgmma form (codegen.conv_wgmma)
+        hopper = cfg.wgmma and grid[0] * grid[1] * grid[2] >= WGC_MIN_TILES  # its wgmma form (codegen.conv_wgmma)
         comment = f"// {k}: {step.chain(plan.graph)}  (dense implicit GEMM on TF32 tensor cores, epilogue inside, " \
                   f"{'channels-last' if cfg.a_nhwc else 'NCHW'} input, {out_layout} output" \
                   f"{f'; {k}_kernel_wg: its wgmma form, for Hopper' if hopper else ''})\n"

@@ -30,8 +30,10 @@ class DenseConfig:
     """One tiling of the dense kernel: `bn` output channels a block, warps_m x warps_n warps over the 128 x bn tile,
     `stages` K stages in flight; the input read NCHW or channels-last (`a_nhwc`); TF32 rounding to nearest of the
     operands (`round_tf32`; else the tensor cores ignore the low mantissa bits); the epilogue loop unrolled. Its
-    wgmma form (kernelfuse.codegen.conv_wgmma, NCHW input): `wg_stages` stages in its ring, `wg_min_blocks` blocks
-    an SM the registers must allow, A by descriptor or (`wg_a_regs`) as register fragments, as the GEMM loop."""
+    wgmma form (kernelfuse.codegen.conv_wgmma, NCHW input), carried where `wgmma`: `wg_stages` stages in its ring,
+    `wg_min_blocks` blocks an SM the registers must allow, A by descriptor or (`wg_a_regs`) as register fragments,
+    as the GEMM loop. Off by default: on level-2 54, 4, 46 and 2 (H200) each wgmma configuration ran no faster than
+    the mma.sync kernel, and both ran 2.5-4x slower than cuDNN's channels-last call (benchmarks/NOTES.md, stop 47)."""
 
     bn: int = 128
     warps_m: int = 2
@@ -43,6 +45,7 @@ class DenseConfig:
     wg_stages: int = 6
     wg_min_blocks: int = 1
     wg_a_regs: bool = False
+    wgmma: bool = False
 
     @property
     def threads(self) -> int:

@@ -35,6 +35,9 @@ PY_SPELLING = {
 }
 
 
+_FP32_COMMENT = "    # cuDNN's TF32 off for this call: eager's NCHW convolution computes in full fp32 on this GPU"
+
+
 def forward_source(plan: Plan, call: CallText, has_kernels: bool, guarded: bool, state: str = "self") -> str:
     """The text of the fused `forward` method, and of the weight cache methods it calls (kernelfuse.emit.hoist)
     where the plan computes values from the weights alone; module state is read as `{state}.<attribute path>`.
@@ -96,6 +99,9 @@ def _step_lines(graph, step: Step, names: dict[str, str]) -> list[str]:
         names[step.node.name] = f"v_{step.node.name}"
         if step.node.op == "constant" and step.node.name in shared_constants(graph):
             return [f"    v_{step.node.name} = {_constant_call(step.node)}"]
+        if step.fp32:
+            return [_FP32_COMMENT,
+                    f"    v_{step.node.name} = _without_tf32(lambda: {_call(step.node, names)})"]
         return [f"    v_{step.node.name} = {_call(step.node, names)}"]
     if isinstance(step, GenStep):
         return _generated_lines(graph, step, names)
@@ -134,7 +140,7 @@ def _fused_lines(graph, step: FusedStep, names: dict[str, str]) -> list[str]:
     else:
         call = _call(node, names)
     if anchor.fp32:
-        lines.append("    # cuDNN's TF32 off for this call: eager's NCHW convolution computes in full fp32 on this GPU")
+        lines.append(_FP32_COMMENT)
         call = f"_without_tf32(lambda: {call})"
     if step.keeps_layout:  # cuDNN returns channels-last for channels-last operands; the reader's kernel needs it
         call = f"{call}.contiguous(memory_format={channels_last_format(node.meta)})"

@@ -10,7 +10,7 @@ from kernelfuse.emit.calltext import call_runtime
 from kernelfuse.emit.flags import _with_tf32, _without_tf32, source_of
 from kernelfuse.emit.graphed import GRAPH_RUNTIME
 from kernelfuse.emit.hoist import shared_constants
-from kernelfuse.plan.ir import Plan
+from kernelfuse.plan.ir import Plan, TorchStep
 
 LOADER = '''
 _EXTENSION = None
@@ -195,7 +195,7 @@ def runtime_text(plan: Plan, sources: CudaSources | None) -> str:
         parts.append(CONSTANT_RUNTIME)
     if any(s.anchor.tf32 for s in plan.fused):
         parts.append(source_of(_with_tf32))  # a matmul under the tf32 policy
-    if any(s.anchor.fp32 for s in plan.fused):
+    if any(s.anchor.fp32 for s in plan.fused) or any(isinstance(s, TorchStep) and s.fp32 for s in plan.steps):
         parts.append(source_of(_without_tf32))  # a channels-last conv in full fp32
     if plan.graphed:
         parts.append(GRAPH_RUNTIME)

@@ -84,6 +84,7 @@ def plan_variants(graph: Graph, precision: str = "strict", max_fusions: int | No
     tf32 = precision == "tf32"
     kept = tuple(sorted(keep))
     channels_last = _channels_last_plans(graph, PlanOptions(conv_layout="nchw", matmul_tf32=tf32,
+                                                            fp32_convs=tuple(sorted(fp32_convs)),
                                                             max_fusions=max_fusions, keep=kept))
     if conv_layouts is not None:
         options = PlanOptions(conv_layouts=tuple(sorted(conv_layouts.items())), fp32_convs=tuple(sorted(fp32_convs)),
@@ -252,7 +253,9 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
         if node.name in by_out:
             steps.append(by_out[node.name])
         elif node.name not in done and node.op not in ("input", "param", "buffer"):
-            steps.append(TorchStep(node, reasons.get(node.name) or _unfused_reason(graph, node, done)))
+            fp32 = options.channels_last_graph and node.op == "convolution.default" \
+                and node.name in options.fp32_convs
+            steps.append(TorchStep(node, reasons.get(node.name) or _unfused_reason(graph, node, done), fp32))
     layouts = sorted({s.anchor.layout for s in steps if isinstance(s, FusedStep) and s.anchor.family == "conv"
                       and not s.anchor.epilogue_inside                      and channels_last_ok(graph, s.anchor.node)})
     variant = f"fused-{'+'.join(layouts)}" if layouts else "fused"
@@ -403,7 +406,8 @@ def _fuse_behind(graph: Graph, anchor_node: Node, options: PlanOptions, kernel: 
         layout = "nchw"  # our kernels read the input as it is (NCHW) and, here, store NCHW
     anchor = Anchor(anchor_node, family, fused_relu, layout,
                     tf32=options.matmul_tf32 and family == "matmul" and not own_gemm,
-                    fp32=own_gemm or (layout == "nhwc" or impl != "library") and anchor_node.name in options.fp32_convs,
+                    fp32=own_gemm or (layout == "nhwc" or impl != "library" or options.channels_last_graph)
+                    and anchor_node.name in options.fp32_convs,
                     impl=impl)
     replaces = (anchor_node.name,) + ((acc_name,) if fused_relu else ()) + tuple(m.name for m in members)
     return FusedStep(kernel, anchor, epilogue, replaces, out_node.name)

@@ -232,6 +232,7 @@ class AttnStep:
 class TorchStep:
     node: Node
     reason: str  # why it stays a torch call ("view", "reduction: no kernel yet", ...)
+    fp32: bool = False  # a convolution of the channels-last graph run with cuDNN's TF32 off (eager's computes in fp32)
 
 
 Step = FusedStep | GenStep | AttnStep | TorchStep
