@@ -1,5 +1,6 @@
 """The CPU check's other eager references: CUDA's arithmetic (CudaConvolutionBias) and the captured layouts
-(CapturedLayouts), tried only after a failed comparison; a plan faithful to one passes, a wrong plan still fails."""
+(CapturedLayouts), tried only after a failed comparison, and the graph's ops each correctly rounded (the float64
+rule's second reference); a plan faithful to one passes, a wrong plan still fails."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ FUZZ = Path(__file__).parent / "fixtures" / "problems" / "fuzz"
 # regression files each plan of which matches only one of the other references, and the note that names it
 FAITHFUL = {"log_after_conv_bias": cpucheck.RETRIES[True, False],
             "batch_norm_of_huge_pow": cpucheck.RETRIES[False, True]}
+ROUNDED = "log2_of_bf16_attention_near_zero"  # passes only against each op correctly rounded
 
 
 def test_captured_layouts_lay_out_new_tensors_as_the_meta_kernels():
@@ -78,3 +80,36 @@ def test_a_wrong_plan_still_fails_against_every_reference(stem, monkeypatch):
     checks, runs = _checks(stem, monkeypatch, scale=1.001)
     assert checks and all(not c.ok and not c.skipped and c.note.startswith("mismatch") for c in checks)
     assert set(runs) == {()} | set(cpucheck.RETRIES)
+
+
+def test_each_op_correctly_rounded_is_the_float64_op_rounded_once():
+    """The rounded reference computes each op in float64 and rounds its result to the op's dtype (bf16 tanh of a
+    sum: two roundings, not eager's fp32-internal ones); a view still aliases its input."""
+    from kernelfuse.capture import capture_module
+    from kernelfuse.plan import torch_calls_plan
+    from kernelfuse.plan.interpret import run_env
+
+    class Chain(torch.nn.Module):
+        def forward(self, x, y):
+            return torch.tanh(x @ y).t()
+
+    x, y = torch.randn(5, 7, dtype=torch.bfloat16), torch.randn(7, 3, dtype=torch.bfloat16)
+    graph = capture_module(Chain(), [x, y])
+    plan = torch_calls_plan(graph)
+    env = run_env(plan, {}, [x, y], rounded=True)
+    (out,) = [env[r.name] for r in graph.outputs]
+    expected = torch.tanh((x.double() @ y.double()).to(torch.bfloat16).double()).to(torch.bfloat16).t()
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    assert out._base is not None  # the transpose is a view, as eager's
+
+
+def test_a_plan_faithful_to_each_op_correctly_rounded_passes(monkeypatch):
+    checks, _ = _checks(ROUNDED, monkeypatch)
+    assert checks and all(c.ok and c.note.endswith("(no less accurate than eager there)") for c in checks), \
+        [c.note for c in checks]
+
+
+def test_a_wrong_plan_fails_against_each_op_correctly_rounded(monkeypatch):
+    """Outputs 2% off (bf16's tolerance is 2%, so only the float64 rules can judge them): both fail."""
+    checks, _ = _checks(ROUNDED, monkeypatch, scale=1.02)
+    assert checks and all(not c.ok and c.note.startswith("mismatch") for c in checks), [c.note for c in checks]

@@ -25,8 +25,11 @@ def interpret(plan: Plan, state: dict[str, torch.Tensor], inputs: Sequence[torch
     return [env[r.name] for r in plan.graph.outputs]  # type: ignore[misc]
 
 
-def run_env(plan: Plan, state: dict[str, torch.Tensor], inputs: Sequence[torch.Tensor]) -> dict[str, object]:
-    """Every value the plan computes, by graph node name (benchmarks and kernel tests feed one step from it)."""
+def run_env(plan: Plan, state: dict[str, torch.Tensor], inputs: Sequence[torch.Tensor],
+            rounded: bool = False) -> dict[str, object]:
+    """Every value the plan computes, by graph node name (benchmarks and kernel tests feed one step from it).
+    `rounded`: each torch call computed in float64 and rounded once to its dtype (`call_aten_rounded`)."""
+    call = call_aten_rounded if rounded else call_aten
     env: dict[str, object] = {}
     for node in plan.graph.nodes:
         if node.op == "input":
@@ -35,7 +38,7 @@ def run_env(plan: Plan, state: dict[str, torch.Tensor], inputs: Sequence[torch.T
             env[node.name] = state[str(node.target)]
     for step in plan.steps:
         if isinstance(step, TorchStep):
-            env[step.node.name] = call_aten(step.node, env)
+            env[step.node.name] = call(step.node, env)
         elif isinstance(step, GenStep):  # the kernel writes a new tensor: contiguous, or eager's permuted layout
             value = _run_generated(step, env)
             if tuple(value.shape) != tuple(step.out_meta.shape):  # a norm over a view computes in its own space
@@ -60,6 +63,54 @@ def call_aten(node: Node, env: dict[str, object]) -> object:
     fn = getattr(getattr(torch.ops.aten, packet), overload)
     args = [_value(a, env) for a in node.positional]
     return fn(*args, **{k: _value(v, env) for k, v in node.keywords.items()})
+
+
+def call_aten_rounded(node: Node, env: dict[str, object]) -> object:
+    """The node's op computed in float64 on its floating operands, each result rounded once to the dtype eager's
+    call returns: the op sequence as if every op were correctly rounded. Views, in-place ops and random ops are
+    called as they are (a view must alias; a random draw differs between dtypes)."""
+    value = call_aten(node, env)
+    if not _roundable(node, value):
+        return value
+    try:
+        wide = call_aten(node, {r.name: _widened(env[r.name]) for r in node.refs})
+    except (RuntimeError, TypeError, NotImplementedError):  # an op without a float64 kernel: eager's value stands
+        return value
+    if isinstance(value, torch.Tensor):
+        return _narrowed(value, wide)
+    if not isinstance(wide, (tuple, list)) or len(wide) != len(value):  # type: ignore[arg-type]
+        return value
+    return type(value)(_narrowed(v, w) for v, w in zip(value, wide, strict=True))  # type: ignore[arg-type,call-arg]
+
+
+RANDOM_OPS = ("bernoulli", "dropout", "rand", "normal", "uniform", "multinomial", "exponential")  # words of op names
+
+
+def _roundable(node: Node, value: object) -> bool:
+    if node.op in ("getitem", "constant") or any(word in node.op for word in RANDOM_OPS):
+        return False
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    if not any(isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != torch.float64 for v in values):
+        return False
+    packet, overload = node.op.split(".")
+    schema = getattr(getattr(torch.ops.aten, packet), overload)._schema
+    return not any(a.alias_info is not None for a in (*schema.returns, *schema.arguments))
+
+
+def _widened(value: object) -> object:
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.double()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_widened(v) for v in value)  # type: ignore[call-arg]
+    return value
+
+
+def _narrowed(value: object, wide: object) -> object:
+    """`wide` rounded into `value`'s dtype and layout, where both are tensors of one shape; else `value`."""
+    if isinstance(value, torch.Tensor) and isinstance(wide, torch.Tensor) and value.is_floating_point() \
+            and wide.shape == value.shape:
+        return torch.empty_like(value).copy_(wide)
+    return value
 
 
 def run_fused(graph: Graph, step: FusedStep, env: dict[str, object]) -> torch.Tensor:
