@@ -182,18 +182,24 @@ def render_dense(k: str, s: ConvShape, geo: Geometry, cfg: DenseConfig, ctype: s
       }}
     }}"""
     else:  # 4-byte copies along the pixels: a thread's pixel is fixed, one bounds check a stage
-        rows = BK * BM // threads
-        a_setup = ""
+        rows, tpb = BK * BM // threads, threads // BM  # K rows a thread copies a stage; threads a pixel
+        assert tpb == 1 or tpb % 2 == 0, "a thread's K rows keep one parity (pairs interleave in A)"
+        # The thread's K rows are j = jj * tpb + a_j0. Its first row's addresses are computed once; the others
+        # are compile-time offsets from them, so each copy is one instruction. Before this, the row was
+        # recomputed from threadIdx.x per copy: ~10 integer instructions per 4-byte copy, 60% of the main
+        # loop's instructions, in a kernel that ncu found issue-bound (level-2 54, H200, stop 47).
+        a_setup = f"""  const int a_j0 = {"0" if tpb == 1 else f"threadIdx.x / {BM}"};  // this thread's first K row a stage
+  const int a_dst0 = ((a_j0 >> 1) * LDA2 + {"threadIdx.x" if tpb == 1 else f"threadIdx.x % {BM}"}) * 2 + (a_j0 & 1);"""
+        step_a = f"jj * {tpb // 2} * LDA2 * 2" if tpb > 1 else "(jj >> 1) * LDA2 * 2 + (jj & 1)"
         a_copy = f"""    {{
 {nl.join(geo.tap_lines("tap", "      "))}
       bool ok = m_ok;
 {nl.join(geo.gather("      "))}
-      const {ctype}* src = xg + (ok ? {geo.spatial} + ci0 * {geo.iv} : 0);
+      const {ctype}* src = xg + (ok ? {geo.spatial} + (long long)(ci0 + a_j0) * {geo.iv} : 0);
+      float* const dst = As + a_dst0;
 #pragma unroll
-      for (int jj = 0; jj < {rows}; ++jj) {{
-        const int j = jj * {threads // BM} + threadIdx.x / {BM};
-        kf_cp_async4(As + ((j >> 1) * LDA2 + threadIdx.x % {BM}) * 2 + (j & 1), src + j * {geo.iv}, ok);
-      }}
+      for (int jj = 0; jj < {rows}; ++jj)
+        kf_cp_async4(dst + {step_a}, src + jj * {tpb * geo.iv}LL, ok);
     }}"""
     b_chunks = cfg.bn * BK // 4 // threads
     origins = f"  __shared__ int org_s[{BM}][{rank}];\n" if cfg.a_nhwc else ""
