@@ -7,7 +7,9 @@ gathers of the stage, and the weight arrives in 16-byte cp.async copies. The inp
 4-byte cp.async, coalesced along the output pixels) or channels-last (16-byte copies of 4 channels, as the weight).
 Tiles: 128 output pixels x 64 or 128 output channels a block, K in stages of 32 (DenseConfig). Shared layouts,
 chosen so that every fragment load is conflict-free:
-  A from NCHW: k-pairs interleaved, element (k, m) at ((k >> 1) * LDA2 + m) * 2 + (k & 1), LDA2 = 130;
+  A from NCHW: quads of two k (a pair) x two pixels 8 apart, element (k, m) at (k >> 1) * 2 * LDA2 +
+  ((m >> 4) * 8 + (m & 7)) * 4 + (k & 1) * 2 + ((m >> 3) & 1), LDA2 = 130: one 16-byte load gives a lane its
+  m16k8 fragment in the register order the MMA takes (no moves to build it);
   A from channels-last, and B: row m (n) holds its 32 k, the 16-byte chunks XOR-swizzled by bit 0 of the row.
 Within each 16 k, MMA step s takes k = t and t + 4 from columns 4t + 2s and 4t + 2s + 1 of both operands (a
 reordering of the sum's terms), so one 8- or 16-byte load serves both of a lane's k.
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from kernelfuse.codegen.conv_geometry import BM, ConvShape, Geometry, block_lines
 
 BK = 32
-LDA2 = BM + 2  # LDA2 % 8 == 2: a warp's 8-byte A loads (k-pair 2t + s, pixel g) hit 32 distinct banks per half
+LDA2 = BM + 2  # 2 * LDA2 % 32 == 4: a warp's 16-byte A loads (k-pair 2t + s, quad g) hit 32 distinct banks a phase
 LDC = BM + 4  # the accumulator tile's row stride (conv_geometry.tile_stores): its stores land on distinct banks
 
 
@@ -81,9 +83,14 @@ CONV_TC_PRELUDE = r"""
 // A row of 32 floats whose 16-byte chunks are XOR-swizzled by bit 0 of the row: the offset of (row, k)
 __device__ __forceinline__ int kf_swz32(int row, int k) { return row * 32 + ((((k >> 2) ^ ((row & 1) << 2))) << 2) + (k & 3); }
 __device__ __forceinline__ float kf_tf32_or_raw(float x, bool round) { return round ? kf_round_tf32(x) : x; }
+// Offset of element (k, m) of an NCHW-gathered A stage, LDA2 pairs a k-pair row (see the module's docstring)
+template <int LDA2>
+__device__ __forceinline__ int kf_a_nchw(int k, int m) {
+  return (k >> 1) * 2 * LDA2 + ((m >> 4) * 8 + (m & 7)) * 4 + (k & 1) * 2 + ((m >> 3) & 1);
+}
 
-// One k16 step of a warp's (16 MF) x (8 NF) tile. As: the stage's A, NCHW-gathered (k-pairs interleaved, row stride
-// LDA2 pairs) or channels-last (A_NHWC: swizzled rows of 32 k); Bs: its B in swizzled rows. ROUND: TF32 rounding to
+// One k16 step of a warp's (16 MF) x (8 NF) tile. As: the stage's A, NCHW-gathered (quads, kf_a_nchw) or
+// channels-last (A_NHWC: swizzled rows of 32 k); Bs: its B in swizzled rows. ROUND: TF32 rounding to
 // nearest as the operands enter the tensor cores. The CPU emulation computes each lane's elements with scalar FMAs
 // on the same TF32 values (truncated where !ROUND, as the tensor cores read them).
 template <int MF, int NF, int LDA2, bool A_NHWC, bool ROUND>
@@ -112,17 +119,15 @@ __device__ __forceinline__ void kf_conv_tc_k16(float (&acc)[MF][NF][4], const fl
     }
 #pragma unroll
     for (int i = 0; i < MF; ++i) {
-      float2 lo, hi;
+      float4 q;  // the lane's fragment: (g, k), (g + 8, k), (g, k + 1), (g + 8, k + 1) of k = kk + 4t + 2s
       if constexpr (A_NHWC) {
-        lo = s ? make_float2(av[i][0].z, av[i][0].w) : make_float2(av[i][0].x, av[i][0].y);
-        hi = s ? make_float2(av[i][1].z, av[i][1].w) : make_float2(av[i][1].x, av[i][1].y);
+        q = s ? make_float4(av[i][0].z, av[i][1].z, av[i][0].w, av[i][1].w)
+              : make_float4(av[i][0].x, av[i][1].x, av[i][0].y, av[i][1].y);
       } else {
-        const float* Ap = As + ((kk >> 1) + 2 * t + s) * LDA2 * 2;
-        lo = *reinterpret_cast<const float2*>(Ap + (wm + i * 16 + g) * 2);
-        hi = *reinterpret_cast<const float2*>(Ap + (wm + i * 16 + g + 8) * 2);
+        q = *reinterpret_cast<const float4*>(As + kf_a_nchw<LDA2>(kk + 4 * t + 2 * s, wm + i * 16 + g));
       }
-      const unsigned int a[4] = {__float_as_uint(kf_tf32_or_raw(lo.x, ROUND)), __float_as_uint(kf_tf32_or_raw(hi.x, ROUND)),
-                                 __float_as_uint(kf_tf32_or_raw(lo.y, ROUND)), __float_as_uint(kf_tf32_or_raw(hi.y, ROUND))};
+      const unsigned int a[4] = {__float_as_uint(kf_tf32_or_raw(q.x, ROUND)), __float_as_uint(kf_tf32_or_raw(q.y, ROUND)),
+                                 __float_as_uint(kf_tf32_or_raw(q.z, ROUND)), __float_as_uint(kf_tf32_or_raw(q.w, ROUND))};
 #pragma unroll
       for (int j = 0; j < NF; ++j) kf_mma_tf32(acc[i][j], a, b[j]);
     }
@@ -135,7 +140,7 @@ __device__ __forceinline__ void kf_conv_tc_k16(float (&acc)[MF][NF][4], const fl
         const int m = wm + i * 16 + g + (e >> 1) * 8, n = wn + j * 8 + 2 * t + (e & 1);
         float v = acc[i][j][e];
         for (int k = kk; k < kk + 16; ++k) {
-          const float a = A_NHWC ? As[kf_swz32(m, k)] : As[((k >> 1) * LDA2 + m) * 2 + (k & 1)];
+          const float a = A_NHWC ? As[kf_swz32(m, k)] : As[kf_a_nchw<LDA2>(k, m)];
           v = fmaf(tf32(a), tf32(Bs[kf_swz32(n, k)]), v);
         }
         acc[i][j][e] = v;
@@ -189,8 +194,8 @@ def render_dense(k: str, s: ConvShape, geo: Geometry, cfg: DenseConfig, ctype: s
         # recomputed from threadIdx.x per copy: ~10 integer instructions per 4-byte copy, 60% of the main
         # loop's instructions, in a kernel that ncu found issue-bound (level-2 54, H200, stop 47).
         a_setup = f"""  const int a_j0 = {"0" if tpb == 1 else f"threadIdx.x / {BM}"};  // this thread's first K row a stage
-  const int a_dst0 = ((a_j0 >> 1) * LDA2 + {"threadIdx.x" if tpb == 1 else f"threadIdx.x % {BM}"}) * 2 + (a_j0 & 1);"""
-        step_a = f"jj * {tpb // 2} * LDA2 * 2" if tpb > 1 else "(jj >> 1) * LDA2 * 2 + (jj & 1)"
+  const int a_dst0 = kf_a_nchw<LDA2>(a_j0, {"threadIdx.x" if tpb == 1 else f"threadIdx.x % {BM}"});"""
+        step_a = f"jj * {tpb // 2} * 2 * LDA2" if tpb > 1 else "(jj >> 1) * 2 * LDA2 + (jj & 1) * 2"
         a_copy = f"""    {{
 {nl.join(geo.tap_lines("tap", "      "))}
       bool ok = m_ok;
