@@ -6,10 +6,12 @@ costs device time. It found that the dense convolution's 4-byte gathers spent ~1
 (level-2 54, stop 47).
 
     PYTHONPATH=. python benchmarks/sass_census.py PROBLEM.py [--kernel k0] [--arch sm_90] [--plan owned|first]
+        [--fp32-convs]
 
-`--plan owned` (the default) takes the owned-anchor plan, the one with the generated convolutions and GEMMs. `first`
-takes the optimizer's first variant. The report lists, for each kernel, its instruction count and each loop's body
-(a backward branch's range): its instruction count and top opcodes (predicates stripped).
+`--plan owned` (the default) takes the owned-anchor plan, the one with the generated convolutions and GEMMs: TF32
+convolutions, or with `--fp32-convs` the 3xTF32 ones a GPU gets where eager's convolution computes in full fp32.
+`first` takes the optimizer's first variant. The report lists, for each kernel, its instruction count and each
+loop's body (a backward branch's range): its instruction count and top opcodes (predicates stripped).
 
 Needs nvcc and cuobjdump. cuobjdump comes from CUDA's bin folder or the `nvidia-cuda-cuobjdump` wheel.
 """
@@ -100,13 +102,14 @@ def main() -> None:
     parser.add_argument("--kernel", default="", help="only kernels whose name contains this (e.g. k0_kernel)")
     parser.add_argument("--arch", default="sm_90")
     parser.add_argument("--plan", choices=("owned", "first"), default="owned")
+    parser.add_argument("--fp32-convs", action="store_true", help="the convolutions as eager's full-fp32 ones")
     args = parser.parse_args()
     nvcc, cuobjdump = find_tool("nvcc"), find_tool("cuobjdump")
     problem = load_problem(args.problem)
     graph = apply_rules(capture(problem)).graph
     if args.plan == "owned":
         convs = frozenset(n.name for n in graph.nodes if n.op == "convolution.default")
-        plans = owned_anchor_variants(graph, measured=convs)  # TF32 where eager's cuDNN call would use it
+        plans = owned_anchor_variants(graph, measured=convs, fp32_convs=convs if args.fp32_convs else frozenset())
     else:
         plans = optimizer_variants(graph)
     if not plans:
