@@ -212,7 +212,7 @@ def _two_passes(kind: str, onchip: bool) -> list[str]:
                 "    mean = n > 0.0f ? mean / n : 0.0f;",
                 *_loop(["const float d = v - mean;", "m2 += d * d;"], again, onchip=onchip)]
     return [*_loop(["m = kf_max_op()(m, v);"], "fill", onchip=onchip),
-            *_loop(["s += (v == -INFINITY) ? 0.0f : expf(v - m);"], again, onchip=onchip)]
+            *_loop(["const float e = expf(v - m);", "s += (v == -INFINITY) ? 0.0f : e;"], again, onchip=onchip)]
 
 
 def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tpr: int, limit: int,
