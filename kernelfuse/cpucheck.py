@@ -253,6 +253,12 @@ def _float64_rule(variant: str, model: torch.nn.Module, call: CallSpec, inputs: 
             ref = call.run(ref_model, [t.double() if t.is_floating_point() else t for t in inputs])
     except Exception:  # noqa: BLE001 - no float64 run (an op without a float64 kernel): the plain result stands
         return None
+    return _as_accurate_against(variant, ref, expected, got, "(no less accurate than eager against a float64 run)")
+
+
+def _as_accurate_against(variant: str, ref: object, expected: object, got: list[torch.Tensor],
+                         why: str) -> CpuCheck | None:
+    """A pass where every output of the plan is `as_accurate_as` eager's against `ref`'s; else None."""
     ref = list(ref) if isinstance(ref, (tuple, list)) else [ref]
     expected = list(expected) if isinstance(expected, (tuple, list)) else [expected]
     worst = 0.0
@@ -260,8 +266,7 @@ def _float64_rule(variant: str, model: torch.nn.Module, call: CallSpec, inputs: 
         if not as_accurate_as(g, e, r):
             return None
         worst = max(worst, max_abs_diff(g, e, ignore_nan=True))
-    return CpuCheck(variant, True, worst, f"max abs error {worst:.3g} vs eager, within the float64 rule "
-                    "(no less accurate than eager against a float64 run)")
+    return CpuCheck(variant, True, worst, f"max abs error {worst:.3g} vs eager, within the float64 rule {why}")
 
 
 def _rounded_rule(variant: str, plan: Plan, state: dict[str, torch.Tensor], before: dict[str, torch.Tensor],
@@ -280,15 +285,8 @@ def _rounded_rule(variant: str, plan: Plan, state: dict[str, torch.Tensor], befo
                           inputs, rounded=True)
     except Exception:  # noqa: BLE001 - no such reference: the plain result stands
         return None
-    ref = [env[r.name] for r in plan.graph.outputs]
-    expected = list(expected) if isinstance(expected, (tuple, list)) else [expected]
-    worst = 0.0
-    for r, e, g in zip(ref, expected, got, strict=True):
-        if not as_accurate_as(g, e, r):
-            return None
-        worst = max(worst, max_abs_diff(g, e, ignore_nan=True))
-    return CpuCheck(variant, True, worst, f"max abs error {worst:.3g} vs eager, within the float64 rule against "
-                    "each op correctly rounded (no less accurate than eager there)")
+    return _as_accurate_against(variant, [env[r.name] for r in plan.graph.outputs], expected, got,
+                                "against each op correctly rounded (no less accurate than eager there)")
 
 
 class CudaScalarDivision(TorchDispatchMode):
