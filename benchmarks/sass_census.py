@@ -34,21 +34,18 @@ from kernelfuse.plan.fuse import optimizer_variants, owned_anchor_variants
 from kernelfuse.rewrite import apply_rules
 
 LINE = re.compile(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
-BRANCH = re.compile(r"\bBRA\s+(?:`\()?(?:\.L_x_\d+|0x([0-9a-f]+))")
+BRANCH = re.compile(r"\bBRA\s+0x([0-9a-f]+)")  # a branch to an address (cuobjdump prints targets so)
 TOP = 12
 
 
 def find_tool(name: str) -> str:
     """`name` from PATH, CUDA's bin folder, or an installed nvidia wheel's bin folder; exits with one line if none."""
-    found = shutil.which(name) or next((str(p) for p in (Path("/usr/local/cuda/bin") / name,) if p.exists()), None)
-    if found is None:
-        import site
+    import site
 
-        for root in site.getsitepackages():
-            hits = sorted(Path(root).glob(f"nvidia/cu*/bin/{name}"))
-            if hits:
-                found = str(hits[-1])
-                break
+    candidates = [Path("/usr/local/cuda/bin") / name]
+    for root in site.getsitepackages():
+        candidates += sorted(Path(root).glob(f"nvidia/cu*/bin/{name}"), reverse=True)
+    found = shutil.which(name) or next((str(p) for p in candidates if p.exists()), None)
     if found is None:
         sys.exit(f"sass_census: {name} not found; put CUDA's bin folder on PATH"
                  + (" or pip install nvidia-cuda-cuobjdump" if name == "cuobjdump" else ""))
@@ -76,7 +73,7 @@ def loops(code: list[tuple[int, str]]) -> list[tuple[int, int]]:
     found = []
     for addr, text in code:
         m = BRANCH.search(text)
-        if m and m.group(1) and int(m.group(1), 16) < addr:
+        if m and int(m.group(1), 16) < addr:
             found.append((int(m.group(1), 16), addr))
     return found
 
