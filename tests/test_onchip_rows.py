@@ -115,3 +115,42 @@ def test_16_byte_copies_need_every_group_of_four_aligned(sizes, strides, vector)
 
     space = Space(sizes, ("k",) + ("r",) * (len(sizes) - 1), {"src": strides})
     assert copies_vectors(space) is vector
+
+
+def test_a_per_channel_scale_after_a_plane_softmax_is_loaded_once_a_row(tmp_path: Path) -> None:
+    """softmax over each channel's volume times a per-channel scale (level-2 38): the scale's offset is the same
+    for a whole row, so both row kernels load it once a row, not once an element; the on-chip kernel's statistics
+    passes read groups of four. Checked against the interpreter through the emulated one-block kernel
+    (the on-chip kernel runs in tests/test_generated_gpu.py)."""
+    body = """
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand(1, 4, 1, 1) + 0.5)
+
+    def forward(self, x):
+        return torch.softmax(x.view(2, 4, -1), dim=2).view(x.shape) * self.scale
+    """
+    _, _, plans = pipeline(write_problem(tmp_path, "plane_softmax", body, "[torch.randn(2, 4, 100, 96)]"))
+    plan = plans[-1]
+    (step,) = plan.generated
+    cuda = generate(plan).cuda
+    assert "const float e_in0 = e_in0_row;" in cuda and "kf_load(e_in0_p[(((row_out) / 9600) % 4)])" in cuda
+    assert "_onchip_kernel" in cuda and "const float4 kf_raw4 = " in cuda
+    out, expected, _, _ = emulated_run(emulated(plan, tmp_path), plan, step, seed=2)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("shape", "hoisted"), [((2, 4, 9600), True), ((2, 9600, 4), False)])
+def test_only_operands_constant_over_a_row_are_hoisted(shape: tuple[int, ...], hoisted: bool, tmp_path: Path) -> None:
+    """A scale along the reduced dim changes within the row: it stays a load per element."""
+    scale = "(1, 4, 1)" if hoisted else "(1, 1, 4)"
+    body = f"""
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.rand{scale})
+
+    def forward(self, x):
+        return torch.softmax(x, dim={2 if hoisted else 1}) * self.scale
+    """
+    _, _, plans = pipeline(write_problem(tmp_path, "scaled", body, f"[torch.randn{shape}]"))
+    assert ("e_in0_row" in generate(plans[-1]).cuda) == hoisted

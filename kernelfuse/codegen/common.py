@@ -7,7 +7,7 @@ import torch
 
 from kernelfuse.capture import TensorMeta, contiguous_strides
 from kernelfuse.ops import POINTWISE_BY_ATEN, float_literal, render_cuda
-from kernelfuse.plan.ir import Epilogue, Program
+from kernelfuse.plan.ir import Epilogue, Operand, Program
 
 C_TYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 INT32_LIMIT = 2**31 - 1
@@ -48,6 +48,21 @@ def offset_expr(strides: tuple[int, ...], shape: tuple[int, ...], var: str = "i"
             term = f"{term} * {stride}"
         terms.append(term)
     return " + ".join(terms) if terms else "0"
+
+
+def invariant_operands(shape: tuple[int, ...], operands: tuple[Operand, ...], run: int) -> tuple[int, ...]:
+    """The operands (by number) whose offset is the same for `run` consecutive elements of a contiguous `shape`
+    starting at a multiple of `run`: such elements differ only in the shortest run of trailing dims whose size is a
+    multiple of `run`, and the operand is broadcast over those. None where the shape has no such run."""
+    size, trailing = 1, []
+    for d in reversed(range(len(shape))):
+        trailing.append(d)
+        size *= shape[d]
+        if size % run == 0:
+            break
+    else:
+        return ()
+    return tuple(j for j, o in enumerate(operands) if all(o.strides[d] == 0 for d in trailing if shape[d] != 1))
 
 
 def program_lines(program: Program | Epilogue, acc: str, offsets: dict[str, str], names_prefix: str,

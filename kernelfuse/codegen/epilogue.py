@@ -13,7 +13,14 @@ import torch
 
 from kernelfuse.capture import TensorMeta
 from kernelfuse.codegen.binding import Binding, pointer_launcher, py_tuple
-from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, apply_function, channels_last_format, offset_expr
+from kernelfuse.codegen.common import (
+    C_TYPES,
+    INT32_LIMIT,
+    apply_function,
+    channels_last_format,
+    invariant_operands,
+    offset_expr,
+)
 from kernelfuse.plan.ir import Epilogue, FusedStep, Plan
 
 THREADS = 256
@@ -129,17 +136,8 @@ def _vector_invariant(epi: Epilogue, vec: int) -> tuple[int, ...]:
     """The epilogue's operands whose offset is the same for `vec` consecutive output elements starting at a
     multiple of `vec` (a per-channel bias or scale over an NCHW plane whose size is a multiple of vec; a per-row
     operand of a GEMM output with a multiple of vec columns): a vector kernel loads each once for its vec elements
-    instead of finding its offset per element. Such elements differ only in the shortest run of trailing dims whose
-    size is a multiple of vec; none where the output has no such run."""
-    shape, size, run = epi.out.shape, 1, []
-    for d in reversed(range(len(shape))):
-        run.append(d)
-        size *= shape[d]
-        if size % vec == 0:
-            break
-    else:
-        return ()
-    return tuple(j for j, o in enumerate(epi.operands) if all(o.strides[d] == 0 for d in run if shape[d] != 1))
+    instead of finding its offset per element."""
+    return invariant_operands(epi.out.shape, epi.operands, vec)
 
 
 def _hoisted_loads(epi: Epilogue, hoisted: tuple[int, ...], index: str, ind: str) -> tuple[str, str]:

@@ -33,6 +33,8 @@ CHUNK_BYTES = 48 * 1024
 # Of blocks for one row (6 MB of row): at least this many must be resident at once.
 ONCHIP_MAX_BLOCKS = 128
 ONCHIP_UNROLL = 8
+# Groups of four elements a statistics pass unrolls (8 elements a thread in flight, as ONCHIP_UNROLL).
+ONCHIP_GROUP_UNROLL = 2
 # The longest row kept on chip, in 4-byte elements (kernelfuse.plan.schedule restates it as MAPPED_MAX_ROW).
 ONCHIP_MAX_ROW = ONCHIP_MAX_BLOCKS * CHUNK_BYTES // 4
 
@@ -195,12 +197,13 @@ def copies_vectors(space: Space) -> bool:
     return src[last] == 1 and space.sizes[last] % 4 == 0 and all(src[d] % 4 == 0 for d in outer)
 
 
-def chunk_copy(slot: str, element_pass: list[str]) -> list[str]:
+def chunk_copy(slot: str, element_pass: list[str], grouped: bool = False) -> list[str]:
     """Lines that copy this block's chunk of the row into shared memory (`slot` at chunk offset j * TPR + lane)
     and wait for it: 16-byte copies where the kernel's KF_VECTOR_COPIES (`copies_vectors`) holds and the chunk's
     address is aligned, else `element_pass` (one copy per element, each thread's own: no barrier needed, the
-    block-wide one follows vector copies). KF_ROW_CONTIGUOUS: the row is one run of
-    memory, so no element's address needs the reduced dims' decomposition."""
+    block-wide one follows vector copies, and `grouped` passes, whose threads read four elements others may have
+    copied). KF_ROW_CONTIGUOUS: the row is one run of memory, so no element's address needs the reduced dims'
+    decomposition."""
     first = slot.replace("j * TPR + lane", "q")
     return ["    {",
             "      const INDEX kf_base = kf_rank * CHUNK;",
@@ -215,6 +218,7 @@ def chunk_copy(slot: str, element_pass: list[str]) -> list[str]:
             "      }",
             "    }",
             "    kf_cp_async_wait_all();",
+            "    __syncthreads();  // a thread's elements were copied by others" if grouped else
             "    if (KF_VECTOR_COPIES) __syncthreads();  // a 16-byte copy fills other threads' elements"]
 
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 from kernelfuse.capture.graph import contiguous_strides
 from kernelfuse.codegen.arg_reduce import INDEX_KINDS, arg_row_lines
-from kernelfuse.codegen.common import program_lines
+from kernelfuse.codegen.common import invariant_operands, offset_expr, program_lines
 from kernelfuse.codegen.iteration import (
     BLOCK,
     Space,
@@ -34,6 +34,7 @@ from kernelfuse.codegen.iteration import (
     epilogue_lines,
     index_type,
     launcher,
+    memory_order,
     out_ctype,
     pointer_params,
     shape_numel,
@@ -41,6 +42,7 @@ from kernelfuse.codegen.iteration import (
     value_lambda,
 )
 from kernelfuse.codegen.onchip import (
+    ONCHIP_GROUP_UNROLL,
     ONCHIP_THREADS,
     ONCHIP_UNROLL,
     blocks_per_sm,
@@ -161,18 +163,18 @@ def _row_body(step: GenStep, ctype: str, space: Space, tpr: int, first_row: str,
     return lines
 
 
-def _loop(body: list[str], cache: str | None = None, raw: bool = False, onchip: bool = False) -> list[str]:
+def _loop(body: list[str], cache: str | None = None, raw: bool = False, onchip: int = 0) -> list[str]:
     """A thread's pass over its elements of the row, `v` the element's value. `cache` None: each pass reads (and
     recomputes the prologue); "fill": this pass reads and keeps the thread's elements (PER of them) in registers,
     or in an on-chip kernel in the block's shared memory; "read": this pass takes them from there. `raw`: the pass
     also names the source element `raw`, and the cache keeps that (a broadcast consumer reads the source, not the
-    prologue's value)."""
+    prologue's value). `onchip`: the elements a thread takes at once in an on-chip kernel's pass (0: not one)."""
     if onchip:  # the chunk is copied to shared memory first; both passes read the source values from there
         slot = "kf_row_cache[j * TPR + lane]"
-        take = f"const float raw = {slot};\nconst float v = value_at(r, raw);"
-        passes = _chunk_pass([take, *body])
+        take = "const float v = value_at(r, raw);" if onchip == 4 else f"const float raw = {slot};\nconst float v = value_at(r, raw);"
+        passes = _chunk_pass([take, *body], onchip)
         if cache == "fill":
-            passes = chunk_copy(slot, _chunk_pass([f"kf_cp_async4(&{slot}, source_ptr(r));"])) + passes
+            passes = chunk_copy(slot, _chunk_pass([f"kf_cp_async4(&{slot}, source_ptr(r));"]), onchip == 4) + passes
         return passes
     slot = "cache[j]"
     if raw:
@@ -190,15 +192,49 @@ def _loop(body: list[str], cache: str | None = None, raw: bool = False, onchip: 
             *[f"        {b}" for b in body], "      }", "    }"]
 
 
-def _chunk_pass(body: list[str]) -> list[str]:
-    """A pass over this block's chunk of the row (a thread's elements are j * TPR + lane of the chunk)."""
+def _chunk_pass(body: list[str], group: int = 1) -> list[str]:
+    """A pass over this block's chunk of the row: a thread's elements are j * TPR + lane of the chunk, or with
+    `group` 4 (rows of a multiple of 4 elements) the four elements from 4 * (j * TPR + lane) on, read from shared
+    memory in one 16-byte load and guarded once (a quarter of the loads, guards and offsets an element). Only the
+    statistics passes take groups: a write pass of groups held four values across the IEEE division's slow-path
+    call and spilled at 32 registers (ptxas, sm_80), and its stores were no longer one run a warp."""
     lines = [ln for b in body for ln in b.split("\n")]
-    return [f"#pragma unroll {ONCHIP_UNROLL}", "    for (int j = 0; j < PER; ++j) {",
-            "      const INDEX r = kf_rank * CHUNK + lane + (INDEX)j * TPR;",
-            "      if (r < (INDEX)RED && j * TPR + lane < CHUNK) {", *[f"        {t}" for t in lines], "      }", "    }"]
+    if group == 1:
+        return [f"#pragma unroll {ONCHIP_UNROLL}", "    for (int j = 0; j < PER; ++j) {",
+                "      const INDEX r = kf_rank * CHUNK + lane + (INDEX)j * TPR;",
+                "      if (r < (INDEX)RED && j * TPR + lane < CHUNK) {", *[f"        {t}" for t in lines], "      }",
+                "    }"]
+    return [f"#pragma unroll {ONCHIP_GROUP_UNROLL}", "    for (int j = 0; j < PER4; ++j) {",
+            "      const INDEX q = 4 * (lane + (INDEX)j * TPR);  // the group's offset in the chunk",
+            "      if (kf_rank * CHUNK + q < (INDEX)RED && q < CHUNK) {",
+            "        const float4 kf_raw4 = *reinterpret_cast<const float4*>(&kf_row_cache[q]);",
+            "        const float kf_raws[4] = {kf_raw4.x, kf_raw4.y, kf_raw4.z, kf_raw4.w};",
+            "#pragma unroll", "        for (int t = 0; t < 4; ++t) {", "          const INDEX r = kf_rank * CHUNK + q + t;",
+            "          const float raw = kf_raws[t];", *[f"          {t}" for t in lines], "        }",
+            "      }", "    }"]
 
 
-def _two_passes(kind: str, onchip: bool) -> list[str]:
+def _groups(space: Space) -> int:
+    """Elements an on-chip pass takes at once: 4 where the row's length is a multiple of 4 (chunks are, so a
+    group is whole or past the end), else 1."""
+    return 4 if space.count("r") % 4 == 0 else 1
+
+
+def _row_invariant(step: GenStep, space: Space) -> tuple[int, ...]:
+    """The epilogue operands that are the same for every element of a row, loaded once a row instead of once an
+    element (a per-channel scale after a softmax over each channel's plane: level-2 38). The row must be one run of
+    the output starting at a multiple of its length; the operand is then broadcast over the output's trailing dims
+    that such runs lie in (`invariant_operands`)."""
+    red = space.count("r")
+    out = space.strides["out"]
+    reduced = space.dims("r")
+    if memory_order(step) is not None or [out[d] for d in reduced] != list(
+            contiguous_strides(tuple(space.sizes[d] for d in reduced))) or any(out[d] % red for d in space.dims("k")):
+        return ()
+    return invariant_operands(tuple(step.epilogue.space), step.epilogue.operands, red)
+
+
+def _two_passes(kind: str, onchip: int) -> list[str]:
     """A thread's statistics of its elements kept on chip (an on-chip chunk in shared memory, or the row in
     registers), in two passes over them: the max, then the sum of exp(v - max) (softmax kinds); the sum, then the
     squared deviations from the thread's mean (norms). The one-pass updates (a rescaled sum at each new max;
@@ -222,7 +258,8 @@ def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tp
         return lines + arg_row_lines(kind, red, tpr)
     mapped = step.mapped is not None
     if blocks:  # the block's chunk lives in shared memory; its statistic is combined across the row's blocks
-        lines += [f"    constexpr int PER = {-(-chunk_of(red, blocks) // tpr)};"]
+        lines += [f"    constexpr int PER = {-(-chunk_of(red, blocks) // tpr)};",
+                  f"    constexpr int PER4 = {-(-chunk_of(red, blocks) // (4 * tpr))};  // groups of 4 elements"]
         cached = True
     else:
         per = -(-red // tpr)
@@ -230,7 +267,7 @@ def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tp
         if cached:  # the statistics pass keeps the row in registers: the write pass reads nothing again
             lines += [f"    constexpr int PER = {per};", "    float cache[PER];"]
     first, again = ("fill", "read") if cached else (None, None)
-    oc = bool(blocks)
+    oc = _groups(space) if blocks else 0  # elements an on-chip pass takes at once
     if kind in REDUCE_OPS:
         op, identity = REDUCE_OPS[kind]
         lines.append(f"    float s = {identity};")
@@ -308,20 +345,30 @@ def reduced_store(step: GenStep, value: str, ctype: str) -> list[str]:
 
 
 def _broadcast_store(step: GenStep, expr: str, ctype: str, extra: list[str], space: Space,
-                     cache: str | None, onchip: bool = False) -> list[str]:
+                     cache: str | None, onchip: int = 0) -> list[str]:
     """Write every element of the row: `expr` (of the element `v`, the row's statistics applied), then the
-    epilogue."""
+    epilogue; its operands that are the same for the whole row (`_row_invariant`) loaded before the pass."""
     body = [ln.strip() for ln in decompose(space, "r", "r", "o_", ["out", *extra], "")]
     body.append(f"const float y = {expr};")
-    epilogue = [ln.strip() for ln in epilogue_lines(step, "row_out + o_out", "")]
+    hoisted = _row_invariant(step, space)
+    shape = tuple(step.epilogue.space)
+    loads = [f"    const float e_in{j}_row = kf_load(e_in{j}_p[{offset_expr(step.epilogue.operands[j].strides, shape, '(row_out)')}]);"
+             for j in hoisted]
+    epilogue = [ln.strip() for ln in epilogue_lines(step, "row_out + o_out", "", {f"in{j}": f"e_in{j}_row" for j in hoisted})]
     element = "raw" if onchip else "v" if not step.prologue.statements else None  # the source element in hand
     if element:  # a residual of the norm's own input: no second read
         epilogue = _element_in_hand(epilogue, "e_", _source_operands(step), element)
     body += epilogue
     if cache is None and not onchip and stages_writes(space):
-        return _staged_loop(body, out_ctype(step))
-    body.append(f"out[row_out + o_out] = kf_store<{out_ctype(step)}>(e_result);")
-    return _loop(body, cache, onchip=onchip)
+        return loads + _staged_loop(body, out_ctype(step))
+    return loads + _stored(body, "e_result", out_ctype(step), cache, False, onchip)
+
+
+def _stored(body: list[str], value: str, ctype: str, cache: str | None, raw: bool, onchip: int) -> list[str]:
+    """The write pass: `body` computes the element's `value`, stored at its output offset (an on-chip kernel's
+    one element at a time: `_chunk_pass`)."""
+    body = [*body, f"out[row_out + o_out] = kf_store<{ctype}>({value});"]
+    return _loop(body, cache, raw=raw, onchip=1 if onchip else 0)
 
 
 def stages_writes(space: Space) -> bool:
@@ -375,7 +422,7 @@ def _element_in_hand(program: list[str], prefix: str, operands: list[int], eleme
     return [next((new for start, new in loads.items() if ln.startswith(start)), ln) for ln in program]
 
 
-def _mapped_store(step: GenStep, ctype: str, space: Space, cache: str | None, onchip: bool = False) -> list[str]:
+def _mapped_store(step: GenStep, ctype: str, space: Space, cache: str | None, onchip: int = 0) -> list[str]:
     """Write every element of the row: the broadcast consumer (`step.mapped`) of the row's value `e_result` and
     its operands; an operand that is the source itself takes the element already loaded or cached (`raw`)."""
     mapped = step.mapped
@@ -386,5 +433,4 @@ def _mapped_store(step: GenStep, ctype: str, space: Space, cache: str | None, on
     sources = [i for i, o in enumerate(mapped.operands)  # type: ignore[union-attr]
                if o.ref == step.source.ref and o.strides == step.source.strides]
     body += _element_in_hand(program, "m_", sources, "raw")
-    body.append(f"out[row_out + o_out] = kf_store<{out_ctype(step)}>(m_result);")
-    return _loop(body, cache, raw=True, onchip=onchip)
+    return _stored(body, "m_result", out_ctype(step), cache, True, onchip)
