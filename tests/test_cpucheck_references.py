@@ -15,6 +15,7 @@ from kernelfuse.capture import build_model, capture
 from kernelfuse.load import load_problem
 from kernelfuse.plan import optimizer_variants
 from kernelfuse.rewrite import apply_rules
+from kernelfuse.verify.cuda_eager import CapturedLayouts, CudaConvolutionBias
 
 FUZZ = Path(__file__).parent / "fixtures" / "problems" / "fuzz"
 # regression files each plan of which matches only one of the other references, and the note that names it
@@ -29,7 +30,7 @@ def test_captured_layouts_lay_out_new_tensors_as_the_meta_kernels():
     x = torch.randn(1, 4, 1, 2, 10).transpose(-1, -2)
     mean, var = torch.randn(4), torch.rand(4) + 0.5
     plain = F.batch_norm(x, mean, var)
-    with torch.no_grad(), cpucheck.CapturedLayouts():
+    with torch.no_grad(), CapturedLayouts():
         laid = F.batch_norm(x, mean, var)
         y = torch.randn(3, 4)
         grown, flipped = y.add_(1.0), y.t()
@@ -42,7 +43,7 @@ def test_cuda_convolution_bias_is_added_after_the_product():
     convolution, whose CUDA kernel takes the bias in its own sum, is left to the CPU's call."""
     x, w, b = torch.randn(2, 4, 5, 6, 3), torch.randn(6, 4, 1, 2, 1), torch.randn(6)
     dw, db = torch.randn(4, 1, 3, 3, 3), torch.randn(4)
-    with cpucheck.CudaConvolutionBias():
+    with CudaConvolutionBias():
         split, depthwise = F.conv3d(x, w, b), F.conv3d(x, dw, db, groups=4)
     assert torch.equal(split, F.conv3d(x, w) + b.view(6, 1, 1, 1))
     assert torch.equal(depthwise, F.conv3d(x, dw, db, groups=4))

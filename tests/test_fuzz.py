@@ -284,7 +284,7 @@ def test_a_clean_refusal_is_unsupported_not_a_crash(tmp_path):
 def test_the_cpu_checks_reference_divides_by_a_number_as_cuda_does():
     """x / c on CUDA is x * (1/c) with 1/c in float32; the CPU check's reference computes the same, and only that
     (a division by a tensor stays a division)."""
-    from kernelfuse.cpucheck import CudaScalarDivision
+    from kernelfuse.verify.cuda_eager import CudaScalarDivision
 
     x, y = torch.randn(4096), torch.rand(4096) + 0.5
     with CudaScalarDivision():
