@@ -13,7 +13,8 @@ from test_nvcc_compile import _nvcc
 from kernelfuse.codegen import generate
 from kernelfuse.emit import emit_modelnew
 from kernelfuse.plan import FusedStep, TorchStep, make_plan, plan_variants
-from kernelfuse.plan.fuse import PlanOptions, channels_last_strides
+from kernelfuse.plan.fuse import PlanOptions
+from kernelfuse.plan.layout import channels_last_strides
 
 FIXTURE = Path(__file__).parent / "fixtures" / "problems" / "conv_layouts.py"
 

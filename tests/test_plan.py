@@ -438,6 +438,36 @@ def test_epilogue_joins_a_reduction_through_a_reshape(tmp_path):
     torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("returned", [False, True])
+def test_a_norms_residual_recomputes_the_epilogue_it_moved_into(tmp_path, returned):
+    """conv -> bias -> GroupNorm -> tanh -> + the biased conv -> logsumexp (level-2 92): the conv's value is read by
+    the norm and by its residual, both in one kernel. The bias moves into the norm's prologue and the residual
+    recomputes it from the raw conv output (the same add), so the biased value is never stored and no epilogue
+    pass runs. Returned as well, it is stored: then the anchor keeps its epilogue."""
+    tail = ", y" if returned else ""
+    problem, g, plans = _conv_plans(tmp_path, f"""
+    y = self.conv(x)
+    z = torch.tanh(F.group_norm(y, 2)) + y
+    return torch.logsumexp(z, dim=1){tail}
+    """, name="res")
+    nchw = {p.variant: p for p in plans}["fused-nchw"]
+    anchor = nchw.fused[0]
+    norm = next(s for s in nchw.generated if s.family == "norm")
+    if returned:
+        assert anchor.chain(nchw.graph) == "convolution -> add" and norm.source.ref.name == anchor.out
+    else:
+        conv, biased = anchor.anchor.node.name, norm.prologue.statements[0].name
+        assert anchor.replaces == (conv,) and not anchor.needs_kernel and norm.source.ref.name == conv
+        assert norm.chain(nchw.graph) == "add -> native_group_norm -> tanh -> add"
+        stored = {s.out for s in nchw.steps if hasattr(s, "out")}
+        assert biased not in stored and all(o.ref.name != biased for o in norm.epilogue.operands)
+        assert norm.epilogue.statements[0].name == biased  # the bias again, on the raw output
+        out, expected = emulated_and_interpreted(emulated(nchw, tmp_path), nchw, norm)  # the CUDA, on the CPU
+        torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+    for plan in plans:
+        assert_interpreter_matches(problem, plan, **CPU_BIAS)
+
+
 def test_node_read_by_two_anchors_joins_one_epilogue_and_kernel_names_are_unique(tmp_path):
     """A gated MLP, relu(down(silu(gate(x)) * up(x))): the mul reads both anchors' outputs. It joins the first
     anchor's epilogue only; it had joined both (the first step overwritten, the third anchor's kernel named k1

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from kernelfuse.capture import Graph, Node, Ref, TensorMeta
+from kernelfuse.capture import Graph, Node, TensorMeta
 from kernelfuse.ops import ANCHOR_OPS, POINTWISE_BY_ATEN, VIEW_OPS
 from kernelfuse.ops.anchors import family_of
 from kernelfuse.ops.kept import KEPT_AS_TORCH
@@ -24,16 +24,14 @@ from kernelfuse.plan.ir import (
     Epilogue,
     FusedStep,
     GenStep,
-    Operand,
     Plan,
-    Program,
-    Statement,
     Step,
     TorchStep,
 )
 from kernelfuse.plan.layout import channels_last_graph
-from kernelfuse.plan.program import build_program, space_strides
-from kernelfuse.plan.schedule import FLOAT_DTYPES, RESHAPES, schedule
+from kernelfuse.plan.merge import merge_into_reductions
+from kernelfuse.plan.program import build_program
+from kernelfuse.plan.schedule import FLOAT_DTYPES, schedule
 
 KEPT_REASON = "kept as a torch call: a kernel over it failed to plan or generate (see the fallbacks)"
 CL_REASON = "kept as a torch call in the channels-last graph: its kernel writes only the contiguous layout"
@@ -242,7 +240,7 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
     by_out.update((step.out, step) for step in attention)
     for gen in gens:
         by_out[gen.out] = gen
-    _merge_into_reductions(graph, by_out)
+    merge_into_reductions(graph, by_out)
     for name, step in list(by_out.items()):
         if isinstance(step, FusedStep) and step.anchor.layout == "nhwc" and not step.epilogue.statements \
                 and not step.keeps_layout and not step.anchor.fused_relu:
@@ -281,70 +279,6 @@ def _other_layout(gen: GenStep) -> bool:
     """Does the kernel write its output in another layout than the graph holds (its kernels write contiguous
     outputs or permuted pointwise ones only)?"""
     return not gen.out_meta.is_dense_contiguous and gen.permuted_out is None
-
-
-def _merge_into_reductions(graph: Graph, by_out: dict[str, Step]) -> None:
-    """An anchor epilogue whose value only a reduction kernel reads joins that kernel's prologue: in place (NCHW),
-    or straight from a channels-last convolution's output, which the reduction then reads through its strides."""
-    gens = {s.source.ref.name: s for s in by_out.values() if isinstance(s, GenStep) and s.spec is not None}
-    through = _reshaped_sources(graph, gens)
-    for name, step in list(by_out.items()):
-        if not isinstance(step, FusedStep) or step.anchor.epilogue_inside or not (
-                step.inplace and step.epilogue.statements or step.anchor.layout == "nhwc"):
-            continue
-        gen, reshape = (gens[name], None) if name in gens else through.get(name, (None, None))
-        if reshape is not None and not step.inplace:
-            continue  # a channels-last source regrouped: its rows' elements lie C apart, one thread per long row
-        if gen is None or len(graph.users(name)) != 1 or graph.is_output(name):
-            continue
-        acc_name = step.replaces[1] if step.anchor.fused_relu else step.replaces[0]
-        acc_meta = graph[acc_name].meta
-        if step.anchor.layout == "nhwc":
-            acc_meta = replace(acc_meta, stride=channels_last_strides(acc_meta.shape))
-        source_strides = space_strides(acc_meta, acc_meta.shape, gen.prologue.space)
-        operands = [space_strides(o.meta, step.epilogue.out.shape, gen.prologue.space) for o in step.epilogue.operands]
-        if source_strides is None or any(s is None for s in operands):
-            continue
-        first = [Operand(o.ref, o.meta, s) for o, s in zip(step.epilogue.operands, operands, strict=True)]
-        shift = len(first)
-        regroup = () if reshape is None else (  # same flat order: a rename inside the kernel
-            Statement(reshape.name, "reshape", reshape.op, (step.epilogue.result,), (gen.prologue.space,)),)
-        renamed = {"acc": reshape.name if reshape is not None else step.epilogue.result}
-        renamed.update({f"in{i}": f"in{i + shift}" for i in range(len(gen.prologue.operands))})
-        later = tuple(replace(st, args=tuple(renamed.get(a, a) if isinstance(a, str) else a for a in st.args))
-                      for st in gen.prologue.statements)
-        prologue = Program(step.epilogue.statements + regroup + later, tuple(first) + gen.prologue.operands,
-                           gen.prologue.space)
-        anchor_only = replace(step, epilogue=Epilogue((), (), acc_meta), replaces=step.replaces[:len(step.replaces) -
-                              len(step.epilogue.statements)], out=acc_name, keeps_layout=step.anchor.layout == "nhwc")
-        merged = replace(gen, source=Operand(Ref(acc_name), acc_meta, source_strides), prologue=prologue,
-                         replaces=tuple(s.name for s in step.epilogue.statements + regroup) + gen.replaces)
-        del by_out[name]
-        by_out[acc_name] = anchor_only
-        by_out[gen.out] = merged
-
-
-def _reshaped_sources(graph: Graph, gens: dict[str, GenStep]) -> dict[str, tuple[GenStep, Node]]:
-    """Reduction kernels whose source is a reshape (same flat order) of a value only that reshape reads, keyed by
-    that value: an NCHW anchor's epilogue can join them through the reshape (a softmax over
-    `conv(x).view(n, c, -1)`: the epilogue runs in the softmax's prologue, not in a pass of its own)."""
-    found = {}
-    for source, gen in gens.items():
-        node = graph[source]
-        refs = node.refs
-        if node.op in RESHAPES and len(refs) == 1 and len(graph.users(source)) == 1 and not graph.is_output(source):
-            found[refs[0].name] = (gen, node)
-    return found
-
-
-def channels_last_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Element strides of a 4-d/5-d tensor in channels-last order (N, spatial..., C), as torch lays it out."""
-    strides = [0] * len(shape)
-    step = 1
-    for d in (1, *range(len(shape) - 1, 1, -1), 0):  # innermost first: C, then W, H (D), then N
-        strides[d] = step
-        step *= max(shape[d], 1)
-    return tuple(strides)
 
 
 def anchor_supported(graph: Graph, node: Node) -> tuple[bool, str]:

@@ -197,3 +197,13 @@ def _viewable(value: object, shape: object) -> bool:
 def _same_layout(a: TensorMeta, b: TensorMeta) -> bool:
     """The same strides where they matter (a dimension of size 1 has any)."""
     return a.shape == b.shape and all(d == 1 or s == t for d, s, t in zip(a.shape, a.stride, b.stride, strict=True))
+
+
+def channels_last_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Element strides of a 4-d/5-d tensor in channels-last order (N, spatial..., C), as torch lays it out."""
+    strides = [0] * len(shape)
+    step = 1
+    for d in (1, *range(len(shape) - 1, 1, -1), 0):  # innermost first: C, then W, H (D), then N
+        strides[d] = step
+        step *= max(shape[d], 1)
+    return tuple(strides)
