@@ -196,8 +196,8 @@ def _chunk_pass(body: list[str], group: int = 1) -> list[str]:
     """A pass over this block's chunk of the row: a thread's elements are j * TPR + lane of the chunk, or with
     `group` 4 (rows of a multiple of 4 elements) the four elements from 4 * (j * TPR + lane) on, read from shared
     memory in one 16-byte load and guarded once (a quarter of the loads, guards and offsets an element). Only the
-    statistics passes take groups: a write pass of groups held four values across the IEEE division's slow-path
-    call and spilled at 32 registers (ptxas, sm_80), and its stores were no longer one run a warp."""
+    statistics passes take groups: a write pass of groups that stored its four values in one 16-byte store held
+    them across the IEEE division's slow-path call and spilled at 32 registers (ptxas, sm_80: a mapped L1 norm)."""
     lines = [ln for b in body for ln in b.split("\n")]
     if group == 1:
         return [f"#pragma unroll {ONCHIP_UNROLL}", "    for (int j = 0; j < PER; ++j) {",
