@@ -468,6 +468,24 @@ def test_a_norms_residual_recomputes_the_epilogue_it_moved_into(tmp_path, return
         assert_interpreter_matches(problem, plan, **CPU_BIAS)
 
 
+def test_a_bf16_residual_keeps_its_epilogue_pass(tmp_path):
+    """The same in bf16: the anchor's epilogue rounds the scaled value to bf16, which the norm's epilogue would
+    not reproduce; the anchor keeps its epilogue, and the norm reads the stored value."""
+    _, _, plans = pipeline(write_problem(tmp_path, "res16", """
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1).to(torch.bfloat16)
+        self.s = nn.Parameter(torch.randn(8, 1, 1, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        y = self.conv(x) * self.s
+        return torch.logsumexp(torch.tanh(F.group_norm(y, 2)) + y, dim=1)
+    """, "[torch.randn(2, 3, 6, 6, dtype=torch.bfloat16)]"))
+    for plan in plans:
+        anchor, norm = plan.fused[0], next(s for s in plan.generated if s.family == "norm")
+        assert anchor.chain(plan.graph) == "convolution -> mul" and norm.source.ref.name == anchor.out
+
+
 def test_node_read_by_two_anchors_joins_one_epilogue_and_kernel_names_are_unique(tmp_path):
     """A gated MLP, relu(down(silu(gate(x)) * up(x))): the mul reads both anchors' outputs. It joins the first
     anchor's epilogue only; it had joined both (the first step overwritten, the third anchor's kernel named k1

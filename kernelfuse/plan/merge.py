@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch
+
 from kernelfuse.capture import Graph, Node, Ref
 from kernelfuse.ops.anchors import RESHAPES
 from kernelfuse.plan.ir import Epilogue, FusedStep, GenStep, Operand, Program, Statement, Step
@@ -76,8 +78,11 @@ def recomputed_in_epilogue(graph: Graph, step: FusedStep, gen: GenStep, name: st
     reads of `name` (a norm's residual: GroupNorm(x) + x) recomputed from the anchor's raw output and the anchor
     epilogue's operands, by the anchor epilogue's own statements (the same values): once the epilogue joins the
     reduction's prologue, `name` is never stored. None where `name` has readers outside the kernel or in its
-    prologue, or an operand cannot follow the epilogue's space."""
+    prologue, or an operand cannot follow the epilogue's space; and outside fp32, where the epilogue would round
+    the recomputed value otherwise than the anchor's epilogue did."""
     epi = gen.epilogue
+    if {graph[name].meta.dtype, gen.out_meta.dtype, step.anchor.node.meta.dtype} != {torch.float32}:
+        return None
     reads = [i for i, o in enumerate(epi.operands) if o.ref.name == name]
     inside = set(gen.replaces)
     if not reads or not step.epilogue.statements or any(u.name not in inside for u in graph.users(name)) \
