@@ -245,14 +245,15 @@ def _batch_norm(graph: Graph, node: Node) -> ReduceSpec | str:
     else:
         x, w, b, rm, rv, training, momentum, eps = node.args[:8]
     meta = graph[ref].meta
-    if len(shape) < 2 or not (meta.is_contiguous or not training and meta.is_dense_permutation):
+    if len(shape) < 2 or not (meta.is_contiguous or meta.is_dense_permutation):
         return "batch norm over a non-contiguous or 1-d input"
     n, c = shape[0], shape[1]
     hw = _prod(shape[2:])
     space, strides = (n, c, hw), (c * hw, hw, 1)
-    channel = (0, 1, 0)
-    if not graph[ref].meta.is_contiguous:  # eval mode, channels-last say: the affine map over the input's own
-        space, strides, channel = shape, stride, (0, 1) + (0,) * (len(shape) - 2)  # strides, per channel
+    channel, reduced = (0, 1, 0), (0, 2)
+    if not graph[ref].meta.is_contiguous:  # channels-last, say: over the input's own strides, per channel (the
+        space, strides, channel = shape, stride, (0, 1) + (0,) * (len(shape) - 2)  # output keeps that layout)
+        reduced = (0, *range(2, len(shape)))
     dtype = graph[ref].meta.dtype
     # eval mode under autocast: a half-precision input with fp32 parameters and statistics, computed in fp32 as
     # ATen and cuDNN do; each parameter is read in its own type
@@ -276,7 +277,7 @@ def _batch_norm(graph: Graph, node: Node) -> ReduceSpec | str:
             return "eval-mode batch norm without running statistics"
         return ReduceSpec("affine_norm", ref, space, (), strides, weight, bias, running, eps=float(eps),
                           out_index=0, param_dtype=params if params != dtype else None)
-    return ReduceSpec("norm", ref, space, (0, 2), strides, weight, bias, running, eps=float(eps),
+    return ReduceSpec("norm", ref, space, reduced, strides, weight, bias, running, eps=float(eps),
                       momentum=float(momentum), out_index=0)
 
 

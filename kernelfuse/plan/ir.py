@@ -158,12 +158,13 @@ class GenStep:
     @property
     def permuted_out(self) -> tuple[int, ...] | None:
         """Eager's strides for a pointwise step's output that kept a permuted layout (an elementwise op on permuted
-        operands keeps theirs, and a later view or kernel was captured against it: level-3 Mamba2); None where the
+        operands keeps theirs, and a later view or kernel was captured against it: level-3 Mamba2), or a batch
+        norm's over a permuted input (its output keeps the input's layout: the channels-last graph); None where the
         output is contiguous. Only a dense permutation of the iteration space is kept; the kernel's output is
         allocated so, and the interpreter lays its value out the same way."""
         meta = self.out_meta
-        flat = self.spec is None or self.spec.kind == "affine_norm"  # type: ignore[attr-defined]
-        if not flat or meta.stride == contiguous_strides(meta.shape) or tuple(meta.shape) != tuple(self.prologue.space):
+        kept = self.spec is None or self.spec.kind in ("affine_norm", "norm")  # type: ignore[attr-defined]
+        if not kept or meta.stride == contiguous_strides(meta.shape) or tuple(meta.shape) != tuple(self.prologue.space):
             return None
         return tuple(meta.stride) if meta.is_dense_permutation else None
 
