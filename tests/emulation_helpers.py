@@ -124,7 +124,8 @@ def emulated_against_interpreter(plan: Plan, tmp_path: Path, ulps: int = 1) -> i
     round as CUDA's do) through the emitted binding, against the plan interpreter's ATen ops on the same random
     tensors (variances positive): equal up to one ulp of the output's dtype, where the CPU's libm and CUDA's may
     round a float differently before the final rounding (`ulps` of them where the kernel's arithmetic is ordered
-    otherwise: fp32 batch norm as (x - mean) / std * w + b, ATen's as x * a + b). Returns how many kernels were
+    otherwise: fp32 batch norm as (x - mean) / std * w + b, ATen's as x * a + b). The running statistics a
+    training-mode batch norm updates in place are compared with ATen's update too. Returns how many kernels were
     compared."""
     from kernelfuse.plan.interpret import _run_generated
 
@@ -143,6 +144,9 @@ def emulated_against_interpreter(plan: Plan, tmp_path: Path, ulps: int = 1) -> i
         ulp = torch.finfo(got.dtype).eps * ulps
         assert torch.allclose(got.float(), expected.float(), rtol=ulp, atol=ulp, equal_nan=True), \
             (step.kernel, (got.float() - expected.float()).abs().max().item())
+        for (name, ref), tensor in zip(tensor_args(step), tensors, strict=True):
+            if name in ("run_mean", "run_var"):
+                torch.testing.assert_close(tensor, env[ref.name], atol=1e-5, rtol=1e-5, msg=f"{step.kernel} {name}")
     return len(plan.generated)
 
 
