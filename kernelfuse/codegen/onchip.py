@@ -222,6 +222,35 @@ def chunk_copy(slot: str, element_pass: list[str], grouped: bool = False) -> lis
             "    if (KF_VECTOR_COPIES) __syncthreads();  // a 16-byte copy fills other threads' elements"]
 
 
+def chunk_pass(body: list[str], group: int = 1) -> list[str]:
+    """A pass over this block's chunk of the row: a thread's elements are j * TPR + lane of the chunk, or with
+    `group` 4 (rows of a multiple of 4 elements) the four elements from 4 * (j * TPR + lane) on, read from shared
+    memory in one 16-byte load and guarded once (a quarter of the loads, guards and offsets an element). Only the
+    statistics passes take groups: a write pass of groups that stored its four values in one 16-byte store held
+    them across the IEEE division's slow-path call and spilled at 32 registers (ptxas, sm_80: a mapped L1 norm)."""
+    lines = [ln for b in body for ln in b.split("\n")]
+    if group == 1:
+        return [f"#pragma unroll {ONCHIP_UNROLL}", "    for (int j = 0; j < PER; ++j) {",
+                "      const INDEX r = kf_rank * CHUNK + lane + (INDEX)j * TPR;",
+                "      if (r < (INDEX)RED && j * TPR + lane < CHUNK) {", *[f"        {t}" for t in lines], "      }",
+                "    }"]
+    return [f"#pragma unroll {ONCHIP_GROUP_UNROLL}", "    for (int j = 0; j < PER4; ++j) {",
+            "      const INDEX q = 4 * (lane + (INDEX)j * TPR);  // the group's offset in the chunk",
+            "      if (kf_rank * CHUNK + q < (INDEX)RED && q < CHUNK) {",
+            "        const float4 kf_raw4 = *reinterpret_cast<const float4*>(&kf_row_cache[q]);",
+            "        const float kf_raws[4] = {kf_raw4.x, kf_raw4.y, kf_raw4.z, kf_raw4.w};",
+            "#pragma unroll", "        for (int t = 0; t < 4; ++t) {",
+            "          const INDEX r = kf_rank * CHUNK + q + t;",
+            "          const float raw = kf_raws[t];", *[f"          {t}" for t in lines], "        }",
+            "      }", "    }"]
+
+
+def chunk_group(space: Space) -> int:
+    """Elements an on-chip pass takes at once: 4 where the row's length is a multiple of 4 (chunks are, so a
+    group is whole or past the end), else 1."""
+    return 4 if space.count("r") % 4 == 0 else 1
+
+
 def source_pointer_lambda(space: Space) -> list[str]:
     """`source_ptr(r)`: the address of the row's element r (what the asynchronous copy reads)."""
     return ["    auto source_ptr = [&](INDEX r) -> const float* {",

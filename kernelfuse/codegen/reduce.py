@@ -42,12 +42,12 @@ from kernelfuse.codegen.iteration import (
     value_lambda,
 )
 from kernelfuse.codegen.onchip import (
-    ONCHIP_GROUP_UNROLL,
     ONCHIP_THREADS,
-    ONCHIP_UNROLL,
     blocks_per_sm,
     chunk_copy,
+    chunk_group,
     chunk_of,
+    chunk_pass,
     combine_across_blocks,
     copies_vectors,
     onchip_launcher,
@@ -172,9 +172,9 @@ def _loop(body: list[str], cache: str | None = None, raw: bool = False, onchip: 
     if onchip:  # the chunk is copied to shared memory first; both passes read the source values from there
         slot = "kf_row_cache[j * TPR + lane]"
         take = "const float v = value_at(r, raw);" if onchip == 4 else f"const float raw = {slot};\nconst float v = value_at(r, raw);"
-        passes = _chunk_pass([take, *body], onchip)
+        passes = chunk_pass([take, *body], onchip)
         if cache == "fill":
-            passes = chunk_copy(slot, _chunk_pass([f"kf_cp_async4(&{slot}, source_ptr(r));"]), onchip == 4) + passes
+            passes = chunk_copy(slot, chunk_pass([f"kf_cp_async4(&{slot}, source_ptr(r));"]), onchip == 4) + passes
         return passes
     slot = "cache[j]"
     if raw:
@@ -190,34 +190,6 @@ def _loop(body: list[str], cache: str | None = None, raw: bool = False, onchip: 
     return ["#pragma unroll", "    for (int j = 0; j < PER; ++j) {", "      const INDEX r = lane + (INDEX)j * TPR;",
             "      if (r < (INDEX)RED) {", *[f"        {t}" for t in take.split("\n")],
             *[f"        {b}" for b in body], "      }", "    }"]
-
-
-def _chunk_pass(body: list[str], group: int = 1) -> list[str]:
-    """A pass over this block's chunk of the row: a thread's elements are j * TPR + lane of the chunk, or with
-    `group` 4 (rows of a multiple of 4 elements) the four elements from 4 * (j * TPR + lane) on, read from shared
-    memory in one 16-byte load and guarded once (a quarter of the loads, guards and offsets an element). Only the
-    statistics passes take groups: a write pass of groups that stored its four values in one 16-byte store held
-    them across the IEEE division's slow-path call and spilled at 32 registers (ptxas, sm_80: a mapped L1 norm)."""
-    lines = [ln for b in body for ln in b.split("\n")]
-    if group == 1:
-        return [f"#pragma unroll {ONCHIP_UNROLL}", "    for (int j = 0; j < PER; ++j) {",
-                "      const INDEX r = kf_rank * CHUNK + lane + (INDEX)j * TPR;",
-                "      if (r < (INDEX)RED && j * TPR + lane < CHUNK) {", *[f"        {t}" for t in lines], "      }",
-                "    }"]
-    return [f"#pragma unroll {ONCHIP_GROUP_UNROLL}", "    for (int j = 0; j < PER4; ++j) {",
-            "      const INDEX q = 4 * (lane + (INDEX)j * TPR);  // the group's offset in the chunk",
-            "      if (kf_rank * CHUNK + q < (INDEX)RED && q < CHUNK) {",
-            "        const float4 kf_raw4 = *reinterpret_cast<const float4*>(&kf_row_cache[q]);",
-            "        const float kf_raws[4] = {kf_raw4.x, kf_raw4.y, kf_raw4.z, kf_raw4.w};",
-            "#pragma unroll", "        for (int t = 0; t < 4; ++t) {", "          const INDEX r = kf_rank * CHUNK + q + t;",
-            "          const float raw = kf_raws[t];", *[f"          {t}" for t in lines], "        }",
-            "      }", "    }"]
-
-
-def _groups(space: Space) -> int:
-    """Elements an on-chip pass takes at once: 4 where the row's length is a multiple of 4 (chunks are, so a
-    group is whole or past the end), else 1."""
-    return 4 if space.count("r") % 4 == 0 else 1
 
 
 def _row_invariant(step: GenStep, space: Space) -> tuple[int, ...]:
@@ -267,7 +239,7 @@ def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tp
         if cached:  # the statistics pass keeps the row in registers: the write pass reads nothing again
             lines += [f"    constexpr int PER = {per};", "    float cache[PER];"]
     first, again = ("fill", "read") if cached else (None, None)
-    oc = _groups(space) if blocks else 0  # elements an on-chip pass takes at once
+    oc = chunk_group(space) if blocks else 0  # elements an on-chip pass takes at once
     if kind in REDUCE_OPS:
         op, identity = REDUCE_OPS[kind]
         lines.append(f"    float s = {identity};")
@@ -366,7 +338,7 @@ def _broadcast_store(step: GenStep, expr: str, ctype: str, extra: list[str], spa
 
 def _stored(body: list[str], value: str, ctype: str, cache: str | None, raw: bool, onchip: int) -> list[str]:
     """The write pass: `body` computes the element's `value`, stored at its output offset (an on-chip kernel's
-    one element at a time: `_chunk_pass`)."""
+    one element at a time: `onchip.chunk_pass`)."""
     body = [*body, f"out[row_out + o_out] = kf_store<{ctype}>({value});"]
     return _loop(body, cache, raw=raw, onchip=1 if onchip else 0)
 
