@@ -281,6 +281,45 @@ def test_a_clean_refusal_is_unsupported_not_a_crash(tmp_path):
     assert (outcome.status, outcome.stage) == ("unsupported", "capture") and not outcome.failed, outcome.describe()
 
 
+_DRIFTING = """import torch
+import torch.nn as nn
+
+CALLS = [0]
+
+
+class Model(nn.Module):
+    def forward(self, x):
+        CALLS[0] += 1
+        return {value}
+
+
+def get_inputs():
+    return [torch.randn(4)]
+
+
+def get_init_inputs():
+    return []
+"""
+
+
+@pytest.mark.parametrize(("value", "status"), [
+    ("x * 2 + CALLS[0]", "invalid"),  # a module-level counter: a copy of the model shares it
+    ("x * 2 + torch.empty(16384)[8000:8004]", "invalid"),  # memory never written, as torch's bf16 Conv3d read
+    ("x * 2", "ok"),
+], ids=["counter", "uninitialised", "deterministic"])
+def test_an_eager_reference_that_differs_between_identical_calls_makes_the_model_invalid(tmp_path, value, status):
+    """Eager, called twice on the same inputs, weights and seed, must give the same values (NaN where NaN):
+    torch's own CPU bf16 Conv3d has not (it read uninitialised memory: seed 85000, model 192), and a mismatch
+    against such a reference says nothing about kernelfuse. A deterministic model is checked as before."""
+    path = tmp_path / "drifting.py"
+    path.write_text(_DRIFTING.format(value=value))
+    outcome = run_problem(path).outcome
+    assert outcome.status == status and not outcome.failed, outcome.describe()
+    if status == "invalid":
+        assert outcome.stage == "eager", outcome.describe()
+        assert outcome.reason.startswith("eager reference not deterministic: two identical eager calls differ by ")
+
+
 def test_the_cpu_checks_reference_divides_by_a_number_as_cuda_does():
     """x / c on CUDA is x * (1/c) with 1/c in float32; the CPU check's reference computes the same, and only that
     (a division by a tensor stays a division)."""

@@ -215,7 +215,7 @@ def _summary(tally: Tally, checker: _Checker, args: argparse.Namespace) -> None:
         for (stage, reason), n in tally.unsupported.most_common(8):
             print(f"  {n:5d}  {stage}: {reason}")
     if tally.invalid:
-        print(f"note: {tally.counts['invalid']} generated models eager itself cannot run (not "
+        print(f"note: {tally.counts['invalid']} generated models eager itself cannot run or repeat (not "
               "counted as failures):")
         for reason, n in tally.invalid.most_common(3):
             print(f"  {n:5d}  {reason}")

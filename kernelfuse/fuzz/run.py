@@ -6,12 +6,14 @@ must hold the same state and (on the CPU: its original ops) compute the same out
 
 Classes: ok; mismatch (wrong numbers, shape or dtype; an emitted file that does not build or run); crash (an
 exception inside kernelfuse that is not a KernelfuseError); unsupported (a clean KernelfuseError refusal); invalid
-(eager itself cannot run the model: a generator bug, reported but never counted as a kernelfuse failure).
+(eager itself cannot run the model, a generator bug, or two identical eager calls differ, so that no reference exists:
+reported but never counted as a kernelfuse failure).
 """
 
 from __future__ import annotations
 
 import copy
+import ctypes
 import linecache
 import re
 import sys
@@ -34,6 +36,8 @@ from kernelfuse.rewrite import apply_rules
 from kernelfuse.verify.compare import compare_outputs, flatten_outputs
 from kernelfuse.verify.params import compare_state
 
+_MALLOPT = getattr(ctypes.CDLL(None), "mallopt", None) if sys.platform == "linux" else None  # glibc's, or musl's no-op
+_M_PERTURB = -6
 FAILURES = ("mismatch", "crash")
 STATUSES = ("ok", "mismatch", "crash", "unsupported", "invalid")
 
@@ -108,11 +112,12 @@ def _run(path: Path, measure_layouts: bool) -> ModelRun:
     model = _stage("load", build_model, problem)
     inputs = _stage("load", problem.make_inputs, 0)
     try:
-        with torch.no_grad():
-            torch.manual_seed(0)
-            expected = copy.deepcopy(model)(*inputs)
+        expected, differs = _eager_reference(model, inputs)
     except Exception as err:  # noqa: BLE001 - eager cannot run it: the model is not a valid test
         return ModelRun(Outcome("invalid", "eager", _first_line(err)))
+    if differs:
+        return ModelRun(Outcome("invalid", "eager", "eager reference not deterministic: two identical eager calls "
+                                                    f"differ by {differs}"))
     graph = _stage("capture", capture, problem, model)
     graph = _stage("rewrite", apply_rules, graph).graph
     plans: list[Plan] = _stage("plan", _plan_variants, graph, measure_layouts)
@@ -135,6 +140,37 @@ def _run(path: Path, measure_layouts: bool) -> ModelRun:
             run.outcome = Outcome("mismatch", "file", f"{e.variant}: {problem_text}")
             return run
     return run
+
+
+def _eager_reference(model: torch.nn.Module, inputs: list) -> tuple[object, str]:
+    """Eager's outputs (on a copy of the model, under seed 0: its buffers stay as built, dropout draws the same
+    masks), and '' or how a second identical call's outputs differ from them (NaN where NaN counts as equal).
+    torch's own CPU bf16 Conv3d has read uninitialised memory (seed 85000, model 192): a reference that changes
+    from call to call judges nothing. Called one after the other, both calls would find the same stale memory: so
+    glibc's malloc fills what it hands out with a different byte in each (M_PERTURB; not the small blocks its
+    per-thread cache hands back), and a call that reads memory it never wrote sees other values the second time."""
+    outputs = []
+    try:
+        for byte in (0x5A, 0xA5):
+            if _MALLOPT is not None:
+                _MALLOPT(_M_PERTURB, byte)
+            with torch.no_grad():
+                torch.manual_seed(0)
+                outputs.append(copy.deepcopy(model)(*inputs))
+    finally:
+        if _MALLOPT is not None:
+            _MALLOPT(_M_PERTURB, 0)
+    try:
+        torch.testing.assert_close(*outputs, rtol=0, atol=0, equal_nan=True, check_stride=False)
+    except AssertionError as err:  # torch's report: the largest difference and how many elements differ
+        lines = str(err).splitlines()
+        said = dict(line.split(": ", 1) for line in lines if ": " in line)
+        largest = said.get("Greatest absolute difference", said.get("Absolute difference"))
+        if largest is None:  # not values: a shape, a dtype, the outputs' structure
+            return outputs[0], lines[0]
+        elements = said.get("Mismatched elements")
+        return outputs[0], largest.split(" at index")[0] + (f" in {elements} elements" if elements else "")
+    return outputs[0], ""
 
 
 def _plan_variants(graph: Graph, measure_layouts: bool) -> list[Plan]:
