@@ -137,3 +137,39 @@ def test_arg_reductions_match_eager_index_for_index(tmp_path: Path) -> None:
         assert torch.equal(g, e), (i, (g != e).sum().item())
     ran = {e.key for e in prof.key_averages()}
     assert not any("argm" in k.lower() for k in ran), sorted(ran)  # no ATen arg-reduction ran
+
+
+@pytest.mark.gpu
+def test_concatenations_sharing_a_buffer_match_eager(tmp_path: Path) -> None:
+    """zoo_dense_cat in every plan variant (NCHW, channels-last graph): the batch norms and channel sums read views
+    of the concatenations' shared buffers; outputs and running statistics match eager's, and no concatenation
+    kernel runs (each operand is copied into its slice once). cuDNN's TF32 is off on both sides: a convolution
+    would turn the norm kernel's last-bit differences into TF32 roundings."""
+    problem = load_problem(FIXTURES / "zoo_dense_cat.py")
+    plans = plan_variants(rewrite(capture(problem, build_model(problem))))
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        for plan in plans:
+            path = tmp_path / f"dense_{plan.variant}.py"
+            path.write_text(emit_modelnew(problem, plan, generate(plan), "GPU test"))
+            ns = runpy.run_path(str(path))
+            torch.manual_seed(0)
+            ref = runpy.run_path(str(FIXTURES / "zoo_dense_cat.py"))["Model"]().cuda()
+            torch.manual_seed(0)
+            new = ns["ModelNew"]().cuda()
+            torch.manual_seed(5)
+            inputs = [t.cuda() for t in ns["get_inputs"]()]
+            with torch.no_grad():
+                expected = ref(*inputs)
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    got = new(*inputs)
+                    torch.cuda.synchronize()
+            for e, g in zip(expected, got, strict=True):
+                assert g.shape == e.shape and torch.allclose(g, e, atol=1e-4, rtol=1e-4), plan.variant
+            for name in ("bns.2.running_mean", "bns.2.running_var"):
+                assert torch.allclose(new.get_buffer(name), ref.get_buffer(name), atol=1e-5, rtol=1e-5), name
+            ran = {e.key for e in prof.key_averages()}
+            assert not any("CatArray" in k for k in ran), (plan.variant, sorted(ran))
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32

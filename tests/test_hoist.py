@@ -18,10 +18,11 @@ from kernelfuse.capture import capture
 from kernelfuse.codegen import generate
 from kernelfuse.codegen.generated import tensor_args
 from kernelfuse.emit import emit_modelnew
-from kernelfuse.emit.hoist import plan_hoist, weight_only
+from kernelfuse.emit.hoist import plan_hoist
 from kernelfuse.emit.module import build_module
 from kernelfuse.load import load_problem
 from kernelfuse.plan import GenStep, Plan, PlanOptions, interpret, make_plan
+from kernelfuse.plan.aliasing import weight_only
 from kernelfuse.plan.interpret import _run_generated
 from kernelfuse.rewrite import rewrite
 

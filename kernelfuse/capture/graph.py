@@ -189,6 +189,25 @@ def aten_overload(op: str) -> torch._ops.OpOverload | None:
     return getattr(getattr(torch.ops.aten, packet, None), overload, None) if overload else None
 
 
+IMPURE_MARKERS = ("empty", "batch_norm")  # ops whose schema does not say they write or draw
+
+
+def pure(node: Node) -> bool:
+    """No side effect and a deterministic value: can be dropped when unused, merged when computed twice."""
+    return _pure_op(node.op)
+
+
+@cache
+def _pure_op(op: str) -> bool:
+    """`pure` by op name (it depends on nothing else; every splice asks it for every node)."""
+    if op == "getitem":
+        return True
+    if op in ("input", "param", "buffer") or any(m in op for m in IMPURE_MARKERS):
+        return False
+    fn = aten_overload(op)
+    return fn is not None and not fn._schema.is_mutable and torch.Tag.nondeterministic_seeded not in fn.tags
+
+
 def _is_keyword(arg: object) -> bool:
     return isinstance(arg, tuple) and len(arg) == 3 and arg[0] == "kw"
 

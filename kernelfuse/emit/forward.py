@@ -96,6 +96,8 @@ def _plain_output(output: Output) -> bool:
 def _step_lines(graph, step: Step, names: dict[str, str]) -> list[str]:
     """One plan step as lines of a method body; `names` gains the variable holding its value."""
     if isinstance(step, TorchStep):
+        if step.into is not None:
+            return _cat_into_lines(graph, step, names)
         names[step.node.name] = f"v_{step.node.name}"
         if step.node.op == "constant" and step.node.name in shared_constants(graph):
             return [f"    v_{step.node.name} = {_constant_call(step.node)}"]
@@ -154,6 +156,27 @@ def _fused_lines(graph, step: FusedStep, names: dict[str, str]) -> list[str]:
     elif acc != f"v_{step.out}":
         lines.append(f"    v_{step.out} = {acc}")
     names[step.out] = f"v_{step.out}"
+    return lines
+
+
+def _cat_into_lines(graph, step: TorchStep, names: dict[str, str]) -> list[str]:
+    """A concatenation of a chain sharing one buffer (kernelfuse.plan.catbuffer): the first allocates it, each copies
+    its new operands into their slices, and its value is the buffer's first part (the last one's: all of it)."""
+    into, node = step.into, step.node
+    assert into is not None
+    buf = f"v_{into.buffer}"
+    meta = graph[into.buffer].meta
+    lines = [f"    # {node.name}: concatenation written into {into.buffer}'s buffer" + (" (allocated here)" if into.first else "")]
+    if into.first:
+        device = names[into.copies[0][0].name]
+        lines.append(f"    {buf} = torch.empty_strided({list(meta.shape)}, {list(meta.stride)}, dtype={meta.dtype}, "
+                     f"device={device}.device)")
+    for ref, offset in into.copies:
+        size = graph[ref].meta.shape[into.dim]
+        lines.append(f"    {buf}.narrow({into.dim}, {offset}, {size}).copy_({names[ref.name]})")
+    names[node.name] = f"v_{node.name}"
+    if node.name != into.buffer:
+        lines.append(f"    v_{node.name} = {buf}.narrow({into.dim}, 0, {node.meta.shape[into.dim]})")
     return lines
 
 

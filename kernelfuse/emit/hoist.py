@@ -14,17 +14,13 @@ way, once per weight version instead of once per call.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
-from kernelfuse.capture import Graph, Node, Ref, aten_overload
-from kernelfuse.ops import VIEW_OPS
+from kernelfuse.capture import Graph
+from kernelfuse.capture.graph import pure
+from kernelfuse.plan.aliasing import STATE_OPS, alias_closure, may_alias, weight_only, written_args
 from kernelfuse.plan.ir import Plan, Step, TorchStep
-from kernelfuse.rewrite.engine import pure
-
-STATE_OPS = ("param", "buffer")
 
 
 @dataclass(frozen=True)
@@ -72,71 +68,12 @@ def plan_hoist(plan: Plan) -> Hoist:
     return Hoist(tuple(reversed(steps)), tuple(reversed(cached)), weights, frozenset(skipped))
 
 
-def weight_only(graph: Graph) -> frozenset[str]:
-    """Nodes whose values depend only on parameters, buffers and constants, the same in every call.
-
-    Excluded: forward inputs and everything computed from them; impure ops (random draws, uninitialised memory,
-    in-place ops, batch norm, whose running statistics change in training mode); every tensor an op writes, with
-    the values sharing its storage (a buffer the forward updates differs before and after the update); ops with
-    a device argument (a constant made on the inputs' device, which the cache key does not see).
-    """
-    written = alias_closure(graph, (r.name for n in graph.nodes if n.op not in (*STATE_OPS, "input")
-                                    and not pure(n) for r in _written(n)))
-    constant: set[str] = set()
-    for node in graph.nodes:
-        if node.name in written or node.op == "input":
-            continue
-        if node.op in STATE_OPS or (pure(node) and not _has_device(node.args)
-                                    and all(r.name in constant for r in node.refs)):
-            constant.add(node.name)
-    return frozenset(constant)
-
-
 def shared_constants(graph: Graph) -> frozenset[str]:
     """The tensors forward makes from literals that the emitted file may make once per device and hand to every
     call: no op writes them (or a view of them) and no output shares their storage."""
-    touched = alias_closure(graph, [*(r.name for n in graph.nodes if not pure(n) for r in _written(n)),
+    touched = alias_closure(graph, [*(r.name for n in graph.nodes if not pure(n) for r in written_args(n)),
                                     *(r.name for r in graph.outputs)])
     return frozenset(n.name for n in graph.nodes if n.op == "constant" and n.name not in touched)
-
-
-def alias_closure(graph: Graph, names: Iterable[str]) -> set[str]:
-    """`names` and every value whose storage they may share, back through views and aliasing ops."""
-    out: set[str] = set()
-    todo = list(names)
-    while todo:
-        name = todo.pop()
-        if name not in out:
-            out.add(name)
-            if may_alias(graph[name]):
-                todo.extend(r.name for r in graph[name].refs)
-    return out
-
-
-def _written(node: Node) -> list[Ref]:
-    """The tensors an impure op may write: the arguments its schema marks `(a!)`; every argument of batch norm
-    (its schema hides the running-statistics update) and of an op without a schema."""
-    fn = aten_overload(node.op)
-    if fn is None or "batch_norm" in node.op:
-        return list(node.refs)
-    schema = {a.name: a for a in fn._schema.arguments}
-    positional = list(fn._schema.arguments)
-    out: list[Ref] = []
-    for i, a in enumerate(node.args):
-        kw = isinstance(a, tuple) and len(a) == 3 and a[0] == "kw"
-        arg = schema.get(a[1]) if kw else (positional[i] if i < len(positional) else None)
-        if arg is None or (arg.alias_info is not None and arg.alias_info.is_write):
-            out += Node("", "", (a[2] if kw else a,)).refs
-    return out
-
-
-def may_alias(node: Node) -> bool:
-    """The op may return its input's storage: a view, or an op whose schema says so (`to` to the same dtype,
-    `contiguous` of a contiguous tensor, `expand`...). Unknown ops are assumed to."""
-    if node.op in VIEW_OPS:
-        return True
-    fn = aten_overload(node.op)
-    return fn is None or any(r.alias_info is not None for r in fn._schema.returns)
 
 
 def step_out(step: Step) -> str:
@@ -195,8 +132,3 @@ def _reads(graph: Graph, step: Step) -> set[str]:
     """The values a step reads from outside itself."""
     inside = set(_computes(step))
     return {r.name for n in inside for r in graph[n].refs} - inside
-
-
-def _has_device(args: tuple) -> bool:
-    return any(isinstance(a, torch.device) or (isinstance(a, tuple) and _has_device(a)) for a in args)
-

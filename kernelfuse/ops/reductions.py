@@ -245,14 +245,15 @@ def _batch_norm(graph: Graph, node: Node) -> ReduceSpec | str:
     else:
         x, w, b, rm, rv, training, momentum, eps = node.args[:8]
     meta = graph[ref].meta
-    if len(shape) < 2 or not (meta.is_contiguous or meta.is_dense_permutation):
-        return "batch norm over a non-contiguous or 1-d input"
+    if len(shape) < 2 or not _non_overlapping(shape, stride):
+        return "batch norm over a 1-d input, or one whose elements overlap"
     n, c = shape[0], shape[1]
     hw = _prod(shape[2:])
     space, strides = (n, c, hw), (c * hw, hw, 1)
     channel, reduced = (0, 1, 0), (0, 2)
-    if not graph[ref].meta.is_contiguous:  # channels-last, say: over the input's own strides, per channel (the
-        space, strides, channel = shape, stride, (0, 1) + (0,) * (len(shape) - 2)  # output keeps that layout)
+    if not meta.is_contiguous:  # channels-last, or a view of a concatenation's buffer: read through the input's
+        # strides, per channel (a dense output keeps the input's layout, kernelfuse.plan.ir.GenStep.permuted_out)
+        space, strides, channel = shape, stride, (0, 1) + (0,) * (len(shape) - 2)
         reduced = (0, *range(2, len(shape)))
     dtype = graph[ref].meta.dtype
     # eval mode under autocast: a half-precision input with fp32 parameters and statistics, computed in fp32 as
@@ -279,6 +280,17 @@ def _batch_norm(graph: Graph, node: Node) -> ReduceSpec | str:
                           out_index=0, param_dtype=params if params != dtype else None)
     return ReduceSpec("norm", ref, space, reduced, strides, weight, bias, running, eps=float(eps),
                       momentum=float(momentum), out_index=0)
+
+
+def _non_overlapping(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """No two indices share an element: each dim, by increasing stride, steps past every offset the ones before it
+    reach (dense layouts, and views of a part of one)."""
+    reach = 0  # the largest offset the dims so far reach
+    for step, size in sorted((t, s) for s, t in zip(shape, stride, strict=True) if s != 1):
+        if step <= reach:
+            return False
+        reach += step * (size - 1)
+    return True
 
 
 def _pool(kind: str, dims: int) -> Parse:

@@ -17,6 +17,7 @@ from kernelfuse.ops import ANCHOR_OPS, POINTWISE_BY_ATEN, VIEW_OPS
 from kernelfuse.ops.anchors import family_of
 from kernelfuse.ops.kept import KEPT_AS_TORCH
 from kernelfuse.plan.attention import attention_steps
+from kernelfuse.plan.catbuffer import shared_cat_buffers
 from kernelfuse.plan.conv import depthwise, igemm_refusal, tap_major_weights
 from kernelfuse.plan.gemm import gemm_refusal, k_contiguous_weights
 from kernelfuse.plan.ir import (
@@ -34,6 +35,7 @@ from kernelfuse.plan.program import build_program
 from kernelfuse.plan.schedule import FLOAT_DTYPES, schedule
 
 KEPT_REASON = "kept as a torch call: a kernel over it failed to plan or generate (see the fallbacks)"
+CAT_REASON = "concatenation into a buffer it shares with the later ones that extend it: copies its new operands"
 CL_REASON = "kept as a torch call in the channels-last graph: its kernel writes only the contiguous layout"
 
 
@@ -65,6 +67,8 @@ class PlanOptions:
     # "generated": fp32 matrix products (a Linear's addmm/mm) run kernelfuse's 3xTF32 GEMM on tensor cores with the
     # epilogue inside (kernelfuse.codegen.gemm_tc); "library": cuBLAS, the epilogue a kernel of its own
     gemm_impl: str = "library"
+    # concatenations that extend one another write into one buffer (kernelfuse.plan.catbuffer)
+    share_cat_buffers: bool = True
 
 
 def plan_variants(graph: Graph, precision: str = "strict", max_fusions: int | None = None,
@@ -195,6 +199,7 @@ def torch_calls_plan(graph: Graph) -> Plan:
 def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
     """Anchors take their pointwise epilogues; the scheduler turns the rest into generated kernels; an anchor's
     epilogue whose only reader is a reduction kernel moves into that kernel's prologue (one pass, not two)."""
+    captured = graph
     if options.channels_last_graph:
         changed = channels_last_graph(graph)
         assert changed is not None, "plan_variants asks for the channels-last plan only where the graph has one"
@@ -203,6 +208,7 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
         graph = k_contiguous_weights(graph)
     if options.conv_impl == "generated" and options.generated:
         graph = tap_major_weights(graph, frozenset(options.fp32_convs) | frozenset(options.keep))
+    graph, into = shared_cat_buffers(graph) if options.share_cat_buffers else (graph, {})
     fused: dict[str, FusedStep] = {}  # output node name -> step
     kept = set(options.keep)
     attention, reasons = attention_steps(graph, 0, library=options.attention == "library", tf32=options.matmul_tf32,
@@ -253,7 +259,10 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
         elif node.name not in done and node.op not in ("input", "param", "buffer"):
             fp32 = options.channels_last_graph and node.op == "convolution.default" \
                 and node.name in options.fp32_convs
-            steps.append(TorchStep(node, reasons.get(node.name) or _unfused_reason(graph, node, done), fp32))
+            reason = CAT_REASON if node.name in into else reasons.get(node.name) or _unfused_reason(graph, node, done)
+            steps.append(TorchStep(node, reason, fp32, into.get(node.name)))
+    if len({s.node.name for s in steps if isinstance(s, TorchStep) and s.into is not None}) != len(into):
+        return make_plan(captured, replace(options, share_cat_buffers=False))  # a kernel took one in: no sharing
     layouts = sorted({s.anchor.layout for s in steps if isinstance(s, FusedStep) and s.anchor.family == "conv"
                       and not s.anchor.epilogue_inside                      and channels_last_ok(graph, s.anchor.node)})
     variant = f"fused-{'+'.join(layouts)}" if layouts else "fused"

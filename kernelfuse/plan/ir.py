@@ -230,10 +230,23 @@ class AttnStep:
 
 
 @dataclass(frozen=True)
+class CatInto:
+    """A concatenation written into the buffer of the last one of its chain (kernelfuse.plan.catbuffer): the step
+    copies only the operands the previous concatenation of the chain did not hold, and its value is the buffer's
+    first part along `dim` (the whole buffer for the last one)."""
+
+    buffer: str  # the chain's last concatenation: its value is the buffer
+    dim: int
+    copies: tuple[tuple[Ref, int], ...]  # the operands copied here, each with its offset along dim
+    first: bool  # the chain's first concatenation allocates the buffer
+
+
+@dataclass(frozen=True)
 class TorchStep:
     node: Node
     reason: str  # why it stays a torch call ("view", "reduction: no kernel yet", ...)
     fp32: bool = False  # a convolution of the channels-last graph run with cuDNN's TF32 off (eager's computes in fp32)
+    into: CatInto | None = None  # a concatenation laid out in a shared buffer
 
 
 Step = FusedStep | GenStep | AttnStep | TorchStep

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from kernelfuse.capture import Graph, Node, Ref
-from kernelfuse.rewrite.engine import Builder, Replacement, pure, scalar, single_use
+from kernelfuse.capture.graph import pure
+from kernelfuse.rewrite.engine import Builder, Replacement, scalar, single_use
 
 INF = float("inf")
 

@@ -10,19 +10,18 @@ input, a parameter or another output, splices it in before `node`, and removes t
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from kernelfuse.capture import Graph, Node, Ref, TensorMeta, aten_overload
+from kernelfuse.capture import Graph, Node, Ref, TensorMeta
+from kernelfuse.capture.graph import pure
 from kernelfuse.ops import VIEW_OPS
 from kernelfuse.plan.interpret import call_aten
 
 # Ops that must not be merged or dropped although their schema says no argument is written: uninitialised
 # values, and batch norm, which updates its running statistics in training mode.
-IMPURE_MARKERS = ("empty", "batch_norm")
 ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 # Values that share storage with an input, a parameter or another value: an output must not become one of them.
 ALIASING_OPS = VIEW_OPS | {"input", "param", "buffer"}
@@ -185,22 +184,6 @@ def rewire(node: Node, rename: dict[str, Ref]) -> Node:
         return a
 
     return dataclasses.replace(node, args=tuple(sub(a) for a in node.args))
-
-
-def pure(node: Node) -> bool:
-    """No side effect and a deterministic value: can be dropped when unused, merged when computed twice."""
-    return _pure_op(node.op)
-
-
-@functools.cache
-def _pure_op(op: str) -> bool:
-    """`pure` by op name (it depends on nothing else; every splice asks it for every node)."""
-    if op == "getitem":
-        return True
-    if op in ("input", "param", "buffer") or any(m in op for m in IMPURE_MARKERS):
-        return False
-    fn = aten_overload(op)
-    return fn is not None and not fn._schema.is_mutable and torch.Tag.nondeterministic_seeded not in fn.tags
 
 
 def scalar(a: object) -> float | None:

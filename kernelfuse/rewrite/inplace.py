@@ -13,7 +13,8 @@ from __future__ import annotations
 import functools
 
 from kernelfuse.capture import Graph, Node, aten_overload
-from kernelfuse.rewrite.engine import Builder, Replacement, pure, single_use
+from kernelfuse.capture.graph import pure
+from kernelfuse.rewrite.engine import Builder, Replacement, single_use
 
 
 def inplace_to_functional(graph: Graph, node: Node) -> Replacement | None:
