@@ -214,7 +214,7 @@ def _welford_partial(strided: bool, rows: int, chunks: int) -> list[str]:
     lines = ["  float n = 0.0f, mean = 0.0f, m2 = 0.0f;"]
     if strided:
         tile = strided_tile(rows)
-        lines += ["  if (active) for (INDEX r = begin + lane; r < end; r += TPR) kf_welford_add(n, mean, m2, value(r));",
+        lines += [*_welford_loop("if (active) "),
                   f"  __shared__ float part[3][TPR][{tile + 1}];",
                   "  part[0][lane][tx] = n; part[1][lane][tx] = mean; part[2][lane][tx] = m2;",
                   "  __syncthreads();",
@@ -222,12 +222,20 @@ def _welford_partial(strided: bool, rows: int, chunks: int) -> list[str]:
                   "  for (int j = 1; j < TPR; ++j) kf_welford_merge(n, mean, m2, part[0][j][tx], part[1][j][tx], "
                   "part[2][j][tx]);  // in a fixed order"]
     else:
-        lines += [f"#pragma unroll {UNROLL}  // independent loads in flight: the chain of adds keeps its order",
-                  "  for (INDEX r = begin + lane; r < end; r += TPR) kf_welford_add(n, mean, m2, value(r));",
+        lines += [*_welford_loop(),
                   "  kf_row_reduce_welford<TPR>(n, mean, m2);",
                   "  if (lane != 0) return;"]
     return lines + [f"  work[row * {chunks} + blockIdx.x] = mean;",
                     f"  work[{rows * chunks} + row * {chunks} + blockIdx.x] = m2;", "}", ""]
+
+
+def _welford_loop(guard: str = "") -> list[str]:
+    """A thread's pass over its elements of the chunk, four at a time (kf_welford_add4: four independent loads in
+    flight, one division), the last ones one by one; `guard` prefixes both loops."""
+    four = "kf_welford_add4(n, mean, m2, value(r), value(r + TPR), value(r + 2 * TPR), value(r + 3 * TPR));"
+    return ["  INDEX r = begin + lane;",
+            f"  {guard}for (; r + 3 * TPR < end; r += 4 * TPR) {four}",
+            f"  {guard}for (; r < end; r += TPR) kf_welford_add(n, mean, m2, value(r));"]
 
 
 def _combine_head(step: GenStep, ctype: str, name: str, const: bool) -> list[str]:
