@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from kernelfuse.judge.trials import Models, TrialSettings, run_trial
+from kernelfuse.judge.calls import Models, TrialSettings
+from kernelfuse.judge.trials import run_trial
 from kernelfuse.verify import NumericsFlags, get_policy
 
 

@@ -13,7 +13,8 @@ import torch
 import kernelfuse.fuzz.cli as fuzz_cli
 import kernelfuse.fuzz.device as device
 from kernelfuse.fuzz.generate import InputSpec, ModelSpec, OpSpec, generate, materialize, render
-from kernelfuse.fuzz.ops import ATTENTION_FORMS, KINDS
+from kernelfuse.fuzz.layers import ATTENTION_FORMS
+from kernelfuse.fuzz.ops import KINDS
 from kernelfuse.fuzz.run import Outcome, run_problem
 from kernelfuse.fuzz.shrink import shrink
 from kernelfuse.load import load_problem

@@ -81,7 +81,7 @@ def test_profiled_calls_do_not_include_the_input_copies(monkeypatch, tmp_path):
     device-to-device copy counted as library time beside a 2.6 ms kernel)."""
     from types import SimpleNamespace
 
-    import kernelfuse.judge.worker as worker
+    import kernelfuse.judge.sidechecks as sidechecks
     from kernelfuse.judge.streams import GpuActivity
 
     profiling = [False]
@@ -99,8 +99,8 @@ def test_profiled_calls_do_not_include_the_input_copies(monkeypatch, tmp_path):
         copied_while_profiling.append(profiling[0])
         return list(inputs)
 
-    monkeypatch.setattr(worker, "kernel_streams", fake_streams)
-    monkeypatch.setattr(worker, "inputs_to", fake_inputs_to)
+    monkeypatch.setattr(sidechecks, "kernel_streams", fake_streams)
+    monkeypatch.setattr(sidechecks, "inputs_to", fake_inputs_to)
     found: dict = {}
     out = SimpleNamespace(set=lambda **kw: found.update(kw), warn=lambda text: None)
     models = SimpleNamespace(reference=lambda *a: None, candidate=lambda *a: None)
@@ -110,7 +110,7 @@ def test_profiled_calls_do_not_include_the_input_copies(monkeypatch, tmp_path):
                                policy=SimpleNamespace(autocast=None))
     candidate = tmp_path / "c.py"
     candidate.write_text("# no kernels\n")
-    worker._check_streams(out, models, problem, settings, SimpleNamespace(candidate_path=str(candidate)),
-                          frozenset())
+    sidechecks.check_streams(out, models, problem, settings, SimpleNamespace(candidate_path=str(candidate)),
+                             frozenset())
     assert copied_while_profiling == [False, False]
     assert found["streams"]["candidate_busy_ms"] == 1.0

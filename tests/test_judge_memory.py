@@ -11,8 +11,8 @@ import torch
 
 import kernelfuse.judge.worker as worker
 import kernelfuse.verify.memory as memory
+from kernelfuse.judge.calls import Models, reference64_output
 from kernelfuse.judge.evaluate import _status
-from kernelfuse.judge.trials import Models, reference64_output
 from kernelfuse.verify.float64 import float64_model
 from kernelfuse.verify.memory import Placement, device_free_bytes, place_float64, poison_budget
 

@@ -20,8 +20,9 @@ from torch import nn
 
 from kernelfuse.judge import EvalOptions
 from kernelfuse.judge import trials as trials_module
+from kernelfuse.judge.calls import Models, TrialSettings, call_reference, draws_random
 from kernelfuse.judge.timedcheck import TimedInputs
-from kernelfuse.judge.trials import RANDOM_FORWARD, Models, TrialSettings, call_reference, draws_random, run_trial
+from kernelfuse.judge.trials import RANDOM_FORWARD, run_trial
 from kernelfuse.judge.worker import constructed_modes, set_mode
 from kernelfuse.load import load_problem
 from kernelfuse.verify import NumericsFlags, float64_model, get_policy

@@ -162,7 +162,7 @@ def _bf16_outputs(seed: int, noise: float) -> tuple[torch.Tensor, torch.Tensor, 
 def test_bf16_rule_accepts_what_is_as_accurate_as_eager_under_autocast(noise: float, passes: bool) -> None:
     # two bf16 computations rounding at other points differ by bf16 eager's own error, far beyond 1e-2 on values
     # of a few units: the judge then asks whether the candidate is as accurate as eager under autocast
-    from kernelfuse.judge.trials import TrialSettings, as_accurate_as_baseline
+    from kernelfuse.judge.calls import TrialSettings, as_accurate_as_baseline
     from kernelfuse.verify import NumericsFlags, compare_outputs
 
     exact, fp32, bf16_eager, candidate = _bf16_outputs(0, noise)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernelfuse.judge.calls import Models, TrialSettings
 from kernelfuse.judge.timedcheck import TimedInputs
-from kernelfuse.judge.trials import Models, TrialSettings, run_trial
+from kernelfuse.judge.trials import run_trial
 from kernelfuse.load import load_problem
 from kernelfuse.verify import NumericsFlags, float64_model, get_policy
 

@@ -84,7 +84,7 @@ def test_float64_copy_of_a_model_with_closures_over_its_layers():
 
 
 def test_reference64_that_cannot_run_in_float64_leaves_the_trial_to_eager():
-    from kernelfuse.judge.trials import Models, reference64_output
+    from kernelfuse.judge.calls import Models, reference64_output
 
     model = _ClosureModel()
     models = Models(model, model, float64_model(model))

@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernelfuse.fuzz.ops import KINDS, STEP_FUNCTIONS, Invalid, Kind, Params, Shape
+from kernelfuse.fuzz.kind import Invalid, Kind, Params, Shape
+from kernelfuse.fuzz.ops import KINDS, STEP_FUNCTIONS
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 SIZES = (1, 1, 2, 3, 4, 5, 7, 8, 9, 12, 16)

@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from kernelfuse.fuzz.generate import InputSpec, ModelSpec, OpSpec, leaves, materialize
-from kernelfuse.fuzz.ops import Invalid
+from kernelfuse.fuzz.kind import Invalid
 
 SHRINK_BUDGET_S = 30.0  # per failure
 

@@ -29,7 +29,8 @@ JUDGE_MODULES = (
     "kernelfuse.verify.poison", "kernelfuse.verify.params", "kernelfuse.bench.timer", "kernelfuse.bench.alternate",
     "kernelfuse.bench.stats", "kernelfuse.bench.crosscheck", "kernelfuse.bench.floor", "kernelfuse.judge.guard",
     "kernelfuse.judge.worker", "kernelfuse.judge.trials", "kernelfuse.judge.timing", "kernelfuse.judge.timedcheck",
-    "kernelfuse.judge.outputs", "kernelfuse.judge.devicestate",
+    "kernelfuse.judge.outputs", "kernelfuse.judge.devicestate", "kernelfuse.judge.calls", "kernelfuse.judge.outcome",
+    "kernelfuse.judge.sidechecks",
 )
 
 

@@ -24,9 +24,7 @@ from typing import Any
 
 import torch
 
-from kernelfuse.judge.devicestate import DeviceState
-from kernelfuse.judge.outputs import impure_output
-from kernelfuse.judge.trials import (
+from kernelfuse.judge.calls import (
     Models,
     TrialSettings,
     as_accurate_as_baseline,
@@ -35,6 +33,8 @@ from kernelfuse.judge.trials import (
     draws_random,
     reference64_output,
 )
+from kernelfuse.judge.devicestate import DeviceState
+from kernelfuse.judge.outputs import impure_output
 from kernelfuse.load import Problem
 from kernelfuse.verify import Comparison, changed_inputs, compare_outputs, inputs_to
 

@@ -29,10 +29,11 @@ from kernelfuse.bench import (
     time_alternating,
 )
 from kernelfuse.bench.anchors import record_anchors, time_anchors
+from kernelfuse.judge.calls import Models, TrialSettings
 from kernelfuse.judge.guard import Snapshot, new_threads, python_threads
 from kernelfuse.judge.options import COMPILE_MODES
 from kernelfuse.judge.timedcheck import TimedInputs
-from kernelfuse.judge.trials import Models, Probe, TrialSettings
+from kernelfuse.judge.trials import Probe
 from kernelfuse.load import Problem
 
 

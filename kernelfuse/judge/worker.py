@@ -13,101 +13,31 @@ import faulthandler
 import importlib.util
 import os
 import sys
-import threading
 import time
-import traceback
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from kernelfuse.bench import Timer
-from kernelfuse.judge.accounting import account_kernels, candidate_libraries, mapped_libraries
+from kernelfuse.judge.accounting import mapped_libraries
 from kernelfuse.judge.buildwatch import ExtensionBuild, watch_builds
+from kernelfuse.judge.calls import CandidateCallError, Models, TrialSettings
 from kernelfuse.judge.diagnose import is_cuda_fault
-from kernelfuse.judge.guard import Snapshot, compiler_threads, new_threads, python_threads, record_thread_origins
-from kernelfuse.judge.protocol import WorkerRequest, write_outcome
-from kernelfuse.judge.streams import kernel_streams
+from kernelfuse.judge.guard import Snapshot, new_threads, python_threads, record_thread_origins
+from kernelfuse.judge.outcome import Failed, Outcome, describe_error, runtime_failure
+from kernelfuse.judge.protocol import WorkerRequest
+from kernelfuse.judge.sidechecks import check_streams, note_compiler_threads, robust_trials
 from kernelfuse.judge.timing import run_timing
-from kernelfuse.judge.trials import (
-    CandidateCallError,
-    Models,
-    TrialSettings,
-    poison_reserve_for,
-    probe_reference,
-    run_trial,
-    run_trials,
-)
+from kernelfuse.judge.trials import poison_reserve_for, probe_reference, run_trials
 from kernelfuse.load import load_problem
-from kernelfuse.verify import NumericsFlags, compare_state, float64_model, get_policy, inputs_to
+from kernelfuse.verify import NumericsFlags, compare_state, float64_model, get_policy
 from kernelfuse.verify.memory import float64_need, place_float64
 
 CANDIDATE_MODULE = "kernelfuse_candidate"
 MODE_RUNS = {"train": ("train",), "eval": ("eval",), "both": ("train", "eval")}  # "train": as constructed
 MODE_LABELS = {"train": "as constructed", "eval": "eval"}
-ROBUST_INPUTS = {  # --robust: other input distributions (float inputs only), each from the problem's own seed
-    "standard normal": lambda x, seed: torch.randn(x.shape, dtype=x.dtype,
-                                                   generator=torch.Generator().manual_seed(seed)),
-    "scaled by 100": lambda x, seed: x * 100,
-    "all negative": lambda x, seed: -x.abs() - torch.finfo(x.dtype).tiny,
-}
 NO_DEVICE = "no CUDA device: not built or run"
-
-
-class Failed(Exception):
-    """Stop the worker with a failure of `kind` (the outcome already says what)."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
-class Outcome:
-    """The outcome dict under construction, written to disk at every stage."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self.data: dict[str, Any] = {"stage": "start", "stages": [], "warnings": [], "failure": None}
-
-    def stage(self, name: str) -> None:
-        self.data["stage"] = name
-        self.data["stages"].append([name, round(time.time(), 3)])
-        self.save()
-
-    def set(self, **values: Any) -> None:
-        self.data.update(values)
-        self.save()
-
-    def warn(self, message: str) -> None:
-        if message not in self.data["warnings"]:
-            self.data["warnings"].append(message)
-        self.save()
-
-    def fail(self, kind: str, message: str, **extra: Any) -> Failed:
-        self.data["failure"] = {"kind": kind, "stage": self.data["stage"], "message": message, **extra}
-        self.save()
-        return Failed(kind, message)
-
-    def save(self) -> None:
-        write_outcome(self.path, self.data)
-
-
-def describe_error(err: BaseException, candidate_path: str, line_offset: int) -> dict[str, Any]:
-    """Message plus the candidate's deepest frame (with its line in the original reply) and a short traceback."""
-    frames = traceback.extract_tb(err.__traceback__)
-    where = None
-    for frame in reversed(frames):
-        if frame.filename == candidate_path:
-            where = {"line": frame.lineno, "reply_line": (frame.lineno or 0) + line_offset,
-                     "code": (frame.line or "").strip()}
-            break
-    if isinstance(err, SystemExit):
-        message = f"the candidate called sys.exit({err.code!r})"
-    else:
-        message = f"{type(err).__name__}: {err}"
-    tb = "".join(traceback.format_exception(type(err), err, err.__traceback__)[-12:])
-    return {"message": message[:4000], "where": where, "traceback": tb[-6000:]}
 
 
 def _import_candidate(path: str) -> Any:
@@ -222,7 +152,7 @@ def run(request: WorkerRequest, out: Outcome) -> None:
         candidate.to(device)
         synchronize(device)
     except Exception as err:  # noqa: BLE001
-        raise _runtime_failure(out, request, err) from None
+        raise runtime_failure(out, request, err) from None
     def rebuild() -> torch.nn.Module:
         return problem.make_model(request.seed, init_inputs)
 
@@ -261,14 +191,14 @@ def run(request: WorkerRequest, out: Outcome) -> None:
             try:
                 trials = run_trials(problem, models, settings, request.trials, after_trial)
             except CandidateCallError as err:
-                raise _runtime_failure(out, request, err.error, when=_in_mode(err.when, mode, request)) from None
+                raise runtime_failure(out, request, err.error, when=_in_mode(err.when, mode, request)) from None
             out.set(trials=results)
             passed = all(t.passed for t in trials) and len(trials) == request.trials
             if not passed:
                 break
-        _note_compiler_threads(out, threads_before)  # before the judge's own torch.compile baseline starts any
+        note_compiler_threads(out, threads_before)  # before the judge's own torch.compile baseline starts any
         if passed and request.robust:
-            out.set(robust=_robust_trials(problem, models, settings, request))
+            out.set(robust=robust_trials(problem, models, settings, request))
         for model in (reference, candidate, reference64):
             if model is not None:
                 set_mode(model, MODE_RUNS[request.mode][0], constructed[id(model)])
@@ -277,14 +207,14 @@ def run(request: WorkerRequest, out: Outcome) -> None:
 
         if device.type == "cuda":
             out.stage("streams")
-            _check_streams(out, models, problem, settings, request, libraries_before)
+            check_streams(out, models, problem, settings, request, libraries_before)
 
         out.stage("timing")
         try:
             report = run_timing(problem, models, settings, probe, timer, request.baselines, request.timing_reps,
                                 request.warmup, request.input_sets, request.implausible_margin)
         except Exception as err:  # noqa: BLE001
-            raise _runtime_failure(out, request, err, when="timing") from None
+            raise runtime_failure(out, request, err, when="timing") from None
         out.set(timing=report.to_dict())
         for warning in report.warnings:
             out.warn(warning)
@@ -306,16 +236,6 @@ def run(request: WorkerRequest, out: Outcome) -> None:
     out.stage("done")
 
 
-def _note_compiler_threads(out: Outcome, before: frozenset[threading.Thread]) -> None:
-    """torch.compile's worker threads started by the candidate: named for what they are (not work escaping the
-    timed region: the compiled forward waits for its compilation)."""
-    names = compiler_threads(before)
-    if names:
-        out.set(compiler_threads=names)
-        out.warn(f"the candidate calls torch.compile itself: its thread(s) {', '.join(names[:6])} are torch.compile's "
-                 "(Inductor's compile workers), not work escaping the timed region; its kernels are the compiler's")
-
-
 def _in_mode(when: str, mode: str, request: WorkerRequest) -> str:
     return when if request.mode == "train" else f"{when}, {MODE_LABELS[mode]} mode"
 
@@ -334,23 +254,6 @@ def set_mode(model: torch.nn.Module, mode: str, constructed: list[tuple[torch.nn
         return
     for module, training in constructed:
         module.training = training
-
-
-def _robust_trials(problem: Any, models: Models, settings: TrialSettings, request: WorkerRequest) -> dict[str, Any]:
-    """One trial per other input distribution; failures are reported, never raised (the main verdict stands)."""
-    failures: list[str] = []
-    for j, (name, transform) in enumerate(ROBUST_INPUTS.items()):
-        def make_inputs(seed: int, transform: Any = transform) -> list[Any]:
-            return [transform(x, seed) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
-                    for x in problem.make_inputs(seed)]
-        try:
-            result = run_trial(problem, models, settings, request.trials + 1 + j, [], make_inputs)
-        except CandidateCallError as err:
-            failures.append(f"{name}: the candidate raised: {type(err.error).__name__}: {err.error}"[:500])
-            continue
-        if not result.passed:
-            failures.append(f"{name}: {result.reason}"[:500])
-    return {"ok": not failures, "failures": failures, "distributions": list(ROBUST_INPUTS)}
 
 
 def _float64_reference(out: Outcome, reference: torch.nn.Module, rebuild: Any, probe: Any, device: torch.device
@@ -380,46 +283,6 @@ def _wants_float64(request: WorkerRequest, policy: Any) -> bool:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _check_streams(out: Outcome, models: Models, problem: Any, settings: TrialSettings, request: WorkerRequest,
-                   libraries_before: frozenset[str]) -> None:
-    """Record the CUDA streams the candidate's kernels use beyond the reference's, and the share of its GPU time
-    in kernels of its own (kernelfuse.judge.accounting)."""
-    pristine = problem.make_inputs(settings.seed, settings.device)
-    try:  # each call's private inputs copied before the profiler starts: the copy is not the model's GPU work
-        ref_inputs, cand_inputs = inputs_to(pristine, settings.device), inputs_to(pristine, settings.device)
-        settings.default_flags.apply()
-        # eager as it is timed: under the policy's autocast (its busy time and kernel names are the bf16 ones)
-        autocast = settings.policy.autocast if settings.device.type == "cuda" else None
-        with torch.autocast(settings.device.type, dtype=autocast) if autocast is not None else nullcontext():
-            ref = kernel_streams(lambda: models.reference(*ref_inputs))
-        settings.candidate_flags.apply()
-        cand = kernel_streams(lambda: models.candidate(*cand_inputs))
-        settings.default_flags.apply()
-    except CandidateCallError:
-        raise
-    except Exception as err:  # noqa: BLE001 - the profiler is a cross-check, not a requirement
-        out.warn(f"stream check unavailable: {type(err).__name__}: {str(err)[:200]}")
-        return
-    extra = sorted(cand.streams - ref.streams)
-    out.set(streams={"reference": sorted(ref.streams), "candidate": sorted(cand.streams), "extra": extra,
-                     "gpu_activities": cand.count, "reference_busy_ms": round(ref.busy_ms, 4),
-                     "candidate_busy_ms": round(cand.busy_ms, 4)})
-    account = account_kernels(cand.work, {name for name, *_ in ref.work}, Path(request.candidate_path).read_text(),
-                              candidate_libraries(libraries_before))
-    out.set(kernels=account.to_dict())
-    if extra:
-        out.warn(f"the candidate's kernels ran on CUDA stream(s) {extra} besides the current stream "
-                 f"{sorted(ref.streams)}: fine if joined before returning; the timing cross-check decides")
-
-
-def _runtime_failure(out: Outcome, request: WorkerRequest, err: BaseException, when: str | None = None) -> Failed:
-    info = describe_error(err, request.candidate_path, request.line_offset)
-    kind = "cuda_fault" if is_cuda_fault(info["message"]) else "runtime_error"
-    if when:
-        info["when"] = when
-    return out.fail(kind, **info)
 
 
 def main(argv: list[str]) -> int:
