@@ -31,6 +31,7 @@ from kernelfuse.codegen.reduce import row_kernel, row_strategy, row_workspace
 from kernelfuse.codegen.reduce_prelude import REDUCE_PRELUDE
 from kernelfuse.codegen.scan import scan_kernel
 from kernelfuse.codegen.split import split_chunks, split_kernel, split_workspace
+from kernelfuse.codegen.tiled import tiled_launch, tiled_layout_change, tiled_loop
 from kernelfuse.ops import float_literal
 from kernelfuse.ops.scans import SCAN_KINDS
 from kernelfuse.plan.ir import GenStep, Plan
@@ -100,6 +101,7 @@ def _flat_kernel(step: GenStep, ctype: str) -> str:
     vectorised = same_layout or packed.pop("src", None) == "run"
     if not vectorised:
         vec, packed = 1, {}
+    tiled = not vectorised and tiled_layout_change(space)  # a layout change: through shared-memory tiles
     packed.pop("src", None)
     given = {name: f"x_{name}" for name in packed}
     element = ["      float y = value_at(i, acc" + "".join(f", x_{n}" for n in packed if n.startswith("in")) + ");"]
@@ -144,12 +146,14 @@ def _flat_kernel(step: GenStep, ctype: str) -> str:
         if not packed and same_layout:  # (a packed space's numel is a multiple of VEC: no tail)
             lines += ["    for (INDEX i = NUMEL / VEC * VEC + first; i < NUMEL; i += stride)",
                       f"      out[i] = kf_store<{ctype}>(element(i, kf_load(src[i])));"]
+    elif tiled:
+        lines += tiled_loop(space, ctype)
     else:
         lines += ["    for (INDEX i = first; i < NUMEL; i += stride)",
                   f"      out[i] = kf_store<{ctype}>(element(i, source(i)));"]
     lines += ["  }", "}", ""]
     runs = [_pointer(name) for name, kind in packed.items() if kind == "run"]
-    return "\n".join(lines) + _flat_launcher(step, ctype, numel, vec, runs)
+    return "\n".join(lines) + _flat_launcher(step, ctype, numel, vec, runs, tiled_launch(space) if tiled else None)
 
 
 def _packed(space: Space, vec: int) -> dict[str, str]:
@@ -184,15 +188,18 @@ def _pack_line(step: GenStep, name: str, kind: str) -> str:
     return f"      const kf_pack<{ctype}, VEC> k_{name} = kf_pack_load<{ctype}, VEC>({ptr} + b_{name});"
 
 
-def _flat_launcher(step: GenStep, ctype: str, numel: int, vec: int, runs: list[str]) -> str:
+def _flat_launcher(step: GenStep, ctype: str, numel: int, vec: int, runs: list[str],
+                   config: tuple[str, str] | None = None) -> str:
     """VEC-wide where the source, the output and the packed runs (`runs`: their kernel pointer names, which are
-    the launcher's own but for the program operands') are 16-byte aligned, else one element at a time."""
+    the launcher's own but for the program operands') are 16-byte aligned, else one element at a time. `config`:
+    the grid's declaration and the launch configuration where they are not a grid-stride loop's
+    (kernelfuse.codegen.tiled)."""
     k = step.kernel
     params, args = launch_params(step, ctype)
     names = {_pointer(n): n for n, _ in tensor_args(step)}
     aligned = " && ".join(f"((uintptr_t){p} % 16 == 0)" for p in ["src", "out", *(names[r] for r in runs)])
-    launch = (f"{k}_kernel<{{VEC}}><<<kf_blocks({numel}LL / {{VEC}}, {BLOCK}), {BLOCK}, 0, stream>>>({args}, "
-              f"({ctype}*)out);")
+    declare, chevrons = config or ("", f"<<<kf_blocks({numel}LL / {{VEC}}, {BLOCK}), {BLOCK}, 0, stream>>>")
+    launch = f"{declare}{k}_kernel<{{VEC}}>{chevrons}({args}, ({ctype}*)out);"
     body = f"  if ({aligned})\n    {launch.format(VEC=vec)}\n  else\n    {launch.format(VEC=1)}" if vec > 1 \
         else f"  {launch.format(VEC=1)}"
     return f"""
