@@ -22,7 +22,7 @@ import torch
 from kernelfuse.bench import Timer
 from kernelfuse.judge.accounting import mapped_libraries
 from kernelfuse.judge.buildwatch import ExtensionBuild, watch_builds
-from kernelfuse.judge.calls import CandidateCallError, Models, TrialSettings
+from kernelfuse.judge.calls import CandidateCallError, Models, TrialSettings, synchronize
 from kernelfuse.judge.diagnose import is_cuda_fault
 from kernelfuse.judge.guard import Snapshot, new_threads, python_threads, record_thread_origins
 from kernelfuse.judge.outcome import Failed, Outcome, describe_error, runtime_failure
@@ -278,11 +278,6 @@ def _float64_reference(out: Outcome, reference: torch.nn.Module, rebuild: Any, p
 
 def _wants_float64(request: WorkerRequest, policy: Any) -> bool:
     return request.float64 == "always" or (request.float64 == "auto" and policy.name == "strict")
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main(argv: list[str]) -> int:
