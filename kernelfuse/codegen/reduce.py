@@ -298,14 +298,17 @@ def running_lines(step: GenStep, red: int, ctype: str, ind: str, who: str = "lan
             f"{ind}}}"]
 
 
-def normalised(step: GenStep, offset: Callable[[str], str]) -> str:
-    """The normalised element `value(r)` given its row's `mean` and `rstd`; `offset(name)`: the affine operand's."""
+def normalised(step: GenStep, offset: Callable[[str], str], value: str = "value(r)",
+               operand: Callable[[str], str] | None = None) -> str:
+    """The normalised element `value` given its row's `mean` and `rstd`; `offset(name)`: the affine operand's
+    (`operand(name)`: its whole expression instead, a value already loaded)."""
     spec = step.spec
-    expr = "(value(r) - mean) * rstd"
+    load = operand or (lambda n: f"kf_load({n}[{offset(n)}])")
+    expr = f"({value} - mean) * rstd"
     if spec.weight is not None:  # type: ignore[attr-defined]
-        expr = f"({expr}) * kf_load(weight[{offset('weight')}])"
+        expr = f"({expr}) * {load('weight')}"
     if spec.bias is not None:  # type: ignore[attr-defined]
-        expr = f"{expr} + kf_load(bias[{offset('bias')}])"
+        expr = f"{expr} + {load('bias')}"
     return expr
 
 

@@ -8,30 +8,26 @@ Chan's formula) and normalises every element in a pass of its own; its numerics 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from kernelfuse.codegen.arg_reduce import INDEX_KINDS, arg_split_combine, arg_split_partial, arg_workspace
 from kernelfuse.codegen.iteration import (
     BLOCK,
-    Space,
+    UNROLL,
     decompose,
-    epilogue_lines,
     index_type,
     launch_params,
     out_ctype,
     pointer_params,
-    shape_numel,
     space_of,
     value_lambda,
 )
 from kernelfuse.codegen.reduce import (
     REDUCE_OPS,
-    normalised,
     reads_rows_contiguously,
     reduced_store,
     rstd,
     running_lines,
 )
+from kernelfuse.codegen.split_normalise import normalise_kernels, normalise_pass, normalise_strategy
 from kernelfuse.ops import float_literal
 from kernelfuse.plan.ir import GenStep
 
@@ -44,15 +40,6 @@ SPLIT_MIN_CHUNK = 4096
 STRIDED_SPLIT_MAX_ROWS = 32768  # from here one thread per strided row keeps the GPU busy
 STRIDED_TILE = 32  # neighbouring rows a split-strided block reads side by side (fewer rows: a power of two above)
 STRIDED_MIN_CHUNK = 256  # elements of a row per split-strided block: 32 per warp
-# iterations of a thread's loop over a contiguous chunk issued together: one 4-byte load in flight per thread
-# (2048 per SM, 8 KB) is too few to cover memory latency on an H100; the results are bitwise the same
-UNROLL = 4
-# The normalise pass walks a column's rows in one thread (the row's weight and bias read once for all of them, not
-# once a row: a 16 x 4194304 LayerNorm read 16 x 32 MB of affine parameters) for at most this many rows.
-ROWS_INNER_MAX = 64
-# ... and only where a thread per column still fills an H100 (132 SMs x 2048 threads): fewer columns would leave
-# too few loads in flight for the memory system (not measured: the bound is set so as not to need it).
-ROWS_INNER_MIN_COLS = 1 << 18
 
 
 def split_chunks(step: GenStep) -> int:
@@ -111,8 +98,7 @@ def split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
     tiles = f", tiles of {tile} rows" if strided else ""
     then = "a combine kernel"
     if norm:
-        then = "a Welford combine kernel, then a normalise kernel " + ("in the output's order" if _transposed_dim(space) is None
-                                                             else "in 32 x 32 tiles transposed through shared memory")
+        then = f"a Welford combine kernel, then {normalise_strategy(space)}"
     lines = [f"// strategy: split{' norm' if norm else ''}{' strided' if strided else ''}, {rows} rows of {red} in "
              f"{chunks} chunks of {-(-red // chunks)}{tiles}, then {then}"]
     scale = float_literal(1.0 / red)
@@ -126,13 +112,9 @@ def split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
                    *running_lines(step, red, ctype, "  ")]
         lines += _split_partial(step, ctype, chunks, "moments", None)
         lines += _split_combine_welford(step, ctype, chunks, moments)
-        lines += _split_normalise(step, ctype, space, stats)
-        ds = _transposed_dim(space)
-        elements = shape_numel(space.sizes) if ds is None else _tiles(space, ds) * BLOCK  # a tile per block
-        if ds is None and _rows_inner(space):
-            elements = space.count("r")  # a thread per column
+        lines += normalise_kernels(step, ctype, space, stats)
         passes = [("moments", partial_grid, "float*"), ("combine", combine_grid, "float*"),
-                  ("normalise", f"kf_blocks({elements}LL, {BLOCK})", "const float*")]
+                  normalise_pass(step, space, stats)]
     elif spec.kind in INDEX_KINDS:  # type: ignore[attr-defined]
         lines += _split_partial(step, ctype, chunks, "partial", None)
         combine = arg_split_combine(spec.kind, rows, chunks)  # type: ignore[attr-defined]
@@ -146,9 +128,7 @@ def split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
         lines += _split_combine(step, ctype, chunks, "combine", op, identity, finish, const=True)
         passes = [("partial", partial_grid, "float*"), ("combine", combine_grid, "const float*")]
     params, args = launch_params(step, ctype)
-    launches = "\n".join(f"  {k}_{name}<<<{grid}, {BLOCK}, 0, stream>>>({args}, ({out_ctype(step)}*)out, "
-                         f"({work})work);"
-                         for name, grid, work in passes)
+    launches = "\n".join(_launch(k, pass_, args, out_ctype(step)) for pass_ in passes)
     lines.append(f"""
 KF_EXPORT cudaError_t {k}_launch({params}, void* out, void* work, cudaStream_t stream) {{
 {launches}
@@ -283,103 +263,13 @@ def _split_combine(step: GenStep, ctype: str, chunks: int, name: str, op: str, i
             *finish, "}", ""]
 
 
-def _split_normalise(step: GenStep, ctype: str, space: Space, stats: int) -> list[str]:
-    """Kernel `{k}_normalise`: every element normalised with its row's mean and 1/std from `work`, then the
-    epilogue. Where the source's unit-stride dim is the output's (NCHW) a flat loop in that order; else (a
-    channels-last source) 32 x 32 tiles through shared memory, read along the source's unit-stride dim and written
-    along the output's, so both sides coalesce. The pseudo-tensor `row` maps an element to its row."""
-    row_strides, acc = [0] * len(space.sizes), 1
-    for d in reversed(space.dims("k")):
-        row_strides[d], acc = acc, acc * space.sizes[d]
-    strides = {**space.strides, "row": tuple(row_strides)}
-    ds = _transposed_dim(space)
-    head = [f"__global__ void __launch_bounds__({BLOCK}) {step.kernel}_normalise({pointer_params(step, ctype)}, "
-            "const float* __restrict__ work) {",
-            f"  typedef {index_type(step)} INDEX;"]
-    if ds is None:
-        flat = Space(space.sizes, ("t",) * len(space.sizes), strides)
-        lines = [*head, "  {", *value_lambda(step, flat, "t", None)]
-        cols, rows = space.count("r"), space.count("k")
-        if _rows_inner(space):  # r = row * cols + c: a warp's columns coalesce in every row
-            lines += [f"    for (INDEX c = (INDEX)blockIdx.x * blockDim.x + threadIdx.x; c < (INDEX){cols}; "
-                      "c += (INDEX)gridDim.x * blockDim.x) {", f"#pragma unroll {UNROLL}",
-                      f"    for (INDEX rw = 0; rw < (INDEX){rows}; ++rw) {{", f"      const INDEX r = rw * {cols} + c;"]
-            close = ["    }", "    }"]
-        else:
-            lines += [f"#pragma unroll {UNROLL}",
-                      f"    for (INDEX r = (INDEX)blockIdx.x * blockDim.x + threadIdx.x; r < (INDEX){shape_numel(space.sizes)}; "
-                      "r += (INDEX)gridDim.x * blockDim.x) {"]
-            close = ["    }"]
-        lines += _normalise_element(step, flat, stats, rows, lambda n: f"a_{n}")
-        lines += epilogue_lines(step, "r", "      ")
-        return lines + [f"      out[r] = kf_store<{out_ctype(step)}>(e_result);", *close, "  }", "}", ""]
-    return head + _transposed_normalise(step, ctype, space, strides, ds, stats)
-
-
-def _rows_inner(space: Space) -> bool:
-    """Does the flat normalise pass take a column's rows in one thread: few rows, the kept dims outermost (so
-    element r is row * cols + c), columns enough to fill the GPU?"""
-    rows, cols = space.count("k"), space.count("r")
-    return 1 < rows <= ROWS_INNER_MAX and cols >= ROWS_INNER_MIN_COLS and space.classes == tuple(sorted(space.classes))
-
-
-def _transposed_dim(space: Space) -> int | None:
-    """The source's unit-stride dim where it is not the output's (the last): the normalise pass then transposes
-    through shared memory; None where one flat order coalesces both."""
-    unit = [d for d in range(len(space.sizes)) if space.strides["src"][d] == 1]
-    return unit[-1] if unit and unit[-1] != len(space.sizes) - 1 else None
-
-
-def _tiles(space: Space, ds: int) -> int:
-    """32 x 32 tiles of the transposing normalise pass: over dims `ds` and the last, times every other index."""
-    n_ds, n_do = space.sizes[ds], space.sizes[-1]
-    return shape_numel(space.sizes) // (n_ds * n_do) * -(-n_ds // 32) * -(-n_do // 32)
-
-
-def _transposed_normalise(step: GenStep, ctype: str, space: Space, strides: dict[str, tuple[int, ...]], ds: int,
-                          stats: int) -> list[str]:
-    """The tiled body of `{k}_normalise`: dims `ds` (the source's unit stride) and the last (the output's) are the
-    tile's; a block loops over (other dims, tile rows, tile columns)."""
-    do = len(space.sizes) - 1
-    n_ds, n_do = space.sizes[ds], space.sizes[do]
-    tiles_ds, tiles_do = -(-n_ds // 32), -(-n_do // 32)
-    tiled = Space(space.sizes, tuple("t" if d in (ds, do) else "k" for d in range(len(space.sizes))), strides)
-    tiles = _tiles(space, ds)
-    flat_r = ("i_ds * {n} + i_do" if ds < do else "i_do * {n} + i_ds").format(n=n_do if ds < do else n_ds)
-    operands = [f"in{i}" for i in range(len(step.prologue.operands))]
-    affine = [n for n in ("weight", "bias") if n in space.strides]
-    lines = ["  __shared__ float tile[32][33];",
-             f"  for (INDEX t = blockIdx.x; t < (INDEX){tiles}; t += gridDim.x) {{",
-             f"    const INDEX t_do = t % {tiles_do}, t_ds = t / {tiles_do} % {tiles_ds}, b = t / {tiles_do * tiles_ds};"]
-    lines += decompose(tiled, "k", "b", "b_", ["src", *operands, "out", "row", *affine], "    ")
-    lines += value_lambda(step, tiled, "t", "b_")
-    lines += ["    const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;",
-              "#pragma unroll  // a constant trip count: the rows' loads and math interleave",
-              f"    for (int jj = 0; jj < {32 // (BLOCK // 32)}; ++jj) {{  // read along the source's unit-stride dim",
-              f"      const int j = ty + jj * {BLOCK // 32};",
-              "      const INDEX i_ds = t_ds * 32 + tx, i_do = t_do * 32 + j;",
-              f"      if (i_ds >= {n_ds} || i_do >= {n_do}) continue;",
-              f"      const INDEX r = {flat_r};"]
-    lines += _normalise_element(step, tiled, stats, space.count("k"), lambda n: f"b_{n} + a_{n}")
-    lines += ["      tile[j][tx] = y;", "    }", "    __syncthreads();",
-              "#pragma unroll",
-              f"    for (int jj = 0; jj < {32 // (BLOCK // 32)}; ++jj) {{  // write along the output's",
-              f"      const int j = ty + jj * {BLOCK // 32};",
-              "      const INDEX i_ds = t_ds * 32 + j, i_do = t_do * 32 + tx;",
-              f"      if (i_ds >= {n_ds} || i_do >= {n_do}) continue;",
-              f"      const INDEX r = {flat_r};"]
-    lines += decompose(tiled, "t", "r", "w_", ["out"], "      ")
-    lines += ["      const INDEX i = b_out + w_out;", "      const float y = tile[tx][j];"]
-    lines += epilogue_lines(step, "i", "      ")
-    return lines + [f"      out[i] = kf_store<{out_ctype(step)}>(e_result);", "    }", "    __syncthreads();", "  }", "}",
-                    ""]
-
-
-def _normalise_element(step: GenStep, space: Space, stats: int, rows: int, offset: Callable[[str], str]) -> list[str]:
-    """`y`: element r normalised by its row's statistics (mean at work[stats + row], 1/std `rows` further), its
-    row and affine offsets over the `t` dims as `a_*` (`offset(name)` adds the rest)."""
-    affine = [n for n in ("weight", "bias") if n in space.strides]
-    row = offset("row")
-    return decompose(space, "t", "r", "a_", ["row", *affine], "      ") + [
-        f"      const float mean = work[{stats} + {row}], rstd = work[{stats + rows} + {row}];",
-        f"      const float y = {normalised(step, offset)};"]
+def _launch(k: str, pass_: tuple[str, ...], args: str, out_t: str) -> str:
+    """One pass's launch: (name, grid, work's type), and where it has a 16-byte kernel (`{name}4`) the condition
+    on its pointers' alignment and that kernel's grid."""
+    name, grid, work = pass_[:3]
+    call = f"({args}, ({out_t}*)out, ({work})work);"
+    if len(pass_) == 3:
+        return f"  {k}_{name}<<<{grid}, {BLOCK}, 0, stream>>>{call}"
+    aligned, grid4 = pass_[3:]
+    return (f"  if ({aligned})\n    {k}_{name}4<<<{grid4}, {BLOCK}, 0, stream>>>{call}\n"
+            f"  else\n    {k}_{name}<<<{grid}, {BLOCK}, 0, stream>>>{call}")
