@@ -3,6 +3,7 @@ CPU checks, an nvcc sample, and the regression files of the bugs it found."""
 
 from __future__ import annotations
 
+import random
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -12,12 +13,15 @@ import torch
 
 import kernelfuse.fuzz.cli as fuzz_cli
 import kernelfuse.fuzz.device as device
+from kernelfuse.capture import build_model, capture
 from kernelfuse.fuzz.generate import InputSpec, ModelSpec, OpSpec, generate, materialize, render
 from kernelfuse.fuzz.layers import ATTENTION_FORMS
 from kernelfuse.fuzz.ops import KINDS
 from kernelfuse.fuzz.run import Outcome, run_problem
 from kernelfuse.fuzz.shrink import shrink
 from kernelfuse.load import load_problem
+from kernelfuse.plan import TorchStep, make_plan
+from kernelfuse.rewrite import rewrite
 
 REGRESSIONS = sorted((Path(__file__).parent / "fixtures" / "problems" / "fuzz").glob("*.py"))
 BATCH = 300
@@ -59,6 +63,31 @@ def test_each_attention_form_of_the_vocabulary_becomes_one_kernel(form, dtype, t
     assert run.outcome.status == "ok", run.outcome.describe()
     text = run.emitted[0].text if run.emitted else ""
     assert text.count("(flash attention)") == 1, text[:2000]
+
+
+def test_the_cat_chain_kind_runs_in_eager_and_a_dense_block_shares_one_buffer(tmp_path):
+    """The growing concatenation (kernelfuse.fuzz.catchain), drawn for several seeds (both forms, several dims and
+    pieces): eager runs each rendered model at the shape drawn. A list-form draw of a DenseNet block (a 1x1
+    convolution, then reductions, along the channels) is planned as one shared buffer (kernelfuse.plan.catbuffer):
+    the first concatenation allocates the last one's buffer, each copies only its new piece."""
+    def chain(seed: int, shape: tuple[int, ...], params: dict) -> tuple[Path, tuple[int, ...]]:
+        op = OpSpec("cat_chain", (0,), tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in params.items()))
+        spec = ModelSpec(0, seed, "float32", False, (InputSpec(shape),), (op,), (1,))
+        return _write(tmp_path, spec), materialize(spec).shapes[1]
+
+    draws = [(s, (2, 6, 3, 4) if s % 2 else (5, 7), KINDS["cat_chain"].draw(random.Random(s), [])) for s in range(8)]
+    assert {p["nested"] for _, _, p in draws} == {True, False}
+    for seed, shape, params in draws:
+        path, out_shape = chain(seed, shape, params)
+        problem = load_problem(path)
+        with torch.no_grad():
+            assert tuple(problem.make_model()(*problem.make_inputs(0)).shape) == out_shape
+    params = {**draws[0][2], "k": 3, "d": 1, "nested": False, "pieces": [5, 0, 1, 2], "grow": [2, 1, 1, 1], "leak": ""}
+    problem = load_problem(chain(8, (2, 6, 3, 4), params)[0])
+    plan = make_plan(rewrite(capture(problem, build_model(problem))))
+    shared = [(s.into.buffer, s.into.first, [o for _, o in s.into.copies]) for s in plan.steps
+              if isinstance(s, TorchStep) and s.into is not None]
+    assert shared == [("cat_2", True, [0, 6]), ("cat_2", False, [8]), ("cat_2", False, [9])], plan.summary()
 
 
 def test_generated_files_are_valid_problems(tmp_path):

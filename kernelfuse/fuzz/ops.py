@@ -5,7 +5,7 @@ is given, so a shrunk model (smaller dims, ops dropped) re-renders the same ops 
 `{a1}`: the operands); it raises `Invalid` where the shapes do not fit (the generator then draws another op).
 Only ops eager runs on the CPU in every dtype are kept: the generator executes each one as it draws it.
 What a kind is: kernelfuse.fuzz.kind; the layer kinds (norms, linear, attention, convolution, pooling):
-kernelfuse.fuzz.layers.
+kernelfuse.fuzz.layers; the growing concatenation (a DenseNet block's): kernelfuse.fuzz.catchain.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import random
 
+from kernelfuse.fuzz.catchain import draw_cat_chain, render_cat_chain
 from kernelfuse.fuzz.kind import Invalid, Kind, Params, Shape
 from kernelfuse.fuzz.layers import (
     draw_attention,
@@ -250,4 +251,5 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("pool", 1, 1.5, draw_pool, render_pool, min_rank=3),
     Kind("view", 1, 3.0, _draw_view, _render_view),
     Kind("cat", 2, 1.0, _draw_cat, _render_cat, min_rank=1),
+    Kind("cat_chain", 1, 0.75, draw_cat_chain, render_cat_chain, min_rank=2),
 )}
