@@ -17,6 +17,9 @@ from kernelfuse.bench.timer import median_event_ms
 SHAPES = [  # (rows, in, out): BERT-base at 8 x 512 tokens, Whisper's encoder at 4 x 1500, Llama's MLP
     (4096, 768, 768), (4096, 768, 3072), (4096, 3072, 768), (6000, 512, 512), (6000, 512, 2048), (6000, 2048, 512),
     (2048, 1024, 2816), (2048, 2816, 1024),
+    # 2-d Linears: a CNN's classifier at batch 10 (VGG's three, a ResNet head, LeNet's), level-2 GEMM sizes
+    (10, 25088, 4096), (10, 4096, 4096), (10, 4096, 1000), (10, 2048, 1000), (10, 400, 120), (10, 84, 10),
+    (128, 8192, 8192), (1024, 8192, 8192),
 ]
 
 

@@ -117,11 +117,18 @@ def test_an_output_whose_layout_changed_is_copied_back(tmp_path):
     assert check.ok, check
 
 
-def test_a_view_that_needs_the_old_strides_gives_no_channels_last_graph(tmp_path):
-    # `view` of a channels-last tensor to (N, C * H * W) has no strides: the variant is not made, the others are
-    _, _, graph, plans = _plans(tmp_path, "self.fc(y.view(4, -1)[:, :16])")
-    assert channels_last_graph(graph) is None
-    assert "fused-cl" not in [p.variant for p in plans]
+def test_a_view_that_needs_the_old_strides_reads_a_contiguous_copy(tmp_path):
+    # `view` of a channels-last tensor to (N, C * H * W) has no strides (a classifier's flatten): it reads a
+    # contiguous copy of its input, and the variant is made and checked
+    problem, model, graph, plans = _plans(tmp_path, "self.fc(y.view(4, -1)[:, :16])")
+    changed = channels_last_graph(graph)
+    assert changed is not None
+    (view,) = [n for n in changed.nodes if n.op == "view.default"]
+    assert changed[view.args[0]].op == "clone.default" and changed[view.args[0]].meta.is_contiguous
+    plan = plans[-1]
+    assert plan.variant == "fused-cl"
+    (check,) = check_plans(problem, model, graph, [plan])
+    assert check.ok, check
 
 
 def test_a_view_the_fake_tensors_accept_but_real_ones_refuse_gives_no_channels_last_graph(tmp_path):
@@ -155,16 +162,35 @@ def forward(self, x):
     assert all(check.ok for check in check_plans(problem, model, graph, plans))
 
 
-def test_a_pooling_left_to_torch_gives_its_pointwise_ops_to_another_kernel(tmp_path):
-    # the pooling kernel writes NCHW only: max_pool stays a torch call (channels-last in and out). The ReLU that a
-    # rewrite moved behind it (max then relu) was its kernel's epilogue; it joins the next kernel's prologue
-    # instead of staying a torch call of its own
+def test_a_pooling_of_the_channels_last_graph_is_a_kernel_writing_channels_last(tmp_path):
+    # the pool reads and writes channels-last, the ReLU that a rewrite moved behind it (max then relu) inside
     problem, model, graph, plans = _plans(tmp_path, "self.fc(F.max_pool2d(y, 2).mean((2, 3)))")
-    nchw, plan = plans[-2], plans[-1]
-    assert "max_pool2d_with_indices -> relu" in [s.chain(nchw.graph) for s in nchw.generated]
-    (pool,) = [s for s in plan.steps if getattr(s, "node", None) is not None and "max_pool" in s.node.op]
-    assert "channels-last graph" in pool.reason
-    assert "relu -> mean" in [s.chain(plan.graph) for s in plan.generated]
+    plan = plans[-1]
+    (pool,) = [s for s in plan.generated if s.spec is not None and s.spec.kind == "max_pool"]
+    assert pool.chain(plan.graph) == "max_pool2d_with_indices -> relu"
+    assert pool.pools_channels_last and pool.out_strides == (16 * 36, 1, 16 * 6, 16)
+    assert "channels-last in and out" in generate(plan).cuda
+    assert emulated_against_interpreter(plan, tmp_path, ulps=16) == len(plan.generated)
+    (check,) = check_plans(problem, model, graph, [plan])
+    assert check.ok, check
+
+
+def test_a_vgg_stack_stays_channels_last_from_input_to_classifier(tmp_path):
+    """VGG's pattern: convolution + ReLU pairs are cuDNN's conv+bias+ReLU call on channels-last operands (no pass
+    of ours), the pools read and write channels-last, the last one writes the NCHW copy the flatten reads."""
+    problem = load_problem(Path(__file__).parent / "fixtures" / "problems" / "zoo_vgg_cl.py")
+    model = build_model(problem).eval()
+    graph = rewrite(capture(problem, model))
+    plan = plan_variants(graph)[-1]
+    assert plan.variant == "fused-cl"
+    relus = [s for s in plan.fused if s.anchor.family == "conv"]
+    assert relus and all(s.anchor.fused_relu and not s.needs_kernel for s in relus)  # c1 (c2, c3: bias, relu pooled)
+    pools = [s for s in plan.generated if s.spec is not None and s.spec.kind.endswith("pool")]
+    assert [s.pools_channels_last for s in pools] == [True, True, False]  # the last writes the flatten's NCHW
+    assert not [s for s in plan.unfused if "pool" in s.node.op]
+    sources = generate(plan)
+    check_bindings(plan, sources)
+    assert emulated_against_interpreter(plan, tmp_path, ulps=16) == len(plan.generated)
     (check,) = check_plans(problem, model, graph, [plan])
     assert check.ok, check
 

@@ -173,3 +173,12 @@ def test_concatenations_sharing_a_buffer_match_eager(tmp_path: Path) -> None:
             assert not any("CatArray" in k for k in ran), (plan.variant, sorted(ran))
     finally:
         torch.backends.cudnn.allow_tf32 = tf32
+
+
+@pytest.mark.gpu
+def test_a_channels_last_vgg_stack_matches_eager(tmp_path: Path) -> None:
+    """The channels-last graph's conv+bias+ReLU calls, its pools writing channels-last, the flatten's NCHW copy."""
+    path = Path(__file__).parent / "fixtures" / "problems" / "zoo_vgg_cl.py"
+    ref, new, inputs = _pair(tmp_path, path, 0)
+    with torch.no_grad():
+        torch.testing.assert_close(new(*inputs), ref(*inputs), atol=1e-4, rtol=1e-4)

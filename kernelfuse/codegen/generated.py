@@ -222,7 +222,7 @@ def _binding(plan: Plan, step: GenStep) -> Binding:
         meta = metas[name]
         lines.append(f'    _check({name}, "{k} {name} (%{ref.name})", {py_tuple(meta.shape)}, {py_tuple(meta.stride)}, '  # type: ignore[attr-defined]
                      f"{tensor_dtype(step, name)})")  # the type its pointer has in the kernel
-    strides = step.permuted_out
+    strides = step.out_strides
     # out is allocated from src: its dtype is named wherever src's differs (an argmax's int64; a pointwise kernel
     # adding an fp32 residual to a bf16 source writes fp32)
     of_dtype = "" if step.out_meta.dtype == tensor_dtype(step, "src") else f", dtype={step.out_meta.dtype}"

@@ -54,14 +54,15 @@ def pool_kernel(step: GenStep, ctype: str) -> str:
     channels_last = reads_channels_last(step) and len(lead_in) == 2  # (N, C) before the pooled dims
     if not channels_last and last_dim_only(win, in_shape, out_shape):
         return _tiled_row_pool_kernel(step, ctype)
+    if step.pools_channels_last:
+        return _channels_last_out_pool_kernel(step, ctype)
     if channels_last:
         return _channels_last_pool_kernel(step, ctype)
     per_thread = 1 if win.adaptive else row_outputs(win, out_shape[-1])
     if per_thread > 1:
         return _row_pool_kernel(step, ctype, per_thread)
     order = "output order"
-    geometry = f"adaptive to {list(out_shape[-nd:])}" if win.adaptive else \
-        f"kernel {list(win.kernel)}, stride {list(win.stride)}, padding {list(win.padding)}, dilation {list(win.dilation)}"
+    geometry = _geometry(win, out_shape)
     lines = [f"// pooling: {geometry}; threads in {order}",
              f"__global__ void __launch_bounds__({BLOCK}) {k}_kernel({pointer_params(step, ctype)}) {{",
              f"  typedef {index_t} INDEX;",
@@ -134,8 +135,7 @@ def _channels_last_pool_kernel(step: GenStep, ctype: str) -> str:
     channels, images = in_shape[1], in_shape[0]
     osz = shape_numel(out_shape[-nd:])
     max_pool = spec.kind == "max_pool"  # type: ignore[attr-defined]
-    geometry = f"adaptive to {list(out_shape[-nd:])}" if win.adaptive else \
-        f"kernel {list(win.kernel)}, stride {list(win.stride)}, padding {list(win.padding)}, dilation {list(win.dilation)}"
+    geometry = _geometry(win, out_shape)
     lines = [f"// pooling: {geometry}; a channels-last source, staged through shared memory into NCHW",
              f"__global__ void __launch_bounds__({BLOCK}) {k}_kernel({pointer_params(step, ctype)}) {{",
              f"  typedef {index_type(step)} INDEX;",
@@ -162,6 +162,41 @@ def _channels_last_pool_kernel(step: GenStep, ctype: str) -> str:
     lines += [f"    out[i] = kf_store<{out_ctype(step)}>(e_result);", "  }", "}", ""]
     grid = f"dim3({-(-osz // 32)}, {-(-channels // 32)}, {images})"
     return "\n".join(lines) + launcher(step, ctype, grid)
+
+
+def _channels_last_out_pool_kernel(step: GenStep, ctype: str) -> str:
+    """A pool of a channels-last source into a channels-last output (the channels-last graph's): one thread per
+    output in the output's memory order, channel fastest, so a warp's window loads read neighbouring channels and
+    its stores write neighbouring ones, both contiguous."""
+    win = step.spec.window  # type: ignore[attr-defined]
+    k = step.kernel
+    in_shape, out_shape = step.prologue.space, step.epilogue.space
+    nd = len(win.kernel)
+    channels = in_shape[1]
+    osz = shape_numel(out_shape[-nd:])
+    numel = shape_numel(out_shape)
+    max_pool = step.spec.kind == "max_pool"  # type: ignore[attr-defined]
+    lines = [f"// pooling: {_geometry(win, out_shape)}; channels-last in and out, threads in the output's memory order",
+             f"__global__ void __launch_bounds__({BLOCK}) {k}_kernel({pointer_params(step, ctype)}) {{",
+             f"  typedef {index_type(step)} INDEX;",
+             f"  for (INDEX t = (INDEX)blockIdx.x * {BLOCK} + threadIdx.x; t < (INDEX){numel}; "
+             f"t += (INDEX)gridDim.x * {BLOCK}) {{"]
+    lines += value_lambda(step, space_of(step), "k", None)
+    lines += [f"    const INDEX c = t % {channels}, nq = t / {channels};",
+              f"    const INDEX q = nq % {osz}, lead = (nq / {osz}) * {channels} + c;",
+              "    INDEX rest = q;"]
+    lines += _window_walk(win, in_shape, out_shape, max_pool, "    ")
+    lines += ["    const float y = acc;", f"    const INDEX i = lead * {osz} + q;  // the logical (NCHW) index"]
+    lines += epilogue_lines(step, "i", "    ")
+    lines += [f"    out[t] = kf_store<{out_ctype(step)}>(e_result);", "  }", "}", ""]
+    return "\n".join(lines) + launcher(step, ctype, f"kf_blocks({numel}LL, {BLOCK})")
+
+
+def _geometry(win, out_shape: tuple[int, ...]) -> str:
+    nd = len(win.kernel)
+    if win.adaptive:
+        return f"adaptive to {list(out_shape[-nd:])}"
+    return f"kernel {list(win.kernel)}, stride {list(win.stride)}, padding {list(win.padding)}, dilation {list(win.dilation)}"
 
 
 def reads_channels_last(step: GenStep) -> bool:

@@ -223,9 +223,10 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
         if options.max_fusions is not None and len(fused) + len(attention) >= options.max_fusions:
             break
         ok, _ = anchor_supported(graph, node)
-        if not ok:
-            continue
-        step = _fuse_behind(graph, node, options, f"k{len(fused)}", absorbed)
+        if ok:
+            step = _fuse_behind(graph, node, options, f"k{len(fused)}", absorbed)
+        else:
+            step = _channels_last_conv_relu(graph, node, options, f"k{len(fused)}", absorbed)
         if step is None:
             continue
         fused[step.out] = step
@@ -286,8 +287,8 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
 
 def _other_layout(gen: GenStep) -> bool:
     """Does the kernel write its output in another layout than the graph holds (its kernels write contiguous
-    outputs or permuted pointwise ones only)?"""
-    return not gen.out_meta.is_dense_contiguous and gen.permuted_out is None
+    outputs, permuted pointwise and norm ones, and channels-last pools of channels-last sources only)?"""
+    return not gen.out_meta.is_dense_contiguous and gen.out_strides is None
 
 
 def anchor_supported(graph: Graph, node: Node) -> tuple[bool, str]:
@@ -315,17 +316,34 @@ def is_conv2d(graph: Graph, node: Node) -> bool:
     return channels_last_ok(graph, node) and len(graph[node.args[1]].meta.shape) == 4 and not node.args[6]
 
 
+def _relu_behind(graph: Graph, anchor_node: Node, options: PlanOptions, taken: set[str]) -> bool:
+    """Can cuDNN's conv+bias+ReLU call replace this convolution and its one reader, a ReLU?"""
+    users = graph.users(anchor_node.name)
+    return is_conv2d(graph, anchor_node) and options.cudnn_fused_relu and len(users) == 1 \
+        and users[0].op == "relu.default" and not graph.is_output(anchor_node.name) and users[0].name not in taken
+
+
+def _channels_last_conv_relu(graph: Graph, anchor_node: Node, options: PlanOptions, kernel: str,
+                             taken: set[str]) -> FusedStep | None:
+    """In the channels-last graph, a convolution followed by a ReLU is cuDNN's conv+bias+ReLU call on the
+    channels-last operands, its output left channels-last: no epilogue kernel (those index contiguous outputs),
+    no pass of our own. Other library anchors with channels-last outputs stay torch calls."""
+    if not options.channels_last_graph or anchor_node.meta.dtype not in FLOAT_DTYPES \
+            or graph[anchor_node.args[1]].meta is None or not _relu_behind(graph, anchor_node, options, taken):
+        return None
+    relu = graph.users(anchor_node.name)[0]
+    anchor = Anchor(anchor_node, "conv", True, "nchw", fp32=anchor_node.name in options.fp32_convs)
+    return FusedStep(kernel, anchor, _epilogue(graph, [], relu.name, relu.meta), (anchor_node.name, relu.name),
+                     relu.name)
+
+
 def _fuse_behind(graph: Graph, anchor_node: Node, options: PlanOptions, kernel: str,
                  taken: set[str]) -> FusedStep | None:
     family = ANCHOR_OPS[anchor_node.op]
     if not anchor_node.meta.is_dense_contiguous:  # a channels-last output (the channels-last graph's): the
         return None  # epilogue kernels index a contiguous one
     users = graph.users(anchor_node.name)
-    conv2d = is_conv2d(graph, anchor_node)
-    fused_relu = (
-        conv2d and options.cudnn_fused_relu and len(users) == 1 and users[0].op == "relu.default"
-        and not graph.is_output(anchor_node.name) and users[0].name not in taken
-    )
+    fused_relu = _relu_behind(graph, anchor_node, options, taken)
     inside = {anchor_node.name}
     acc_name = anchor_node.name
     if fused_relu:

@@ -43,7 +43,7 @@ def run_env(plan: Plan, state: dict[str, torch.Tensor], inputs: Sequence[torch.T
             value = _run_generated(step, env)
             if tuple(value.shape) != tuple(step.out_meta.shape):  # a norm over a view computes in its own space
                 value = value.reshape(step.out_meta.shape)  # (N, G, ...): the kernel writes the output's elements
-            env[step.out] = _laid_out(value, step.permuted_out)
+            env[step.out] = _laid_out(value, step.out_strides)
         elif isinstance(step, AttnStep):
             env[step.out] = attention_reference(step, *(env[i.ref.name] for i in step.inputs[:3]),  # type: ignore[arg-type]
                                                 env[step.mask.ref.name] if step.mask else None,  # type: ignore[arg-type]

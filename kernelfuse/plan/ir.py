@@ -168,6 +168,29 @@ class GenStep:
             return None
         return tuple(meta.stride) if meta.is_dense_permutation else None
 
+    @property
+    def out_strides(self) -> tuple[int, ...] | None:
+        """The strides the kernel's output is allocated with: a permuted flat or norm output (`permuted_out`), or
+        a pool's channels-last output over a channels-last source (the channels-last graph keeps its pools'
+        outputs so: kernelfuse.codegen.pool writes them in that order); None: contiguous."""
+        if self.permuted_out is not None:
+            return self.permuted_out
+        return self.out_meta.stride if self.pools_channels_last else None
+
+    @property
+    def pools_channels_last(self) -> bool:
+        """A 2-d/3-d pool of an (N, C, spatial...) channels-last source whose output eager laid out channels-last
+        too (dense, channel at unit stride), with no reshape in the epilogue."""
+        spec, meta = self.spec, self.out_meta
+        if spec is None or spec.kind not in ("max_pool", "avg_pool"):  # type: ignore[attr-defined]
+            return False
+        space, strides = self.prologue.space, self.source.strides
+        if len(space) - len(spec.window.kernel) != 2 or len(space) not in (4, 5):  # type: ignore[attr-defined]
+            return False
+        source_cl = space[1] > 1 and strides[1] == 1 and any(n > 1 for n in space[2:])
+        out_cl = meta.is_dense_permutation and meta.stride[1] == 1 and meta.stride != contiguous_strides(meta.shape)
+        return source_cl and out_cl and tuple(meta.shape) == tuple(self.epilogue.space)
+
 
 @dataclass(frozen=True)
 class AttnInput:
@@ -290,7 +313,8 @@ class Plan:
         for s in self.fused:
             lib = {"matmul": "cuBLAS", "conv": "cuDNN"}[s.anchor.family] + (" TF32" if s.anchor.tf32 else "")
             extra = (" conv+bias+relu" if s.anchor.fused_relu else "") + (" fp32" if s.anchor.fp32 else "")
-            layout = f" [{s.anchor.layout}]" if s.anchor.family == "conv" else ""
+            layout = "" if s.anchor.family != "conv" else " [channels-last graph]" \
+                if self.options.channels_last_graph else f" [{s.anchor.layout}]"
             kernel = " + epilogue kernel" if s.needs_kernel else " (read channels-last)" if s.keeps_layout else ""
             if s.anchor.epilogue_inside:
                 lib = "direct depthwise fp32" if s.anchor.impl == "direct" else \

@@ -31,7 +31,7 @@ from kernelfuse.plan.interpret import call_aten
 
 def channels_last_graph(graph: Graph) -> Graph | None:
     """`graph` with channels-last activations (see the module's docstring), or None where no 2-d/3-d convolution
-    reads another's output, or where an op's layout cannot be propagated (a view that needs the old strides)."""
+    reads another's output, or where an op's layout cannot be propagated."""
     convs = {n.name for n in graph.nodes if _channels_last_conv(graph, n)}
     if not _chained(graph, convs):
         return None
@@ -52,9 +52,9 @@ def channels_last_graph(graph: Graph) -> Graph | None:
             fmt = torch.channels_last if len(node.meta.shape) == 4 else torch.channels_last_3d
             nodes.append(Node(cl, "clone.default", (Ref(node.name), ("kw", "memory_format", fmt)), None))
             renamed[node.name] = cl
-    propagated = _propagate(nodes)
+    propagated = _propagate(nodes, names)
     if propagated is not None and any(_needs_contiguous(n, propagated[1]) for n in propagated[0]):
-        propagated = _propagate(_contiguous_before(propagated[0], propagated[1], names))
+        propagated = _propagate(_contiguous_before(propagated[0], propagated[1], names), names)
     if propagated is None:
         return None
     nodes, metas = propagated
@@ -143,33 +143,44 @@ def _renamed(args: tuple, renamed: dict[str, str]) -> tuple:
                  _renamed(a, renamed) if isinstance(a, tuple) else a for a in args)
 
 
-def _propagate(nodes: list[Node]) -> tuple[list[Node], dict[str, TensorMeta]] | None:
+def _propagate(nodes: list[Node], names: set[str]) -> tuple[list[Node], dict[str, TensorMeta]] | None:
     """Every node's output strides (and the new nodes' metas) as torch's ops give them for these inputs, run on
-    fake CPU tensors (whose convolution keeps channels-last as cuDNN's does); None where an op fails."""
+    fake CPU tensors (whose convolution keeps channels-last as cuDNN's does); None where an op fails. A view that
+    needs the old strides (a classifier's flatten of a channels-last map) reads a contiguous copy, inserted here."""
     env: dict[str, object] = {}
     out: list[Node] = []
     metas: dict[str, TensorMeta] = {}
+
+    def run(node: Node) -> bool:
+        if node.op in ("input", "param", "buffer"):
+            meta = node.meta
+            assert meta is not None
+            env[node.name] = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype)
+        elif node.op == "constant":
+            env[node.name] = constant_value(node)
+        else:
+            env[node.name] = call_aten(node, env)
+        value = env[node.name]
+        if isinstance(value, torch.Tensor) and (node.meta is not None or node.op == "clone.default"):
+            meta = TensorMeta(tuple(value.shape), value.dtype, tuple(value.stride()))
+            if node.meta is not None and (meta.shape, meta.dtype) != (node.meta.shape, node.meta.dtype):
+                return False
+            node = replace(node, meta=meta)
+            metas[node.name] = meta
+        out.append(node)
+        return True
+
     try:
         with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
             for node in nodes:
-                if node.op in ("input", "param", "buffer"):
-                    meta = node.meta
-                    assert meta is not None
-                    env[node.name] = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype)
-                elif node.op == "constant":
-                    env[node.name] = constant_value(node)
-                elif node.op in VIEW_OPS and not _viewable(env[node.args[0].name], node.args[1]):  # type: ignore[union-attr]
-                    return None  # a view that needs the old strides
-                else:
-                    env[node.name] = call_aten(node, env)
-                value = env[node.name]
-                if isinstance(value, torch.Tensor) and (node.meta is not None or node.op == "clone.default"):
-                    meta = TensorMeta(tuple(value.shape), value.dtype, tuple(value.stride()))
-                    if node.meta is not None and (meta.shape, meta.dtype) != (node.meta.shape, node.meta.dtype):
+                if node.op in VIEW_OPS and not _viewable(env[node.args[0].name], node.args[1]):  # type: ignore[union-attr]
+                    copy = fresh_name(f"{node.args[0].name}_contiguous", names)  # type: ignore[union-attr]
+                    if not run(Node(copy, "clone.default",
+                                    (node.args[0], ("kw", "memory_format", torch.contiguous_format)), None)):
                         return None
-                    node = replace(node, meta=meta)
-                    metas[node.name] = meta
-                out.append(node)
+                    node = replace(node, args=(Ref(copy), *node.args[1:]))
+                if not run(node):
+                    return None
     except Exception:  # noqa: BLE001 - an op whose layout cannot change here: no channels-last variant
         return None
     return out, metas
