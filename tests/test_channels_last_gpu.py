@@ -47,3 +47,25 @@ def test_every_layout_matches_eager(tmp_path: Path, strict_cudnn: None) -> None:
             assert g.shape == e.shape, (plan.variant, i)
             torch.testing.assert_close(g, e, atol=1e-5, rtol=1e-5, msg=lambda m, v=plan.variant, i=i: f"{v} {i}: {m}")
             assert g.is_contiguous(), (plan.variant, i)  # NCHW out, whatever layout ran inside
+
+
+@pytest.mark.gpu
+def test_a_norm_writing_a_convolutions_channels_last_input_matches_eager(tmp_path: Path, strict_cudnn: None) -> None:
+    """kernelfuse.plan.convinput: the batch norm's normalise pass writes the next convolution's input
+    channels-last (transposed through shared memory); outputs and running statistics as eager's."""
+    fixture = Path(__file__).parent / "fixtures" / "problems" / "conv_bn_conv.py"
+    problem = load_problem(fixture)
+    plan = plan_variants(rewrite(capture(problem, build_model(problem))))[0]
+    assert plan.variant == "fused-nhwc"
+    path = tmp_path / "conv_bn_conv_new.py"
+    path.write_text(emit_modelnew(problem, plan, generate(plan), "GPU test"))
+    torch.manual_seed(1)
+    inputs = [t.cuda() for t in runpy.run_path(str(fixture))["get_inputs"]()]
+    torch.manual_seed(0)
+    ref = runpy.run_path(str(fixture))["Model"]().cuda()
+    torch.manual_seed(0)
+    new = runpy.run_path(str(path))["ModelNew"]().cuda()
+    with torch.no_grad():
+        torch.testing.assert_close(new(*inputs), ref(*inputs), atol=1e-4, rtol=1e-4)
+    for name in ("bn1.running_mean", "bn1.running_var", "bn2.running_mean", "bn2.running_var"):
+        torch.testing.assert_close(new.get_buffer(name), ref.get_buffer(name), atol=1e-5, rtol=1e-5)

@@ -106,3 +106,17 @@ def test_usage_errors_are_one_line_with_exit_code_2(tmp_path: Path, capsys: pyte
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 4 and all(line.startswith("kernelfuse: error: ") for line in errors)
     assert "does not exist" in errors[0] and "jit" in errors[1] and "--cpu-only" in errors[2]
+
+
+def test_the_build_phase_yields_the_cpu_to_the_timing_judge(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # builds run ahead on every core while another child times on the GPU: the build child lowers its priority
+    # (its compilers inherit it); the judge phase keeps its own
+    from kernelfuse.suite import job
+
+    calls: list[int] = []
+    monkeypatch.setattr(job.os, "nice", calls.append)
+    monkeypatch.setattr(job, "build", lambda spec: {"prebuilt": 0})
+    monkeypatch.setattr(job, "judge", lambda spec: {"verdict": None})
+    spec = job.JobSpec(str(tmp_path / "p.py"), None, str(tmp_path / "out.py"))
+    assert job.run_phase(spec, "judge")["verdict"] is None and calls == []
+    assert job.run_phase(spec, "build")["prebuilt"] == 0 and calls == [job.BUILD_NICENESS]

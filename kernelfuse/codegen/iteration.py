@@ -177,14 +177,19 @@ def decompose(space: Space, cls: str, var: str, prefix: str, names: list[str], i
 def epilogue_lines(step: GenStep, index: str, ind: str, given: dict[str, str] | None = None) -> list[str]:
     """The epilogue at output flat index `index` (operands indexed through the output's shape, or the float
     expressions `given` by name `in{i}`)."""
-    shape = step.epilogue.space  # the reduction's value; a reshape after it keeps the flat index
+    shape = tuple(step.epilogue.space)  # the reduction's value; a reshape after it keeps the flat index
+    strides = [o.strides for o in step.epilogue.operands]
     order = memory_order(step)  # or a permuted output's memory order, as space_of iterates it
     if order is not None:
-        if len(order) != len(shape):
-            raise ValueError(f"{step.kernel}: a permuted output over a regrouped epilogue space")
+        if len(order) != len(shape):  # a norm over (N, C, H * W) of an (N, C, H, W) output: the kernel's space
+            space = tuple(step.prologue.space)
+            strides = [_viewed(s, shape, space) for s in strides]  # type: ignore[misc]
+            if len(order) != len(space) or any(s is None for s in strides):
+                raise ValueError(f"{step.kernel}: a permuted output over a regrouped epilogue space")
+            shape = space
         shape = tuple(shape[d] for d in order)
-    offsets = {f"in{i}": offset_expr(o.strides if order is None else tuple(o.strides[d] for d in order), shape,
-                                     f"({index})") for i, o in enumerate(step.epilogue.operands)}
+        strides = [tuple(s[d] for d in order) for s in strides]
+    offsets = {f"in{i}": offset_expr(s, shape, f"({index})") for i, s in enumerate(strides)}
     return program_lines(step.epilogue, "y", offsets, "e_", ind, C_TYPES.get(value_dtype(step), "float"), given)
 
 

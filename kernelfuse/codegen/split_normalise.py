@@ -19,6 +19,7 @@ from kernelfuse.codegen.iteration import (
     out_ctype,
     pointer_params,
     shape_numel,
+    space_of,
     tensor_dtype,
     value_dtype,
     value_lambda,
@@ -65,21 +66,24 @@ def normalise_pass(step: GenStep, space: Space, stats: int) -> tuple[str, ...]:
 
 def normalise_packs(step: GenStep, space: Space, stats: int) -> dict[str, str]:
     """The tensors the normalise pass reads 4 elements at a time where it can ("run": 4 consecutive, "same": one
-    value for the 4; `row` the statistics in `work`), or none: fp32 only, the flat pass in the output's order, no
-    operand besides the affine ones, the source a run (channels-last over a channels-last output, or an NCHW
-    plane), the innermost dim a multiple of 4."""
+    value for the 4; `row` the statistics in `work`; `ep{i}` the epilogue's operands, a residual say), or none:
+    fp32 only, the flat pass in the output's order, no prologue operand, the source a run (channels-last over a
+    channels-last output, or an NCHW plane), the innermost dim a multiple of 4."""
     if _transposed_dim(space) is not None or _rows_inner(space) or step.prologue.operands \
-            or step.epilogue.operands or step.mapped is not None or space.sizes[-1] % 4:
+            or step.mapped is not None or space.sizes[-1] % 4:
         return {}
     if {value_dtype(step), tensor_dtype(step, "src"), step.out_meta.dtype} != {torch.float32}:
         return {}
-    names = ["src", "row", *(n for n in ("weight", "bias") if n in space.strides)]
+    operands = _epilogue_strides(step, space)
+    if operands is None:
+        return {}
+    names = ["src", "row", *(n for n in ("weight", "bias") if n in space.strides), *operands]
     if any(n != "src" and tensor_dtype(step, n) != torch.float32 for n in names if n != "row"):
         return {}
     packs = {}
     row_strides = _row_strides(space)
     for name in names:
-        strides = row_strides if name == "row" else space.strides[name]
+        strides = row_strides if name == "row" else operands.get(name) or space.strides[name]
         if strides[-1] == 0 and name != "src":
             packs[name] = "same"
         elif strides[-1] == 1 and all(t % 4 == 0 for t in strides[:-1]):
@@ -89,6 +93,19 @@ def normalise_packs(step: GenStep, space: Space, stats: int) -> dict[str, str]:
     if packs.get("row") == "run" and (stats % 4 or space.count("k") % 4):
         return {}
     return packs
+
+
+def _epilogue_strides(step: GenStep, space: Space) -> dict[str, tuple[int, ...]] | None:
+    """The epilogue operands' strides over `space` (`ep{i}`), or None where they do not follow its merged dims."""
+    if not step.epilogue.operands:
+        return {}
+    with_operands = space_of(step, epilogue=True)
+    if with_operands.sizes != space.sizes or with_operands.classes != space.classes:
+        return None
+    names = [f"ep{i}" for i in range(len(step.epilogue.operands))]
+    if any(n not in with_operands.strides for n in names):
+        return None
+    return {n: with_operands.strides[n] for n in names}
 
 
 def _row_strides(space: Space) -> tuple[int, ...]:
@@ -103,7 +120,8 @@ def _packed_normalise(step: GenStep, ctype: str, space: Space, stats: int, packs
     """Kernel `{k}_normalise4`: the flat normalise pass 4 elements at a time, 16-byte loads and stores (the scalar
     pass issues six memory instructions an element: 2.2 TB/s on an H200 for a channels-last batch norm)."""
     rows = space.count("k")
-    flat = Space(space.sizes, ("t",) * len(space.sizes), {**space.strides, "row": _row_strides(space)})
+    operands = _epilogue_strides(step, space) or {}
+    flat = Space(space.sizes, ("t",) * len(space.sizes), {**space.strides, **operands, "row": _row_strides(space)})
     numel = shape_numel(space.sizes)
     base = {"src": "src", "row": f"work + {stats}", "weight": "weight", "bias": "bias"}
 
@@ -125,12 +143,14 @@ def _packed_normalise(step: GenStep, ctype: str, space: Space, stats: int, packs
              pack("src", "x", "src"), pack("row", "means", base["row"]),
              pack("row", "rstds", f"{base['row']} + {rows}")]
     lines += [pack(n, f"k_{n}", n) for n in ("weight", "bias") if n in packs]
+    lines += [pack(n, f"k_{n}", f"e_in{n[2:]}_p") for n in operands]
+    given = {f"in{n[2:]}": at(f"k_{n}", n) for n in operands}
     expr = normalised(step, lambda n: "", f"value_at(r, {at('x', 'src')})", lambda n: at(f"k_{n}", n))
     lines += ["      kf_pack<float, 4> q;", "#pragma unroll", "      for (int j = 0; j < 4; ++j) {",
               "        const INDEX r = r0 + j;",
               f"        const float mean = {at('means', 'row')}, rstd = {at('rstds', 'row')};",
               f"        const float y = {expr};",
-              *epilogue_lines(step, "r", "        "),
+              *epilogue_lines(step, "r", "        ", given),
               "        q.v[j] = kf_store<float>(e_result);", "      }",
               "      reinterpret_cast<kf_pack<float, 4>*>(out)[v] = q;", "    }", "  }", "}", ""]
     return lines
@@ -189,37 +209,67 @@ def _tiles(space: Space, ds: int) -> int:
 def _transposed_normalise(step: GenStep, ctype: str, space: Space, strides: dict[str, tuple[int, ...]], ds: int,
                           stats: int) -> list[str]:
     """The tiled body of `{k}_normalise`: dims `ds` (the source's unit stride) and the last (the output's) are the
-    tile's; a block loops over (other dims, tile rows, tile columns)."""
+    tile's; a block loops over (other dims, tile rows, tile columns). Where the statistics and affine operands
+    (a batch norm's: per channel) follow one tile dim only, a thread loads them once a tile, in the phase whose
+    lanes run along that dim: while reading (a channels-last source's channels) or while writing (a channels-last
+    output's); else once an element."""
     do = len(space.sizes) - 1
     n_ds, n_do = space.sizes[ds], space.sizes[do]
     tiles_ds, tiles_do = -(-n_ds // 32), -(-n_do // 32)
     tiled = Space(space.sizes, tuple("t" if d in (ds, do) else "k" for d in range(len(space.sizes))), strides)
     tiles = _tiles(space, ds)
-    flat_r = ("i_ds * {n} + i_do" if ds < do else "i_do * {n} + i_ds").format(n=n_do if ds < do else n_ds)
+    flat = ("{ds} * {n} + {do}" if ds < do else "{do} * {n} + {ds}").replace("{n}", str(n_do if ds < do else n_ds))
     operands = [f"in{i}" for i in range(len(step.prologue.operands))]
     affine = [n for n in ("weight", "bias") if n in space.strides]
+    along = {d: any(strides[n][d] for n in ("row", *affine)) for d in (ds, do)}
+    phase = "read" if not along[do] else "write" if not along[ds] else None  # where the statistics are hoisted
+    rows = space.count("k")
+
+    def hoisted(i_ds: str, i_do: str) -> list[str]:
+        """The statistics (and affine values) of the thread's lane, loaded once: `mean`, `rstd`, `k_weight`..."""
+        lines = [f"    float mean = 0.0f, rstd = 0.0f{''.join(f', k_{n} = 0.0f' for n in affine)};",
+                 f"    if ({i_ds} < {n_ds} && {i_do} < {n_do}) {{",
+                 f"      const INDEX r = {flat.format(ds=i_ds, do=i_do)};"]
+        lines += decompose(tiled, "t", "r", "a_", ["row", *affine], "      ")
+        lines += [f"      mean = work[{stats} + b_row + a_row]; rstd = work[{stats + rows} + b_row + a_row];"]
+        lines += [f"      k_{n} = kf_load({n}[b_{n} + a_{n}]);" for n in affine]
+        return lines + ["    }"]
+
+    def normalise(value: str) -> str:
+        return f"      const float y = {normalised(step, lambda n: '', value, lambda n: f'k_{n}')};"
+
     lines = ["  __shared__ float tile[32][33];",
              f"  for (INDEX t = blockIdx.x; t < (INDEX){tiles}; t += gridDim.x) {{",
              f"    const INDEX t_do = t % {tiles_do}, t_ds = t / {tiles_do} % {tiles_ds}, b = t / {tiles_do * tiles_ds};"]
     lines += decompose(tiled, "k", "b", "b_", ["src", *operands, "out", "row", *affine], "    ")
     lines += value_lambda(step, tiled, "t", "b_")
-    lines += ["    const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;",
-              "#pragma unroll  // a constant trip count: the rows' loads and math interleave",
+    lines += ["    const int tx = threadIdx.x % 32, ty = threadIdx.x / 32;"]
+    if phase == "read":
+        lines += hoisted("(t_ds * 32 + tx)", "t_do * 32")
+    lines += ["#pragma unroll  // a constant trip count: the rows' loads and math interleave",
               f"    for (int jj = 0; jj < {32 // (BLOCK // 32)}; ++jj) {{  // read along the source's unit-stride dim",
               f"      const int j = ty + jj * {BLOCK // 32};",
               "      const INDEX i_ds = t_ds * 32 + tx, i_do = t_do * 32 + j;",
               f"      if (i_ds >= {n_ds} || i_do >= {n_do}) continue;",
-              f"      const INDEX r = {flat_r};"]
-    lines += _normalise_element(step, tiled, stats, space.count("k"), lambda n: f"b_{n} + a_{n}")
-    lines += ["      tile[j][tx] = y;", "    }", "    __syncthreads();",
-              "#pragma unroll",
+              f"      const INDEX r = {flat.format(ds='i_ds', do='i_do')};"]
+    if phase == "read":
+        lines.append(normalise("value(r)"))
+    elif phase == "write":
+        lines.append("      const float y = value(r);")
+    else:
+        lines += _normalise_element(step, tiled, stats, rows, lambda n: f"b_{n} + a_{n}")
+    lines += ["      tile[j][tx] = y;", "    }", "    __syncthreads();"]
+    if phase == "write":
+        lines += hoisted("t_ds * 32", "(t_do * 32 + tx)")
+    lines += ["#pragma unroll",
               f"    for (int jj = 0; jj < {32 // (BLOCK // 32)}; ++jj) {{  // write along the output's",
               f"      const int j = ty + jj * {BLOCK // 32};",
               "      const INDEX i_ds = t_ds * 32 + j, i_do = t_do * 32 + tx;",
               f"      if (i_ds >= {n_ds} || i_do >= {n_do}) continue;",
-              f"      const INDEX r = {flat_r};"]
+              f"      const INDEX r = {flat.format(ds='i_ds', do='i_do')};"]
     lines += decompose(tiled, "t", "r", "w_", ["out"], "      ")
-    lines += ["      const INDEX i = b_out + w_out;", "      const float y = tile[tx][j];"]
+    lines += ["      const INDEX i = b_out + w_out;"]
+    lines.append(normalise("tile[tx][j]") if phase == "write" else "      const float y = tile[tx][j];")
     lines += epilogue_lines(step, "i", "      ")
     return lines + [f"      out[i] = kf_store<{out_ctype(step)}>(e_result);", "    }", "    __syncthreads();", "  }", "}",
                     ""]

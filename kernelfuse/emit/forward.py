@@ -16,6 +16,7 @@ from kernelfuse.emit.hoist import cached_tuple, plan_hoist, shared_constants, st
 from kernelfuse.emit.runtime import STATS_METHOD
 from kernelfuse.plan.gemm import gemm_operands
 from kernelfuse.plan.ir import AttnStep, FusedStep, GenStep, Plan, Step, TorchStep
+from kernelfuse.plan.layout import channels_last_strides
 
 # Readable spellings for common ATen calls; anything else is written `torch.ops.aten.<op>(...)`. A tensor method
 # is also half the host time of the `torch.ops` overload (0.7 against 1.4 µs for a view): it counts where a
@@ -124,7 +125,8 @@ def _fused_lines(graph, step: FusedStep, names: dict[str, str]) -> list[str]:
         stride, padding, dilation, transposed, output_padding, groups = node.args[3:9]
         if anchor.layout == "nhwc":
             x_meta = graph[node.args[0]].meta
-            x = f"ext.to_channels_last({x}{'' if x_meta.is_contiguous else '.contiguous()'})"
+            if x_meta.stride != channels_last_strides(x_meta.shape):  # a kernel of ours may have written it so
+                x = f"ext.to_channels_last({x}{'' if x_meta.is_contiguous else '.contiguous()'})"
             fmt = channels_last_format(node.meta)
             w = f"{w}.contiguous(memory_format={fmt})"
             then = ("the reduction kernel reads its channels-last output" if step.keeps_layout

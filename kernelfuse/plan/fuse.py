@@ -19,6 +19,7 @@ from kernelfuse.ops.kept import KEPT_AS_TORCH
 from kernelfuse.plan.attention import attention_steps
 from kernelfuse.plan.catbuffer import shared_cat_buffers
 from kernelfuse.plan.conv import depthwise, igemm_refusal, tap_major_weights
+from kernelfuse.plan.convinput import channels_last_into_convs
 from kernelfuse.plan.gemm import gemm_refusal, k_contiguous_weights
 from kernelfuse.plan.ir import (
     Anchor,
@@ -252,6 +253,8 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
         if isinstance(step, FusedStep) and step.anchor.layout == "nhwc" and not step.epilogue.statements \
                 and not step.keeps_layout and not step.anchor.fused_relu:
             del by_out[name]  # a lone channels-last convolution no reduction reads: the plain torch call is as good
+    if not options.channels_last_graph:
+        graph = channels_last_into_convs(graph, by_out)
     done = {name for step in by_out.values() for name in step.replaces}
     steps: list[Step] = []
     for node in graph.nodes:

@@ -118,6 +118,8 @@ def run_fused(graph: Graph, step: FusedStep, env: dict[str, object]) -> torch.Te
     acc = call_aten(step.anchor.node, env)
     if step.anchor.fused_relu:
         acc = torch.relu(acc)
+    if step.anchor.layout == "nhwc" and not step.keeps_layout:
+        acc = acc.contiguous()  # the epilogue kernel writes NCHW, whatever layout its input arrived in
     return _run_program(step.epilogue, acc, env)
 
 

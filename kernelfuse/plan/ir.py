@@ -6,6 +6,7 @@ tensors, broadcast to the output) and earlier statements, each statement one row
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -164,18 +165,25 @@ class GenStep:
         allocated so, and the interpreter lays its value out the same way."""
         meta = self.out_meta
         kept = self.spec is None or self.spec.kind in ("affine_norm", "norm")  # type: ignore[attr-defined]
-        if not kept or meta.stride == contiguous_strides(meta.shape) or tuple(meta.shape) != tuple(self.prologue.space):
+        if not kept or meta.stride == contiguous_strides(meta.shape) or not meta.is_dense_permutation:
             return None
-        return tuple(meta.stride) if meta.is_dense_permutation else None
+        space = tuple(self.prologue.space)
+        if tuple(meta.shape) == space:
+            return tuple(meta.stride)
+        if math.prod(meta.shape) != math.prod(space):
+            return None
+        try:  # a norm over a regrouped space (N, C, H * W): the output's strides viewed as that space
+            strides = tuple(torch.empty_strided(meta.shape, meta.stride, device="meta").view(space).stride())
+        except RuntimeError:
+            return None
+        return strides if TensorMeta(space, meta.dtype, strides).is_dense_permutation else None
 
     @property
     def out_strides(self) -> tuple[int, ...] | None:
-        """The strides the kernel's output is allocated with: a permuted flat or norm output (`permuted_out`), or
-        a pool's channels-last output over a channels-last source (the channels-last graph keeps its pools'
-        outputs so: kernelfuse.codegen.pool writes them in that order); None: contiguous."""
-        if self.permuted_out is not None:
-            return self.permuted_out
-        return self.out_meta.stride if self.pools_channels_last else None
+        """The strides the kernel's output is allocated with, over `out_meta.shape`: a permuted flat or norm output
+        (`permuted_out`), or a pool's channels-last output over a channels-last source (the channels-last graph
+        keeps its pools' outputs so: kernelfuse.codegen.pool writes them in that order); None: contiguous."""
+        return self.out_meta.stride if self.permuted_out is not None or self.pools_channels_last else None
 
     @property
     def pools_channels_last(self) -> bool:
