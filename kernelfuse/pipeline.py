@@ -19,7 +19,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -267,14 +267,14 @@ def _choose_on_gpu(problem: Problem, plans: list[Plan], options: OptimizeOptions
     if len(plans) == 1 or in_order:  # each plan's judgement (with every baseline) decides, in order
         return _ship_first_faster(problem, plans, files, options, result, log)
     quick = judge_options(options, ("eager",))
-    best = None
+    judged = []
     for plan in plans:
         verdict = evaluate(problem.path, files[plan.variant], quick)
         result.variants.append(VariantResult(plan.variant, verdict))
         log(f"      {plan.variant}: " + describe_verdict(verdict))
-        faster = best is None or (verdict.runtime_ms or float("inf")) < best[1].runtime_ms
-        if verdict.correct and verdict.runtime_ms is not None and faster:
-            best = (plan, verdict)
+        if verdict.correct and verdict.runtime_ms is not None:
+            judged.append((plan, verdict))
+    best = _retimed_best(problem, judged, files, quick, log)
     if best is None:
         result.notes.append("no fused variant verified: shipping the unfused model (the original ops)")
         return _ship_unfused(problem, result, log, options)
@@ -291,6 +291,27 @@ def _choose_on_gpu(problem: Problem, plans: list[Plan], options: OptimizeOptions
         return _ship_unfused(problem, result, log, options)
     log(f"wrote {result.output} ({plan.variant})")
     return result
+
+
+RETIME_WITHIN = 1.25  # a runner-up this close to the fastest variant is timed again before one ships
+
+
+def _retimed_best(problem: Problem, judged: list[tuple[Plan, Verdict]], files: dict[str, Path],
+                  quick: EvalOptions, log: Callable[[str], None]) -> tuple[Plan, Verdict] | None:
+    """The fastest verified variant. Each was timed once, at its own moment, and a moment of host contention (the
+    suite building the next problem beside the judge) slowed one host-bound variant by 30%: where the runner-up is
+    within RETIME_WITHIN of the fastest, both are timed again (one trial) and each keeps its better time."""
+    ranked = sorted(judged, key=lambda pv: pv[1].runtime_ms)  # type: ignore[arg-type, return-value]
+    if len(ranked) < 2 or ranked[1][1].runtime_ms > ranked[0][1].runtime_ms * RETIME_WITHIN:  # type: ignore[operator]
+        return ranked[0] if ranked else None
+    again = replace(quick, trials=1)
+    times = {}
+    for plan, verdict in ranked[:2]:
+        second = evaluate(problem.path, files[plan.variant], again)
+        ms = [t for t in (verdict.runtime_ms, second.runtime_ms if second.correct else None) if t is not None]
+        times[plan.variant] = min(ms)
+        log(f"      {plan.variant} timed again: {second.runtime_ms or float('nan'):.3f} ms")
+    return min(ranked[:2], key=lambda pv: times[pv[0].variant])
 
 
 def _choose_then_graph(problem: Problem, plans: list[Plan], options: OptimizeOptions, result: OptimizeResult,

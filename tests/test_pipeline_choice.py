@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -131,7 +132,9 @@ def test_norm_reading_a_channels_last_convolution_judges_both_layouts(monkeypatc
     script = {"fused-nhwc": _verdict(True, 3.0), "fused-nchw": _verdict(True, 2.0), "fused-igemm": _verdict(True, 2.5),
               "unfused": _verdict(True, 4.0)}
     result, _, judged = _run(monkeypatch, tmp_path, path, script, layouts={"convolution": (3.0, 2.0)})
-    assert judged == ["fused-nhwc", "fused-nchw", "fused-igemm", "fused-nchw"] and result.shipped == "fused-nchw"
+    # the runner-up within 25% of the fastest: both timed again before the choice, then the final check
+    assert judged == ["fused-nhwc", "fused-nchw", "fused-igemm", "fused-nchw", "fused-igemm", "fused-nchw"]
+    assert result.shipped == "fused-nchw"
 
 
 def test_fp32_convolution_runs_without_tf32(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -232,3 +235,19 @@ def test_cpu_check_off_leaves_verification_to_the_judge(monkeypatch: pytest.Monk
                              patch=lambda: monkeypatch.setattr(pipeline, "prebuild", refuse("prebuild")))
     assert result.shipped == "fused-nchw" and result.cpu_checks == [] and result.cold_build_s is None
     assert judged[:2] == ["fused-nhwc", "fused-nchw"]
+
+
+def test_a_variant_timed_slow_once_is_timed_again_before_the_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    # level-3 8 in the suite (stop 51): the first variant judged beside the next problem's builds measured 1.040 ms
+    # against the runner-up's 0.974, where a profile alone gave 0.797 against 0.934
+    times = {"a": [1.040, 0.800], "b": [0.974, 0.950], "c": [2.0]}
+    plans = {name: SimpleNamespace(variant=name) for name in times}
+    monkeypatch.setattr(pipeline, "evaluate",
+                        lambda problem, path, options: _verdict(True, times[path.name].pop(0)))
+    judged = [(plans[n], _verdict(True, times[n].pop(0))) for n in ("a", "b", "c")]
+    problem = SimpleNamespace(path=Path("p.py"))
+    files = {n: Path(n) for n in times}
+    plan, verdict = pipeline._retimed_best(problem, judged, files, pipeline.EvalOptions(), lambda line: None)
+    assert plan.variant == "a" and times == {"a": [], "b": [], "c": []}  # c, 2x slower, is not timed again
+    only = pipeline._retimed_best(problem, judged[2:], files, pipeline.EvalOptions(), lambda line: None)
+    assert only[0].variant == "c"
