@@ -52,20 +52,21 @@ def test_every_layout_matches_eager(tmp_path: Path, strict_cudnn: None) -> None:
 @pytest.mark.gpu
 def test_a_norm_writing_a_convolutions_channels_last_input_matches_eager(tmp_path: Path, strict_cudnn: None) -> None:
     """kernelfuse.plan.convinput: the batch norm's normalise pass writes the next convolution's input
-    channels-last (transposed through shared memory); outputs and running statistics as eager's."""
+    channels-last (transposed through shared memory); in the NCHW plan the second norm's 16-byte pass reads the
+    shortcut with its source. Outputs and running statistics as eager's."""
     fixture = Path(__file__).parent / "fixtures" / "problems" / "conv_bn_conv.py"
     problem = load_problem(fixture)
-    plan = plan_variants(rewrite(capture(problem, build_model(problem))))[0]
-    assert plan.variant == "fused-nhwc"
-    path = tmp_path / "conv_bn_conv_new.py"
-    path.write_text(emit_modelnew(problem, plan, generate(plan), "GPU test"))
+    plans = plan_variants(rewrite(capture(problem, build_model(problem))))
     torch.manual_seed(1)
     inputs = [t.cuda() for t in runpy.run_path(str(fixture))["get_inputs"]()]
-    torch.manual_seed(0)
-    ref = runpy.run_path(str(fixture))["Model"]().cuda()
-    torch.manual_seed(0)
-    new = runpy.run_path(str(path))["ModelNew"]().cuda()
-    with torch.no_grad():
-        torch.testing.assert_close(new(*inputs), ref(*inputs), atol=1e-4, rtol=1e-4)
-    for name in ("bn1.running_mean", "bn1.running_var", "bn2.running_mean", "bn2.running_var"):
-        torch.testing.assert_close(new.get_buffer(name), ref.get_buffer(name), atol=1e-5, rtol=1e-5)
+    for plan in (plans[0], next(p for p in plans if p.variant == "fused-nchw")):
+        path = tmp_path / f"conv_bn_conv_{plan.variant.replace('-', '_')}.py"
+        path.write_text(emit_modelnew(problem, plan, generate(plan), "GPU test"))
+        torch.manual_seed(0)
+        ref = runpy.run_path(str(fixture))["Model"]().cuda()
+        torch.manual_seed(0)
+        new = runpy.run_path(str(path))["ModelNew"]().cuda()
+        with torch.no_grad():
+            torch.testing.assert_close(new(*inputs), ref(*inputs), atol=1e-4, rtol=1e-4, msg=plan.variant)
+        for name in ("bn1.running_mean", "bn1.running_var", "bn2.running_mean", "bn2.running_var"):
+            torch.testing.assert_close(new.get_buffer(name), ref.get_buffer(name), atol=1e-5, rtol=1e-5)
