@@ -10,6 +10,7 @@ import pytest
 import torch
 from test_pipeline_choice import _run, _verdict, without_gemm_twins
 
+import kernelfuse.choose as choose
 import kernelfuse.codegen.cuda as cuda
 import kernelfuse.codegen.dryrun as dryrun
 import kernelfuse.pipeline as pipeline
@@ -109,7 +110,7 @@ def test_failure_with_nothing_to_blame_ships_the_original_ops(problem, capsys, m
     def failing(plan):
         raise RuntimeError("generator broke")
 
-    monkeypatch.setattr(pipeline, "generate", failing)
+    monkeypatch.setattr(choose, "generate", failing)
     monkeypatch.setattr(dryrun, "generate", failing)  # the generator behind the render's dry run
     code, report, stdout, out = optimize(problem, capsys)
     assert code == 0
@@ -146,13 +147,13 @@ def test_capture_bug_ships_the_original_module(problem, capsys, monkeypatch):
 def test_a_file_that_does_not_compile_is_not_shipped(problem, capsys, monkeypatch):
     if find_nvcc() is None:
         pytest.skip("nvcc not found")
-    generate = pipeline.generate
+    generate = choose.generate
 
     def broken(plan):
         sources = generate(plan)
         return type(sources)(sources.cuda + "\n#error injected by the test\n", sources.binding, sources.functions)
 
-    monkeypatch.setattr(pipeline, "generate", broken)
+    monkeypatch.setattr(choose, "generate", broken)
     code, report, stdout, out = optimize(problem, capsys)
     assert code == 0
     assert report["shipped"] == "unfused" and "CUDA_SRC" not in out.read_text()
@@ -194,13 +195,13 @@ def test_gpu_path_ships_the_very_file_it_judged(monkeypatch, tmp_path):
               "unfused": _verdict(True, 4.0)}
 
     def remember() -> None:
-        evaluate = pipeline.evaluate
+        evaluate = choose.evaluate
 
         def seen(problem_path, candidate, options):
             judged_texts.setdefault(candidate.name, candidate.read_text())
             return evaluate(problem_path, candidate, options)
 
-        monkeypatch.setattr(pipeline, "evaluate", seen)
+        monkeypatch.setattr(choose, "evaluate", seen)
 
     result, text, _ = _run(monkeypatch, tmp_path, "conv2d_relu_biasadd", script, patch=remember)
     assert result.shipped == "fused-nhwc"

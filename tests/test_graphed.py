@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernelfuse import pipeline
+from kernelfuse import choose
 from kernelfuse.capture import build_model, capture, draws_random_numbers
 from kernelfuse.emit import emit_modelnew
 from kernelfuse.load import load_problem
@@ -50,8 +50,8 @@ def test_graph_is_judged_where_the_idle_time_exceeds_what_a_replay_adds(monkeypa
     small: x and the output (1024 x 8192 fp32 each, 64 MiB) take 0.09 ms; busy for 2.6 of 2.7 ms it is not."""
     problem = load_problem(EXAMPLES / "gemm_add_relu.py")
     graph = rewrite(capture(problem, build_model(problem)))
-    copies = 2 * 2 * 1024 * 8192 * 4 / (pipeline.GRAPH_COPY_GBPS * 1e6)
-    assert pipeline.graph_predicted_ms(graph, 2.5) == pytest.approx(2.5 + copies + pipeline.GRAPH_REPLAY_MS)
+    copies = 2 * 2 * 1024 * 8192 * 4 / (choose.GRAPH_COPY_GBPS * 1e6)
+    assert choose.graph_predicted_ms(graph, 2.5) == pytest.approx(2.5 + copies + choose.GRAPH_REPLAY_MS)
     script = {"fused+graph": _verdict(True, 2.55, eager=2.8), "fused": _busy(_verdict(True, 2.7, eager=2.8), 2.5),
               "unfused": _verdict(True, 2.8, eager=2.8)}
     result, text, judged = _run(monkeypatch, tmp_path, "gemm_add_relu", script)

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import kernelfuse.choose as choose
 import kernelfuse.pipeline as pipeline
 from kernelfuse.bench.layout import LayoutTiming
 from kernelfuse.judge import Verdict
@@ -48,13 +49,13 @@ def _run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, problem: str | Path, s
         judged.append(variant)
         return script[variant]
 
-    monkeypatch.setattr(pipeline, "evaluate", fake_evaluate)
+    monkeypatch.setattr(choose, "evaluate", fake_evaluate)
     if not any("-tcgemm" in v for v in script):  # a test that scripts no GEMM twin judges the plans without one
         without_gemm_twins(monkeypatch)
-    monkeypatch.setattr(pipeline, "prebuild", lambda files, timeout_s=0: None)
+    monkeypatch.setattr(choose, "prebuild", lambda files, timeout_s=0: None)
     timings = None if layouts is None else [LayoutTiming(n, *t) for n, t in layouts.items()]
     monkeypatch.setattr(pipeline, "measure_conv_layouts", lambda graph, strict: timings)
-    monkeypatch.setattr(pipeline.torch.cuda, "get_device_name", lambda *a: "scripted GPU")
+    monkeypatch.setattr(choose.torch.cuda, "get_device_name", lambda *a: "scripted GPU")
     patch()  # a test's own stand-ins, over the defaults above
     out = tmp_path / "out.py"
     path = problem if isinstance(problem, Path) else EXAMPLES / f"{problem}.py"
@@ -212,7 +213,7 @@ def test_prebuild_kills_a_stuck_build(tmp_path: Path) -> None:
                      "    time.sleep(600)\n")
     fine = tmp_path / "fine.py"
     fine.write_text("def _extension():\n    open(__file__ + '.built', 'w').close()\n")
-    pipeline.prebuild([stuck, fine], timeout_s=3.0)
+    choose.prebuild([stuck, fine], timeout_s=3.0)
     assert (tmp_path / "fine.py.built").exists()
     pid = int(pid_file.read_text())
     with pytest.raises(ProcessLookupError):  # killed with its session, and reaped by prebuild
@@ -232,7 +233,7 @@ def test_cpu_check_off_leaves_verification_to_the_judge(monkeypatch: pytest.Monk
               "unfused": _verdict(True, 4.0)}
     result, _, judged = _run(monkeypatch, tmp_path, "conv2d_relu_biasadd", script,
                              options=OptimizeOptions(use_gpu=True, cpu_check=False, prebuild=False),
-                             patch=lambda: monkeypatch.setattr(pipeline, "prebuild", refuse("prebuild")))
+                             patch=lambda: monkeypatch.setattr(choose, "prebuild", refuse("prebuild")))
     assert result.shipped == "fused-nchw" and result.cpu_checks == [] and result.cold_build_s is None
     assert judged[:2] == ["fused-nhwc", "fused-nchw"]
 
@@ -242,12 +243,12 @@ def test_a_variant_timed_slow_once_is_timed_again_before_the_choice(monkeypatch:
     # against the runner-up's 0.974, where a profile alone gave 0.797 against 0.934
     times = {"a": [1.040, 0.800], "b": [0.974, 0.950], "c": [2.0]}
     plans = {name: SimpleNamespace(variant=name) for name in times}
-    monkeypatch.setattr(pipeline, "evaluate",
+    monkeypatch.setattr(choose, "evaluate",
                         lambda problem, path, options: _verdict(True, times[path.name].pop(0)))
     judged = [(plans[n], _verdict(True, times[n].pop(0))) for n in ("a", "b", "c")]
     problem = SimpleNamespace(path=Path("p.py"))
     files = {n: Path(n) for n in times}
-    plan, verdict = pipeline._retimed_best(problem, judged, files, pipeline.EvalOptions(), lambda line: None)
+    plan, verdict = choose._retimed_best(problem, judged, files, choose.EvalOptions(), lambda line: None)
     assert plan.variant == "a" and times == {"a": [], "b": [], "c": []}  # c, 2x slower, is not timed again
-    only = pipeline._retimed_best(problem, judged[2:], files, pipeline.EvalOptions(), lambda line: None)
+    only = choose._retimed_best(problem, judged[2:], files, choose.EvalOptions(), lambda line: None)
     assert only[0].variant == "c"

@@ -3,7 +3,7 @@
 Deep models at small batch sizes are launch-bound: measured on an H100, eager ResNet101 takes 16.6 ms for 4.3 ms
 of kernels, DenseNet201 15.5 ms for 7.4 ms, and a graph replay of the same kernels 4.6 and 7.7 ms
 (`benchmarks/graph_probe.py`). The pipeline judges a graphed variant of the plan when the judge's profile says
-the GPU idles for longer than the replay's copies take (kernelfuse.pipeline), and ships it only if it is verified
+the GPU idles for longer than the replay's copies take (kernelfuse.choose), and ships it only if it is verified
 and faster.
 
 The emitted file's runtime (`GRAPH_RUNTIME`, copied into the file verbatim) keeps the forward's meaning:

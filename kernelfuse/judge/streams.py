@@ -6,7 +6,7 @@ extra streams, and the host-time cross-check in bench decides whether work escap
 
 The same trace gives the GPU's busy time (the summed durations of the call's kernels and copies): next to the
 timed call's duration it says how much of a forward is launch overhead, which decides whether replaying the
-forward from a CUDA graph is worth judging (kernelfuse.pipeline).
+forward from a CUDA graph is worth judging (kernelfuse.choose).
 """
 
 from __future__ import annotations
