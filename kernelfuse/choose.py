@@ -3,7 +3,7 @@ every variant (in parallel), has `kernelfuse.judge` verify and time each, and sh
 if it beats eager; otherwise the unfused file (the original ops) ships and the report says why. Where the judge's
 profile shows the shipped forward launch-bound, its replay from a CUDA graph is judged too and ships if verified
 and faster. Kept apart from the pipeline so each module stays small; what both ship with (`emit_file`,
-`_ship_unfused`) lives here, below the pipeline, so imports run one way (pipeline -> choose).
+`ship_unfused`) lives here, below the pipeline, so imports run one way (pipeline -> choose).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from kernelfuse.emit import emit_modelnew, emit_reference
 from kernelfuse.errors import Fallback, KernelfuseError, one_line
 from kernelfuse.judge import EvalOptions, Verdict, evaluate
 from kernelfuse.load import Problem
-from kernelfuse.optimize_result import OptimizeOptions, OptimizeResult, VariantResult, _fall_back
+from kernelfuse.optimize_result import OptimizeOptions, OptimizeResult, VariantResult, fall_back
 from kernelfuse.plan import Plan, plan_variants, torch_calls_plan
 
 # A CUDA-graph variant is judged where its predicted time beats the shipped forward's by GRAPH_MIN_GAIN: the
@@ -77,18 +77,18 @@ def _choose_on_gpu(problem: Problem, plans: list[Plan], options: OptimizeOptions
     best = _retimed_best(problem, judged, files, quick, log)
     if best is None:
         result.notes.append("no fused variant verified: shipping the unfused model (the original ops)")
-        return _ship_unfused(problem, result, log, options)
+        return ship_unfused(problem, result, log, options)
     plan, verdict = best
     if verdict.speedup_eager is None or verdict.speedup_eager < 1.0:
         result.notes.append(f"fusion does not pay ({plan.variant}: {verdict.speedup_eager or 0:.3f}x eager): "
                             "shipping the unfused model (the original ops)")
-        return _ship_unfused(problem, result, log, options)
+        return ship_unfused(problem, result, log, options)
     _write_verified(files[plan.variant], plan, options, result)
     result.final = evaluate(problem.path, result.output, judge_options(options, options.final_baselines))
     if not result.final.correct:  # the shipped text failed where its variant passed: never ship it
         result.notes.append(f"the final check of {plan.variant} failed ({result.final.reason}): "
                             "shipping the unfused model (the original ops)")
-        return _ship_unfused(problem, result, log, options)
+        return ship_unfused(problem, result, log, options)
     log(f"wrote {result.output} ({plan.variant})")
     return result
 
@@ -114,7 +114,7 @@ def _retimed_best(problem: Problem, judged: list[tuple[Plan, Verdict]], files: d
     return min(ranked[:2], key=lambda pv: times[pv[0].variant])
 
 
-def _choose_then_graph(problem: Problem, plans: list[Plan], options: OptimizeOptions, result: OptimizeResult,
+def choose_then_graph(problem: Problem, plans: list[Plan], options: OptimizeOptions, result: OptimizeResult,
                        log: Callable[[str], None], in_order: bool = False) -> OptimizeResult:
     """`_choose_on_gpu`, then the CUDA-graph variant of what it chose (for the original ops: of the fastest plan
     that verified, or of the captured ops unfused) where the shipped forward is launch-bound; and of the verified
@@ -133,7 +133,7 @@ def _choose_then_graph(problem: Problem, plans: list[Plan], options: OptimizeOpt
     busy = [(b, v.variant) for v in result.variants if v.variant in by_name and v.verdict.correct
             for b in [_busy_ms(v.verdict)] if b is not None]
     lean = by_name[min(busy)[1]] if busy else None
-    return _try_graph(problem, [candidate] + ([lean] if lean is not None and lean is not candidate else []),
+    return try_graph(problem, [candidate] + ([lean] if lean is not None and lean is not candidate else []),
                       options, result, log)
 
 
@@ -150,7 +150,7 @@ def graph_predicted_ms(graph: Graph, busy_ms: float) -> float:
     return busy_ms + 2 * nbytes / (GRAPH_COPY_GBPS * 1e6) + GRAPH_REPLAY_MS
 
 
-def _try_graph(problem: Problem, plans: list[Plan], options: OptimizeOptions, result: OptimizeResult,
+def try_graph(problem: Problem, plans: list[Plan], options: OptimizeOptions, result: OptimizeResult,
                log: Callable[[str], None]) -> OptimizeResult:
     """Judge each of `plans` replayed from a CUDA graph when the shipped file's forward is launch-bound (the GPU
     replay's predicted time, `graph_predicted_ms`, is GRAPH_MIN_GAIN times under the shipped one's); each ships if
@@ -175,7 +175,7 @@ def _try_graph(problem: Problem, plans: list[Plan], options: OptimizeOptions, re
         except KernelfuseError:
             raise
         except Exception as err:  # noqa: BLE001 - the graphed file's bug: what ships stays as it is
-            _fall_back(result, Fallback("emit", f"variant {graphed.variant}", one_line(err)), log)
+            fall_back(result, Fallback("emit", f"variant {graphed.variant}", one_line(err)), log)
             continue
         verdict = evaluate(problem.path, path, judge_options(options, options.final_baselines))
         result.variants.append(VariantResult(graphed.variant, verdict))
@@ -211,7 +211,7 @@ def _ship_first_faster(problem: Problem, plans: list[Plan], files: dict[str, Pat
         why = f"not verified: {verdict.reason}" if not verdict.correct else f"{verdict.speedup_eager or 0:.3f}x eager"
         result.notes.append(f"{plan.variant} does not ship ({why})")
     result.notes[-1] += ": shipping the unfused model (the original ops)"
-    return _ship_unfused(problem, result, log, options)
+    return ship_unfused(problem, result, log, options)
 
 
 def _write_verified(judged: Path, plan: Plan, options: OptimizeOptions, result: OptimizeResult) -> None:
@@ -230,7 +230,7 @@ def judge_options(options: OptimizeOptions, baselines: tuple[str, ...]) -> EvalO
                        require_custom_kernel=options.require_custom_kernel)
 
 
-def _ship_unfused(problem: Problem, result: OptimizeResult, log: Callable[[str], None],
+def ship_unfused(problem: Problem, result: OptimizeResult, log: Callable[[str], None],
                   options: OptimizeOptions | None = None) -> OptimizeResult:
     """Ship the original ops; with `options` (a GPU) the judge also verifies and times them against the
     baselines, so a suite's record of an unfused problem carries eager's and torch.compile's times too. Under a

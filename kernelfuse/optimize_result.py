@@ -56,6 +56,6 @@ class OptimizeResult:
     compile_checks: list[CompileCheck] = field(default_factory=list)  # without a GPU: nvcc on each checked file
 
 
-def _fall_back(result: OptimizeResult, fallback: Fallback, log: Callable[[str], None]) -> None:
+def fall_back(result: OptimizeResult, fallback: Fallback, log: Callable[[str], None]) -> None:
     result.fallbacks.append(fallback)
     log(f"      fallback: {fallback.describe()}")

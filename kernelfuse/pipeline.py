@@ -19,7 +19,7 @@ import torch
 
 from kernelfuse.bench.layout import LayoutTiming, measure_conv_layouts
 from kernelfuse.capture import Graph, build_model, capture
-from kernelfuse.choose import _choose_then_graph, _ship_unfused, _try_graph, describe_verdict, emit_file, prebuild
+from kernelfuse.choose import choose_then_graph, describe_verdict, emit_file, ship_unfused, try_graph
 from kernelfuse.codegen import generate_checked
 from kernelfuse.compilecheck import check_files
 from kernelfuse.cpucheck import CpuCheck, check_plans
@@ -28,15 +28,14 @@ from kernelfuse.errors import Fallback, KernelfuseError, Unsupported, one_line
 from kernelfuse.fallback import plans_with_fallbacks, run_stage
 from kernelfuse.judge.runner import judge_zygote
 from kernelfuse.load import Problem, check_output_path, load_problem
-from kernelfuse.optimize_result import OptimizeOptions, OptimizeResult, VariantResult, _fall_back
+from kernelfuse.optimize_result import OptimizeOptions, OptimizeResult, VariantResult, fall_back
 from kernelfuse.plan import Plan, optimizer_variants, plan_variants
 from kernelfuse.rewrite import RULE_NAMES, apply_rules
 from kernelfuse.verify.policy import get_policy
 
 # what other modules import from here: the GPU-side choice lives in kernelfuse.choose, the options and results in
 # kernelfuse.optimize_result
-__all__ = ["OptimizeOptions", "OptimizeResult", "VariantResult", "describe_verdict", "emit_file", "optimize_file",
-           "prebuild"]
+__all__ = ["OptimizeOptions", "OptimizeResult", "VariantResult", "describe_verdict", "emit_file", "optimize_file"]
 
 
 def optimize_file(problem_path: str | Path, out_path: str | Path, options: OptimizeOptions = OptimizeOptions(),
@@ -60,16 +59,16 @@ def _optimize(problem_path: str | Path, out_path: str | Path, options: OptimizeO
         captured = capture(problem, model, autocast=get_policy(options.precision).autocast)
     except Unsupported as why:  # found before any planning: the original module ships, saying why
         result = OptimizeResult(out_path, "unfused", [], [])
-        _fall_back(result, why.fallback, log)
+        fall_back(result, why.fallback, log)
         result.notes.append(f"{why.fallback}: shipping the original module")
-        return _ship_unfused(problem, result, log, options if use_gpu else None)
+        return ship_unfused(problem, result, log, options if use_gpu else None)
     except KernelfuseError:  # the forward cannot be traced (a branch on a tensor's value...): exit 3, one line
         raise
     except Exception as err:  # noqa: BLE001 - a capture bug: the original module ships, with the reason
         result = OptimizeResult(out_path, "unfused", [], [])
-        _fall_back(result, Fallback("capture", "the whole forward", one_line(err)), log)
+        fall_back(result, Fallback("capture", "the whole forward", one_line(err)), log)
         result.notes.append("the forward could not be captured: shipping the unfused model (the original ops)")
-        return _ship_unfused(problem, result, log, options if use_gpu else None)
+        return ship_unfused(problem, result, log, options if use_gpu else None)
     disabled = RULE_NAMES if options.no_rewrites else options.disabled_rewrites
     rewritten = apply_rules(captured, disabled)
     graph = rewritten.graph
@@ -79,7 +78,7 @@ def _optimize(problem_path: str | Path, out_path: str | Path, options: OptimizeO
     log(f"[2/5] captured {len(graph.nodes)} ATen nodes on fake tensors ({mode}); {rewritten.summary()}")
     result = OptimizeResult(out_path, "unfused", [], [], rewrites=rewritten.fired)
     for fallback in rewritten.failed:
-        _fall_back(result, fallback, log)
+        fall_back(result, fallback, log)
     timings = _measure_conv_layouts(graph, options.precision, result, log) if use_gpu else None
     layouts = None if timings is None else {t.node: t.choice for t in timings}
     fp32 = frozenset(t.node for t in timings or [] if t.fp32)
@@ -87,24 +86,24 @@ def _optimize(problem_path: str | Path, out_path: str | Path, options: OptimizeO
         graph, lambda keep: optimizer_variants(graph, options.precision, options.max_fusions, layouts, fp32, keep),
         lambda plan: _render(problem, plan))
     for fallback in fallbacks:
-        _fall_back(result, fallback, log)
+        fall_back(result, fallback, log)
     for plan in plans:
         log("[3/5] " + plan.summary().replace("\n", "\n      "))
     result.plans = plans
     if not plans:
         result.notes.append("no plan could be made: shipping the unfused model (the original ops)")
-        return _ship_unfused(problem, result, log, options if use_gpu else None)
+        return ship_unfused(problem, result, log, options if use_gpu else None)
     result.shipped = plans[0].variant
     if not any(p.launches_kernels for p in plans) and not rewritten.fired:  # a rewritten graph is worth a plan
         result.notes.append("nothing to fuse (no library call with pointwise ops behind it): "
                             "shipping the unfused model")
         if not use_gpu:
-            return _ship_unfused(problem, result, log)
-        return _try_graph(problem, plans[:1], options, _ship_unfused(problem, result, log, options), log)
+            return ship_unfused(problem, result, log)
+        return try_graph(problem, plans[:1], options, ship_unfused(problem, result, log, options), log)
     if use_gpu and not options.cpu_check:
         del model
         log("[4/5] CPU interpreter check skipped: the GPU judge verifies every plan")
-        return _choose_then_graph(problem, plans, options, result, log, in_order=_layout_decided(plans, timings))
+        return choose_then_graph(problem, plans, options, result, log, in_order=_layout_decided(plans, timings))
     checks = check_plans(problem, model, graph, plans, lambda g: apply_rules(g, disabled).graph)
     result.cpu_checks = checks
     del model  # the weights are not needed past the check: the judge builds its own copies
@@ -116,12 +115,12 @@ def _optimize(problem_path: str | Path, out_path: str | Path, options: OptimizeO
     if not good:
         result.notes.append("every fused plan failed the CPU check: shipping the unfused model")
         if not use_gpu:
-            return _ship_unfused(problem, result, log)
+            return ship_unfused(problem, result, log)
         ops_only = plan_variants(graph, options.precision, max_fusions=0)[0]  # the captured ops, no fusion
-        return _try_graph(problem, [ops_only], options, _ship_unfused(problem, result, log, options), log)
+        return try_graph(problem, [ops_only], options, ship_unfused(problem, result, log, options), log)
     if not use_gpu:
         return _ship_compiled(problem, good, checks, result, log)
-    return _choose_then_graph(problem, good, options, result, log, in_order=_layout_decided(good, timings))
+    return choose_then_graph(problem, good, options, result, log, in_order=_layout_decided(good, timings))
 
 
 def _render(problem: Problem, plan: Plan) -> None:
@@ -143,11 +142,11 @@ def _ship_compiled(problem: Problem, good: list[Plan], checks: list[CpuCheck], r
     for c in result.compile_checks:
         log(f"[4/5] nvcc compile check ({c.variant}): {c.status} — {c.note}")
         if not c.ok:
-            _fall_back(result, Fallback("compile", f"variant {c.variant}", c.note), log)
+            fall_back(result, Fallback("compile", f"variant {c.variant}", c.note), log)
     plan = next((p for p in good if compiled[p.variant].ok), None)
     if plan is None:
         result.notes.append("no fused variant's CUDA compiles: shipping the unfused model (the original ops)")
-        return _ship_unfused(problem, result, log)
+        return ship_unfused(problem, result, log)
     check, compile_check = checks[result.plans.index(plan)], compiled[plan.variant]
     result.output.write_text(texts[plan.variant])
     result.shipped = plan.variant
@@ -177,7 +176,7 @@ def _measure_conv_layouts(graph: Graph, precision: str, result: OptimizeResult,
     try:
         timings = measure_conv_layouts(graph, strict=precision == "strict")
     except Exception as err:  # noqa: BLE001 - a measurement's bug: both layouts are judged whole instead
-        _fall_back(result, Fallback("plan", "the convolution layout timing", one_line(err)), log)
+        fall_back(result, Fallback("plan", "the convolution layout timing", one_line(err)), log)
         return None
     for t in timings or []:
         log("[3/5] convolution layout " + t.describe())

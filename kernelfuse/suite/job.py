@@ -64,7 +64,7 @@ def run_phase(spec: JobSpec, phase: str) -> dict[str, Any]:
 
 def build(spec: JobSpec) -> dict[str, Any]:
     """Compile the extensions the judge will load; nothing runs on the GPU."""
-    from kernelfuse.pipeline import emit_file, prebuild
+    from kernelfuse.choose import emit_file, prebuild
 
     workdir = Path(tempfile.mkdtemp(prefix="kernelfuse_bench_build_"))
     if spec.candidate is None:
