@@ -47,7 +47,6 @@ def pool_kernel(step: GenStep, ctype: str) -> str:
         raise ValueError(f"pool kernel {k}: the dims before the window differ between input {lead_in} and "
                          f"output {lead_out}")
     space = space_of(step)  # every input dim kept: value(r) takes a flat input index
-    index_t = index_type(step)
     numel = shape_numel(out_shape)
     osz = shape_numel(out_shape[-nd:])
     max_pool = spec.kind == "max_pool"  # type: ignore[attr-defined]
@@ -63,11 +62,7 @@ def pool_kernel(step: GenStep, ctype: str) -> str:
         return _row_pool_kernel(step, ctype, per_thread)
     order = "output order"
     geometry = _geometry(win, out_shape)
-    lines = [f"// pooling: {geometry}; threads in {order}",
-             f"__global__ void __launch_bounds__({BLOCK}) {k}_kernel({pointer_params(step, ctype)}) {{",
-             f"  typedef {index_t} INDEX;",
-             f"  for (INDEX t = (INDEX)blockIdx.x * {BLOCK} + threadIdx.x; t < (INDEX){numel}; "
-             f"t += (INDEX)gridDim.x * {BLOCK}) {{"]
+    lines = _grid_stride_head(step, ctype, f"// pooling: {geometry}; threads in {order}", f"{numel}")
     lines += value_lambda(step, space, "k", None)
     lines.append("    const INDEX i = t;")
     lines.append(f"    const INDEX lead = i / {osz};")
@@ -169,18 +164,14 @@ def _channels_last_out_pool_kernel(step: GenStep, ctype: str) -> str:
     output in the output's memory order, channel fastest, so a warp's window loads read neighbouring channels and
     its stores write neighbouring ones, both contiguous."""
     win = step.spec.window  # type: ignore[attr-defined]
-    k = step.kernel
     in_shape, out_shape = step.prologue.space, step.epilogue.space
     nd = len(win.kernel)
     channels = in_shape[1]
     osz = shape_numel(out_shape[-nd:])
     numel = shape_numel(out_shape)
     max_pool = step.spec.kind == "max_pool"  # type: ignore[attr-defined]
-    lines = [f"// pooling: {_geometry(win, out_shape)}; channels-last in and out, threads in the output's memory order",
-             f"__global__ void __launch_bounds__({BLOCK}) {k}_kernel({pointer_params(step, ctype)}) {{",
-             f"  typedef {index_type(step)} INDEX;",
-             f"  for (INDEX t = (INDEX)blockIdx.x * {BLOCK} + threadIdx.x; t < (INDEX){numel}; "
-             f"t += (INDEX)gridDim.x * {BLOCK}) {{"]
+    lines = _grid_stride_head(step, ctype, f"// pooling: {_geometry(win, out_shape)}; channels-last in and out, "
+                              "threads in the output's memory order", f"{numel}")
     lines += value_lambda(step, space_of(step), "k", None)
     lines += [f"    const INDEX c = t % {channels}, nq = t / {channels};",
               f"    const INDEX q = nq % {osz}, lead = (nq / {osz}) * {channels} + c;",
@@ -190,6 +181,14 @@ def _channels_last_out_pool_kernel(step: GenStep, ctype: str) -> str:
     lines += epilogue_lines(step, "i", "    ")
     lines += [f"    out[t] = kf_store<{out_ctype(step)}>(e_result);", "  }", "}", ""]
     return "\n".join(lines) + launcher(step, ctype, f"kf_blocks({numel}LL, {BLOCK})")
+
+
+def _grid_stride_head(step: GenStep, ctype: str, comment: str, count: str) -> list[str]:
+    """C lines: the comment, the kernel's signature and its grid-stride loop over `count` work items `t`."""
+    return [comment, f"__global__ void __launch_bounds__({BLOCK}) {step.kernel}_kernel({pointer_params(step, ctype)}) {{",
+            f"  typedef {index_type(step)} INDEX;",
+            f"  for (INDEX t = (INDEX)blockIdx.x * {BLOCK} + threadIdx.x; t < (INDEX){count}; "
+            f"t += (INDEX)gridDim.x * {BLOCK}) {{"]
 
 
 def _geometry(win, out_shape: tuple[int, ...]) -> str:
@@ -250,7 +249,6 @@ def _row_pool_kernel(step: GenStep, ctype: str, v: int) -> str:
     holding it (in increasing window position, each output's own order)."""
     spec = step.spec
     win = spec.window  # type: ignore[attr-defined]
-    k = step.kernel
     in_shape, out_shape = step.prologue.space, step.epilogue.space
     nd = len(win.kernel)
     last = nd - 1
@@ -260,12 +258,9 @@ def _row_pool_kernel(step: GenStep, ctype: str, v: int) -> str:
     isz, osz_rest = shape_numel(in_shape[-nd:]), shape_numel(out_shape[-nd:-1])
     max_pool = spec.kind == "max_pool"  # type: ignore[attr-defined]
     combine = "kf_max_op()(acc{o}, x)" if max_pool else "acc{o} + x"
-    lines = [f"// pooling: kernel {list(win.kernel)}, stride {list(win.stride)}, padding {list(win.padding)}, "
-             f"dilation {list(win.dilation)}; a thread per {v} neighbouring outputs along the last dim",
-             f"__global__ void __launch_bounds__({BLOCK}) {k}_kernel({pointer_params(step, ctype)}) {{",
-             f"  typedef {index_type(step)} INDEX;",
-             f"  for (INDEX t = (INDEX)blockIdx.x * {BLOCK} + threadIdx.x; t < (INDEX){rows * groups}; "
-             f"t += (INDEX)gridDim.x * {BLOCK}) {{"]
+    lines = _grid_stride_head(step, ctype, f"// pooling: kernel {list(win.kernel)}, stride {list(win.stride)}, "
+                              f"padding {list(win.padding)}, dilation {list(win.dilation)}; a thread per {v} "
+                              "neighbouring outputs along the last dim", f"{rows * groups}")
     lines += value_lambda(step, space_of(step), "k", None)
     lines += [f"    const INDEX row = t / {groups};",
               f"    const int first = (int)(t % {groups}) * {v};",
