@@ -5,7 +5,8 @@ is given, so a shrunk model (smaller dims, ops dropped) re-renders the same ops 
 `{a1}`: the operands); it raises `Invalid` where the shapes do not fit (the generator then draws another op).
 Only ops eager runs on the CPU in every dtype are kept: the generator executes each one as it draws it.
 What a kind is: kernelfuse.fuzz.kind; the layer kinds (norms, linear, attention, convolution, pooling):
-kernelfuse.fuzz.layers; the growing concatenation (a DenseNet block's): kernelfuse.fuzz.catchain.
+kernelfuse.fuzz.layers; the growing concatenation (a DenseNet block's): kernelfuse.fuzz.catchain; a small CNN
+body (convolutions reading each other's outputs): kernelfuse.fuzz.cnnstack.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import math
 import random
 
 from kernelfuse.fuzz.catchain import draw_cat_chain, render_cat_chain
+from kernelfuse.fuzz.cnnstack import draw_cnn_stack, render_cnn_stack
 from kernelfuse.fuzz.kind import Invalid, Kind, Params, Shape
 from kernelfuse.fuzz.layers import (
     draw_attention,
@@ -252,4 +254,5 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind("view", 1, 3.0, _draw_view, _render_view),
     Kind("cat", 2, 1.0, _draw_cat, _render_cat, min_rank=1),
     Kind("cat_chain", 1, 0.75, draw_cat_chain, render_cat_chain, min_rank=2),
+    Kind("cnn_stack", 1, 2.0, draw_cnn_stack, render_cnn_stack, min_rank=4, max_rank=5),
 )}
