@@ -153,7 +153,7 @@ def gemm_variants(library: list[Plan], precision: str) -> list[Plan]:
     bases = [p for p in library if isinstance(p.options, PlanOptions) and not p.options.channels_last_graph]
     found = []
     for base in bases[:1] + [p for p in bases[1:] if p.options.attention == "library"][:1]:
-        plan = make_plan(base.graph, replace(base.options, gemm_impl="generated"))
+        plan = make_plan(base.source or base.graph, replace(base.options, gemm_impl="generated"))
         if any(s.anchor.family == "matmul" and s.anchor.epilogue_inside for s in plan.fused):
             found.append(plan)
     return found
@@ -167,7 +167,7 @@ def direct_variants(best_library: Plan, owned: list[Plan]) -> list[Plan]:
     if not isinstance(best_library.options, PlanOptions) or \
             not any(s.anchor.impl == "generated" for p in owned for s in p.fused):
         return []
-    plan = make_plan(best_library.graph, replace(best_library.options, conv_impl="direct"))
+    plan = make_plan(best_library.source or best_library.graph, replace(best_library.options, conv_impl="direct"))
     return [plan] if any(s.anchor.impl == "direct" for s in plan.fused) else []
 
 
@@ -284,7 +284,7 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
         variant += "-sdpa"
     if options.attention == "split" and attention:
         variant += "-3xtf32"
-    return Plan(graph, tuple(steps), variant, options)
+    return Plan(graph, tuple(steps), variant, options, source=captured)
 
 
 def _other_layout(gen: GenStep) -> bool:

@@ -7,7 +7,7 @@ tensors, broadcast to the output) and earlier statements, each statement one row
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -290,6 +290,9 @@ class Plan:
     variant: str
     options: object = None  # the kernelfuse.plan.fuse.PlanOptions that made it: the same plan for another capture
     graphed: bool = False  # the forward is replayed from a CUDA graph (kernelfuse.emit.graphed)
+    # the graph the planner was given; `graph` may hold this plan's own layout choices (a kernel writing a
+    # channels-last convolution's input, kernelfuse.plan.convinput), so another variant is planned from this one
+    source: Graph | None = field(default=None, compare=False, repr=False)
 
     def as_graphed(self) -> Plan:
         """The same kernels, replayed from a CUDA graph: a variant of its own, judged like the others."""
