@@ -1,6 +1,6 @@
 """Anchor selection: which library call takes an epilogue (`anchor_supported`), in which layout
 (`channels_last_ok`, `is_conv2d`), and the fused step it heads: cuDNN's conv+bias+ReLU (`_relu_behind`,
-`_channels_last_conv_relu`) and the pointwise ops behind it that join its epilogue (`_fuse_behind`, `_grow`).
+`channels_last_conv_relu`) and the pointwise ops behind it that join its epilogue (`fuse_behind`, `_grow`).
 Kept apart from kernelfuse.plan.fuse, which calls these for each anchor as it makes a plan, so each module stays
 small; PlanOptions is imported for annotations only, so imports run one way (fuse -> anchors).
 """
@@ -53,7 +53,7 @@ def _relu_behind(graph: Graph, anchor_node: Node, options: PlanOptions, taken: s
         and users[0].op == "relu.default" and not graph.is_output(anchor_node.name) and users[0].name not in taken
 
 
-def _channels_last_conv_relu(graph: Graph, anchor_node: Node, options: PlanOptions, kernel: str,
+def channels_last_conv_relu(graph: Graph, anchor_node: Node, options: PlanOptions, kernel: str,
                              taken: set[str]) -> FusedStep | None:
     """In the channels-last graph, a convolution followed by a ReLU is cuDNN's conv+bias+ReLU call on the
     channels-last operands, its output left channels-last: no epilogue kernel (those index contiguous outputs),
@@ -67,7 +67,7 @@ def _channels_last_conv_relu(graph: Graph, anchor_node: Node, options: PlanOptio
                      relu.name)
 
 
-def _fuse_behind(graph: Graph, anchor_node: Node, options: PlanOptions, kernel: str,
+def fuse_behind(graph: Graph, anchor_node: Node, options: PlanOptions, kernel: str,
                  taken: set[str]) -> FusedStep | None:
     family = ANCHOR_OPS[anchor_node.op]
     if not anchor_node.meta.is_dense_contiguous:  # a channels-last output (the channels-last graph's): the

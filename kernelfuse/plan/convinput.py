@@ -19,8 +19,6 @@ from kernelfuse.capture import Graph, Ref
 from kernelfuse.plan.ir import FusedStep, GenStep, Step
 from kernelfuse.plan.layout import channels_last_strides
 
-WRITES_PERMUTED = (None, "affine_norm", "norm")  # GenStep.permuted_out's kernels: pointwise, norms
-
 
 def channels_last_into_convs(graph: Graph, by_out: dict[str, Step]) -> Graph:
     """`graph` with each such kernel's output channels-last (its step in `by_out` replaced to write so)."""
@@ -46,9 +44,9 @@ def _writes_channels_last(graph: Graph, gen: GenStep) -> bool:
     """Can the kernel write its output channels-last: a contiguous 4-d/5-d float output over its own iteration
     space or a regrouping of it (a pointwise or norm kernel, no broadcast), read by the convolution alone?"""
     meta = gen.out_meta
-    kind = None if gen.spec is None else gen.spec.kind  # type: ignore[attr-defined]
-    if kind not in WRITES_PERMUTED or gen.mapped is not None or len(meta.shape) not in (4, 5) \
+    if gen.mapped is not None or len(meta.shape) not in (4, 5) \
             or not meta.is_contiguous or meta.dtype not in (torch.float32, torch.float16, torch.bfloat16) \
             or meta.shape[1] == 1 or len(graph.users(gen.out)) != 1 or graph.is_output(gen.out):
         return False
+    # GenStep.permuted_out decides which kernels write a permuted output (pointwise and norm kernels) and where
     return replace(gen, out_meta=replace(meta, stride=channels_last_strides(meta.shape))).permuted_out is not None

@@ -17,7 +17,7 @@ from kernelfuse.capture import Graph, Node
 from kernelfuse.ops import ANCHOR_OPS, POINTWISE_BY_ATEN, VIEW_OPS
 from kernelfuse.ops.anchors import family_of
 from kernelfuse.ops.kept import KEPT_AS_TORCH
-from kernelfuse.plan.anchors import _channels_last_conv_relu, _fuse_behind, anchor_supported, channels_last_ok
+from kernelfuse.plan.anchors import anchor_supported, channels_last_conv_relu, channels_last_ok, fuse_behind
 from kernelfuse.plan.attention import attention_steps
 from kernelfuse.plan.catbuffer import shared_cat_buffers
 from kernelfuse.plan.conv import igemm_refusal, tap_major_weights
@@ -224,9 +224,9 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
             break
         ok, _ = anchor_supported(graph, node)
         if ok:
-            step = _fuse_behind(graph, node, options, f"k{len(fused)}", absorbed)
+            step = fuse_behind(graph, node, options, f"k{len(fused)}", absorbed)
         else:
-            step = _channels_last_conv_relu(graph, node, options, f"k{len(fused)}", absorbed)
+            step = channels_last_conv_relu(graph, node, options, f"k{len(fused)}", absorbed)
         if step is None:
             continue
         fused[step.out] = step
