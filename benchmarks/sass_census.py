@@ -5,13 +5,14 @@ fewer instructions. This census counts them on the CPU machine, so a change to t
 costs device time. It found that the dense convolution's 4-byte gathers spent ~10 integer instructions on each copy
 (level-2 54, stop 47).
 
-    PYTHONPATH=. python benchmarks/sass_census.py PROBLEM.py [--kernel k0] [--arch sm_90] [--plan owned|first]
+    PYTHONPATH=. python benchmarks/sass_census.py PROBLEM.py [--kernel k0] [--arch sm_90] [--plan owned|first|VARIANT]
         [--fp32-convs]
 
 `--plan owned` (the default) takes the owned-anchor plan, the one with the generated convolutions and GEMMs: TF32
 convolutions, or with `--fp32-convs` the 3xTF32 ones a GPU gets where eager's convolution computes in full fp32.
-`first` takes the optimizer's first variant. The report lists, for each kernel, its instruction count and each
-loop's body (a backward branch's range): its instruction count and top opcodes (predicates stripped).
+`first` takes the optimizer's first variant, a variant's name (`fused-nchw`) that variant. The report lists,
+for each kernel, its instruction count and each loop's body (a backward branch's range): its instruction count
+and top opcodes (predicates stripped).
 
 Needs nvcc and cuobjdump. cuobjdump comes from CUDA's bin folder or the `nvidia-cuda-cuobjdump` wheel.
 """
@@ -98,7 +99,8 @@ def main() -> None:
     parser.add_argument("problem", type=Path)
     parser.add_argument("--kernel", default="", help="only kernels whose name contains this (e.g. k0_kernel)")
     parser.add_argument("--arch", default="sm_90")
-    parser.add_argument("--plan", choices=("owned", "first"), default="owned")
+    parser.add_argument("--plan", default="owned",
+                        help="owned, first, or a variant's name (e.g. fused-nchw) among the optimizer's variants")
     parser.add_argument("--fp32-convs", action="store_true", help="the convolutions as eager's full-fp32 ones")
     args = parser.parse_args()
     nvcc, cuobjdump = find_tool("nvcc"), find_tool("cuobjdump")
@@ -109,6 +111,8 @@ def main() -> None:
         plans = owned_anchor_variants(graph, measured=convs, fp32_convs=convs if args.fp32_convs else frozenset())
     else:
         plans = optimizer_variants(graph)
+        if args.plan != "first":
+            plans = [p for p in plans if p.variant == args.plan]
     if not plans:
         sys.exit("sass_census: no plan with generated kernels for this problem")
     sources = generate(plans[0])

@@ -154,3 +154,37 @@ def test_only_operands_constant_over_a_row_are_hoisted(shape: tuple[int, ...], h
     """
     _, _, plans = pipeline(write_problem(tmp_path, "scaled", body, f"[torch.randn{shape}]"))
     assert ("e_in0_row" in generate(plans[-1]).cuda) == hoisted
+
+
+def test_a_group_loads_the_operands_its_four_elements_share(tmp_path: Path) -> None:
+    """A biased input's group norm and a scaled residual (as level-2 92): the per-channel bias (prologue), the
+    norm's weight and shift and the residual's scale (epilogue) are the same for four neighbouring elements of a
+    plane of a multiple of 4, so the on-chip passes load them once a group, and the write pass stores the group in
+    one 16-byte store where the output is aligned. A softmax divides each element (the IEEE division's slow path),
+    and a log_softmax's four elements share no operand (groups measured slower there): their write passes stay one
+    element at a time. The on-chip kernels run in tests/test_generated_gpu.py (zoo_onchip)."""
+    body = """
+    def __init__(self):
+        super().__init__()
+        self.channel_bias = nn.Parameter(torch.randn(1, 32, 1, 1))
+        self.gn = nn.GroupNorm(8, 32)
+
+    def forward(self, x):
+        flat = x.flatten(1)
+        return torch.tanh(self.gn(x + self.channel_bias)) + x * self.channel_bias, torch.softmax(flat, 1), \
+            torch.log_softmax(flat, 1)
+    """
+    _, _, plans = pipeline(write_problem(tmp_path, "grouped", body, "[torch.randn(8, 32, 64, 64)]"))
+    cuda = generate(plans[-1]).cuda
+    norm, softmax, log_softmax = (
+        cuda.split(f"__global__ void __launch_bounds__(512, 4) {k}_onchip_kernel")[1].split("KF_EXPORT")[0]
+        for k in ("k0", "k1", "k2"))
+    assert "_softmax" in cuda.split("// k1:")[1].split("\n")[0] and "_log_softmax" in cuda.split("// k2:")[1]
+    # once a group in both statistics passes and the write pass
+    assert norm.count("const float h_in0 = kf_load(p_in0_p[row_in0 + g_in0]);") == 3
+    assert "const float v = value_at_g(r, raw, h_in0);" in norm and "value_at(r, raw)" not in norm
+    assert "const float y = ((v - mean) * rstd) * h_weight + h_bias;" in norm
+    assert "const float e_in1 = e_in1_g;" in norm and "const float e_in0 = raw;" in norm
+    assert "*reinterpret_cast<float4*>(&out[row_out + g_out]) = make_float4(" in norm
+    for single in (softmax, log_softmax):
+        assert "kf_res[t]" not in single and "out[row_out + o_out] = " in single

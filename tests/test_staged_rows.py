@@ -1,6 +1,6 @@
 """Row kernels whose output rows are contiguous but whose source rows are strided (a LayerNorm over the channels
 of an NCHW activation, as a UNet's transformer block or ConvNeXt computes it) write through a shared tile
-(kernelfuse.codegen.reduce.stages_writes): checked in the CPU emulation against the plan interpreter, fp32 and
+(kernelfuse.codegen.row_writes.stages_writes): checked in the CPU emulation against the plan interpreter, fp32 and
 bf16."""
 
 from __future__ import annotations

@@ -262,19 +262,28 @@ def value_lambda(step: GenStep, space: Space, cls: str, row_prefix: str | None,
     `source(r)`: the source element loaded through its strides; `value(r)`: the two together. Operands named in
     `given` (`in{i}`) are value_at's parameters `x_in{i}` after acc, loaded by the caller (and there is no
     `value`)."""
-    operands = [f"in{i}" for i in range(len(step.prologue.operands)) if f"in{i}" not in given]
     base = (lambda n: f"{row_prefix}{n} + o_{n}") if row_prefix else (lambda n: f"o_{n}")
-    params = "".join(f", float x_{n}" for n in given)
-    lines = [f"    auto value_at = [&](INDEX r, float acc{params}) -> float {{"]
-    lines += decompose(space, cls, "r", "o_", operands, "      ") if operands else []
-    lines += program_lines(step.prologue, "acc", {n: base(n) for n in operands}, "p_", "      ",
-                           C_TYPES.get(step.source.meta.dtype, "float"), {n: f"x_{n}" for n in given})
-    lines += ["      return p_result;", "    };", "    auto source = [&](INDEX r) -> float {"]
+    lines = value_at_lambda(step, space, cls, row_prefix, given)
+    lines += ["    auto source = [&](INDEX r) -> float {"]
     lines += decompose(space, cls, "r", "o_", ["src"], "      ")
     lines += [f"      return kf_load(src[{base('src')}]);", "    };"]
     if not given:
         lines.append("    auto value = [&](INDEX r) -> float { return value_at(r, source(r)); };")
     return lines
+
+
+def value_at_lambda(step: GenStep, space: Space, cls: str, row_prefix: str | None, given: tuple[str, ...] = (),
+                    name: str = "value_at") -> list[str]:
+    """The prologue as the lambda `name(r, acc, x_in{i}...)`: value_lambda's `value_at`, or another with other
+    operands `given` (an on-chip pass's group loads those once for its four elements: kernelfuse.codegen.onchip)."""
+    operands = [f"in{i}" for i in range(len(step.prologue.operands)) if f"in{i}" not in given]
+    base = (lambda n: f"{row_prefix}{n} + o_{n}") if row_prefix else (lambda n: f"o_{n}")
+    params = "".join(f", float x_{n}" for n in given)
+    lines = [f"    auto {name} = [&](INDEX r, float acc{params}) -> float {{"]
+    lines += decompose(space, cls, "r", "o_", operands, "      ") if operands else []
+    lines += program_lines(step.prologue, "acc", {n: base(n) for n in operands}, "p_", "      ",
+                           C_TYPES.get(step.source.meta.dtype, "float"), {n: f"x_{n}" for n in given})
+    return lines + ["      return p_result;", "    };"]
 
 
 def launch_params(step: GenStep, ctype: str) -> tuple[str, str]:

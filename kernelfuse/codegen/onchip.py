@@ -222,12 +222,13 @@ def chunk_copy(slot: str, element_pass: list[str], grouped: bool = False) -> lis
             "    if (KF_VECTOR_COPIES) __syncthreads();  // a 16-byte copy fills other threads' elements"]
 
 
-def chunk_pass(body: list[str], group: int = 1) -> list[str]:
+def chunk_pass(body: list[str], group: int = 1, head: list[str] | None = None,
+               tail: list[str] | None = None) -> list[str]:
     """A pass over this block's chunk of the row: a thread's elements are j * TPR + lane of the chunk, or with
     `group` 4 (rows of a multiple of 4 elements) the four elements from 4 * (j * TPR + lane) on, read from shared
-    memory in one 16-byte load and guarded once (a quarter of the loads, guards and offsets an element). Only the
-    statistics passes take groups: a write pass of groups that stored its four values in one 16-byte store held
-    them across the IEEE division's slow-path call and spilled at 32 registers (ptxas, sm_80: a mapped L1 norm)."""
+    memory in one 16-byte load and guarded once (a quarter of the loads, guards and offsets an element). A group's
+    `head` runs once before its four elements (`r0` the first: operands the four share, `group_invariant`, loaded
+    once), its `tail` after them (a 16-byte store of their four results)."""
     lines = [ln for b in body for ln in b.split("\n")]
     if group == 1:
         return [f"#pragma unroll {ONCHIP_UNROLL}", "    for (int j = 0; j < PER; ++j) {",
@@ -239,10 +240,33 @@ def chunk_pass(body: list[str], group: int = 1) -> list[str]:
             "      if (kf_rank * CHUNK + q < (INDEX)RED && q < CHUNK) {",
             "        const float4 kf_raw4 = *reinterpret_cast<const float4*>(&kf_row_cache[q]);",
             "        const float kf_raws[4] = {kf_raw4.x, kf_raw4.y, kf_raw4.z, kf_raw4.w};",
+            "        const INDEX r0 = kf_rank * CHUNK + q;",
+            *[f"        {t}" for t in head or []],
             "#pragma unroll", "        for (int t = 0; t < 4; ++t) {",
-            "          const INDEX r = kf_rank * CHUNK + q + t;",
+            "          const INDEX r = r0 + t;",
             "          const float raw = kf_raws[t];", *[f"          {t}" for t in lines], "        }",
+            *[f"        {t}" for t in tail or []],
             "      }", "    }"]
+
+
+def group_invariant(space: Space, names: list[str]) -> list[str]:
+    """The tensors of `names` whose element is the same for a group's four row elements: stride 0 along the row's
+    innermost dim, whose size is a multiple of 4 (a group starts at a multiple of 4, so it never straddles two of
+    its runs). A per-channel bias before a group norm over (channels, plane): one load a group, not four."""
+    last = space.dims("r")[-1]
+    if space.sizes[last] % 4:
+        return []
+    return [n for n in names if space.strides[n][last] == 0]
+
+
+def group_runs(space: Space, name: str) -> bool:
+    """Are a group's four elements of tensor `name` consecutive in memory and aligned as the group (unit stride
+    along the row's innermost dim, every other stride a multiple of 4)? Then its offset at `r0` is a multiple of
+    4 and the group's elements are that offset + t."""
+    strides = space.strides[name]
+    last = space.dims("r")[-1]
+    return (space.sizes[last] % 4 == 0 and strides[last] == 1
+            and all(s % 4 == 0 for d, s in enumerate(strides) if d != last))
 
 
 def chunk_group(space: Space) -> int:

@@ -14,7 +14,7 @@ pairs are kernelfuse.codegen.arg_reduce's); logsumexp and softmax find the max a
 pass (a larger max rescales the sum: one read of the row fewer than ATen's max pass then sum pass, ~1e-7 relative
 apart); norms take the mean and the biased variance in one Welford pass (as ATen's CUDA norms do; as accurate as
 two passes, unlike one-pass sums of squares). A row kept in registers, or a chunk kept on chip, instead takes two
-passes per thread over what it keeps, cheaper in instructions (`_two_passes`). Passes re-read the row and recompute
+passes per thread over what it keeps, cheaper in instructions (`two_passes`). Passes re-read the row and recompute
 the prologue instead of storing it. Numerics follow ATen: float accumulation, NaN-propagating max/min,
 logsumexp's infinite max replaced by 0, softmax as exp(x - max) / sum, batch norm's running statistics with the
 unbiased variance.
@@ -24,9 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from kernelfuse.capture.graph import contiguous_strides
 from kernelfuse.codegen.arg_reduce import INDEX_KINDS, arg_row_lines
-from kernelfuse.codegen.common import invariant_operands, offset_expr, program_lines
 from kernelfuse.codegen.iteration import (
     BLOCK,
     Space,
@@ -34,20 +32,17 @@ from kernelfuse.codegen.iteration import (
     epilogue_lines,
     index_type,
     launcher,
-    memory_order,
     out_ctype,
     pointer_params,
-    shape_numel,
     space_of,
+    value_at_lambda,
     value_lambda,
 )
 from kernelfuse.codegen.onchip import (
     ONCHIP_THREADS,
     blocks_per_sm,
-    chunk_copy,
     chunk_group,
     chunk_of,
-    chunk_pass,
     combine_across_blocks,
     copies_vectors,
     onchip_launcher,
@@ -55,6 +50,14 @@ from kernelfuse.codegen.onchip import (
     row_blocks,
     source_pointer_lambda,
 )
+from kernelfuse.codegen.row_passes import (
+    group_prologue,
+    group_prologue_operands,
+    reads_rows_contiguously,
+    row_pass,
+    two_passes,
+)
+from kernelfuse.codegen.row_writes import broadcast_store, mapped_store
 from kernelfuse.ops import float_literal
 from kernelfuse.plan.ir import GenStep
 
@@ -63,16 +66,6 @@ CACHE_MAX_THREAD_ROW = 64  # the same for a reduce-then-broadcast kernel whose t
 
 REDUCE_OPS = {"sum": ("kf_sum_op", "0.0f"), "mean": ("kf_sum_op", "0.0f"), "prod": ("kf_prod_op", "1.0f"),
               "amax": ("kf_max_op", "(-INFINITY)"), "amin": ("kf_min_op", "INFINITY")}
-
-
-def reads_rows_contiguously(space: Space) -> bool:
-    """Is the source's unit-stride dim a reduced one? Then a row's elements lie next to each other and the `inner`
-    strategy coalesces (a channels-last source reduced over channels: its innermost logical dim is kept)."""
-    if not space.dims("r"):
-        return False
-    src = space.strides["src"]
-    unit = [d for d in range(len(space.sizes)) if src[d] == 1]
-    return space.classes[unit[-1] if unit else -1] == "r"
 
 
 def row_strategy(step: GenStep) -> tuple[bool, int, int, int]:
@@ -158,69 +151,12 @@ def _row_body(step: GenStep, ctype: str, space: Space, tpr: int, first_row: str,
     lines += value_lambda(step, space, "r", "row_")
     if blocks:
         lines += source_pointer_lambda(space)
+        if group_prologue_operands(step, space):
+            lines += value_at_lambda(step, space, "r", "row_", tuple(group_prologue_operands(step, space)),
+                                     "value_at_g")
     lines += _kind_lines(step, kind, red, ctype, space, tpr, limit, blocks)
     lines.append("  }")
     return lines
-
-
-def _loop(body: list[str], cache: str | None = None, raw: bool = False, onchip: int = 0) -> list[str]:
-    """A thread's pass over its elements of the row, `v` the element's value. `cache` None: each pass reads (and
-    recomputes the prologue); "fill": this pass reads and keeps the thread's elements (PER of them) in registers,
-    or in an on-chip kernel in the block's shared memory; "read": this pass takes them from there. `raw`: the pass
-    also names the source element `raw`, and the cache keeps that (a broadcast consumer reads the source, not the
-    prologue's value). `onchip`: the elements a thread takes at once in an on-chip kernel's pass (0: not one)."""
-    if onchip:  # the chunk is copied to shared memory first; both passes read the source values from there
-        slot = "kf_row_cache[j * TPR + lane]"
-        take = "const float v = value_at(r, raw);" if onchip == 4 else f"const float raw = {slot};\nconst float v = value_at(r, raw);"
-        passes = chunk_pass([take, *body], onchip)
-        if cache == "fill":
-            passes = chunk_copy(slot, chunk_pass([f"kf_cp_async4(&{slot}, source_ptr(r));"]), onchip == 4) + passes
-        return passes
-    slot = "cache[j]"
-    if raw:
-        take = {None: "const float raw = source(r);\nconst float v = value_at(r, raw);",
-                "fill": f"const float raw = source(r);\n{slot} = raw;\nconst float v = value_at(r, raw);",
-                "read": f"const float raw = {slot};"}[cache]
-    else:
-        take = {None: "const float v = value(r);", "fill": f"const float v = value(r);\n{slot} = v;",
-                "read": f"const float v = {slot};"}[cache]
-    if cache is None:
-        return ["    for (INDEX r = lane; r < (INDEX)RED; r += TPR) {", *[f"      {t}" for t in take.split("\n")],
-                *[f"      {b}" for b in body], "    }"]
-    return ["#pragma unroll", "    for (int j = 0; j < PER; ++j) {", "      const INDEX r = lane + (INDEX)j * TPR;",
-            "      if (r < (INDEX)RED) {", *[f"        {t}" for t in take.split("\n")],
-            *[f"        {b}" for b in body], "      }", "    }"]
-
-
-def _row_invariant(step: GenStep, space: Space) -> tuple[int, ...]:
-    """The epilogue operands that are the same for every element of a row, loaded once a row instead of once an
-    element (a per-channel scale after a softmax over each channel's plane: level-2 38). The row must be one run of
-    the output starting at a multiple of its length; the operand is then broadcast over the output's trailing dims
-    that such runs lie in (`invariant_operands`)."""
-    red = space.count("r")
-    out = space.strides["out"]
-    reduced = space.dims("r")
-    if memory_order(step) is not None or [out[d] for d in reduced] != list(
-            contiguous_strides(tuple(space.sizes[d] for d in reduced))) or any(out[d] % red for d in space.dims("k")):
-        return ()
-    return invariant_operands(tuple(step.epilogue.space), step.epilogue.operands, red)
-
-
-def _two_passes(kind: str, onchip: int) -> list[str]:
-    """A thread's statistics of its elements kept on chip (an on-chip chunk in shared memory, or the row in
-    registers), in two passes over them: the max, then the sum of exp(v - max) (softmax kinds); the sum, then the
-    squared deviations from the thread's mean (norms). The one-pass updates (a rescaled sum at each new max;
-    Welford's division per element) cost more instructions than the memory allows: the on-chip LogSoftmax issued
-    on 57% of cycles at 58% of DRAM bandwidth (ncu, H100), BERT's add + LayerNorm (rows of 768 in registers) ran at
-    a third of Inductor's bandwidth (2 H200s). The per-thread results merge across threads and blocks as the
-    one-pass ones do."""
-    again = None if onchip else "read"  # shared memory is read by both passes; registers are filled, then read
-    if kind == "norm":
-        return [*_loop(["n += 1.0f;", "mean += v;"], "fill", onchip=onchip),
-                "    mean = n > 0.0f ? mean / n : 0.0f;",
-                *_loop(["const float d = v - mean;", "m2 += d * d;"], again, onchip=onchip)]
-    return [*_loop(["m = kf_max_op()(m, v);"], "fill", onchip=onchip),
-            *_loop(["const float e = expf(v - m);", "s += (v == -INFINITY) ? 0.0f : e;"], again, onchip=onchip)]
 
 
 def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tpr: int, limit: int,
@@ -240,10 +176,11 @@ def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tp
             lines += [f"    constexpr int PER = {per};", "    float cache[PER];"]
     first, again = ("fill", "read") if cached else (None, None)
     oc = chunk_group(space) if blocks else 0  # elements an on-chip pass takes at once
+    gp = group_prologue(step, space) if oc == 4 else None
     if kind in REDUCE_OPS:
         op, identity = REDUCE_OPS[kind]
         lines.append(f"    float s = {identity};")
-        lines += _loop([f"s = {op}()(s, v);"], first, raw=mapped, onchip=oc)
+        lines += row_pass([f"s = {op}()(s, v);"], first, raw=mapped, onchip=oc, grouped=gp)
         lines.append(f"    s = kf_row_reduce<TPR>(s, {op}());")
         if blocks:
             lines.append(f"    {combine_across_blocks(blocks, ('s',), op)}")
@@ -252,10 +189,10 @@ def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tp
         if not mapped:
             return lines + reduced_store(step, "s", ctype)
         lines.append("    const float y = s;  // every thread of the row: the row's value after the epilogue")
-        return lines + epilogue_lines(step, "row", "    ") + _mapped_store(step, ctype, space, again, oc)
+        return lines + epilogue_lines(step, "row", "    ") + mapped_store(step, ctype, space, again, oc)
     if kind in ("logsumexp", "softmax", "log_softmax"):
         lines.append("    float m = -INFINITY, s = 0.0f;")
-        lines += _two_passes(kind, oc) if cached else _loop(["kf_online_add(m, s, v);"])
+        lines += two_passes(kind, oc, gp) if cached else row_pass(["kf_online_add(m, s, v);"])
         lines.append("    kf_row_reduce_online<TPR>(m, s);")
         if blocks:
             lines.append(f"    {{ float unused = 0.0f; {combine_across_blocks(blocks, ('m', 's', 'unused'), 'kf_online_merge3')} }}")
@@ -264,10 +201,10 @@ def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tp
             return lines + reduced_store(step, "lse", ctype)
         lines.append("    const float logs = logf(s);" if kind == "log_softmax" else "")
         expr = "v - m - logs" if kind == "log_softmax" else "expf(v - m) / s"
-        return lines + _broadcast_store(step, expr, ctype, [], space, again, oc)
+        return lines + broadcast_store(step, expr, ctype, [], space, again, oc, gp)
     # norm: mean and biased variance in one Welford pass; affine; batch norm updates its running statistics
     lines.append("    float n = 0.0f, mean = 0.0f, m2 = 0.0f;")
-    lines += _two_passes(kind, oc) if cached else _loop(["kf_welford_add(n, mean, m2, v);"])
+    lines += two_passes(kind, oc, gp) if cached else row_pass(["kf_welford_add(n, mean, m2, v);"])
     lines.append("    kf_row_reduce_welford<TPR>(n, mean, m2);")
     if blocks:
         lines.append(f"    {combine_across_blocks(blocks, ('n', 'mean', 'm2'), 'kf_welford_merge3')}")
@@ -276,7 +213,7 @@ def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tp
     lines += running_lines(step, red, ctype, "    ", "lane == 0 && kf_rank == 0" if blocks else "lane == 0")
     affine = [n for n in ("weight", "bias") if n in space.strides]
     expr = normalised(step, lambda n: f"row_{n} + o_{n}").replace("value(r)", "v")
-    return lines + _broadcast_store(step, expr, ctype, affine, space, again, oc)
+    return lines + broadcast_store(step, expr, ctype, affine, space, again, oc, gp)
 
 
 def rstd(step: GenStep) -> str:
@@ -317,95 +254,3 @@ def reduced_store(step: GenStep, value: str, ctype: str) -> list[str]:
     lines += epilogue_lines(step, "row", "      ")
     lines += [f"      out[row] = kf_store<{out_ctype(step)}>(e_result);", "    }"]
     return lines
-
-
-def _broadcast_store(step: GenStep, expr: str, ctype: str, extra: list[str], space: Space,
-                     cache: str | None, onchip: int = 0) -> list[str]:
-    """Write every element of the row: `expr` (of the element `v`, the row's statistics applied), then the
-    epilogue; its operands that are the same for the whole row (`_row_invariant`) loaded before the pass."""
-    body = [ln.strip() for ln in decompose(space, "r", "r", "o_", ["out", *extra], "")]
-    body.append(f"const float y = {expr};")
-    hoisted = _row_invariant(step, space)
-    shape = tuple(step.epilogue.space)
-    loads = [f"    const float e_in{j}_row = kf_load(e_in{j}_p[{offset_expr(step.epilogue.operands[j].strides, shape, '(row_out)')}]);"
-             for j in hoisted]
-    epilogue = [ln.strip() for ln in epilogue_lines(step, "row_out + o_out", "", {f"in{j}": f"e_in{j}_row" for j in hoisted})]
-    element = "raw" if onchip else "v" if not step.prologue.statements else None  # the source element in hand
-    if element:  # a residual of the norm's own input: no second read
-        epilogue = _element_in_hand(epilogue, "e_", _source_operands(step), element)
-    body += epilogue
-    if cache is None and not onchip and stages_writes(space):
-        return loads + _staged_loop(body, out_ctype(step))
-    return loads + _stored(body, "e_result", out_ctype(step), cache, False, onchip)
-
-
-def _stored(body: list[str], value: str, ctype: str, cache: str | None, raw: bool, onchip: int) -> list[str]:
-    """The write pass: `body` computes the element's `value`, stored at its output offset (an on-chip kernel's
-    one element at a time: `onchip.chunk_pass`)."""
-    body = [*body, f"out[row_out + o_out] = kf_store<{ctype}>({value});"]
-    return _loop(body, cache, raw=raw, onchip=1 if onchip else 0)
-
-
-def stages_writes(space: Space) -> bool:
-    """Does a one-thread-per-row kernel write its rows through shared memory? Where the source's rows are strided
-    (neighbouring threads own neighbouring rows, and read coalesced) but the output's are contiguous (a LayerNorm
-    over the channels of an NCHW activation, written as the (N, HW, C) rows a Linear reads), a thread's own writes
-    hit a new 32-byte sector each (the UNet block's three such norms took 0.18 ms each, ATen's 0.03). Every warp
-    must own 32 live rows (rows a multiple of 32)."""
-    reduced = space.dims("r")
-    return (not reads_rows_contiguously(space) and space.count("k") % 32 == 0 and len(reduced) == 1
-            and space.strides["out"][reduced[0]] == 1)
-
-
-def _staged_loop(body: list[str], out_t: str) -> list[str]:
-    """The write pass of a staged row kernel (stages_writes): a warp's 32 rows computed 32 elements at a time into
-    a shared tile, then written row by row, the lanes along the row (one 32-element run per store)."""
-    return [f"    __shared__ float kf_tile[{BLOCK // 32}][32][33];  // a warp's 32 rows x 32 elements (padded: no bank conflicts)",
-            f"    __shared__ INDEX kf_tile_out[{BLOCK // 32}][32];  // each row's output offset",
-            "    const int kf_w = threadIdx.x / 32, kf_l = threadIdx.x % 32;",
-            "    kf_tile_out[kf_w][kf_l] = row_out;",
-            "    for (INDEX c0 = 0; c0 < (INDEX)RED; c0 += 32) {",
-            "      __syncwarp();",
-            "      for (int kf_j = 0; kf_j < 32 && c0 + kf_j < (INDEX)RED; ++kf_j) {",
-            "        const INDEX r = c0 + kf_j;",
-            "        const float v = value(r);",
-            *[f"        {b}" for b in body],
-            "        kf_tile[kf_w][kf_l][kf_j] = e_result;",
-            "      }",
-            "      __syncwarp();",
-            "      if (c0 + kf_l < (INDEX)RED)",
-            "        for (int kf_j = 0; kf_j < 32; ++kf_j)",
-            f"          out[kf_tile_out[kf_w][kf_j] + c0 + kf_l] = kf_store<{out_t}>(kf_tile[kf_w][kf_j][kf_l]);",
-            "    }"]
-
-
-def _source_operands(step: GenStep) -> list[int]:
-    """The epilogue operands that are the kernel's source element by element: the same tensor, contiguous, read at
-    the output's flat index, which is the source's flat index (a contiguous source, an output of its shape)."""
-    src = step.source
-    if src.meta.stride != contiguous_strides(src.meta.shape) or step.out_meta.numel != src.meta.numel:
-        return []
-    space = step.epilogue.space
-    return [i for i, o in enumerate(step.epilogue.operands)
-            if o.ref == src.ref and tuple(o.strides) == contiguous_strides(space) and shape_numel(space) == src.meta.numel]
-
-
-def _element_in_hand(program: list[str], prefix: str, operands: list[int], element: str) -> list[str]:
-    """`program` with the loads of `operands` (its `{prefix}in{i}`) replaced by `element`, the source element the
-    thread already holds: the same value, not read from memory again."""
-    loads = {f"const float {prefix}in{i} = ": f"const float {prefix}in{i} = {element};" for i in operands}
-    return [next((new for start, new in loads.items() if ln.startswith(start)), ln) for ln in program]
-
-
-def _mapped_store(step: GenStep, ctype: str, space: Space, cache: str | None, onchip: int = 0) -> list[str]:
-    """Write every element of the row: the broadcast consumer (`step.mapped`) of the row's value `e_result` and
-    its operands; an operand that is the source itself takes the element already loaded or cached (`raw`)."""
-    mapped = step.mapped
-    names = [f"m{i}" for i in range(len(mapped.operands))]  # type: ignore[union-attr]
-    body = [ln.strip() for ln in decompose(space, "r", "r", "o_", ["out", *names], "")]
-    offsets = {f"in{i}": f"row_m{i} + o_m{i}" for i in range(len(names))}
-    program = [ln.strip() for ln in program_lines(mapped, "e_result", offsets, "m_", "", ctype)]  # type: ignore[arg-type]
-    sources = [i for i, o in enumerate(mapped.operands)  # type: ignore[union-attr]
-               if o.ref == step.source.ref and o.strides == step.source.strides]
-    body += _element_in_hand(program, "m_", sources, "raw")
-    return _stored(body, "m_result", out_ctype(step), cache, True, onchip)

@@ -26,7 +26,7 @@ from kernelfuse.codegen.iteration import (
     space_of,
     value_lambda,
 )
-from kernelfuse.codegen.reduce import reads_rows_contiguously
+from kernelfuse.codegen.row_passes import reads_rows_contiguously
 from kernelfuse.ops.scans import SCAN_COMBINE
 from kernelfuse.plan.ir import GenStep
 

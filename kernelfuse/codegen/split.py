@@ -20,13 +20,8 @@ from kernelfuse.codegen.iteration import (
     space_of,
     value_lambda,
 )
-from kernelfuse.codegen.reduce import (
-    REDUCE_OPS,
-    reads_rows_contiguously,
-    reduced_store,
-    rstd,
-    running_lines,
-)
+from kernelfuse.codegen.reduce import REDUCE_OPS, reduced_store, rstd, running_lines
+from kernelfuse.codegen.row_passes import reads_rows_contiguously
 from kernelfuse.codegen.split_normalise import normalise_kernels, normalise_pass, normalise_strategy
 from kernelfuse.ops import float_literal
 from kernelfuse.plan.ir import GenStep
