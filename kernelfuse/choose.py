@@ -94,24 +94,36 @@ def _choose_on_gpu(problem: Problem, plans: list[Plan], options: OptimizeOptions
 
 
 RETIME_WITHIN = 1.25  # a runner-up this close to the fastest variant is timed again before one ships
+# ...and so is a variant whose eager baseline, the same model every time, ran this much slower than the quickest of
+# the problem's eager runs: it was timed while the machine was busy
+LOADED_EAGER = 1.25
 
 
 def _retimed_best(problem: Problem, judged: list[tuple[Plan, Verdict]], files: dict[str, Path],
                   quick: EvalOptions, log: Callable[[str], None]) -> tuple[Plan, Verdict] | None:
     """The fastest verified variant. Each was timed once, at its own moment, and a moment of host contention (the
     suite building the next problem beside the judge) slowed one host-bound variant by 30%: where the runner-up is
-    within RETIME_WITHIN of the fastest, both are timed again (one trial) and each keeps its better time."""
+    within RETIME_WITHIN of the fastest, both are timed again (one trial) and each keeps its better time. A variant
+    timed on a busy machine (its eager baseline LOADED_EAGER slower than the problem's quickest: level-3
+    MobileNetV2's first variant at 10.0 ms beside eager's 9.9, where eager took 4.9 for a later one) is timed again
+    too, and the fastest then with it."""
     ranked = sorted(judged, key=lambda pv: pv[1].runtime_ms)  # type: ignore[arg-type, return-value]
-    if len(ranked) < 2 or ranked[1][1].runtime_ms > ranked[0][1].runtime_ms * RETIME_WITHIN:  # type: ignore[operator]
+    if len(ranked) < 2:
         return ranked[0] if ranked else None
+    eager = [v.eager_ms for _, v in ranked if v.eager_ms]
+    loaded = [pv for pv in ranked[1:] if eager and pv[1].eager_ms and pv[1].eager_ms > min(eager) * LOADED_EAGER]
+    close = ranked[1][1].runtime_ms <= ranked[0][1].runtime_ms * RETIME_WITHIN  # type: ignore[operator]
+    again_for = [pv for pv in ranked[1:] if (close and pv is ranked[1]) or pv in loaded]
+    if not again_for:
+        return ranked[0]
     again = replace(quick, trials=1)
-    times = {}
-    for plan, verdict in ranked[:2]:
+    times = {plan.variant: verdict.runtime_ms for plan, verdict in ranked}
+    for plan, verdict in [ranked[0], *again_for]:
         second = evaluate(problem.path, files[plan.variant], again)
-        ms = [t for t in (verdict.runtime_ms, second.runtime_ms if second.correct else None) if t is not None]
-        times[plan.variant] = min(ms)
+        if second.correct and second.runtime_ms is not None:
+            times[plan.variant] = min(verdict.runtime_ms, second.runtime_ms)  # type: ignore[type-var]
         log(f"      {plan.variant} timed again: {second.runtime_ms or float('nan'):.3f} ms")
-    return min(ranked[:2], key=lambda pv: times[pv[0].variant])
+    return min(ranked, key=lambda pv: times[pv[0].variant])  # type: ignore[arg-type, return-value]
 
 
 def choose_then_graph(problem: Problem, plans: list[Plan], options: OptimizeOptions, result: OptimizeResult,
