@@ -17,7 +17,8 @@ from emulation_helpers import emulated, node_values
 from kernelfuse.capture import capture_module
 from kernelfuse.codegen.attention import flash_warps, input_strides, uses_tensor_cores
 from kernelfuse.plan import PlanOptions, interpret, make_plan
-from kernelfuse.plan.attention import SDPA, attention_reference
+from kernelfuse.plan.attention import SDPA
+from kernelfuse.plan.attention_views import attention_reference
 from kernelfuse.plan.ir import AttnStep
 from kernelfuse.rewrite import rewrite
 

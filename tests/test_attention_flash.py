@@ -14,7 +14,7 @@ from emulation_helpers import emulated, node_values
 
 from kernelfuse.codegen import attention
 from kernelfuse.codegen.attention import FlashConfig, flash_config, flash_warps, input_strides, uses_tensor_cores
-from kernelfuse.plan.attention import attention_reference
+from kernelfuse.plan.attention_views import attention_reference
 from kernelfuse.plan.ir import AttnStep
 
 # The tilings: 4 or 8 warps, 64- or 32-key tiles, the query fragments in registers or re-read from shared memory

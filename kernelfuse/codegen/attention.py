@@ -31,7 +31,7 @@ import torch
 from kernelfuse.codegen.binding import Binding, pointer_launcher, py_tuple
 from kernelfuse.codegen.common import C_TYPES
 from kernelfuse.ops import float_literal
-from kernelfuse.plan.attention import logical_view, mask_view, strides_of, window_view
+from kernelfuse.plan.attention_views import logical_view, mask_view, strides_of, window_view
 from kernelfuse.plan.ir import AttnStep, Plan
 
 MASK_KINDS = {"none": 0, "keep": 1, "drop": 2, "add": 3}  # the kernel's MASK template argument

@@ -14,7 +14,7 @@ from kernelfuse.capture import Graph, Node, Ref
 from kernelfuse.capture.graph import constant_value
 from kernelfuse.ops import POINTWISE_BY_ATEN
 from kernelfuse.ops.scans import SCAN_KINDS, scan_reference
-from kernelfuse.plan.attention import attention_reference
+from kernelfuse.plan.attention_views import attention_reference
 from kernelfuse.plan.ir import AttnStep, Epilogue, FusedStep, GenStep, Plan, Program, TorchStep
 
 

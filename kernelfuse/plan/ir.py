@@ -203,7 +203,7 @@ class GenStep:
 @dataclass(frozen=True)
 class AttnInput:
     """A tensor the attention kernel reads, as the graph value `ref` holds it; the kernel's (batch, head, row, col)
-    view of it is kernelfuse.plan.attention.logical_view (heads split from a merged batch, Kᵀ read as K)."""
+    view of it is kernelfuse.plan.attention_views.logical_view (heads split from a merged batch, Kᵀ read as K)."""
 
     ref: Ref
     meta: TensorMeta
