@@ -64,6 +64,15 @@ def kv_cache(m, q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+def repeat_kv(m, q, k, v):
+    """transformers' grouped-query attention through SDPA without enable_gqa: each key and value head repeated for
+    its queries (an expand and a copy each), which the kernel reads past as grouped-query heads."""
+    b, hk, length, d = k.shape
+    rep = q.shape[1] // hk
+    k, v = (t[:, :, None, :, :].expand(b, hk, rep, length, d).reshape(b, hk * rep, length, d) for t in (k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 def randn(*shape: int) -> torch.Tensor:
     return torch.randn(*shape)
 
@@ -95,6 +104,7 @@ CASES = {
                   "sdpa"),
     "sdpa_short_s2_d64": (sdpa_fn(), [randn(6, 3, 2, 64), randn(6, 3, 2, 64), randn(6, 3, 2, 64)],
                           "sdpa"),  # a few tokens a row (KernelBench's ViT): fp32 blocks of 1 warp, 16-key tiles
+    "sdpa_repeat_kv_d32": (repeat_kv, [randn(2, 6, 40, 32), randn(2, 2, 40, 32), randn(2, 2, 40, 32)], "sdpa"),
     "sdpakv_cache_d64": (kv_cache, [randn(1, 2, 67, 64), randn(1, 67, 2, 64), randn(1, 67, 2, 64)], "sdpa"),
     "handwritten_causal_d96": (handwritten("causal", 2), [randn(2, 70, 192)], "hand-written"),
     "handwritten_add_d32": (handwritten("add", 3), [randn(1, 37, 96)], "hand-written"),

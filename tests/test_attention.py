@@ -30,12 +30,35 @@ def test_attention_becomes_one_step_proven_in_float64(name):
     assert [s.origin for s in plan.attention] == [CASES[name][2]], plan.summary()
     ops = {graph[n].op for n in plan.attention[0].replaces}
     assert not ops & {"clone.default", "expand.default"} or CASES[name][2] == "hand-written" or \
-        (name == "sdpakv_cache_d64" and ops == {SDPA, "clone.default"})
+        (name == "sdpakv_cache_d64" and ops == {SDPA, "clone.default"}) or \
+        (name == "sdpa_repeat_kv_d32" and ops == {SDPA, "clone.default", "expand.default", "unsqueeze.default",
+                                                   "_unsafe_view.default"} and plan.attention[0].dims[1:3] == (6, 2))
     with torch.no_grad():
         expected = model(*inputs)
         got = interpret(plan, {**dict(model.named_parameters()), **dict(model.named_buffers())}, inputs)[0]
     assert got.shape == expected.shape and got.dtype == torch.float64
     torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10, equal_nan=True)
+
+
+def test_repeated_heads_are_read_in_place_only_where_the_attention_alone_reads_the_copy():
+    """Keys and values repeated per query head (transformers' repeat_kv) are read as grouped-query heads; where the
+    repeated keys are also returned, or the values are not repeated alike, the attention reads the copies."""
+    def shared(m, q, k, v):
+        b, hk, length, d = k.shape
+        kr, vr = (t[:, :, None].expand(b, hk, 3, length, d).reshape(b, 3 * hk, length, d) for t in (k, v))
+        return F.scaled_dot_product_attention(q, kr, vr), kr
+
+    def unlike(m, q, k, v):
+        b, hk, length, d = k.shape
+        kr = k[:, :, None].expand(b, hk, 3, length, d).reshape(b, 3 * hk, length, d)
+        vr = v[:, :, None].expand(b, 3 * hk, 1, length, d).reshape(b, 3 * hk, length, d)
+        return F.scaled_dot_product_attention(q, kr, vr)
+
+    for fn, v_heads in ((shared, 2), (unlike, 6)):
+        inputs = [randn(1, 6, 20, 16), randn(1, 2, 20, 16), randn(1, v_heads, 20, 16)]
+        plan = make_plan(rewrite(capture_module(Fn(fn), inputs)))
+        (step,) = plan.attention
+        assert step.dims[1:3] == (6, 6) and plan.graph[step.k.ref].meta.shape[1] == 6, fn.__name__
 
 
 def test_a_copy_protecting_keys_from_a_later_in_place_op_is_kept():

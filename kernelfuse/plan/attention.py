@@ -101,6 +101,13 @@ def _from_sdpa(graph: Graph, node: Node, kernel: str) -> AttnStep | str:
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     chain = {node.name}
     refs = [_past_copies(graph, args[n], chain) for n in ("query", "key", "value")]
+    repeats = [_repeated_heads(graph, ref, chain) for ref in refs[1:]]
+    if repeats[0] is not None and repeats[1] is not None and repeats[0][1] == repeats[1][1]:
+        # keys and values repeated alike (transformers' repeat_kv): read the heads they repeat, grouped-query
+        refs[1:] = [found[0] for found in repeats]  # type: ignore[index]
+        kv_heads //= repeats[0][1]
+        for found in repeats:
+            chain.update(found[2])  # type: ignore[index]
     inputs = [AttnInput(ref, graph[ref].meta) for ref in refs]
     return _step(graph, kernel, inputs, mask, kind, bool(args.get("is_causal", False)), scale, False,
                  (batch, heads, kv_heads, q.shape[-2], length, d), node,
@@ -113,7 +120,7 @@ def _past_copies(graph: Graph, ref: Ref, chain: set[str]) -> Ref:
     kernel, or torch's SDPA, reads the strided source. The copies join `chain`. Not where the graph mutates anything
     in place: a copy may then be protecting the value it took (as in rewrite's drop_identities)."""
     node = graph[ref]
-    if any(n.op.split(".")[0].endswith("_") for n in graph.nodes):
+    if _mutates(graph):
         return ref
     while node.op == "clone.default" and node.meta is not None and _private(graph, node, chain) \
             and node.keywords.get("memory_format", torch.contiguous_format) == torch.contiguous_format \
@@ -123,6 +130,46 @@ def _past_copies(graph: Graph, ref: Ref, chain: set[str]) -> Ref:
         ref = node.args[0]
         node = graph[ref]
     return ref
+
+
+def _mutates(graph: Graph) -> bool:
+    """Does the graph change any value in place? A copy may then protect the value it took (as in rewrite's
+    drop_identities), so attention does not read past it."""
+    return any(n.op.split(".")[0].endswith("_") for n in graph.nodes)
+
+
+def _repeated_heads(graph: Graph, ref: Ref, chain: set[str]) -> tuple[Ref, int, tuple[str, ...]] | None:
+    """An SDPA key or value made by repeating each of its heads `rep` times in a row (transformers' repeat_kv:
+    `x[:, :, None].expand(b, hk, rep, L, D).reshape(b, hk * rep, L, D)`, a copy): the tensor before the repeat, rep
+    and the nodes that made the copy, which only the attention reads. Head h of the copy is head h // rep of the
+    tensor, as grouped-query attention reads it; the kernel reads it through its strides, with no copy. None where
+    the input is no such repeat, or the graph mutates a value in place (`_mutates`)."""
+    view = graph[ref]
+    if view.op not in _RESHAPES or not isinstance(view.args[0], Ref) or view.meta is None or len(view.meta.shape) != 4 \
+            or _mutates(graph):
+        return None
+    clone = graph[view.args[0]]
+    if clone.op != "clone.default" or not isinstance(clone.args[0], Ref):
+        return None
+    expand = graph[clone.args[0]]
+    if expand.op != "expand.default" or not isinstance(expand.args[0], Ref) or expand.meta is None:
+        return None
+    unsqueeze = graph[expand.args[0]]
+    if unsqueeze.op != "unsqueeze.default" or not isinstance(unsqueeze.args[0], Ref) \
+            or unsqueeze.args[1] not in (2, -3):
+        return None
+    source = graph[unsqueeze.args[0]].meta
+    if source is None or len(source.shape) != 4:
+        return None
+    b, hk, length, d = source.shape
+    rep = expand.meta.shape[2]
+    if tuple(expand.meta.shape) != (b, hk, rep, length, d) or tuple(view.meta.shape) != (b, hk * rep, length, d):
+        return None
+    nodes = (view.name, clone.name, expand.name, unsqueeze.name)
+    inside = chain | set(nodes)
+    if any(not _private(graph, graph[n], inside) for n in nodes):
+        return None
+    return unsqueeze.args[0], rep, nodes
 
 
 def _from_handwritten(graph: Graph, pv: Node, kernel: str) -> AttnStep | str:
