@@ -94,7 +94,10 @@ def draw_attention(rng: random.Random, shapes: list[Shape]) -> Params:
 def render_attention(p: Params, shapes: list[Shape]) -> tuple[list[str], str]:
     """Self-attention over the last two dims (rows, channels split into heads; q, k and v the same heads): SDPA
     (plain or causal) or its hand-written form (minGPT's; with a per-head additive bias; autocast's fp32 softmax
-    and cast back; Swin's shifted windows: the batch as images x windows, a window mask added in a 5-d view)."""
+    and cast back; Swin's shifted windows: the batch as images x windows, a window mask added in a 5-d view).
+    Causal SDPA with `windows` 2 over a batch and an even number of heads takes keys and values from the first
+    half of the heads, each repeated for two query heads as transformers' repeat_kv copies them (no new draw:
+    earlier seeds' other models stay as they were)."""
     shape = shapes[0]
     if len(shape) not in (2, 3):
         raise Invalid("attention over rank 2 or 3")
@@ -109,7 +112,10 @@ def render_attention(p: Params, shapes: list[Shape]) -> tuple[list[str], str]:
     lines: list[str] = []
     if form in ("hand_bias", "autocast_bias", "windows"):
         lines.append(f"self.{{m}}_bias = nn.Parameter(torch.randn({h}, {s}, {s}) * 0.5)")
-    if form.startswith("sdpa"):
+    if form == "sdpa_causal" and int(p["windows"]) == 2 and len(shape) == 3 and h % 2 == 0:
+        kv = f"t[:, :{h // 2}, None].expand(-1, {h // 2}, 2, -1, -1).reshape(t.shape)"
+        body = f"F.scaled_dot_product_attention(t, {kv}, {kv}, is_causal=True)"
+    elif form.startswith("sdpa"):
         body = f"F.scaled_dot_product_attention(t, t, t, is_causal={form == 'sdpa_causal'})"
     elif form == "hand":
         body = f"torch.softmax({scores}, -1) @ t"
