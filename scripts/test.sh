@@ -29,7 +29,7 @@ if [ -z "${CUDA_HOME:-}" ]; then
 fi
 .venv/bin/ruff check .
 set +e
-.venv/bin/python -m pytest -q -rs "$@"
+.venv/bin/python -m pytest -q -rs --durations=15 "$@"  # the slowest tests listed: the suite is kept lean
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
