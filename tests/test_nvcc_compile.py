@@ -102,7 +102,7 @@ def test_every_prelude_compiles_in_one_file(tmp_path):
     from kernelfuse.codegen.attention_flash import FLASH_PRELUDE
     from kernelfuse.codegen.attention_mma import MMA_ATTENTION_PRELUDE
     from kernelfuse.codegen.attention_prelude import ATTENTION_PRELUDE
-    from kernelfuse.codegen.conv_igemm import IGEMM_PRELUDE
+    from kernelfuse.codegen.conv_igemm_prelude import IGEMM_PRELUDE
     from kernelfuse.codegen.cuda import HEADER
     from kernelfuse.codegen.generated import REDUCE_PRELUDE
     from kernelfuse.codegen.onchip import ONCHIP_PRELUDE

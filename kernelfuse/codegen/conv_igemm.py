@@ -39,67 +39,6 @@ from kernelfuse.plan.ir import FusedStep, Plan
 THREADS = BM  # four warps, each a 32-row slice of the BM = 128 tile
 STAGES = 3  # shared-memory stages of K: two in flight while one multiplies (41 KB at the widest tile)
 
-IGEMM_PRELUDE = r"""
-// Implicit-GEMM convolutions (kernelfuse.codegen.conv_igemm), on codegen.tensorcore's helpers.
-// One k8 step of a warp's MF x NF tiles of m16n8 (rows wm.., columns wn..), operands from shared memory stored
-// k-major (A[k][m], B[k][n]) as fp32 and rounded to TF32 as they enter the tensor cores. SPLIT (where eager's
-// convolution computes in full fp32): each operand is its TF32 part plus the TF32 rounding of the rest, and three
-// products (small x big, big x small, big x big) give fp32 accuracy (3xTF32). In the CPU emulation each lane
-// computes the same accumulator elements with scalar FMAs on the same TF32 parts, in the same three passes, so
-// tiling and epilogue are the ones the GPU runs.
-template <int MF, int NF, bool SPLIT>
-__device__ __forceinline__ void kf_igemm_k8(float (&acc)[MF][NF][4], const float* A, int lda, const float* B,
-                                            int ldb, int wm, int wn) {
-  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-#if defined(__CUDA_ARCH__)
-  unsigned int a[MF][4], b[NF][2], a_lo[SPLIT ? MF : 1][4], b_lo[SPLIT ? NF : 1][2];
-#pragma unroll
-  for (int i = 0; i < MF; ++i)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const float v = A[(t + (r >> 1) * 4) * lda + wm + i * 16 + g + (r & 1) * 8], hi = kf_round_tf32(v);
-      a[i][r] = __float_as_uint(hi);
-      if constexpr (SPLIT) a_lo[i][r] = __float_as_uint(kf_round_tf32(v - hi));
-    }
-#pragma unroll
-  for (int j = 0; j < NF; ++j)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float v = B[(t + r * 4) * ldb + wn + j * 8 + g], hi = kf_round_tf32(v);
-      b[j][r] = __float_as_uint(hi);
-      if constexpr (SPLIT) b_lo[j][r] = __float_as_uint(kf_round_tf32(v - hi));
-    }
-#pragma unroll
-  for (int i = 0; i < MF; ++i)
-#pragma unroll
-    for (int j = 0; j < NF; ++j) {
-      if constexpr (SPLIT) {
-        kf_mma_tf32(acc[i][j], a_lo[i], b[j]);
-        kf_mma_tf32(acc[i][j], a[i], b_lo[j]);
-      }
-      kf_mma_tf32(acc[i][j], a[i], b[j]);
-    }
-#else
-#pragma unroll
-  for (int i = 0; i < MF; ++i)
-#pragma unroll
-    for (int j = 0; j < NF; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int m = wm + i * 16 + g + (e >> 1) * 8, n = wn + j * 8 + 2 * t + (e & 1);
-        float s = acc[i][j][e];
-        for (int pass = SPLIT ? 0 : 2; pass < 3; ++pass)
-          for (int k = 0; k < 8; ++k) {
-            const float x = A[k * lda + m], y = B[k * ldb + n], hx = kf_round_tf32(x), hy = kf_round_tf32(y);
-            const float u = pass == 0 ? kf_round_tf32(x - hx) : hx, w = pass == 1 ? kf_round_tf32(y - hy) : hy;
-            s = fmaf(u, w, s);
-          }
-        acc[i][j][e] = s;
-      }
-#endif
-}
-"""
-
 
 @dataclass(frozen=True)
 class TileConfig:

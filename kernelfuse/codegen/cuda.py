@@ -20,7 +20,8 @@ from kernelfuse.codegen.attention_mma import MMA_ATTENTION_PRELUDE
 from kernelfuse.codegen.attention_prelude import ATTENTION_PRELUDE
 from kernelfuse.codegen.binding import Binding, kernels_class
 from kernelfuse.codegen.common import C_TYPES
-from kernelfuse.codegen.conv_igemm import IGEMM_PRELUDE, dense_kernel, render_conv
+from kernelfuse.codegen.conv_igemm import dense_kernel, render_conv
+from kernelfuse.codegen.conv_igemm_prelude import IGEMM_PRELUDE
 from kernelfuse.codegen.conv_tc import CONV_TC_PRELUDE
 from kernelfuse.codegen.conv_wgmma import CONV_WGMMA_PRELUDE
 from kernelfuse.codegen.epilogue import render_fused
