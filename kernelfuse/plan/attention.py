@@ -25,6 +25,7 @@ from dataclasses import replace
 import torch
 
 from kernelfuse.capture import Graph, Node, Ref, schema_args
+from kernelfuse.plan.attention_inputs import RESHAPES, past_copies, private, repeated_heads
 from kernelfuse.plan.attention_views import mask_view, strides_of, window_view
 from kernelfuse.plan.ir import AttnInput, AttnStep
 from kernelfuse.plan.schedule import FLOAT_DTYPES
@@ -34,7 +35,6 @@ MAX_HEAD_DIM = 256  # the kernel keeps a query row's output (D floats over 16 th
 # Ops between a tensor and a bmm that only lay it out for the bmm (same values): the kernel reads through strides.
 _LAYOUT_OPS = frozenset({"_unsafe_view.default", "view.default", "reshape.default", "clone.default",
                          "expand.default"})
-_RESHAPES = frozenset({"_unsafe_view.default", "view.default", "reshape.default"})
 
 
 def attention_steps(graph: Graph, first_kernel: int, library: bool = False, tf32: bool = False, split: bool = False
@@ -52,7 +52,7 @@ def attention_steps(graph: Graph, first_kernel: int, library: bool = False, tf32
             continue
         kernel = f"a{first_kernel + len(steps)}"
         if node.op == SDPA:
-            found = _from_sdpa(graph, node, kernel, repeated_heads=not library)
+            found = _from_sdpa(graph, node, kernel, read_repeats=not library)
         elif node.op == "bmm.default":
             found = _from_handwritten(graph, node, kernel)
             if isinstance(found, str):
@@ -73,11 +73,11 @@ def attention_steps(graph: Graph, first_kernel: int, library: bool = False, tf32
     return steps, reasons
 
 
-def _from_sdpa(graph: Graph, node: Node, kernel: str, repeated_heads: bool = True) -> AttnStep | str:
-    """The step of an SDPA node, or why it has none. `repeated_heads`: keys and values repeated per query head
-    (`_repeated_heads`) are read as grouped-query heads; not for torch's SDPA call (the library variant), whose
-    enable_gqa took a slower backend in fp32 (the zoo's Llama, H200: 9.42 ms graphed against 7.97 with the
-    copies)."""
+def _from_sdpa(graph: Graph, node: Node, kernel: str, read_repeats: bool = True) -> AttnStep | str:
+    """The step of an SDPA node, or why it has none. `read_repeats`: keys and values repeated per query head
+    (`attention_inputs.repeated_heads`) are read as grouped-query heads; not for torch's SDPA call (the library
+    variant), whose enable_gqa took a slower backend in fp32 (the zoo's Llama, H200: 9.42 ms graphed against 7.97
+    with the copies)."""
     args = schema_args(node)
     q, k, v = (graph[args[n]].meta for n in ("query", "key", "value"))
     if node.meta is None or q.dtype not in FLOAT_DTYPES or not q.dtype == k.dtype == v.dtype == node.meta.dtype:
@@ -104,8 +104,8 @@ def _from_sdpa(graph: Graph, node: Node, kernel: str, repeated_heads: bool = Tru
     scale = args.get("scale")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     chain = {node.name}
-    refs = [_past_copies(graph, args[n], chain) for n in ("query", "key", "value")]
-    repeats = [_repeated_heads(graph, ref, chain) if repeated_heads else None for ref in refs[1:]]
+    refs = [past_copies(graph, args[n], chain) for n in ("query", "key", "value")]
+    repeats = [repeated_heads(graph, ref, chain) if read_repeats else None for ref in refs[1:]]
     if repeats[0] is not None and repeats[1] is not None and repeats[0][1] == repeats[1][1]:
         # keys and values repeated alike (transformers' repeat_kv): read the heads they repeat, grouped-query
         refs[1:] = [found[0] for found in repeats]  # type: ignore[index]
@@ -118,64 +118,6 @@ def _from_sdpa(graph: Graph, node: Node, kernel: str, repeated_heads: bool = Tru
                  (node.name, *sorted(chain - {node.name})), "sdpa")
 
 
-def _past_copies(graph: Graph, ref: Ref, chain: set[str]) -> Ref:
-    """An SDPA input read past the contiguous copies that only the attention reads (transformers' KV cache on a
-    first call: `cat` of an empty cache and the transposed keys, a copy once the empty operand is gone): the
-    kernel, or torch's SDPA, reads the strided source. The copies join `chain`. Not where the graph mutates anything
-    in place: a copy may then be protecting the value it took (as in rewrite's drop_identities)."""
-    node = graph[ref]
-    if _mutates(graph):
-        return ref
-    while node.op == "clone.default" and node.meta is not None and _private(graph, node, chain) \
-            and node.keywords.get("memory_format", torch.contiguous_format) == torch.contiguous_format \
-            and isinstance(node.args[0], Ref) and graph[node.args[0]].meta is not None \
-            and graph[node.args[0]].meta.shape == node.meta.shape:
-        chain.add(node.name)
-        ref = node.args[0]
-        node = graph[ref]
-    return ref
-
-
-def _mutates(graph: Graph) -> bool:
-    """Does the graph change any value in place? A copy may then protect the value it took (as in rewrite's
-    drop_identities), so attention does not read past it."""
-    return any(n.op.split(".")[0].endswith("_") for n in graph.nodes)
-
-
-def _repeated_heads(graph: Graph, ref: Ref, chain: set[str]) -> tuple[Ref, int, tuple[str, ...]] | None:
-    """An SDPA key or value made by repeating each of its heads `rep` times in a row (transformers' repeat_kv:
-    `x[:, :, None].expand(b, hk, rep, L, D).reshape(b, hk * rep, L, D)`, a copy): the tensor before the repeat, rep
-    and the nodes that made the copy, which only the attention reads. Head h of the copy is head h // rep of the
-    tensor, as grouped-query attention reads it; the kernel reads it through its strides, with no copy. None where
-    the input is no such repeat, or the graph mutates a value in place (`_mutates`)."""
-    view = graph[ref]
-    if view.op not in _RESHAPES or not isinstance(view.args[0], Ref) or view.meta is None or len(view.meta.shape) != 4 \
-            or _mutates(graph):
-        return None
-    clone = graph[view.args[0]]
-    if clone.op != "clone.default" or not isinstance(clone.args[0], Ref):
-        return None
-    expand = graph[clone.args[0]]
-    if expand.op != "expand.default" or not isinstance(expand.args[0], Ref) or expand.meta is None:
-        return None
-    unsqueeze = graph[expand.args[0]]
-    if unsqueeze.op != "unsqueeze.default" or not isinstance(unsqueeze.args[0], Ref) \
-            or unsqueeze.args[1] not in (2, -3):
-        return None
-    source = graph[unsqueeze.args[0]].meta
-    if source is None or len(source.shape) != 4:
-        return None
-    b, hk, length, d = source.shape
-    rep = expand.meta.shape[2]
-    if tuple(expand.meta.shape) != (b, hk, rep, length, d) or tuple(view.meta.shape) != (b, hk * rep, length, d):
-        return None
-    nodes = (view.name, clone.name, expand.name, unsqueeze.name)
-    inside = chain | set(nodes)
-    if any(not _private(graph, graph[n], inside) for n in nodes):
-        return None
-    return unsqueeze.args[0], rep, nodes
-
-
 def _from_handwritten(graph: Graph, pv: Node, kernel: str) -> AttnStep | str:
     """The attention whose last op is the bmm `pv` (probabilities @ v), or why `pv` is none."""
     chain = {pv.name}
@@ -183,7 +125,7 @@ def _from_handwritten(graph: Graph, pv: Node, kernel: str) -> AttnStep | str:
     narrowed = _cast_from(graph, probs, chain, torch.float32, pv.meta.dtype)  # autocast: fp32 probabilities
     if narrowed is not None:
         probs = narrowed
-    if probs.op not in ("_softmax.default", "relu.default") or not _private(graph, probs, chain):
+    if probs.op not in ("_softmax.default", "relu.default") or not private(graph, probs, chain):
         return "no softmax (or relu) before the bmm"
     if probs.op == "_softmax.default" and (probs.args[1] not in (-1, len(probs.meta.shape) - 1) or
                                            probs.args[2] is not False):
@@ -195,14 +137,14 @@ def _from_handwritten(graph: Graph, pv: Node, kernel: str) -> AttnStep | str:
     if windows is not None:
         x = windows[0]
     mask, kind = None, "none"
-    if x.op == "masked_fill.Scalar" and x.args[2] == -math.inf and _private(graph, x, chain):
+    if x.op == "masked_fill.Scalar" and x.args[2] == -math.inf and private(graph, x, chain):
         cond = graph[x.args[1]]
         if cond.meta is None or cond.meta.dtype != torch.bool:
             return "mask is not bool"
         mask, kind = AttnInput(Ref(cond.name), cond.meta), "drop"
         chain.add(x.name)
         x = graph[x.args[0]]
-    elif x.op == "add.Tensor" and len(x.args) == 2 and _private(graph, x, chain):
+    elif x.op == "add.Tensor" and len(x.args) == 2 and private(graph, x, chain):
         if not all(isinstance(a, Ref) for a in x.args):
             return "scalar added to the scores"
         pair = _scores_and_mask(graph, x)
@@ -215,12 +157,12 @@ def _from_handwritten(graph: Graph, pv: Node, kernel: str) -> AttnStep | str:
         mask, kind = AttnInput(Ref(other.name), other.meta), "add"
         x = _widened(graph, x, chain)
     scale = 1.0
-    if x.op == "mul.Tensor" and _scalar(x.args[1]) is not None and _private(graph, x, chain):
+    if x.op == "mul.Tensor" and _scalar(x.args[1]) is not None and private(graph, x, chain):
         scale = _scalar(x.args[1])  # type: ignore[assignment]
         chain.add(x.name)
         x = _widened(graph, graph[x.args[0]], chain)
     qk = _peel(graph, Ref(x.name), chain)
-    if qk.op != "bmm.default" or not _private(graph, qk, chain):
+    if qk.op != "bmm.default" or not private(graph, qk, chain):
         return "no bmm of q and kᵀ before the softmax"
     chain.add(qk.name)
     sources = [_peel(graph, qk.args[0], chain), _peel(graph, qk.args[1], chain), _peel(graph, pv.args[1], chain)]
@@ -251,7 +193,7 @@ def _from_handwritten(graph: Graph, pv: Node, kernel: str) -> AttnStep | str:
     inputs = [AttnInput(Ref(src.name), src.meta, swap=i == 1) for i, src in enumerate(sources)]
     out = pv
     after = _only_reader(graph, pv)
-    if after is not None and after.op in _RESHAPES and after.meta.shape == (batch, heads, s, d):
+    if after is not None and after.op in RESHAPES and after.meta.shape == (batch, heads, s, d):
         chain.add(after.name)
         out = after
     step = _step(graph, kernel, inputs, mask, kind, False, scale, True, (batch, heads, heads, s, length, d), out,
@@ -328,7 +270,7 @@ def _peel(graph: Graph, ref: object, chain: set[str]) -> Node:
     that only `chain` reads, adding them to `chain`; the first other node is the tensor the kernel reads."""
     assert isinstance(ref, Ref)
     node = graph[ref]
-    while node.op in _LAYOUT_OPS and _private(graph, node, chain):
+    while node.op in _LAYOUT_OPS and private(graph, node, chain):
         if node.op == "expand.default" and node.meta.shape != graph[node.args[0]].meta.shape:
             break
         if node.op == "clone.default" \
@@ -344,7 +286,7 @@ def _scores_and_mask(graph: Graph, add: Node) -> tuple[Node, Node] | None:
     (its view, its scaling, or autocast's cast of either to fp32)."""
     first, second = (graph[a] for a in add.args)  # type: ignore[index]
     for scores, mask in ((first, second), (second, first)):
-        if scores.op in _RESHAPES | {"mul.Tensor", "bmm.default", "_to_copy.default"} \
+        if scores.op in RESHAPES | {"mul.Tensor", "bmm.default", "_to_copy.default"} \
                 and [u.name for u in graph.users(scores.name)] == [add.name] and mask.meta is not None:
             return scores, mask
     return None
@@ -354,16 +296,16 @@ def _window_mask(graph: Graph, x: Node, chain: set[str]) -> tuple[Node, Node, in
     """(scores, window mask, windows) where `x` is Swin's shifted-window masking of 4-d scores: viewed as
     (images, windows, heads, S, L), a (1, windows, 1 or heads, S, L) mask added, viewed back; the view, the add
     and the view back join `chain`. None otherwise."""
-    if x.op not in _RESHAPES or x.meta is None or len(x.meta.shape) != 4 or not _private(graph, x, chain):
+    if x.op not in RESHAPES or x.meta is None or len(x.meta.shape) != 4 or not private(graph, x, chain):
         return None
     add = graph[x.args[0]]
     if add.op != "add.Tensor" or add.meta is None or len(add.meta.shape) != 5 or len(add.args) != 2 \
-            or not all(isinstance(a, Ref) for a in add.args) or not _private(graph, add, chain | {x.name}):
+            or not all(isinstance(a, Ref) for a in add.args) or not private(graph, add, chain | {x.name}):
         return None
     images, windows, *rest = add.meta.shape
     for split, mask in ((graph[add.args[0]], graph[add.args[1]]), (graph[add.args[1]], graph[add.args[0]])):
-        if split.op not in _RESHAPES or split.meta is None or split.meta.shape != add.meta.shape \
-                or not _private(graph, split, chain | {add.name}) or mask.meta is None:
+        if split.op not in RESHAPES or split.meta is None or split.meta.shape != add.meta.shape \
+                or not private(graph, split, chain | {add.name}) or mask.meta is None:
             continue
         scores = graph[split.args[0]]
         shape = mask.meta.shape
@@ -379,7 +321,7 @@ def _cast_from(graph: Graph, node: Node, chain: set[str], source: torch.dtype, t
     """The `source`-dtype node `node` casts to `target` (a private `_to_copy` that changes nothing but the dtype),
     joining `chain`; None where `node` is no such cast or the dtypes are the same."""
     if node.op != "_to_copy.default" or source == target or node.meta is None or node.meta.dtype != target \
-            or set(node.keywords) != {"dtype"} or len(node.args) != 2 or not _private(graph, node, chain):
+            or set(node.keywords) != {"dtype"} or len(node.args) != 2 or not private(graph, node, chain):
         return None
     inner = graph[node.args[0]]
     if inner.meta is None or inner.meta.dtype != source:
@@ -397,11 +339,6 @@ def _widened(graph: Graph, node: Node, chain: set[str]) -> Node:
     if inner.meta is None or inner.meta.dtype not in (torch.bfloat16, torch.float16):
         return node
     return _cast_from(graph, node, chain, inner.meta.dtype, torch.float32) or node
-
-
-def _private(graph: Graph, node: Node, chain: set[str]) -> bool:
-    """Is `node` read only by members of `chain` (and no graph output)?"""
-    return not graph.is_output(node.name) and all(u.name in chain for u in graph.users(node.name))
 
 
 def _only_reader(graph: Graph, node: Node) -> Node | None:
