@@ -18,6 +18,7 @@ from kernelfuse.codegen.iteration import (
     index_type,
     launch_params,
     operand_ctype,
+    pack_kinds,
     pointer_params,
     shape_numel,
     space_of,
@@ -157,21 +158,9 @@ def _flat_kernel(step: GenStep, ctype: str) -> str:
 
 
 def _packed(space: Space, vec: int) -> dict[str, str]:
-    """The tensors a VEC-wide access reads once per pack, by name: "run" where its VEC elements are consecutive
-    (stride 1 along the innermost dim, every other stride a multiple of VEC: aligned as the pack), "same" where it
-    is constant along the innermost dim. The innermost dim's size must be a multiple of VEC, so a pack never
-    straddles two of its rows (none where VEC is 1)."""
-    if vec == 1 or not space.sizes or space.sizes[-1] % vec:
-        return {}
-    packed = {}
-    for name, strides in space.strides.items():
-        if name == "out":
-            continue
-        if strides[-1] == 0:
-            packed[name] = "same"
-        elif strides[-1] == 1 and all(s % vec == 0 for s in strides[:-1]):
-            packed[name] = "run"
-    return packed
+    """The tensors a VEC-wide access along the innermost dim reads once per pack ("same") or as one run ("run"),
+    by name (`pack_kinds`); the output is written by the kernel's own store."""
+    return {name: kind for name, kind in pack_kinds(space, vec).items() if name != "out"}
 
 
 def _pointer(name: str) -> str:

@@ -151,6 +151,25 @@ def _channel_strides(space: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(1 if d == 1 else 0 for d in range(len(space)))  # batch norm's [N, C, HW]: per channel
 
 
+def pack_kinds(space: Space, vec: int, dim: int = -1) -> dict[str, str]:
+    """How each tensor of the space is read by an access to `vec` consecutive elements along `dim` (a pack),
+    by name: "run" where the pack's elements are consecutive in memory (stride 1 along `dim`, every other stride a
+    multiple of `vec`: aligned as the pack), "same" where the tensor is constant along `dim` (loaded once a pack).
+    The dim's size must be a multiple of `vec`, so that a pack starting at a multiple of `vec` never straddles two
+    of its runs (none where `vec` is 1). The flat kernels' VEC-wide accesses and the on-chip row kernels' groups of
+    four (kernelfuse.codegen.onchip) share this rule."""
+    if vec == 1 or not space.sizes or space.sizes[dim] % vec:
+        return {}
+    d = dim % len(space.sizes)
+    kinds = {}
+    for name, strides in space.strides.items():
+        if strides[d] == 0:
+            kinds[name] = "same"
+        elif strides[d] == 1 and all(s % vec == 0 for e, s in enumerate(strides) if e != d):
+            kinds[name] = "run"
+    return kinds
+
+
 def decompose(space: Space, cls: str, var: str, prefix: str, names: list[str], ind: str) -> list[str]:
     """Lines that split `var` into the indices of the `cls` dims and sum each tensor's offset `{prefix}{name}`."""
     dims = space.dims(cls)

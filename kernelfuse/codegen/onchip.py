@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from kernelfuse.codegen.iteration import Space, decompose, launch_params, out_ctype
+from kernelfuse.codegen.iteration import Space, decompose, launch_params, out_ctype, pack_kinds
 from kernelfuse.plan.ir import GenStep
 
 ONCHIP_THREADS = 512
@@ -250,23 +250,18 @@ def chunk_pass(body: list[str], group: int = 1, head: list[str] | None = None,
 
 
 def group_invariant(space: Space, names: list[str]) -> list[str]:
-    """The tensors of `names` whose element is the same for a group's four row elements: stride 0 along the row's
-    innermost dim, whose size is a multiple of 4 (a group starts at a multiple of 4, so it never straddles two of
-    its runs). A per-channel bias before a group norm over (channels, plane): one load a group, not four."""
-    last = space.dims("r")[-1]
-    if space.sizes[last] % 4:
-        return []
-    return [n for n in names if space.strides[n][last] == 0]
+    """The tensors of `names` whose element is the same for a group's four row elements (`pack_kinds` "same"
+    along the row's innermost dim). A per-channel bias before a group norm over (channels, plane): one load a
+    group, not four."""
+    kinds = pack_kinds(space, 4, space.dims("r")[-1])
+    return [n for n in names if kinds.get(n) == "same"]
 
 
 def group_runs(space: Space, name: str) -> bool:
-    """Are a group's four elements of tensor `name` consecutive in memory and aligned as the group (unit stride
-    along the row's innermost dim, every other stride a multiple of 4)? Then its offset at `r0` is a multiple of
-    4 and the group's elements are that offset + t."""
-    strides = space.strides[name]
-    last = space.dims("r")[-1]
-    return (space.sizes[last] % 4 == 0 and strides[last] == 1
-            and all(s % 4 == 0 for d, s in enumerate(strides) if d != last))
+    """Are a group's four elements of tensor `name` consecutive in memory and aligned as the group (`pack_kinds`
+    "run" along the row's innermost dim)? Then its offset at `r0` is a multiple of 4 and the group's elements are
+    that offset + t."""
+    return pack_kinds(space, 4, space.dims("r")[-1]).get(name) == "run"
 
 
 def chunk_group(space: Space) -> int:

@@ -201,7 +201,7 @@ def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tp
             return lines + reduced_store(step, "lse", ctype)
         lines.append("    const float logs = logf(s);" if kind == "log_softmax" else "")
         expr = "v - m - logs" if kind == "log_softmax" else "expf(v - m) / s"
-        return lines + broadcast_store(step, expr, ctype, [], space, again, oc, gp)
+        return lines + broadcast_store(step, expr, ctype, [], space, again, oc)
     # norm: mean and biased variance in one Welford pass; affine; batch norm updates its running statistics
     lines.append("    float n = 0.0f, mean = 0.0f, m2 = 0.0f;")
     lines += two_passes(kind, oc, gp) if cached else row_pass(["kf_welford_add(n, mean, m2, v);"])
@@ -213,7 +213,7 @@ def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tp
     lines += running_lines(step, red, ctype, "    ", "lane == 0 && kf_rank == 0" if blocks else "lane == 0")
     affine = [n for n in ("weight", "bias") if n in space.strides]
     expr = normalised(step, lambda n: f"row_{n} + o_{n}").replace("value(r)", "v")
-    return lines + broadcast_store(step, expr, ctype, affine, space, again, oc, gp)
+    return lines + broadcast_store(step, expr, ctype, affine, space, again, oc)
 
 
 def rstd(step: GenStep) -> str:

@@ -11,12 +11,18 @@ from kernelfuse.capture.graph import contiguous_strides
 from kernelfuse.codegen.common import invariant_operands, offset_expr, program_lines
 from kernelfuse.codegen.iteration import BLOCK, Space, decompose, epilogue_lines, memory_order, out_ctype, shape_numel
 from kernelfuse.codegen.onchip import chunk_pass, group_invariant, group_runs
-from kernelfuse.codegen.row_passes import group_prologue_operands, reads_rows_contiguously, row_invariant, row_pass
+from kernelfuse.codegen.row_passes import (
+    group_prologue,
+    group_prologue_operands,
+    reads_rows_contiguously,
+    row_invariant,
+    row_pass,
+)
 from kernelfuse.plan.ir import GenStep
 
 
 def broadcast_store(step: GenStep, expr: str, ctype: str, extra: list[str], space: Space,
-                     cache: str | None, onchip: int = 0, grouped: tuple[list[str], str] | None = None) -> list[str]:
+                     cache: str | None, onchip: int = 0) -> list[str]:
     """Write every element of the row: `expr` (of the element `v`, the row's statistics applied), then the
     epilogue; its operands that are the same for the whole row (`row_invariant`) loaded before the pass. An
     on-chip pass writes groups of four where `writes_groups` allows (`grouped_write`)."""
@@ -32,7 +38,7 @@ def broadcast_store(step: GenStep, expr: str, ctype: str, extra: list[str], spac
     if element:  # a residual of the norm's own input: no second read
         epilogue = element_in_hand(epilogue, "e_", source_operands(step), element)
     if onchip == 4 and writes_groups(step, space, [*body, *epilogue], extra, given):
-        return loads + grouped_write(step, space, expr, extra, given, grouped)
+        return loads + grouped_write(step, space, expr, extra, given)
     body += epilogue
     if cache is None and not onchip and stages_writes(space):
         return loads + staged_pass(body, out_ctype(step))
@@ -65,8 +71,7 @@ def group_shared(step: GenStep, space: Space, affine: list[str],
     return group_prologue_operands(step, space), group_invariant(space, affine), epi
 
 
-def grouped_write(step: GenStep, space: Space, expr: str, affine: list[str], given: dict[str, str],
-                   grouped: tuple[list[str], str] | None) -> list[str]:
+def grouped_write(step: GenStep, space: Space, expr: str, affine: list[str], given: dict[str, str]) -> list[str]:
     """The on-chip write pass in groups of four: the operands the four share (the prologue's, the affine weight
     and bias, the epilogue's over the output's flat index) loaded once a group, the four results stored in one
     16-byte store where the output is aligned. A group norm after a biased convolution loaded its three
@@ -80,7 +85,7 @@ def grouped_write(step: GenStep, space: Space, expr: str, affine: list[str], giv
     head += [f"const float e_in{j}_g = kf_load(e_in{j}_p[{offset_expr(step.epilogue.operands[j].strides, shape, '(row_out + g_out)')}]);"
              for j in epi]
     head.append("float kf_res[4];")
-    take = (grouped or ([], "const float v = value_at(r, raw);"))[1]
+    take = group_prologue(step, space)[1]  # the element's value, from the prologue operands loaded below
     body = [take, *(ln.strip() for ln in decompose(space, "r", "r", "o_", own, "") if own)]
     for n in shared:  # `expr` loads the affine operands at their element's offset (`normalised`)
         expr = expr.replace(f"kf_load({n}[row_{n} + o_{n}])", f"h_{n}")

@@ -25,7 +25,7 @@ from dataclasses import replace
 import torch
 
 from kernelfuse.capture import Graph, Node, Ref, schema_args
-from kernelfuse.plan.attention_inputs import RESHAPES, past_copies, private, repeated_heads
+from kernelfuse.plan.attention_inputs import FLAT_RESHAPES, past_copies, private, repeated_heads
 from kernelfuse.plan.attention_views import mask_view, strides_of, window_view
 from kernelfuse.plan.ir import AttnInput, AttnStep
 from kernelfuse.plan.schedule import FLOAT_DTYPES
@@ -193,7 +193,7 @@ def _from_handwritten(graph: Graph, pv: Node, kernel: str) -> AttnStep | str:
     inputs = [AttnInput(Ref(src.name), src.meta, swap=i == 1) for i, src in enumerate(sources)]
     out = pv
     after = _only_reader(graph, pv)
-    if after is not None and after.op in RESHAPES and after.meta.shape == (batch, heads, s, d):
+    if after is not None and after.op in FLAT_RESHAPES and after.meta.shape == (batch, heads, s, d):
         chain.add(after.name)
         out = after
     step = _step(graph, kernel, inputs, mask, kind, False, scale, True, (batch, heads, heads, s, length, d), out,
@@ -286,7 +286,7 @@ def _scores_and_mask(graph: Graph, add: Node) -> tuple[Node, Node] | None:
     (its view, its scaling, or autocast's cast of either to fp32)."""
     first, second = (graph[a] for a in add.args)  # type: ignore[index]
     for scores, mask in ((first, second), (second, first)):
-        if scores.op in RESHAPES | {"mul.Tensor", "bmm.default", "_to_copy.default"} \
+        if scores.op in FLAT_RESHAPES | {"mul.Tensor", "bmm.default", "_to_copy.default"} \
                 and [u.name for u in graph.users(scores.name)] == [add.name] and mask.meta is not None:
             return scores, mask
     return None
@@ -296,7 +296,7 @@ def _window_mask(graph: Graph, x: Node, chain: set[str]) -> tuple[Node, Node, in
     """(scores, window mask, windows) where `x` is Swin's shifted-window masking of 4-d scores: viewed as
     (images, windows, heads, S, L), a (1, windows, 1 or heads, S, L) mask added, viewed back; the view, the add
     and the view back join `chain`. None otherwise."""
-    if x.op not in RESHAPES or x.meta is None or len(x.meta.shape) != 4 or not private(graph, x, chain):
+    if x.op not in FLAT_RESHAPES or x.meta is None or len(x.meta.shape) != 4 or not private(graph, x, chain):
         return None
     add = graph[x.args[0]]
     if add.op != "add.Tensor" or add.meta is None or len(add.meta.shape) != 5 or len(add.args) != 2 \
@@ -304,7 +304,7 @@ def _window_mask(graph: Graph, x: Node, chain: set[str]) -> tuple[Node, Node, in
         return None
     images, windows, *rest = add.meta.shape
     for split, mask in ((graph[add.args[0]], graph[add.args[1]]), (graph[add.args[1]], graph[add.args[0]])):
-        if split.op not in RESHAPES or split.meta is None or split.meta.shape != add.meta.shape \
+        if split.op not in FLAT_RESHAPES or split.meta is None or split.meta.shape != add.meta.shape \
                 or not private(graph, split, chain | {add.name}) or mask.meta is None:
             continue
         scores = graph[split.args[0]]

@@ -9,7 +9,8 @@ import torch
 
 from kernelfuse.capture import Graph, Node, Ref
 
-RESHAPES = frozenset({"_unsafe_view.default", "view.default", "reshape.default"})  # same values, another shape
+# a value viewed in another shape, same flat order (narrower than kernelfuse.ops.anchors.RESHAPES: no squeezes)
+FLAT_RESHAPES = frozenset({"_unsafe_view.default", "view.default", "reshape.default"})
 
 
 def past_copies(graph: Graph, ref: Ref, chain: set[str]) -> Ref:
@@ -43,8 +44,8 @@ def repeated_heads(graph: Graph, ref: Ref, chain: set[str]) -> tuple[Ref, int, t
     tensor, as grouped-query attention reads it; the kernel reads it through its strides, with no copy. None where
     the input is no such repeat, or the graph mutates a value in place (`mutates`)."""
     view = graph[ref]
-    if view.op not in RESHAPES or not isinstance(view.args[0], Ref) or view.meta is None or len(view.meta.shape) != 4 \
-            or mutates(graph):
+    if view.op not in FLAT_RESHAPES or not isinstance(view.args[0], Ref) or view.meta is None \
+            or len(view.meta.shape) != 4 or mutates(graph):
         return None
     clone = graph[view.args[0]]
     if clone.op != "clone.default" or not isinstance(clone.args[0], Ref):
