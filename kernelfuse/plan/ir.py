@@ -195,9 +195,11 @@ class GenStep:
         space, strides = self.prologue.space, self.source.strides
         if len(space) - len(spec.window.kernel) != 2 or len(space) not in (4, 5):  # type: ignore[attr-defined]
             return False
+        if tuple(meta.shape) != tuple(self.epilogue.space):  # a reshape after the pool (a flatten to 1-d)
+            return False
         source_cl = space[1] > 1 and strides[1] == 1 and any(n > 1 for n in space[2:])
-        out_cl = meta.is_dense_permutation and meta.stride[1] == 1 and meta.stride != contiguous_strides(meta.shape)
-        return source_cl and out_cl and tuple(meta.shape) == tuple(self.epilogue.space)
+        return source_cl and meta.is_dense_permutation and meta.stride[1] == 1 \
+            and meta.stride != contiguous_strides(meta.shape)
 
 
 @dataclass(frozen=True)
