@@ -16,11 +16,13 @@ from kernelfuse.errors import Fallback, Unsupported, one_line
 from kernelfuse.fallback import plans_with_fallbacks, run_stage
 from kernelfuse.plan import interpret, plan_variants
 from kernelfuse.rewrite import apply_rules
+from kernelfuse.shapes import ShapeSpecialised, shape_key
 from kernelfuse.verify.float64 import no_less_accurate
 from kernelfuse.verify.policy import get_policy
 
 
-def optimize(model: torch.nn.Module, example_inputs: list | tuple, precision: str = "strict") -> torch.nn.Module:
+def optimize(model: torch.nn.Module, example_inputs: list | tuple, precision: str = "strict", *,
+             max_shapes: int = 1) -> torch.nn.Module:
     """Return a module computing `model`'s forward with fused kernels, or `model` itself when that cannot be had.
 
     The plan is captured on fake tensors, interpreted with torch ops against `model` on `example_inputs`, built
@@ -28,8 +30,32 @@ def optimize(model: torch.nn.Module, example_inputs: list | tuple, precision: st
     returns the original `model` with a warning that says why: never a wrong module. For a verdict with trials,
     the float64 check and timings use `kernelfuse eval` on a problem file. `example_inputs`: forward's positional
     arguments, as for a problem's get_inputs() (tensors, numbers, None, tuples, lists and dicts of tensors).
+
+    Kernels are specialised to the example inputs' shapes. With `max_shapes` > 1 the module builds (and checks)
+    another specialisation on the first call of each new shape, up to that many (kernelfuse.shapes); past them a
+    new shape runs the original ops, warned once and counted in `kernelfuse_stats()`.
     """
-    inputs = list(example_inputs)
+    if max_shapes < 1:
+        raise ValueError(f"max_shapes must be at least 1, got {max_shapes}")
+    fused = _optimize_once(model, list(example_inputs), precision)
+    if max_shapes == 1 or fused is model:
+        return fused
+
+    def build(args: tuple, kwargs: dict) -> torch.nn.Module:
+        """Another shape's module, from a call's own arguments (forward's positional ones only)."""
+        if kwargs:
+            warnings.warn("kernelfuse: a call with keyword arguments is specialised on its positional ones only; "
+                          "running the original ops for its shape", stacklevel=3)
+            return model
+        return _optimize_once(model, list(args), precision)
+
+    # the original ops as the fused module's own fallback runs them (a bf16 plan's: under autocast)
+    return ShapeSpecialised(model, build, max_shapes, (shape_key(list(example_inputs)), fused),
+                            original=getattr(fused, "_reference_forward", model))
+
+
+def _optimize_once(model: torch.nn.Module, inputs: list, precision: str) -> torch.nn.Module:
+    """`optimize` for the example inputs' shapes alone."""
     policy = get_policy(precision)
     try:
         clash = reserved_parameter(list(forward_signature(model).parameters))
@@ -40,11 +66,11 @@ def optimize(model: torch.nn.Module, example_inputs: list | tuple, precision: st
         inside = policy.autocast is not None and torch.is_autocast_enabled("cuda")
         rewritten = apply_rules(capture_module(model, inputs, autocast=policy.autocast, widen_outputs=not inside))
     except Unsupported as why:
-        warnings.warn(f"kernelfuse: {why}; returning the model unchanged", stacklevel=2)
+        warnings.warn(f"kernelfuse: {why}; returning the model unchanged", stacklevel=3)
         return model
     except Exception as err:  # noqa: BLE001 - no graph, no kernels: the model as it is, with why
         warnings.warn(f"kernelfuse: the forward could not be captured ({one_line(err)}); returning the model "
-                      "unchanged", stacklevel=2)
+                      "unchanged", stacklevel=3)
         return model
     graph = rewritten.graph
     call = graph.call_spec
@@ -52,14 +78,14 @@ def optimize(model: torch.nn.Module, example_inputs: list | tuple, precision: st
     plans, fallbacks = plans_with_fallbacks(graph, lambda keep: plan_variants(graph, precision, keep=keep),
                                             lambda plan: run_stage("codegen", generate_checked, plan))
     for fallback in (*rewritten.failed, *fallbacks):
-        warnings.warn(f"kernelfuse: {fallback.describe()}", stacklevel=2)
+        warnings.warn(f"kernelfuse: {fallback.describe()}", stacklevel=3)
     plans = [p for p in plans if p.launches_kernels]
     if not plans:
-        warnings.warn("kernelfuse: nothing to fuse in this model; returning it unchanged", stacklevel=2)
+        warnings.warn("kernelfuse: nothing to fuse in this model; returning it unchanged", stacklevel=3)
         return model
     if not all(t.is_cuda for t in tensors) or not torch.cuda.is_available():
         warnings.warn("kernelfuse: example inputs are not on a CUDA device; returning the model unchanged",
-                      stacklevel=2)
+                      stacklevel=3)
         return model
     state = dict(module_state(model))  # parameters, buffers and plain tensor attributes, as captured
     with torch.no_grad():
@@ -78,14 +104,14 @@ def optimize(model: torch.nn.Module, example_inputs: list | tuple, precision: st
                     fused = build_module(model, plan, generate(plan))
                 except Exception as err:  # noqa: BLE001 - a build failure means: keep the original model
                     warnings.warn(f"kernelfuse: building {plan.variant} failed ({type(err).__name__}: {err})",
-                                  stacklevel=2)
+                                  stacklevel=3)
                     continue
                 got = call.output.tensors(fused(*inputs))
             if all(_matches(e, i, policy.atol, r) and _matches(e, g, policy.atol, r)
                    for e, i, g, r in zip(expected, interpreted, got, fp32, strict=True)):
                 return fused
     warnings.warn("kernelfuse: no fused plan matched the model on the example inputs; returning it unchanged",
-                  stacklevel=2)
+                  stacklevel=3)
     return model
 
 

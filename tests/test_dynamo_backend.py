@@ -37,12 +37,6 @@ def test_compiled_model_matches_eager_on_the_cpu_and_says_why_it_did_not_fuse():
     assert any("not on a CUDA device" in str(w.message) for w in caught), [str(w.message) for w in caught]
 
 
-def test_symbolic_sizes_run_the_graph_as_captured():
-    gm = torch.fx.symbolic_trace(LinearReLU())
-    with pytest.warns(UserWarning, match="dynamic shapes"):
-        assert kernelfuse_backend(gm, [4, torch.randn(4, 16)]) == gm.forward
-
-
 @pytest.mark.gpu
 def test_backend_returns_fused_kernels_on_the_gpu():
     if not torch.cuda.is_available():
