@@ -300,8 +300,6 @@ def test_time_limit_stops_early(tmp_path, capsys):
 OPEN: dict[str, str] = {  # regression files not passing yet: expected failures, by file stem
     "batch_norm_of_constant_channel": "ill-conditioned: a training batch norm of a constant channel amplifies the "
                                       "channels-last convolution's one-ulp differences past the float64 rule",
-    "channels_last_batch_norm_reference": "the interpreter models a norm kernel over a channels-last source by "
-                                          "ATen's CPU channels-last batch norm, less accurate than its NCHW one",
 }
 
 

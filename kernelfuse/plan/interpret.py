@@ -139,6 +139,8 @@ def _run_generated(step: GenStep, env: dict[str, object]) -> torch.Tensor:
     elif step.reduce_node is not None:
         node = step.reduce_node
         args = (Ref("__kf_reduce_input"),) + node.args[1:]
+        if getattr(step.spec, "kind", None) == "norm" and isinstance(value, torch.Tensor):
+            value = value.contiguous()  # ATen's CPU channels-last norms lose accuracy (NaN on overflow); ours don't
         try:  # on the source as eager holds it: the same summation order as eager's own call
             value = call_aten(Node(node.name, node.op, args, node.meta), {**env, "__kf_reduce_input": value})
         except RuntimeError:  # torch 2.11's CPU group norm refuses a permuted input: the same values, dense
