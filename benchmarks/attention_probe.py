@@ -1,6 +1,6 @@
 """The flash-attention kernel against what a user would run instead, on level-3-like shapes, fp32 and bf16.
 
-    PYTHONPATH=. python benchmarks/attention_probe.py [OUT.md] [--no-compile] [--bf16-only]
+    PYTHONPATH=. python benchmarks/attention_probe.py [OUT.md] [--no-compile] [--bf16-only | --fp32-only]
         [--flash-configs default,warps4,...]
 
 Per shape and dtype: our kernel (kernelfuse.codegen.attention, built through the planner from an SDPA call; fp32
@@ -164,13 +164,16 @@ def main(argv: list[str]) -> int:
     parser.add_argument("out", nargs="?", help="the table as markdown, with the GPU's name")
     parser.add_argument("--no-compile", action="store_true", help="no torch.compile rows (most of the run time)")
     parser.add_argument("--bf16-only", action="store_true", help="skip the fp32 cases")
+    parser.add_argument("--fp32-only", action="store_true", help="skip the bf16 cases")
     parser.add_argument("--flash-configs", default="", help=f"bf16 flash tilings to time, of {','.join(FLASH_CONFIGS)}")
     opts = parser.parse_args(argv)
     flash_configs = [n for n in opts.flash_configs.split(",") if n]
     if unknown := set(flash_configs) - set(FLASH_CONFIGS):
         parser.error(f"unknown flash configs {sorted(unknown)}, not in {list(FLASH_CONFIGS)}")
     rows = ["| case | dtype | method | ms | max abs err vs fp64 | ours: speedup |", "|---|---|---|---|---|---|"]
-    for dtype in (torch.bfloat16,) if opts.bf16_only else (torch.float32, torch.bfloat16):
+    dtypes = (torch.bfloat16,) if opts.bf16_only else (torch.float32,) if opts.fp32_only else \
+        (torch.float32, torch.bfloat16)
+    for dtype in dtypes:
         built = our_kernels(dtype, flash_configs)
         for i, case in enumerate(CASES):
             args = inputs_of(case, dtype, "cuda")

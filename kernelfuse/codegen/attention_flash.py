@@ -4,7 +4,7 @@ steps by zero columns in shared memory): its CUDA template, beside the older ker
 kernelfuse.codegen.attention_prelude whose parameter block, PTX wrappers and online softmax it shares (the file
 appends it after theirs)."""
 
-from kernelfuse.codegen.attention_prelude import ONLINE_SOFTMAX
+from kernelfuse.codegen.attention_prelude import FRESH_END, FRESH_START, ONLINE_SOFTMAX
 
 # the online softmax on scores already scaled by log2(e): exp2f is one instruction
 ONLINE_SOFTMAX_EXP2 = ONLINE_SOFTMAX.replace("expf(", "exp2f(")
@@ -358,7 +358,7 @@ __global__ void __launch_bounds__(WARPS * 32) kf_attention_fa2_f32_kernel(const 
         s[j][e] = x;
         mx[e >> 1] = fmaxf(mx[e >> 1], x);
       }
-""" + ONLINE_SOFTMAX + r"""#pragma unroll
+""" + ONLINE_SOFTMAX + FRESH_START + r"""#pragma unroll
     for (int kk = 0; kk < NT; ++kk) {  // key group kk: operand columns t and t + 4 are keys 2 t and 2 t + 1
       unsigned int pb[4], psm[4];
       kf_tf32_parts<SPLIT>(s[kk][0], pb[0], psm[0]);
@@ -370,10 +370,10 @@ __global__ void __launch_bounds__(WARPS * 32) kf_attention_fa2_f32_kernel(const 
         unsigned int bb0, bb1, bs0, bs1;
         kf_tf32_parts<SPLIT>(vt[kk * 8 * DP + j * 8], bb0, bs0);
         kf_tf32_parts<SPLIT>(vt[kk * 8 * DP + DP + j * 8], bb1, bs1);
-        kf_mma_parts<SPLIT>(o[j], pb, psm, bb0, bb1, bs0, bs1);
+        kf_mma_parts<SPLIT>(FRESH ? pv[j] : o[j], pb, psm, bb0, bb1, bs0, bs1);
       }
     }
-  }
+""" + FRESH_END + r"""  }
   using OutT = float;
 """ + FLASH_STORE + r"""
 // WARPS > 0: the flash kernel (WARPS warps of 16 query rows, BK keys a tile) where the bases are aligned too; else

@@ -3,7 +3,7 @@ layouts the flash kernel does not take) and the fp32 one (mma.sync m16n8k8, TF32
 parameter block, tile loop, masking and online softmax of kernelfuse.codegen.attention_prelude; the emitted file
 holds them after it (kernelfuse.codegen.cuda)."""
 
-from kernelfuse.codegen.attention_prelude import ONLINE_SOFTMAX
+from kernelfuse.codegen.attention_prelude import FRESH_END, FRESH_START, ONLINE_SOFTMAX
 
 MMA_ATTENTION_PRELUDE = r"""// ---- the same on tensor cores, for bf16 (mma.sync m16n8k16, fp32 accumulation) ----
 // 4 warps x 16 query rows; scores and the output accumulate in fp32 fragments, probabilities are rounded to bf16
@@ -307,7 +307,7 @@ __global__ void __launch_bounds__(128) kf_attention_tf32_kernel(const kf_attn_pa
         if (RELU) s[j][e] = s[j][e] > 0.0f || s[j][e] != s[j][e] ? s[j][e] : 0.0f;
         mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
       }
-""" + ONLINE_SOFTMAX + r"""#pragma unroll
+""" + ONLINE_SOFTMAX + FRESH_START + r"""#pragma unroll
     for (int kk = 0; kk < NT; ++kk) {  // the probabilities of key group kk, moved into the operand layout
       float a[4];
 #pragma unroll
@@ -322,10 +322,10 @@ __global__ void __launch_bounds__(128) kf_attention_tf32_kernel(const kf_attn_pa
 #pragma unroll
       for (int j = 0; j < DT; ++j) {
         const float* value = vt + (j * 8 + g) * KP + kk * 8 + t;
-        kf_mma_f32<SPLIT>(o[j], a, value[0], value[4]);
+        kf_mma_f32<SPLIT>(FRESH ? pv[j] : o[j], a, value[0], value[4]);
       }
     }
-  }
+""" + FRESH_END + r"""  }
   float* out = (float*)p.out + b * p.so[0] + h * p.so[1];
 #pragma unroll
   for (int j = 0; j < DT; ++j)

@@ -38,6 +38,21 @@ ONLINE_SOFTMAX = r"""
     }
 """.lstrip("\n")
 
+# 3xTF32's products of a key tile go to a fresh accumulator, added to the output with round-to-nearest: the tensor
+# cores' fp32 accumulation truncates, so an output carried through every tile's products drifts toward zero (the
+# GEMM's finding at stop 41; here twice eager's error on Llama's attention). Up to head dim 128 (registers).
+FRESH_START = r"""    constexpr bool FRESH = SPLIT && D <= 128;
+    float pv[FRESH ? DT : 1][4];  // this tile's products (FRESH), added to o below
+#pragma unroll
+    for (int j = 0; j < (FRESH ? DT : 0); ++j) pv[j][0] = pv[j][1] = pv[j][2] = pv[j][3] = 0.0f;
+"""
+FRESH_END = r"""#pragma unroll
+    for (int j = 0; j < (FRESH ? DT : 0); ++j) {
+      o[j][0] += pv[j][0]; o[j][1] += pv[j][1]; o[j][2] += pv[j][2]; o[j][3] += pv[j][3];
+    }
+"""
+
+
 ATTENTION_PRELUDE = r"""
 // ---- flash attention (kernelfuse.codegen.attention) ----
 #ifndef KF_DYNAMIC_SHARED
