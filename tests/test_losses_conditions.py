@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from emulation_helpers import emulated, emulated_run
 from optimizer_helpers import assert_interpreter_matches, pipeline, write_problem
-from test_rewrite_rules import prove
+from rewrite_helpers import prove
 
 LOSSES = {
     "mse_mean": lambda m, x, y: F.mse_loss(x, y),

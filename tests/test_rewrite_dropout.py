@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from optimizer_helpers import pipeline, write_problem
-from test_rewrite_rules import run_graph
+from rewrite_helpers import run_graph
 from torch import nn
 
 from kernelfuse.capture import capture_module

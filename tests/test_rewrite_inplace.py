@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from optimizer_helpers import assert_interpreter_matches, pipeline, write_problem
-from test_rewrite_rules import prove, signed, specials
+from rewrite_helpers import prove, signed, specials
 from torch import nn
 
 from kernelfuse.capture import Graph, capture_module

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_rewrite_rules import prove, signed, specials
+from rewrite_helpers import prove, signed, specials
 
 
 @pytest.mark.parametrize("fn", [
