@@ -1,8 +1,8 @@
 """The pointwise op table: one row per ATen op — its IR name, its CUDA expression and its torch reference.
 
-Adding a pointwise op is one row here plus a test (tests/test_ops_table.py checks every row's CUDA expression
-against its torch reference on the CPU through the plan interpreter, compiles it with nvcc, and on a GPU compares
-it with ATen's own kernel).
+Adding a pointwise op is one row here plus a test (tests/test_ops_table_fusion.py checks every row against its
+torch reference on the CPU through the plan interpreter and compiles it with nvcc; tests/test_ops_table_expressions.py
+checks every row's CUDA expression element by element on the host and, on a GPU, against ATen's own kernel).
 
 CUDA expressions are written over float "opmath" values `{0}`, `{1}` (operands) and `{p0}`, `{p1}` (constant
 parameters, rendered as float literals). They follow ATen's CUDA formulas so results match eager bit-for-bit or
