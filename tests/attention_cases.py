@@ -1,6 +1,7 @@
-"""Attention test cases shared by tests/test_attention.py and tests/test_attention_flash.py: small models around
-SDPA and its hand-written form (odd sizes, masks, grouped-query heads, head dims 16-256), captured and planned in a
-dtype, and every node's value computed with the ATen ops themselves."""
+"""Attention test cases shared by tests/test_attention_plan.py, tests/test_attention_kernels.py and
+tests/test_attention_flash.py: small models around SDPA and its hand-written form (odd sizes, masks, grouped-query
+heads, head dims 16-256), captured and planned in a dtype, and every node's value computed with the ATen ops
+themselves."""
 
 from __future__ import annotations
 
