@@ -115,7 +115,7 @@ def test_a_model_at_three_batch_sizes_runs_kernels_at_each_or_says_it_fell_back(
     assert (stats["fused_calls"], stats["fallback_reasons"]) == (5, {"shape": 1})  # 3 calls + 2 builds' checks
 
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend="kernelfuse", dynamic=True)
+    compiled = torch.compile(model, backend=kernelfuse_backend, dynamic=True)  # (the name: an installed package)
     from kernelfuse import dynamo
 
     before = len(dynamo.stats())

@@ -4,7 +4,7 @@ steps by zero columns in shared memory): its CUDA template, beside the older ker
 kernelfuse.codegen.attention_prelude whose parameter block, PTX wrappers and online softmax it shares (the file
 appends it after theirs)."""
 
-from kernelfuse.codegen.attention_prelude import FRESH_END, FRESH_START, ONLINE_SOFTMAX
+from kernelfuse.codegen.attention_prelude import FRESH_END, FRESH_START, ONLINE_SOFTMAX, SCORE_CHUNK_END, SCORE_CHUNKS
 
 # the online softmax on scores already scaled by log2(e): exp2f is one instruction
 ONLINE_SOFTMAX_EXP2 = ONLINE_SOFTMAX.replace("expf(", "exp2f(")
@@ -323,7 +323,7 @@ __global__ void __launch_bounds__(WARPS * 32) kf_attention_fa2_f32_kernel(const 
 #pragma unroll
     for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
 #pragma unroll
-    for (int kk = 0; kk < DT; ++kk) {
+""" + SCORE_CHUNKS + r"""    for (int kk = 0; kk < DT; ++kk) {
       unsigned int qb[4], qsm[4];
       kf_tf32_parts<SPLIT>(qrow[kk * 8], qb[0], qsm[0]);
       kf_tf32_parts<SPLIT>(qrow[8 * DP + kk * 8], qb[1], qsm[1]);
@@ -334,9 +334,9 @@ __global__ void __launch_bounds__(WARPS * 32) kf_attention_fa2_f32_kernel(const 
         unsigned int bb0, bb1, bs0, bs1;
         kf_tf32_parts<SPLIT>(kt[j * 8 * DP + kk * 8], bb0, bs0);
         kf_tf32_parts<SPLIT>(kt[j * 8 * DP + kk * 8 + 4], bb1, bs1);
-        kf_mma_parts<SPLIT>(s[j], qb, qsm, bb0, bb1, bs0, bs1);
+        kf_mma_parts<SPLIT>(CHUNKED ? sc[j] : s[j], qb, qsm, bb0, bb1, bs0, bs1);
       }
-    }
+""" + SCORE_CHUNK_END + r"""    }
     float mx[2] = {-INFINITY, -INFINITY};
     const int rt = q0 + r0;  // the warp's first row
     // per element only where needed: a mask, keys past L, the causal diagonal across the warp's rows

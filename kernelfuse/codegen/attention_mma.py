@@ -3,7 +3,7 @@ layouts the flash kernel does not take) and the fp32 one (mma.sync m16n8k8, TF32
 parameter block, tile loop, masking and online softmax of kernelfuse.codegen.attention_prelude; the emitted file
 holds them after it (kernelfuse.codegen.cuda)."""
 
-from kernelfuse.codegen.attention_prelude import FRESH_END, FRESH_START, ONLINE_SOFTMAX
+from kernelfuse.codegen.attention_prelude import FRESH_END, FRESH_START, ONLINE_SOFTMAX, SCORE_CHUNK_END, SCORE_CHUNKS
 
 MMA_ATTENTION_PRELUDE = r"""// ---- the same on tensor cores, for bf16 (mma.sync m16n8k16, fp32 accumulation) ----
 // 4 warps x 16 query rows; scores and the output accumulate in fp32 fragments, probabilities are rounded to bf16
@@ -285,15 +285,15 @@ __global__ void __launch_bounds__(128) kf_attention_tf32_kernel(const kf_attn_pa
 #pragma unroll
     for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
 #pragma unroll
-    for (int kk = 0; kk < D / 8; ++kk) {
+""" + SCORE_CHUNKS + r"""    for (int kk = 0; kk < DT; ++kk) {
       const float* row = qs + (r0 + g) * DP + kk * 8 + t;
       const float a[4] = {row[0], row[8 * DP], row[4], row[8 * DP + 4]};
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
         const float* key = ks + (j * 8 + g) * DP + kk * 8 + t;
-        kf_mma_f32<SPLIT>(s[j], a, key[0], key[4]);
+        kf_mma_f32<SPLIT>(CHUNKED ? sc[j] : s[j], a, key[0], key[4]);
       }
-    }
+""" + SCORE_CHUNK_END + r"""    }
     float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < NT; ++j)

@@ -46,6 +46,23 @@ FRESH_START = r"""    constexpr bool FRESH = SPLIT && D <= 128;
 #pragma unroll
     for (int j = 0; j < (FRESH ? DT : 0); ++j) pv[j][0] = pv[j][1] = pv[j][2] = pv[j][3] = 0.0f;
 """
+# Likewise the scores over head dims 72 to 128: each 32 columns of d (four k-steps, twelve truncating additions under
+# 3xTF32) in a fresh accumulator, added to the scores with round-to-nearest. Not at 64 and below, where the register
+# cost (168 -> 215 at head dim 64: two blocks an SM instead of three) outweighs the error gained.
+SCORE_CHUNKS = r"""    constexpr bool CHUNKED = SPLIT && D > 64 && D <= 128;
+    float sc[CHUNKED ? NT : 1][4];  // this chunk's products (CHUNKED)
+#pragma unroll
+    for (int j = 0; j < (CHUNKED ? NT : 0); ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+#pragma unroll
+"""
+SCORE_CHUNK_END = r"""      if (CHUNKED && (kk % 4 == 3 || kk == DT - 1)) {
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          s[j][0] += sc[j][0]; s[j][1] += sc[j][1]; s[j][2] += sc[j][2]; s[j][3] += sc[j][3];
+          sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.0f;
+        }
+      }
+"""
 FRESH_END = r"""#pragma unroll
     for (int j = 0; j < (FRESH ? DT : 0); ++j) {
       o[j][0] += pv[j][0]; o[j][1] += pv[j][1]; o[j][2] += pv[j][2]; o[j][3] += pv[j][3];
