@@ -15,6 +15,7 @@ import argparse
 import ast
 import math
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 BATCH = {"batch_size"}
@@ -49,34 +50,28 @@ def perturb(text: str, rng: random.Random) -> tuple[str, dict[str, tuple[int, in
     return _rewrite(text, tree, {n: new for n, (_, new) in changed.items()}), changed
 
 
-def _constants(tree: ast.Module) -> dict[str, int]:
-    """Module-level `name = int` and `a, b = int, int` assignments."""
-    out: dict[str, int] = {}
+def _assignments(tree: ast.Module) -> Iterator[tuple[str, ast.Constant]]:
+    """Module-level `name = int` and `a, b = int, int` assignments, as (name, the literal's node)."""
     for node in tree.body:
         if not isinstance(node, ast.Assign) or len(node.targets) != 1:
             continue
         target, value = node.targets[0], node.value
-        pairs = list(zip(target.elts, value.elts)) if isinstance(target, ast.Tuple) and \
+        pairs = list(zip(target.elts, value.elts, strict=False)) if isinstance(target, ast.Tuple) and \
             isinstance(value, ast.Tuple) else [(target, value)]
         for t, v in pairs:
             if isinstance(t, ast.Name) and isinstance(v, ast.Constant) and type(v.value) is int:
-                out[t.id] = v.value
-    return out
+                yield t.id, v
+
+
+def _constants(tree: ast.Module) -> dict[str, int]:
+    return {name: int(v.value) for name, v in _assignments(tree)}
 
 
 def _rewrite(text: str, tree: ast.Module, new: dict[str, int]) -> str:
     """`text` with the module-level constants named in `new` set to their new values (the rest untouched)."""
     lines = text.splitlines(keepends=True)
-    edits: list[tuple[int, int, int, str]] = []  # (line, col, end_col, replacement)
-    for node in tree.body:
-        if not isinstance(node, ast.Assign) or len(node.targets) != 1:
-            continue
-        target, value = node.targets[0], node.value
-        pairs = list(zip(target.elts, value.elts)) if isinstance(target, ast.Tuple) and \
-            isinstance(value, ast.Tuple) else [(target, value)]
-        for t, v in pairs:
-            if isinstance(t, ast.Name) and t.id in new and isinstance(v, ast.Constant) and v.lineno == v.end_lineno:
-                edits.append((v.lineno - 1, v.col_offset, v.end_col_offset, str(new[t.id])))
+    edits = [(v.lineno - 1, v.col_offset, v.end_col_offset, str(new[name])) for name, v in _assignments(tree)
+             if name in new and v.lineno == v.end_lineno]
     for line, col, end, rep in sorted(edits, reverse=True):
         lines[line] = lines[line][:col] + rep + lines[line][end:]
     return "".join(lines)
