@@ -19,9 +19,15 @@ from kernelfuse.ops.anchors import RESHAPES
 from kernelfuse.ops.reductions import HALF_DTYPES, ReduceSpec
 from kernelfuse.ops.scans import GENERATED_BY_ATEN
 from kernelfuse.plan.ir import GenStep, Operand, Program
-from kernelfuse.plan.program import broadcasts, build_program
+from kernelfuse.plan.joins import (
+    FLOAT_DTYPES,
+    can_fuse_pointwise,
+    conditions_inside,
+    is_comparison,
+    private_producers,
+)
+from kernelfuse.plan.program import build_program
 
-FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CASTS = frozenset({"_to_copy.default"})
 
 
@@ -53,58 +59,21 @@ def schedule(graph: Graph, taken: set[str], first_kernel: int, max_kernels: int 
     return steps, reasons
 
 
-def can_fuse_pointwise(graph: Graph, node: Node, space: TensorMeta, mixed: bool = False) -> tuple[bool, str]:
-    """Can `node` join a pointwise chain over `space`? As many elements (a reshape keeps the flat order), the same
-    float dtype, and every tensor it reads broadcasts to its own shape. A bool tensor in memory may be an operand
-    (`x * mask`: loaded as 1.0f or 0.0f, ATen's promotion), beside at least one operand of the kernel's dtype.
-    A comparison of such values (a bool result) may join as well, and a where/masked_fill may read one as its
-    condition: inside a kernel the condition is a 1.0f/0.0f float that is never stored (the chain checks that it
-    is computed inside, `_conditions_inside`). `mixed`: a chain of a pointwise kernel of its own may mix float
-    dtypes (a bf16 Linear output added to an fp32 residual, autocast's casts): each operand is loaded from its
-    own type and each value rounded to its own (kernelfuse.codegen.common.program_lines)."""
-    if node.op not in POINTWISE_BY_ATEN and node.op not in RESHAPES:
-        return False, "not a pointwise op of the table"
-    if node.meta is None or not (node.meta.dtype in FLOAT_DTYPES or _is_comparison(node)):
-        return False, "not a floating-point tensor"
-    if node.meta.numel != space.numel or (node.meta.dtype != space.dtype and not _is_comparison(node)
-                                          and not mixed):
-        return False, f"size or dtype differs from the kernel's {space}"
-    if node.op in RESHAPES:
-        return (True, "") if len(node.refs) == 1 else (False, "reshape of a computed shape")
-    row = POINTWISE_BY_ATEN[node.op]
-    if row.keywords is not None and tuple(sorted(node.keywords)) != row.keywords:
-        return False, f"called with {sorted(node.keywords)}, the kernel takes {list(row.keywords)}"
-    conditions = _condition_refs(node)
-    for ref in node.refs:
-        meta = graph[ref].meta
-        in_kernel_bool = ref in conditions and _is_comparison(graph[ref])
-        promoted = meta is not None and meta.dtype == torch.bool and ref not in conditions  # loaded as 1.0f/0.0f
-        other = meta is not None and meta.dtype != space.dtype and not (mixed and meta.dtype in FLOAT_DTYPES)
-        if meta is None or (other and not in_kernel_bool and not promoted):
-            return False, f"operand %{ref.name} has another dtype"
-        if not broadcasts(meta.shape, node.meta.shape):
-            return False, f"operand %{ref.name} does not broadcast to the output"
-    floats = [graph[r].meta.dtype for r in node.refs if graph[r].meta is not None]
-    if not any(d == space.dtype or (mixed and d in FLOAT_DTYPES) for d in floats):
-        return False, "no operand of the kernel's dtype (a bool tensor in memory is an operand, never the source)"
-    return True, ""
-
-
 def _kernel_from(graph: Graph, seed: Node, used: set[str], kernel: str, reasons: dict[str, str]) -> GenStep | None:
     if seed.op in GENERATED_BY_ATEN:
         return _reduction_kernel(graph, seed, None, used, kernel, reasons)
     ok, why = can_fuse_pointwise(graph, seed, seed.meta, mixed=True) if seed.op in POINTWISE_BY_ATEN else (False, "")
-    if ok and _is_comparison(seed):
+    if ok and is_comparison(seed):
         ok, why = False, "a comparison's bool result is fused only into the where/masked_fill that reads it"
-    producers = _private_producers(graph, seed, set(), seed.meta, used, mixed=True) if ok else []
-    if ok and not _conditions_inside(seed, {p.name for p in producers}):
+    producers = private_producers(graph, seed, set(), seed.meta, used, mixed=True) if ok else []
+    if ok and not conditions_inside(seed, {p.name for p in producers}):
         ok, why = False, "its condition is a bool tensor computed elsewhere"
     if not ok:
         if why:
             reasons[seed.name] = why
         return None
     chain = _grow(graph, [*producers, seed], seed.meta, used, mixed=True)
-    if _is_comparison(chain.members[-1]):
+    if is_comparison(chain.members[-1]):
         reasons[seed.name] = "the chain would end in a stored bool"
         return None
     # a weight's cast under autocast, an activation's before a GEMM: nothing to fuse it with
@@ -169,8 +138,8 @@ def _grow(graph: Graph, members: list[Node], space: TensorMeta, used: set[str], 
         if node.name in used or node.name in inside or not any(r.name in inside for r in node.refs):
             continue
         if can_fuse_pointwise(graph, node, space, mixed)[0]:
-            producers = _private_producers(graph, node, inside, space, used, mixed)
-            if not _conditions_inside(node, inside | {p.name for p in producers}):
+            producers = private_producers(graph, node, inside, space, used, mixed)
+            if not conditions_inside(node, inside | {p.name for p in producers}):
                 continue
             for producer in producers:
                 members.append(producer)
@@ -181,7 +150,7 @@ def _grow(graph: Graph, members: list[Node], space: TensorMeta, used: set[str], 
     # chain reading m from outside, then where(x > m, m, x) pulled m in; m must be computed before x > m)
     order = {n.name: i for i, n in enumerate(graph.nodes)}
     members.sort(key=lambda n: order[n.name])
-    while len(members) > 1 and (_escaping(graph, members, inside) or _is_comparison(members[-1])):
+    while len(members) > 1 and (_escaping(graph, members, inside) or is_comparison(members[-1])):
         inside.discard(members.pop().name)
     return _Chain(members, inside)
 
@@ -192,48 +161,6 @@ def _mixes_dtypes(graph: Graph, chain: _Chain) -> bool:
     dtypes = {m.meta.dtype for m in chain.members if m.meta is not None} | \
         {graph[r].meta.dtype for m in chain.members for r in m.refs if graph[r].meta is not None}
     return len(dtypes & set(FLOAT_DTYPES)) > 1
-
-
-def _is_comparison(node: Node) -> bool:
-    row = POINTWISE_BY_ATEN.get(node.op)
-    return row is not None and row.result == "bool" and node.meta is not None and node.meta.dtype == torch.bool
-
-
-def _condition_refs(node: Node) -> set[Ref]:
-    """The operands `node` reads as a bool condition (where's first, masked_fill's mask)."""
-    row = POINTWISE_BY_ATEN.get(node.op)
-    if row is None:
-        return set()
-    return {node.args[i] for i in row.bool_args if i < len(node.args) and isinstance(node.args[i], Ref)}
-
-
-def _conditions_inside(node: Node, inside: set[str]) -> bool:
-    """Every bool condition `node` reads is computed in the kernel (a bool tensor in memory would be read as
-    floats)."""
-    return all(ref.name in inside for ref in _condition_refs(node))
-
-
-def _private_producers(graph: Graph, node: Node, inside: set[str], space: TensorMeta, used: set[str],
-                       mixed: bool = False) -> list[Node]:
-    """The pointwise nodes, in graph order, that compute `node`'s other operands over the same space and are read
-    by nothing else: the chain pulls them in (x * f(x): the f(x) branch joins the kernel that multiplies, instead
-    of a kernel of its own whose output makes a round trip through memory)."""
-    pulled: list[Node] = []
-    taken = set(inside) | {node.name}
-
-    def pull(n: Node) -> None:
-        for ref in n.refs:
-            p = graph[ref]
-            if p.name in taken or p.name in used or p.op not in POINTWISE_BY_ATEN or graph.is_output(p.name):
-                continue  # a reshape stays a free view outside the kernel
-            if can_fuse_pointwise(graph, p, space, mixed)[0] and all(u.name in taken for u in graph.users(p.name)):
-                taken.add(p.name)
-                pull(p)
-                pulled.append(p)
-
-    pull(node)
-    order = {n.name: i for i, n in enumerate(graph.nodes)}
-    return sorted(pulled, key=lambda n: order[n.name])
 
 
 def _escaping(graph: Graph, members: list[Node], inside: set[str]) -> bool:
