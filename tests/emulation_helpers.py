@@ -84,6 +84,12 @@ def call(emu: Emulated, step: GenStep, tensors: list) -> None:
     assert emu.lib[f"call_{step.kernel}"]((ctypes.c_void_p * len(pointers))(*pointers)) == 0
 
 
+def strided_clone(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy with the same strides, gaps included (`clone` makes a view with gaps contiguous: a slice of the
+    last dim, which a kernel reads through its strides, would no longer pass the binding's check)."""
+    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype).copy_(tensor)
+
+
 def emulated_and_interpreted(emu: Emulated, plan: Plan, step: GenStep, seed: int = 0) -> tuple:
     """(the kernel's output, the plan interpreter's) for random tensors in the layouts the plan gives them."""
     out, expected, _, _ = emulated_run(emu, plan, step, seed)
@@ -100,13 +106,13 @@ def emulated_run(emu: Emulated, plan: Plan, step: GenStep, seed: int = 0, src_of
     env, tensors = {}, []
     for name, ref in tensor_args(step):
         if ref.name in env:  # one graph value read twice (the source as a broadcast consumer's operand too)
-            tensors.append(env[ref.name].clone())
+            tensors.append(strided_clone(env[ref.name]))
             continue
         meta = step.source.meta if name == "src" else plan.graph[ref].meta
         value = torch.randn(meta.shape) + (src_offset if name == "src" else 0.0)
         value = value > 0 if meta.dtype == torch.bool else value  # a mask read as an operand
         env[ref.name] = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype).copy_(value)
-        tensors.append(env[ref.name].clone())
+        tensors.append(strided_clone(env[ref.name]))
     # the binding allocates out and the workspace: NaN-filled here, so an element the kernel skips shows
     previous = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
     torch.use_deterministic_algorithms(True)
@@ -137,7 +143,7 @@ def emulated_against_interpreter(plan: Plan, tmp_path: Path, ulps: int = 1) -> i
             meta = step.source.meta if name == "src" else plan.graph[ref].meta
             value = torch.randn(meta.shape).abs() + 0.5 if name == "run_var" else torch.randn(meta.shape) * 2
             env.setdefault(ref.name, torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype).copy_(value))
-            tensors.append(env[ref.name].clone())
+            tensors.append(strided_clone(env[ref.name]))
         got = getattr(emu.kernels, step.kernel)(*tensors)
         expected = _run_generated(step, env)
         assert got.dtype == expected.dtype == step.out_meta.dtype and got.shape == expected.shape, step.kernel

@@ -7,7 +7,8 @@ import torch
 
 from kernelfuse.capture import TensorMeta, contiguous_strides
 from kernelfuse.ops import POINTWISE_BY_ATEN, float_literal, render_cuda
-from kernelfuse.plan.ir import Epilogue, Operand, Program
+from kernelfuse.plan.catselect import SELECT
+from kernelfuse.plan.ir import Epilogue, Operand, Program, Window
 
 C_TYPES = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
 INT32_LIMIT = 2**31 - 1
@@ -66,7 +67,8 @@ def invariant_operands(shape: tuple[int, ...], operands: tuple[Operand, ...], ru
 
 
 def program_lines(program: Program | Epilogue, acc: str, offsets: dict[str, str], names_prefix: str,
-                  ind: str, ctype: str = "float", given: dict[str, str] | None = None) -> list[str]:
+                  ind: str, ctype: str = "float", given: dict[str, str] | None = None,
+                  index: str | None = None) -> list[str]:
     """Statements of a pointwise program as float locals named `{names_prefix}...`; operand i is loaded from the
     pointer `{names_prefix}in{i}_p` at `offsets["in{i}"]` (or is the float expression `given["in{i}"]`, loaded
     already); the value ends in `{names_prefix}result`.
@@ -75,7 +77,7 @@ def program_lines(program: Program | Epilogue, acc: str, offsets: dict[str, str]
     statement's own dtype where it has one: a kernel may mix dtypes), as eager rounds each op's output: the
     fused chain then computes eager's values, not more precise ones that differ by an ulp per op (an fp16
     SwiGLU's silu * up, rounded once, missed the float64 rule after the down projection; found by the GPU
-    fuzzer)."""
+    fuzzer). `index`: the element's flat index, where a `cat_select` statement picks a branch by it."""
     lines = []
     names = {"acc": acc}
     if ctype != "float":
@@ -89,6 +91,13 @@ def program_lines(program: Program | Epilogue, acc: str, offsets: dict[str, str]
         if st.op == "reshape":  # same flat index: the value is the one it reshapes
             names[st.name] = names[st.args[0]]  # type: ignore[index]
             continue
+        if st.op == SELECT:  # the branch the element lies in (each branch's value is already rounded)
+            if index is None:
+                raise ValueError(f"{st.name}: a concatenation's select outside a flat kernel")
+            var = f"{names_prefix}v_{st.name}"
+            lines.append(f"{ind}const float {var} = {_select(st.params, [names[a] for a in st.args], index)};  // cat")  # type: ignore[index]
+            names[st.name] = var
+            continue
         row = POINTWISE_BY_ATEN[st.aten]
         args = [names[a] if isinstance(a, str) else float_literal(a) for a in st.args]
         var = f"{names_prefix}v_{st.name}"
@@ -99,6 +108,48 @@ def program_lines(program: Program | Epilogue, acc: str, offsets: dict[str, str]
         names[st.name] = var
     lines.append(f"{ind}const float {names_prefix}result = {names[program.result]};")
     return lines
+
+
+def coordinate(shape: tuple[int, ...], dim: int, index: str) -> str:
+    """C expression for the index along `dim` of the element at flat (row-major) index `index` of `shape`."""
+    inner = 1
+    for size in shape[dim + 1:]:
+        inner *= size
+    value = index if inner == 1 else f"({index}) / {inner}"
+    outer = all(size == 1 for size in shape[:dim])
+    return f"({value})" if outer else f"(({value}) % {shape[dim]})"
+
+
+def window_offset(operand: Operand, index: str) -> str:
+    """C expression for a windowed operand's element offset at flat index `index` of its window's shape: the
+    other dims as offset_expr has them, the window's dim clamped into the branch (kernelfuse.plan.catselect)."""
+    window: Window = operand.window  # type: ignore[assignment]
+    strides = list(operand.strides)
+    along, strides[window.dim] = strides[window.dim], 0
+    rest = offset_expr(tuple(strides), window.shape, index)
+    if along == 0:
+        return rest
+    c = coordinate(window.shape, window.dim, index)
+    last = window.offset + window.size >= window.shape[window.dim]  # never past the branch's end
+    shifted = f"{c} - {window.offset}" if window.offset else c
+    low = f"({c} < {window.offset} ? 0 : {shifted})" if window.offset else c
+    clamped = low if last else f"({shifted} >= {window.size - 1} ? {window.size - 1} : {low})"
+    term = clamped if along == 1 else f"{clamped} * {along}"
+    return term if rest == "0" else f"{rest} + {term}"
+
+
+def _select(params: tuple[object, ...], values: list[str], index: str) -> str:
+    """C expression choosing among a concatenation's branch values by the element's index along its dim."""
+    dim, sizes, shape = params
+    c = coordinate(shape, dim, index)  # type: ignore[arg-type]
+    bounds, total = [], 0
+    for size in sizes[:-1]:  # type: ignore[index]
+        total += size
+        bounds.append(total)
+    expr = values[-1]
+    for bound, value in zip(reversed(bounds), reversed(values[:-1]), strict=True):
+        expr = f"({c} < {bound} ? {value} : {expr})"
+    return expr
 
 
 def _rounded(expr: str, ctype: str) -> str:

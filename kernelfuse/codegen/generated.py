@@ -44,6 +44,9 @@ def render_generated(plan: Plan, step: GenStep) -> tuple[str, Binding]:
     """(CUDA kernel + launcher, its Python binding) for one GenStep."""
     ctype = C_TYPES[value_dtype(step)]
     family = _family(step)
+    windows = any(o.window is not None for o in (step.source, *step.prologue.operands))
+    if windows and (step.spec is not None or step.permuted_out is not None):  # never planned
+        raise ValueError(f"{step.kernel}: a concatenation's branches outside a row-major pointwise kernel")
     if family == "flat":
         body = _flat_kernel(step, ctype)
     elif family == "pool":

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from kernelfuse.capture import contiguous_strides
-from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, offset_expr, program_lines
+from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, offset_expr, program_lines, window_offset
 from kernelfuse.plan.ir import GenStep
 
 BLOCK = 256
@@ -105,8 +105,11 @@ def space_of(step: GenStep, epilogue: bool = False) -> Space:
     space = step.prologue.space
     reduced = set(spec.reduced) if spec is not None else set()  # type: ignore[attr-defined]
     classes = tuple("r" if d in reduced else "k" for d in range(len(space)))
-    strides = {"src": step.source.strides, "out": step.permuted_out or contiguous_strides(space)}
-    strides.update({f"in{i}": o.strides for i, o in enumerate(step.prologue.operands)})
+    # a windowed read (inside a concatenation's branch) is addressed from the flat index (window_offset), not
+    # through the merged space: a windowed source is constant over it as far as merging and packing can tell
+    source = step.source.strides if step.source.window is None else (0,) * len(space)
+    strides = {"src": source, "out": step.permuted_out or contiguous_strides(space)}
+    strides.update({f"in{i}": o.strides for i, o in enumerate(step.prologue.operands) if o.window is None})
     if step.mapped is not None:
         strides.update({f"m{i}": o.strides for i, o in enumerate(step.mapped.operands)})
     if epilogue and shape_numel(step.epilogue.space) == shape_numel(space):
@@ -284,8 +287,11 @@ def value_lambda(step: GenStep, space: Space, cls: str, row_prefix: str | None,
     base = (lambda n: f"{row_prefix}{n} + o_{n}") if row_prefix else (lambda n: f"o_{n}")
     lines = value_at_lambda(step, space, cls, row_prefix, given)
     lines += ["    auto source = [&](INDEX r) -> float {"]
-    lines += decompose(space, cls, "r", "o_", ["src"], "      ")
-    lines += [f"      return kf_load(src[{base('src')}]);", "    };"]
+    if step.source.window is not None:  # a flat kernel reading its source inside a concatenation's branch
+        lines += [f"      return kf_load(src[{window_offset(step.source, 'r')}]);", "    };"]
+    else:
+        lines += decompose(space, cls, "r", "o_", ["src"], "      ")
+        lines += [f"      return kf_load(src[{base('src')}]);", "    };"]
     if not given:
         lines.append("    auto value = [&](INDEX r) -> float { return value_at(r, source(r)); };")
     return lines
@@ -295,13 +301,15 @@ def value_at_lambda(step: GenStep, space: Space, cls: str, row_prefix: str | Non
                     name: str = "value_at") -> list[str]:
     """The prologue as the lambda `name(r, acc, x_in{i}...)`: value_lambda's `value_at`, or another with other
     operands `given` (an on-chip pass's group loads those once for its four elements: kernelfuse.codegen.onchip)."""
-    operands = [f"in{i}" for i in range(len(step.prologue.operands)) if f"in{i}" not in given]
+    windowed = {f"in{i}": o for i, o in enumerate(step.prologue.operands) if o.window is not None}
+    operands = [f"in{i}" for i in range(len(step.prologue.operands)) if f"in{i}" not in given and f"in{i}" not in windowed]
     base = (lambda n: f"{row_prefix}{n} + o_{n}") if row_prefix else (lambda n: f"o_{n}")
     params = "".join(f", float x_{n}" for n in given)
     lines = [f"    auto {name} = [&](INDEX r, float acc{params}) -> float {{"]
     lines += decompose(space, cls, "r", "o_", operands, "      ") if operands else []
-    lines += program_lines(step.prologue, "acc", {n: base(n) for n in operands}, "p_", "      ",
-                           C_TYPES.get(step.source.meta.dtype, "float"), {n: f"x_{n}" for n in given})
+    offsets = {n: base(n) for n in operands} | {n: window_offset(o, "r") for n, o in windowed.items()}
+    lines += program_lines(step.prologue, "acc", offsets, "p_", "      ", C_TYPES.get(step.source.meta.dtype, "float"),
+                           {n: f"x_{n}" for n in given}, index="r" if row_prefix is None else None)
     return lines + ["      return p_result;", "    };"]
 
 

@@ -15,7 +15,8 @@ from kernelfuse.capture.graph import constant_value
 from kernelfuse.ops import POINTWISE_BY_ATEN
 from kernelfuse.ops.scans import SCAN_KINDS, scan_reference
 from kernelfuse.plan.attention_views import attention_reference
-from kernelfuse.plan.ir import AttnStep, Epilogue, FusedStep, GenStep, Plan, Program, TorchStep
+from kernelfuse.plan.catselect import SELECT, selected, windowed
+from kernelfuse.plan.ir import AttnStep, Epilogue, FusedStep, GenStep, Operand, Plan, Program, TorchStep
 
 
 def interpret(plan: Plan, state: dict[str, torch.Tensor], inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -133,7 +134,7 @@ def _laid_out(value: torch.Tensor, strides: tuple[int, ...] | None) -> torch.Ten
 def _run_generated(step: GenStep, env: dict[str, object]) -> torch.Tensor:
     """Prologue on the source, the reduction node's own ATen call on its result, then the epilogue (and the
     broadcast consumer reading it, for a reduce-then-broadcast kernel)."""
-    value = _run_program(step.prologue, env[step.source.ref.name], env)
+    value = _run_program(step.prologue, _operand(step.source, env), env)
     if step.spec is not None and step.spec.kind in SCAN_KINDS:  # type: ignore[attr-defined]
         value = scan_reference(step.spec, value)  # type: ignore[arg-type]  # its reverse/exclusive form too
     elif step.reduce_node is not None:
@@ -156,15 +157,25 @@ def _run_generated(step: GenStep, env: dict[str, object]) -> torch.Tensor:
 def _run_program(program: Epilogue | Program, acc: object, env: dict[str, object]) -> torch.Tensor:
     values: dict[str, object] = {"acc": acc}
     for i, operand in enumerate(program.operands):
-        values[f"in{i}"] = env[operand.ref.name]
+        values[f"in{i}"] = _operand(operand, env)
     for st in program.statements:
         args = [values[a] if isinstance(a, str) else a for a in st.args]
         if st.op == "reshape":
             values[st.name] = args[0].reshape(st.params[0])  # type: ignore[union-attr]
             continue
+        if st.op == SELECT:  # a concatenation of branches evaluated over its whole shape
+            values[st.name] = selected(args, st.params)  # type: ignore[arg-type]
+            continue
         row = POINTWISE_BY_ATEN[st.aten]
         values[st.name] = row.torch_fn(*args, *st.params)
     return values[program.result]  # type: ignore[return-value]
+
+
+def _operand(operand: Operand, env: dict[str, object]) -> object:
+    """An operand's value as a program reads it: the graph value, or inside a concatenation's branch the value
+    read through the branch's window (kernelfuse.plan.catselect)."""
+    value = env[operand.ref.name]
+    return value if operand.window is None else windowed(value, operand.window)  # type: ignore[arg-type]
 
 
 def _value(a: object, env: dict[str, object]) -> object:

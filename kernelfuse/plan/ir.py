@@ -17,21 +17,41 @@ EArg = str | float  # a value name ("acc", "in0", a statement name) or a float c
 
 
 @dataclass(frozen=True)
+class Window:
+    """How a tensor read inside a concatenation's branch is indexed (kernelfuse.plan.catselect): the branch holds
+    elements [offset, offset + size) along `dim` of the concatenation's `shape`, and the tensor is read at the
+    element's index along `dim` less `offset`, clamped into [0, size - 1] (a valid address for every element)."""
+
+    dim: int
+    offset: int
+    size: int
+    shape: tuple[int, ...]  # the concatenation's: a windowed operand's strides are over it (its flat index too)
+
+    @property
+    def branch_shape(self) -> tuple[int, ...]:
+        return self.shape[:self.dim] + (self.size,) + self.shape[self.dim + 1:]
+
+
+@dataclass(frozen=True)
 class Operand:
     """A tensor the epilogue reads besides the anchor's value, indexed through the output's logical index.
 
-    `strides[d]` is the operand's element stride along output dimension d (0 where it is broadcast).
+    `strides[d]` is the operand's element stride along output dimension d (0 where it is broadcast); with a
+    `window`, along dimension d of the window's shape instead (a read inside a concatenation's branch).
     """
 
     ref: Ref
     meta: TensorMeta
     strides: tuple[int, ...]
+    window: Window | None = None
 
 
 @dataclass(frozen=True)
 class Statement:
     name: str  # the graph node it computes
-    op: str  # IR op (kernelfuse.ops.pointwise row `ir`), or "reshape" (params: the new shape; same flat order)
+    # IR op (kernelfuse.ops.pointwise row `ir`), "reshape" (params: the new shape; same flat order), or
+    # "cat_select" (a concatenation picking among its branches' values: kernelfuse.plan.catselect)
+    op: str
     aten: str  # the ATen overload, to find the table row
     args: tuple[EArg, ...]
     params: tuple[object, ...]

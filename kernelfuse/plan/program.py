@@ -6,53 +6,81 @@ from __future__ import annotations
 
 import torch
 
-from kernelfuse.capture import Graph, Node, Ref, TensorMeta
+from kernelfuse.capture import Graph, Node, Ref, TensorMeta, contiguous_strides
 from kernelfuse.ops import POINTWISE_BY_ATEN
 from kernelfuse.ops.anchors import RESHAPES
-from kernelfuse.plan.ir import EArg, Operand, Program, Statement
+from kernelfuse.plan.catselect import CAT, SELECT, branch_windows, cat_windows
+from kernelfuse.plan.ir import EArg, Operand, Program, Statement, Window
 
 
 def build_program(graph: Graph, members: list[Node], meta: TensorMeta, space: tuple[int, ...],
              acc: str | None = None) -> tuple[Operand | None, Program]:
     """Statements for `members` over `space`; the first tensor the first member reads from outside is the source
-    (`acc`) unless `acc` names the value entering the program. Operand strides are mapped onto `space`."""
+    (`acc`) unless `acc` names the value entering the program. Operand strides are mapped onto `space`, or for a
+    read inside a concatenation's branch onto the concatenation's shape through a window (the program's flat
+    index must then be the concatenation's: the output is contiguous)."""
     names: dict[str, str] = {acc: "acc"} if acc else {}
+    read: dict[tuple[str, Window], str] = {}  # the windowed reads
     operands: list[Operand] = []
     shape = meta.shape
     source: list[Operand] = []
-    ok = True
-    preferred = None if acc else _full_size_source(graph, members, meta)
+    windows = branch_windows(graph, members)
+    selects = any(m.op == CAT for m in members)
+    ok = windows is not None and (not selects or meta.stride == contiguous_strides(meta.shape))
+    windows = windows or {}
+    inside = {m.name for m in members}
+    preferred = None if acc else _full_size_source(graph, members, meta, set(windows))
 
-    def value(arg: object) -> EArg:
+    def value(arg: object, window: Window | None = None) -> EArg:
         nonlocal ok
         if not isinstance(arg, Ref):
             return float(arg)  # type: ignore[arg-type]
-        if arg.name in names:
+        if arg.name in names and (window is None or arg.name in windows):
             return names[arg.name]
+        if window is not None and (arg.name in inside or arg.name == acc):  # a value of the kernel outside the branch
+            ok = False
+        if window is not None and (arg.name, window) in read:
+            return read[(arg.name, window)]
         node = graph[arg]
-        strides = space_strides(node.meta, shape, space)
+        if window is not None:
+            branch = window.branch_shape
+            strides = broadcast_strides(node.meta, TensorMeta(branch, node.meta.dtype, contiguous_strides(branch)))
+        else:
+            strides = space_strides(node.meta, shape, space)
         if strides is None:
             ok = False
             strides = (0,) * len(space)
-        operand = Operand(arg, node.meta, strides)
+        operand = Operand(arg, node.meta, strides, window)
+        # a bool mask is read as an operand; a windowed read is the source only where no plain one is full-size
         if not source and acc is None and node.meta.dtype != torch.bool \
-                and arg.name == (preferred or arg.name):  # a bool mask is read as an operand
+                and (arg.name == preferred if preferred else True) and (window is None or preferred is None):
             source.append(operand)
-            names[arg.name] = "acc"
+            name = "acc"
         else:
-            names[arg.name] = f"in{len(operands)}"
+            name = f"in{len(operands)}"
             operands.append(operand)
-        return names[arg.name]
+        if window is None:
+            names[arg.name] = name
+        else:
+            read[(arg.name, window)] = name
+        return name
 
     statements = []
     for node in members:
         shape = node.meta.shape
+        if node.op == CAT:  # each branch's value where the element lies in it
+            parts = cat_windows(graph, node)
+            params = (parts[0][1].dim, tuple(w.size for _, w in parts), tuple(shape))
+            args = tuple(value(ref, window) for ref, window in parts)
+            statements.append(Statement(node.name, SELECT, node.op, args, params, node.meta.dtype))
+            names[node.name] = node.name
+            continue
         if node.op in RESHAPES:  # the same elements in the same order: a new shape, the same flat index
             statements.append(Statement(node.name, "reshape", node.op, (value(node.args[0]),), (shape,)))
             names[node.name] = node.name
             continue
-        row = POINTWISE_BY_ATEN[node.op]
-        args = tuple(value(a) for a in _read_args(node))
+        row = POINTWISE_BY_ATEN[node.op]  # inside a branch, every tensor is read through the branch's window
+        args = tuple(value(a, windows.get(node.name)) for a in _read_args(node))
         params = tuple(constant_arg(node, pos, default) for pos, default in row.params)
         statements.append(Statement(node.name, row.ir, row.aten, args, params, node.meta.dtype))
         names[node.name] = node.name
@@ -72,13 +100,16 @@ def _read_args(node: Node) -> tuple[object, ...]:
     return tuple(node.args[i] if i < len(node.args) else 0.0 for i in POINTWISE_BY_ATEN[node.op].operands)
 
 
-def _full_size_source(graph: Graph, members: list[Node], meta: TensorMeta) -> str | None:
+def _full_size_source(graph: Graph, members: list[Node], meta: TensorMeta, branches: set[str]) -> str | None:
     """The tensor a pointwise kernel reads as its source: the first one it reads from outside that has every
     element of the output (`A.unsqueeze(1) * B`: B, not the broadcast A), so that the source and the output share
     their strides and the kernel moves 16 bytes per access; None (the first one read) where none does. Which
-    tensor is the source changes no arithmetic: the statements name their arguments."""
+    tensor is the source changes no arithmetic: the statements name their arguments. Reads inside a
+    concatenation (`branches`: its branch members) are through windows, never full-size."""
     inside = {m.name for m in members}
     for node in members:
+        if node.op == CAT or node.name in branches:
+            continue
         for arg in _read_args(node):
             if isinstance(arg, Ref) and arg.name not in inside:
                 m = graph[arg].meta
