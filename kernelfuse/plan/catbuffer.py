@@ -74,6 +74,23 @@ def shared_cat_buffers(graph: Graph) -> tuple[Graph, dict[str, CatInto]]:
     return Graph(nodes, graph.outputs, graph.training, graph.modes, graph.call, graph.autocast), into
 
 
+def looked_through(graph: Graph, into: dict[str, CatInto]) -> set[str]:
+    """The concatenations nested in the operands of the shared-buffer ones, which their copies look through to the
+    tensors they concatenate (`_flat_operands`): those tensors must be in memory, so no kernel may compute them
+    inside the nested concatenation's select (kernelfuse.plan.catselect)."""
+    found: set[str] = set()
+    stack = list(into)
+    while stack:
+        node = graph[stack.pop()]
+        for a in node.args[0] if node.args and isinstance(node.args[0], tuple) else ():
+            src = graph[a] if isinstance(a, Ref) else None
+            if src is not None and src.op == "cat.default" and src.meta is not None and _dim(src) == _dim(node) \
+                    and src.name not in found:
+                found.add(src.name)
+                stack.append(src.name)
+    return found
+
+
 def _flat_operands(graph: Graph, node: Node) -> tuple[Ref, ...] | None:
     """A concatenation's operands, an operand that is itself a concatenation along the same dim replaced by its own
     (recursively); None where the node is no concatenation of same-dtype, same-rank tensors with known shapes."""

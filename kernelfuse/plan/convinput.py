@@ -16,6 +16,7 @@ from dataclasses import replace
 import torch
 
 from kernelfuse.capture import Graph, Ref
+from kernelfuse.plan.catselect import selects
 from kernelfuse.plan.ir import FusedStep, GenStep, Step
 from kernelfuse.plan.layout import channels_last_strides
 
@@ -42,9 +43,10 @@ def channels_last_into_convs(graph: Graph, by_out: dict[str, Step]) -> Graph:
 
 def _writes_channels_last(graph: Graph, gen: GenStep) -> bool:
     """Can the kernel write its output channels-last: a contiguous 4-d/5-d float output over its own iteration
-    space or a regrouping of it (a pointwise or norm kernel, no broadcast), read by the convolution alone?"""
+    space or a regrouping of it (a pointwise or norm kernel, no broadcast), read by the convolution alone? Not one
+    that selects from a concatenation: it finds each element's branch from its row-major index."""
     meta = gen.out_meta
-    if gen.mapped is not None or len(meta.shape) not in (4, 5) \
+    if gen.mapped is not None or len(meta.shape) not in (4, 5) or selects(gen.prologue) \
             or not meta.is_contiguous or meta.dtype not in (torch.float32, torch.float16, torch.bfloat16) \
             or meta.shape[1] == 1 or len(graph.users(gen.out)) != 1 or graph.is_output(gen.out):
         return False

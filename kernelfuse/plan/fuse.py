@@ -19,7 +19,7 @@ from kernelfuse.ops.anchors import family_of
 from kernelfuse.ops.kept import KEPT_AS_TORCH
 from kernelfuse.plan.anchors import anchor_supported, channels_last_conv_relu, channels_last_ok, fuse_behind
 from kernelfuse.plan.attention import attention_steps
-from kernelfuse.plan.catbuffer import shared_cat_buffers
+from kernelfuse.plan.catbuffer import looked_through, shared_cat_buffers
 from kernelfuse.plan.conv import igemm_refusal, tap_major_weights
 from kernelfuse.plan.convinput import channels_last_into_convs
 from kernelfuse.plan.gemm import k_contiguous_weights
@@ -232,14 +232,17 @@ def make_plan(graph: Graph, options: PlanOptions = PlanOptions()) -> Plan:
         fused[step.out] = step
         absorbed.update(step.replaces)
     cap = None if options.max_fusions is None else max(options.max_fusions - len(fused) - len(attention), 0)
-    gens, gen_reasons = schedule(graph, absorbed, len(fused), cap) if options.generated else ([], {})
+    # a concatenation laid out in a shared buffer stays the torch call that copies into it, and one whose operands
+    # such a call copies stays a torch call too: never a kernel's select (kernelfuse.plan.catselect)
+    buffered = set(into) | looked_through(graph, into)
+    gens, gen_reasons = schedule(graph, absorbed | buffered, len(fused), cap) if options.generated else ([], {})
     held: set[str] = set()
     while options.channels_last_graph and (wrong := [g for g in gens if _other_layout(g)]):
         # the kernel would write another layout than the graph's (a pooling): its op stays a torch call, and the
         # pointwise ops it had taken in are scheduled again without it (into the norm before it, say)
         for gen in wrong:
             held.update([gen.reduce_node.name] if gen.reduce_node is not None else gen.replaces)
-        gens, gen_reasons = schedule(graph, absorbed | held, len(fused), cap)
+        gens, gen_reasons = schedule(graph, absorbed | held | buffered, len(fused), cap)
     reasons.update(gen_reasons)
     reasons.update(dict.fromkeys(held, CL_REASON))
     reasons.update(dict.fromkeys(kept, KEPT_REASON))

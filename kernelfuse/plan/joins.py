@@ -1,14 +1,16 @@
 """Which nodes may join a pointwise chain being grown (kernelfuse.plan.schedule): a pointwise node over the chain's
-space, and the private producers of its other operands."""
+space, the private producers of its other operands, and a concatenation of pointwise branches whose value only
+the chain reads (kernelfuse.plan.catselect), with its branches' private producers."""
 
 from __future__ import annotations
 
 import torch
 
-from kernelfuse.capture import Graph, Node, Ref, TensorMeta
+from kernelfuse.capture import Graph, Node, Ref, TensorMeta, contiguous_strides
 from kernelfuse.ops import POINTWISE_BY_ATEN
 from kernelfuse.ops.anchors import RESHAPES
-from kernelfuse.plan.program import broadcasts
+from kernelfuse.plan.catselect import CAT, cat_operands
+from kernelfuse.plan.program import broadcasts, build_program
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -70,19 +72,29 @@ def conditions_inside(node: Node, inside: set[str]) -> bool:
 
 
 def private_producers(graph: Graph, node: Node, inside: set[str], space: TensorMeta, used: set[str],
-                      mixed: bool = False) -> list[Node]:
+                      mixed: bool = False, cats: bool = False) -> list[Node]:
     """The pointwise nodes, in graph order, that compute `node`'s other operands over the same space and are read
     by nothing else: the chain pulls them in (x * f(x): the f(x) branch joins the kernel that multiplies, instead
-    of a kernel of its own whose output makes a round trip through memory)."""
+    of a kernel of its own whose output makes a round trip through memory). `cats`: a concatenation so read joins
+    too, with its branches (`cat_group`)."""
     pulled: list[Node] = []
     taken = set(inside) | {node.name}
 
     def pull(n: Node) -> None:
         for ref in n.refs:
             p = graph[ref]
-            if p.name in taken or p.name in used or p.op not in POINTWISE_BY_ATEN or graph.is_output(p.name):
+            if p.name in taken or p.name in used or graph.is_output(p.name) or \
+                    any(u.name not in taken for u in graph.users(p.name)):
+                continue
+            if cats and p.op == CAT:
+                group = cat_group(graph, p, space, used | taken, mixed)
+                if group is not None:
+                    taken.update([p.name, *(m.name for m in group)])
+                    pulled.extend([*group, p])
+                continue
+            if p.op not in POINTWISE_BY_ATEN:
                 continue  # a reshape stays a free view outside the kernel
-            if can_fuse_pointwise(graph, p, space, mixed)[0] and all(u.name in taken for u in graph.users(p.name)):
+            if can_fuse_pointwise(graph, p, space, mixed)[0]:
                 taken.add(p.name)
                 pull(p)
                 pulled.append(p)
@@ -90,3 +102,65 @@ def private_producers(graph: Graph, node: Node, inside: set[str], space: TensorM
     pull(node)
     order = {n.name: i for i, n in enumerate(graph.nodes)}
     return sorted(pulled, key=lambda n: order[n.name])
+
+
+def cat_group(graph: Graph, cat: Node, space: TensorMeta, used: set[str], mixed: bool = False) -> list[Node] | None:
+    """The branch members of a concatenation that may join a chain over `space` (as many elements, its dtype
+    unless `mixed`), in graph order: for each operand, the pointwise nodes of the branch's shape computing it that
+    nothing else reads (an operand read twice, or by a node outside, is read from memory through its window).
+    None where the concatenation cannot join: see cat_operands; a bool condition read from memory; an operand
+    whose strides cannot be read so."""
+    parsed = cat_operands(graph, cat)
+    if parsed is None or cat.name in used or cat.meta.dtype not in FLOAT_DTYPES or cat.meta.numel != space.numel \
+            or (cat.meta.dtype != space.dtype and not mixed):
+        return None
+    refs = parsed[1]
+    group: list[Node] = []
+    for ref in refs:
+        members = _branch(graph, graph[ref], cat, used, mixed) if refs.count(ref) == 1 else []
+        names = {m.name for m in members}
+        if not all(conditions_inside(m, names) for m in members):
+            return None
+        group += members
+    order = {n.name: i for i, n in enumerate(graph.nodes)}
+    group.sort(key=lambda n: order[n.name])
+    if build_program(graph, [*group, cat], cat.meta, cat.meta.shape)[0] is None:
+        return None
+    return group
+
+
+def _branch(graph: Graph, head: Node, cat: Node, used: set[str], mixed: bool) -> list[Node]:
+    """The pointwise nodes computing a concatenation's operand `head` over its branch's shape that nothing but the
+    branch reads (`head` itself first, if it is one)."""
+    branch = TensorMeta(head.meta.shape, cat.meta.dtype, contiguous_strides(head.meta.shape))  # type: ignore[union-attr]
+    taken, members = {cat.name}, []
+
+    def pull(n: Node) -> None:
+        if n.name in taken or n.name in used or n.op not in POINTWISE_BY_ATEN or graph.is_output(n.name) \
+                or n.meta is None or n.meta.shape != branch.shape \
+                or any(u.name not in taken for u in graph.users(n.name)) \
+                or not can_fuse_pointwise(graph, n, branch, mixed)[0]:
+            return
+        taken.add(n.name)
+        members.append(n)
+        for ref in n.refs:
+            pull(graph[ref])
+
+    pull(head)
+    return members
+
+
+def without_last(members: list[Node]) -> list[Node]:
+    """The chain less its last member; less a concatenation's branch members too where that is one (they are
+    computed only for it)."""
+    last = members[-1]
+    if last.op != CAT:
+        return members[:-1]
+    inside = {m.name: m for m in members[:-1]}
+    branch, stack = set(), [r.name for r in last.refs]
+    while stack:
+        name = stack.pop()
+        if name in inside and name not in branch:
+            branch.add(name)
+            stack.extend(r.name for r in inside[name].refs)
+    return [m for m in members[:-1] if m.name not in branch]

@@ -18,13 +18,16 @@ from kernelfuse.ops import POINTWISE_BY_ATEN
 from kernelfuse.ops.anchors import RESHAPES
 from kernelfuse.ops.reductions import HALF_DTYPES, ReduceSpec
 from kernelfuse.ops.scans import GENERATED_BY_ATEN
+from kernelfuse.plan.catselect import CAT
 from kernelfuse.plan.ir import GenStep, Operand, Program
 from kernelfuse.plan.joins import (
     FLOAT_DTYPES,
     can_fuse_pointwise,
+    cat_group,
     conditions_inside,
     is_comparison,
     private_producers,
+    without_last,
 )
 from kernelfuse.plan.program import build_program
 
@@ -45,12 +48,17 @@ def schedule(graph: Graph, taken: set[str], first_kernel: int, max_kernels: int 
     steps: list[GenStep] = []
     reasons: dict[str, str] = {}
     used = set(taken)
+    # a concatenation's branches are computed by the kernel that selects from it (a `neg` read only by rotary's cat
+    # seeds no kernel of its own): the concatenation comes later in graph order and pulls them in
+    branches = {m.name for n in graph.nodes if n.op == CAT for m in cat_group(graph, n, n.meta, used, True) or ()}
     for node in graph.nodes:
         if node.name in used or node.op in ("input", "param", "buffer"):
             continue
         if max_kernels is not None and len(steps) >= max_kernels:
             if node.op in POINTWISE_BY_ATEN or node.op in GENERATED_BY_ATEN:
                 reasons.setdefault(node.name, "fusion cap (--max-fusions) reached")
+            continue
+        if node.name in branches:
             continue
         step = _kernel_from(graph, node, used, f"k{first_kernel + len(steps)}", reasons)
         if step is not None:
@@ -62,6 +70,8 @@ def schedule(graph: Graph, taken: set[str], first_kernel: int, max_kernels: int 
 def _kernel_from(graph: Graph, seed: Node, used: set[str], kernel: str, reasons: dict[str, str]) -> GenStep | None:
     if seed.op in GENERATED_BY_ATEN:
         return _reduction_kernel(graph, seed, None, used, kernel, reasons)
+    if seed.op == CAT:
+        return _selecting_kernel(graph, seed, used, kernel)
     ok, why = can_fuse_pointwise(graph, seed, seed.meta, mixed=True) if seed.op in POINTWISE_BY_ATEN else (False, "")
     if ok and is_comparison(seed):
         ok, why = False, "a comparison's bool result is fused only into the where/masked_fill that reads it"
@@ -72,6 +82,9 @@ def _kernel_from(graph: Graph, seed: Node, used: set[str], kernel: str, reasons:
         if why:
             reasons[seed.name] = why
         return None
+    with_cats = _selecting_kernel(graph, seed, used, kernel)
+    if with_cats is not None:
+        return with_cats
     chain = _grow(graph, [*producers, seed], seed.meta, used, mixed=True)
     if is_comparison(chain.members[-1]):
         reasons[seed.name] = "the chain would end in a stored bool"
@@ -82,15 +95,42 @@ def _kernel_from(graph: Graph, seed: Node, used: set[str], kernel: str, reasons:
         if widened is None:
             reasons[seed.name] = "a cast alone: torch's copy is the same single pass (no kernel to build)"
         return widened
-    last = chain.members[-1]
-    readers = graph.users(last.name)
-    if len(readers) == 1 and readers[0].op in GENERATED_BY_ATEN and not graph.is_output(last.name) \
-            and not _mixes_dtypes(graph, chain) \
-            and readers[0].name not in used and readers[0].args and readers[0].args[0] == Ref(last.name):
-        step = _reduction_kernel(graph, readers[0], chain, used, kernel, reasons)
+    if _prologue_of(graph, chain, used):
+        step = _reduction_kernel(graph, graph.users(chain.members[-1].name)[0], chain, used, kernel, reasons)
         if step is not None:
             return step
     return _pointwise_kernel(graph, _buildable(graph, chain), kernel)
+
+
+def _prologue_of(graph: Graph, chain: _Chain, used: set[str]) -> bool:
+    """Is the chain's value read only by a reduction that may take the chain as its prologue?"""
+    last = chain.members[-1]
+    readers = graph.users(last.name)
+    return len(readers) == 1 and readers[0].op in GENERATED_BY_ATEN and not graph.is_output(last.name) \
+        and not _mixes_dtypes(graph, chain) \
+        and readers[0].name not in used and bool(readers[0].args) and readers[0].args[0] == Ref(last.name)
+
+
+def _selecting_kernel(graph: Graph, seed: Node, used: set[str], kernel: str) -> GenStep | None:
+    """The flat kernel of a chain that computes a concatenation of pointwise branches and selects from it
+    (kernelfuse.plan.catselect), grown from the concatenation itself or from a pointwise seed whose private
+    producers hold one. None where the chain holds none in the end, or where one adds nothing (a concatenation of
+    tensors in memory alone, or only with the pointwise prologue of a reduction, which reads it from memory as
+    well): the seed is then planned as before."""
+    group = cat_group(graph, seed, seed.meta, used, mixed=True) if seed.op == CAT else []
+    if group is None or not any(n.op == CAT and n.name not in used for n in graph.nodes):
+        return None
+    members = [*group, seed] if seed.op == CAT else \
+        [*private_producers(graph, seed, set(), seed.meta, used, mixed=True, cats=True), seed]
+    chain = _grow(graph, members, seed.meta, used, mixed=True, cats=True)
+    cats = [m for m in chain.members if m.op == CAT]
+    if not cats or is_comparison(chain.members[-1]) or (not group and _prologue_of(graph, chain, used)):
+        return None
+    built = _buildable(graph, chain)
+    kept = [m for m in built.members if m.op == CAT]
+    if len(kept) != len(cats) or not any(m.op in POINTWISE_BY_ATEN for m in built.members):
+        return None
+    return _pointwise_kernel(graph, built, kernel)
 
 
 def _widening_into_row_kernel(graph: Graph, chain: _Chain, used: set[str], kernel: str,
@@ -125,20 +165,22 @@ def _buildable(graph: Graph, chain: _Chain) -> _Chain:
         trimmed = _trim_reshapes(graph, members)
         if build_program(graph, trimmed, trimmed[-1].meta, trimmed[-1].meta.shape)[0] is not None:
             break
-        members = trimmed[:-1]
+        members = without_last(trimmed)
     return _Chain(members, {m.name for m in members})
 
 
-def _grow(graph: Graph, members: list[Node], space: TensorMeta, used: set[str], mixed: bool = False) -> _Chain:
+def _grow(graph: Graph, members: list[Node], space: TensorMeta, used: set[str], mixed: bool = False,
+          cats: bool = False) -> _Chain:
     """Extend a chain with later pointwise nodes reading it; then shrink until only its last value escapes.
-    `mixed`: float dtypes may mix (a pointwise kernel of its own, see can_fuse_pointwise)."""
+    `mixed`: float dtypes may mix (a pointwise kernel of its own, see can_fuse_pointwise); `cats`: a concatenation
+    of pointwise branches may be pulled in (a flat pointwise kernel of its own, kernelfuse.plan.catselect)."""
     inside = {m.name for m in members}
     start = graph.nodes.index(members[-1])
     for node in graph.nodes[start + 1:]:
         if node.name in used or node.name in inside or not any(r.name in inside for r in node.refs):
             continue
         if can_fuse_pointwise(graph, node, space, mixed)[0]:
-            producers = private_producers(graph, node, inside, space, used, mixed)
+            producers = private_producers(graph, node, inside, space, used, mixed, cats)
             if not conditions_inside(node, inside | {p.name for p in producers}):
                 continue
             for producer in producers:
@@ -151,7 +193,8 @@ def _grow(graph: Graph, members: list[Node], space: TensorMeta, used: set[str], 
     order = {n.name: i for i, n in enumerate(graph.nodes)}
     members.sort(key=lambda n: order[n.name])
     while len(members) > 1 and (_escaping(graph, members, inside) or is_comparison(members[-1])):
-        inside.discard(members.pop().name)
+        members = without_last(members)
+        inside = {m.name for m in members}
     return _Chain(members, inside)
 
 
@@ -334,6 +377,6 @@ def _trim_reshapes(graph: Graph, members: list[Node]) -> list[Node]:
     shrinks until only its last value does, or the view's reader would find nothing stored."""
     inside = {m.name for m in members}
     while len(members) > 1 and (members[-1].op in RESHAPES or _escaping(graph, members, inside)):
-        inside.discard(members[-1].name)
-        members = members[:-1]
+        members = without_last(members)
+        inside = {m.name for m in members}
     return members
