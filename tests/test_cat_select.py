@@ -40,6 +40,11 @@ CASES = {  # name: (forward, inputs)
     "bf16_rotary": ("def forward(self, x, cos, sin):\n    h = x.shape[-1] // 2\n"
                     "    return x * cos + torch.cat((-x[..., h:], x[..., :h]), -1) * sin",
                     "[torch.randn(2, 8, 16).bfloat16(), torch.randn(8, 16).bfloat16(), torch.randn(8, 16).bfloat16()]"),
+    "transposed_rotary": ("def forward(self, x, cos, sin):\n    q = x.transpose(1, 2)\n    h = q.shape[-1] // 2\n"
+                          "    return q * cos + torch.cat((-q[..., h:], q[..., :h]), -1) * sin",
+                          "[torch.randn(2, 8, 3, 16), torch.randn(8, 16), torch.randn(8, 16)]"),
+    "reshaped_after": ("def forward(self, x, y):\n    return (torch.cat((x * 2.0, y), -1).reshape(-1) + 1.0).exp()",
+                       "[torch.randn(3, 4), torch.randn(3, 2)]"),
 }
 
 
@@ -78,8 +83,10 @@ def test_cat_joins_the_kernel_and_matches_eager(tmp_path, name):
     assert len(owners) == len(_cats(graph)) == 1 and selects(owners[0].prologue), plan.summary()
     if name == "returned_too":  # the kernel writes the concatenation; its other reader is a kernel of its own
         assert owners[0].out == _cats(graph)[0] and len(plan.generated) == 2, plan.summary()
-    if name.startswith(("rotate", "bf16")):
+    if name.startswith(("rotate", "bf16", "transposed")):
         assert len(plan.generated) == 1, plan.summary()  # the neg seeds no kernel of its own
+    if name == "transposed_rotary":  # the output keeps the transposed layout eager gives q * cos
+        assert owners[0].permuted_out is not None, plan.summary()
     if name == "only_views":
         assert owners[0].source.window is not None
     tolerance = 1e-2 if name.startswith("bf16") else 1e-6
@@ -98,9 +105,9 @@ def test_windowed_reads_are_scalar_and_clamped(tmp_path):
     cuda = generate(plan).cuda
     body = cuda[cuda.index("// k0"):cuda.index("// k1")]
     assert "kf_pack_load<float, VEC>(p_in0_p" in body and "p_in1_p + " not in body and "p_in2_p + " not in body
-    assert "(((r) % 32) >= 15 ? 15 : ((r) % 32))" in body  # the negated half: elements 16.. of x
-    assert "(((r) % 32) < 16 ? 0 : ((r) % 32) - 16)" in body  # the other half
-    assert "((r) % 32) < 16 ? p_v_neg : p_in2" in body
+    assert "(o_xc3 >= 15 ? 15 : o_xc3)" in body  # the negated half: elements 16.. of x
+    assert "(o_xc3 < 16 ? 0 : o_xc3 - 16)" in body  # the other half
+    assert "(o_xc3 < 16 ? p_v_neg : p_in2)" in body  # the index along the last dim, through the space
 
 
 def test_a_cat_feeding_a_reduction_keeps_the_reduction_prologue(tmp_path):

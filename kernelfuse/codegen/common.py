@@ -68,7 +68,7 @@ def invariant_operands(shape: tuple[int, ...], operands: tuple[Operand, ...], ru
 
 def program_lines(program: Program | Epilogue, acc: str, offsets: dict[str, str], names_prefix: str,
                   ind: str, ctype: str = "float", given: dict[str, str] | None = None,
-                  index: str | None = None) -> list[str]:
+                  index: str | dict[int, str] | None = None) -> list[str]:
     """Statements of a pointwise program as float locals named `{names_prefix}...`; operand i is loaded from the
     pointer `{names_prefix}in{i}_p` at `offsets["in{i}"]` (or is the float expression `given["in{i}"]`, loaded
     already); the value ends in `{names_prefix}result`.
@@ -77,7 +77,8 @@ def program_lines(program: Program | Epilogue, acc: str, offsets: dict[str, str]
     statement's own dtype where it has one: a kernel may mix dtypes), as eager rounds each op's output: the
     fused chain then computes eager's values, not more precise ones that differ by an ulp per op (an fp16
     SwiGLU's silu * up, rounded once, missed the float64 rule after the down projection; found by the GPU
-    fuzzer). `index`: the element's flat index, where a `cat_select` statement picks a branch by it."""
+    fuzzer). `index`: the element's flat index, or its index along each concatenated dim, where a `cat_select`
+    statement picks a branch by it."""
     lines = []
     names = {"acc": acc}
     if ctype != "float":
@@ -129,19 +130,25 @@ def window_offset(operand: Operand, index: str) -> str:
     rest = offset_expr(tuple(strides), window.shape, index)
     if along == 0:
         return rest
-    c = coordinate(window.shape, window.dim, index)
+    term = clamped_term(window, along, coordinate(window.shape, window.dim, index))
+    return term if rest == "0" else f"{rest} + {term}"
+
+
+def clamped_term(window: Window, stride: int, c: str) -> str:
+    """C expression for a windowed read's offset along its dim (`stride` apart) at coordinate `c` of the
+    concatenation: `c` less the branch's offset, clamped into the branch."""
     last = window.offset + window.size >= window.shape[window.dim]  # never past the branch's end
     shifted = f"{c} - {window.offset}" if window.offset else c
     low = f"({c} < {window.offset} ? 0 : {shifted})" if window.offset else c
     clamped = low if last else f"({shifted} >= {window.size - 1} ? {window.size - 1} : {low})"
-    term = clamped if along == 1 else f"{clamped} * {along}"
-    return term if rest == "0" else f"{rest} + {term}"
+    return clamped if stride == 1 else f"{clamped} * {stride}"
 
 
-def _select(params: tuple[object, ...], values: list[str], index: str) -> str:
-    """C expression choosing among a concatenation's branch values by the element's index along its dim."""
+def _select(params: tuple[object, ...], values: list[str], index: str | dict[int, str]) -> str:
+    """C expression choosing among a concatenation's branch values by the element's index along its dim (from the
+    flat index, or given per dim)."""
     dim, sizes, shape = params
-    c = coordinate(shape, dim, index)  # type: ignore[arg-type]
+    c = index[dim] if isinstance(index, dict) else coordinate(shape, dim, index)  # type: ignore[arg-type, index]
     bounds, total = [], 0
     for size in sizes[:-1]:  # type: ignore[index]
         total += size

@@ -26,6 +26,7 @@ from kernelfuse.codegen.iteration import (
     tensor_dtype,
     value_dtype,
     value_lambda,
+    windows_in_space,
 )
 from kernelfuse.codegen.pool import pool_kernel
 from kernelfuse.codegen.reduce import row_kernel, row_strategy, row_workspace
@@ -45,8 +46,8 @@ def render_generated(plan: Plan, step: GenStep) -> tuple[str, Binding]:
     ctype = C_TYPES[value_dtype(step)]
     family = _family(step)
     windows = any(o.window is not None for o in (step.source, *step.prologue.operands))
-    if windows and (step.spec is not None or step.permuted_out is not None):  # never planned
-        raise ValueError(f"{step.kernel}: a concatenation's branches outside a row-major pointwise kernel")
+    if windows and (step.spec is not None or (step.permuted_out is not None and not windows_in_space(step))):
+        raise ValueError(f"{step.kernel}: a concatenation's branches outside a pointwise kernel over their space")
     if family == "flat":
         body = _flat_kernel(step, ctype)
     elif family == "pool":
@@ -163,7 +164,8 @@ def _flat_kernel(step: GenStep, ctype: str) -> str:
 def _packed(space: Space, vec: int) -> dict[str, str]:
     """The tensors a VEC-wide access along the innermost dim reads once per pack ("same") or as one run ("run"),
     by name (`pack_kinds`); the output is written by the kernel's own store."""
-    return {name: kind for name, kind in pack_kinds(space, vec).items() if name != "out"}
+    return {name: kind for name, kind in pack_kinds(space, vec).items()
+            if name != "out" and not name.startswith(("xc", "xw_"))}  # not the windows' pseudo-tensors
 
 
 def _pointer(name: str) -> str:

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from kernelfuse.capture import contiguous_strides
-from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, offset_expr, program_lines, window_offset
-from kernelfuse.plan.ir import GenStep
+from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, clamped_term, offset_expr, program_lines, window_offset
+from kernelfuse.plan.catselect import SELECT
+from kernelfuse.plan.ir import GenStep, Operand
 
 BLOCK = 256
 # iterations of a thread's loop over a contiguous run issued together: one 4-byte load in flight per thread
@@ -105,11 +106,12 @@ def space_of(step: GenStep, epilogue: bool = False) -> Space:
     space = step.prologue.space
     reduced = set(spec.reduced) if spec is not None else set()  # type: ignore[attr-defined]
     classes = tuple("r" if d in reduced else "k" for d in range(len(space)))
-    # a windowed read (inside a concatenation's branch) is addressed from the flat index (window_offset), not
-    # through the merged space: a windowed source is constant over it as far as merging and packing can tell
+    # a windowed read (inside a concatenation's branch) is addressed apart from the plain ones: a windowed source
+    # is constant over the space as far as merging and packing can tell
     source = step.source.strides if step.source.window is None else (0,) * len(space)
     strides = {"src": source, "out": step.permuted_out or contiguous_strides(space)}
     strides.update({f"in{i}": o.strides for i, o in enumerate(step.prologue.operands) if o.window is None})
+    strides.update(_window_strides(step))
     if step.mapped is not None:
         strides.update({f"m{i}": o.strides for i, o in enumerate(step.mapped.operands)})
     if epilogue and shape_numel(step.epilogue.space) == shape_numel(space):
@@ -129,6 +131,52 @@ def space_of(step: GenStep, epilogue: bool = False) -> Space:
         classes = tuple(classes[d] for d in order)
         strides = {name: tuple(v[d] for d in order) for name, v in strides.items()}
     return merge_space(space, classes, strides)
+
+
+def windows_in_space(step: GenStep) -> bool:
+    """Are the step's windowed reads and selects over its own space (the concatenation's shape is the kernel's)?
+    They are then addressed through the space like any tensor, in whatever order it is iterated (a permuted
+    output's memory order too): the index along a concatenated dim d is the offset of a pseudo-tensor `xc{d}`
+    (stride 1 along d, 0 elsewhere), a windowed tensor's offset that of `xw_{name}` (its strides less the one
+    along d) plus the clamped index times that stride. Otherwise (a reshape after the concatenation) they are
+    addressed from the flat index, which is then row-major (the planner keeps such an output contiguous)."""
+    space = tuple(step.prologue.space)
+    windows = [o.window for o in (step.source, *step.prologue.operands) if o.window is not None]
+    shapes = [tuple(st.params[2]) for st in step.prologue.statements if st.op == SELECT]  # type: ignore[arg-type]
+    return bool(windows or shapes) and all(w.shape == space for w in windows) and all(s == space for s in shapes)
+
+
+def windowed_reads(step: GenStep) -> dict[str, Operand]:
+    """The step's windowed tensors by kernel name (`src`, `in{i}`)."""
+    named = [("src", step.source), *((f"in{i}", o) for i, o in enumerate(step.prologue.operands))]
+    return {name: o for name, o in named if o.window is not None}
+
+
+def cat_dims(step: GenStep) -> list[int]:
+    """The concatenated dims the step's windows and selects run along."""
+    dims = {o.window.dim for o in windowed_reads(step).values()}  # type: ignore[union-attr]
+    dims |= {int(st.params[0]) for st in step.prologue.statements if st.op == SELECT}  # type: ignore[arg-type]
+    return sorted(dims)
+
+
+def _window_strides(step: GenStep) -> dict[str, tuple[int, ...]]:
+    """The pseudo-tensors of windows_in_space, by name (none where the windows are addressed by flat index)."""
+    if not windows_in_space(step):
+        return {}
+    rank = len(step.prologue.space)
+    out = {f"xc{d}": tuple(int(e == d) for e in range(rank)) for d in cat_dims(step)}
+    for name, o in windowed_reads(step).items():
+        out[f"xw_{name}"] = tuple(0 if e == o.window.dim else s for e, s in enumerate(o.strides))  # type: ignore[union-attr]
+    return out
+
+
+def _windowed_offset(name: str, operand: Operand, prefix: str) -> str:
+    """A windowed read's offset through the space (windows_in_space), from decompose's `{prefix}` offsets."""
+    window = operand.window
+    along = operand.strides[window.dim]  # type: ignore[union-attr]
+    if along == 0:
+        return f"{prefix}xw_{name}"
+    return f"{prefix}xw_{name} + {clamped_term(window, along, f'{prefix}xc{window.dim}')}"  # type: ignore[arg-type, union-attr]
 
 
 def _viewed(strides: tuple[int, ...], shape: tuple[int, ...], space: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -287,7 +335,10 @@ def value_lambda(step: GenStep, space: Space, cls: str, row_prefix: str | None,
     base = (lambda n: f"{row_prefix}{n} + o_{n}") if row_prefix else (lambda n: f"o_{n}")
     lines = value_at_lambda(step, space, cls, row_prefix, given)
     lines += ["    auto source = [&](INDEX r) -> float {"]
-    if step.source.window is not None:  # a flat kernel reading its source inside a concatenation's branch
+    if step.source.window is not None and windows_in_space(step):  # the source read inside a branch
+        lines += decompose(space, cls, "r", "o_", ["xw_src", f"xc{step.source.window.dim}"], "      ")
+        lines += [f"      return kf_load(src[{_windowed_offset('src', step.source, 'o_')}]);", "    };"]
+    elif step.source.window is not None:
         lines += [f"      return kf_load(src[{window_offset(step.source, 'r')}]);", "    };"]
     else:
         lines += decompose(space, cls, "r", "o_", ["src"], "      ")
@@ -306,10 +357,14 @@ def value_at_lambda(step: GenStep, space: Space, cls: str, row_prefix: str | Non
     base = (lambda n: f"{row_prefix}{n} + o_{n}") if row_prefix else (lambda n: f"o_{n}")
     params = "".join(f", float x_{n}" for n in given)
     lines = [f"    auto {name} = [&](INDEX r, float acc{params}) -> float {{"]
-    lines += decompose(space, cls, "r", "o_", operands, "      ") if operands else []
-    offsets = {n: base(n) for n in operands} | {n: window_offset(o, "r") for n, o in windowed.items()}
+    in_space = windows_in_space(step)
+    pseudo = [*(f"xc{d}" for d in cat_dims(step)), *(f"xw_{n}" for n in windowed)] if in_space else []
+    lines += decompose(space, cls, "r", "o_", operands + pseudo, "      ") if operands or pseudo else []
+    offsets = {n: base(n) for n in operands}
+    offsets |= {n: _windowed_offset(n, o, "o_") if in_space else window_offset(o, "r") for n, o in windowed.items()}
+    index: str | dict[int, str] | None = {d: f"o_xc{d}" for d in cat_dims(step)} if in_space else "r"
     lines += program_lines(step.prologue, "acc", offsets, "p_", "      ", C_TYPES.get(step.source.meta.dtype, "float"),
-                           {n: f"x_{n}" for n in given}, index="r" if row_prefix is None else None)
+                           {n: f"x_{n}" for n in given}, index=index if row_prefix is None else None)
     return lines + ["      return p_result;", "    };"]
 
 

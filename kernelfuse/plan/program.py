@@ -17,8 +17,8 @@ def build_program(graph: Graph, members: list[Node], meta: TensorMeta, space: tu
              acc: str | None = None) -> tuple[Operand | None, Program]:
     """Statements for `members` over `space`; the first tensor the first member reads from outside is the source
     (`acc`) unless `acc` names the value entering the program. Operand strides are mapped onto `space`, or for a
-    read inside a concatenation's branch onto the concatenation's shape through a window (the program's flat
-    index must then be the concatenation's: the output is contiguous)."""
+    read inside a concatenation's branch onto the concatenation's shape through a window (where that is not the
+    space, a reshape after it, the program's flat index must be the concatenation's: the output is contiguous)."""
     names: dict[str, str] = {acc: "acc"} if acc else {}
     read: dict[tuple[str, Window], str] = {}  # the windowed reads
     operands: list[Operand] = []
@@ -26,7 +26,10 @@ def build_program(graph: Graph, members: list[Node], meta: TensorMeta, space: tu
     source: list[Operand] = []
     windows = branch_windows(graph, members)
     selects = any(m.op == CAT for m in members)
-    ok = windows is not None and (not selects or meta.stride == contiguous_strides(meta.shape))
+    # a select over the kernel's own space is addressed through it (kernelfuse.codegen.iteration.windows_in_space),
+    # so the output may keep a permuted layout; one reshaped after it reads the flat index, row-major
+    over_space = all(tuple(m.meta.shape) == tuple(space) for m in members if m.op == CAT)
+    ok = windows is not None and (not selects or over_space or meta.stride == contiguous_strides(meta.shape))
     windows = windows or {}
     inside = {m.name for m in members}
     preferred = None if acc else _full_size_source(graph, members, meta, set(windows))
