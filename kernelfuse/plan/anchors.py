@@ -109,7 +109,7 @@ def _grow(graph: Graph, anchor_node: Node, inside: set[str], taken: set[str]) ->
     anchors reading one node, as a gated MLP's `silu(x @ W1) * (x @ W2)`, would both take it)."""
     out_meta = anchor_node.meta
     members: list[Node] = []
-    start = graph.nodes.index(anchor_node)
+    start = graph.position(anchor_node.name)
     for node in graph.nodes[start + 1:]:
         if node.name in inside or node.name in taken or node.op not in POINTWISE_BY_ATEN or node.meta is None:
             continue

@@ -100,8 +100,7 @@ def private_producers(graph: Graph, node: Node, inside: set[str], space: TensorM
                 pulled.append(p)
 
     pull(node)
-    order = {n.name: i for i, n in enumerate(graph.nodes)}
-    return sorted(pulled, key=lambda n: order[n.name])
+    return sorted(pulled, key=lambda n: graph.position(n.name))
 
 
 def cat_group(graph: Graph, cat: Node, space: TensorMeta, used: set[str], mixed: bool = False) -> list[Node] | None:

@@ -175,7 +175,7 @@ def _grow(graph: Graph, members: list[Node], space: TensorMeta, used: set[str], 
     `mixed`: float dtypes may mix (a pointwise kernel of its own, see can_fuse_pointwise); `cats`: a concatenation
     of pointwise branches may be pulled in (a flat pointwise kernel of its own, kernelfuse.plan.catselect)."""
     inside = {m.name for m in members}
-    start = graph.nodes.index(members[-1])
+    start = graph.position(members[-1].name)
     for node in graph.nodes[start + 1:]:
         if node.name in used or node.name in inside or not any(r.name in inside for r in node.refs):
             continue
@@ -190,8 +190,7 @@ def _grow(graph: Graph, members: list[Node], space: TensorMeta, used: set[str], 
             inside.add(node.name)
     # in graph order: a producer pulled in for a later node may be what an earlier member read (x > m joined the
     # chain reading m from outside, then where(x > m, m, x) pulled m in; m must be computed before x > m)
-    order = {n.name: i for i, n in enumerate(graph.nodes)}
-    members.sort(key=lambda n: order[n.name])
+    members.sort(key=lambda n: graph.position(n.name))
     while len(members) > 1 and (_escaping(graph, members, inside) or is_comparison(members[-1])):
         members = without_last(members)
         inside = {m.name for m in members}
@@ -237,8 +236,7 @@ def _reduction_kernel(graph: Graph, node: Node, prologue: _Chain | None, used: s
         program = Program((), (), spec.space)
     replaces += [node.name, *extra]
     if spec.result is not None:  # a scan's absorbed flip precedes it: the chain reads in graph order
-        order = {n.name: i for i, n in enumerate(graph.nodes)}
-        replaces.sort(key=order.__getitem__)
+        replaces.sort(key=graph.position)
     # an index result (argmax's int64) takes no epilogue: the float programs cannot hold it, its readers stay
     # torch calls or start kernels of their own (argmin(x, 1).float() * 2: the mul reads the float copy)
     epi_chain = _grow(graph, [graph[value]], out_meta, used | set(replaces)) \
