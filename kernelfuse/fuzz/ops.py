@@ -227,6 +227,9 @@ def _render_cat(p: Params, shapes: list[Shape]) -> tuple[list[str], str]:
     fn = "stack" if p["stack"] else "cat"
     if p["self"]:
         d = int(p["d"]) % (rank + 1) if p["stack"] else _dim(p, "d", rank)
+        if not p["stack"] and int(p["d"]) >= 3 and a[d] >= 2:  # rotary's rotate_half: the halves swapped, one negated
+            h = a[d] // 2
+            return [], f"torch.cat([-{{a0}}.narrow({d}, {h}, {a[d] - h}), {{a0}}.narrow({d}, 0, {h})], dim={d})"
         return [], f"torch.{fn}([{{a0}}, {{a0}} * 0.5], dim={d})"
     if len(a) != len(b):
         raise Invalid("cat of different ranks")
