@@ -56,6 +56,8 @@ def stats() -> list[dict[str, object]]:
 
 
 def _counted(product: object) -> object:
+    """`product`, listed by stats() while it lives (the dead are dropped here)."""
+    _PRODUCTS[:] = [r for r in _PRODUCTS if r() is not None]
     _PRODUCTS.append(weakref.ref(product))
     return product
 
