@@ -51,4 +51,20 @@ def _writes_channels_last(graph: Graph, gen: GenStep) -> bool:
             or meta.shape[1] == 1 or len(graph.users(gen.out)) != 1 or graph.is_output(gen.out):
         return False
     # GenStep.permuted_out decides which kernels write a permuted output (pointwise and norm kernels) and where
-    return replace(gen, out_meta=replace(meta, stride=channels_last_strides(meta.shape))).permuted_out is not None
+    if replace(gen, out_meta=replace(meta, stride=channels_last_strides(meta.shape))).permuted_out is None:
+        return False
+    space, shape = tuple(gen.prologue.space), tuple(gen.epilogue.space)
+    return all(_views_as(shape, o.strides, space) for o in gen.epilogue.operands)
+
+
+def _views_as(shape: tuple[int, ...], strides: tuple[int, ...], space: tuple[int, ...]) -> bool:
+    """Can an epilogue operand (`strides` over `shape`) be read through the kernel's regrouped space, as a permuted
+    output's epilogue reads it (kernelfuse.codegen.iteration.epilogue_lines)? A norm over (N, G, C/G * D * H * W)
+    with a per-W operand cannot (found by the fuzzer: seed 103000, model 1708)."""
+    if shape == space:
+        return True
+    try:
+        torch.empty_strided(shape, strides, device="meta").view(space)
+    except RuntimeError:
+        return False
+    return True
