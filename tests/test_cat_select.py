@@ -125,8 +125,8 @@ def test_a_cat_feeding_a_reduction_keeps_the_reduction_prologue(tmp_path):
 
 
 def test_no_select_in_a_channels_last_conv_input(tmp_path):
-    """A kernel that selects finds each element's branch from its row-major index: it keeps writing NCHW when a
-    channels-last convolution reads it (kernelfuse.plan.convinput)."""
+    """A kernel that selects keeps writing NCHW when a channels-last convolution reads it (kernelfuse.plan.convinput
+    does not make it write channels-last), and still matches eager."""
     body = "def __init__(self):\n    super().__init__()\n    self.conv = nn.Conv2d(6, 4, 3)\n\n" \
            "def forward(self, x, y):\n    return self.conv(torch.cat((x * 2.0, y), 1).relu())"
     problem, graph, plans = pipeline(write_problem(tmp_path, "conv", body,

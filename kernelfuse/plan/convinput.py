@@ -44,7 +44,8 @@ def channels_last_into_convs(graph: Graph, by_out: dict[str, Step]) -> Graph:
 def _writes_channels_last(graph: Graph, gen: GenStep) -> bool:
     """Can the kernel write its output channels-last: a contiguous 4-d/5-d float output over its own iteration
     space or a regrouping of it (a pointwise or norm kernel, no broadcast), read by the convolution alone? Not one
-    that selects from a concatenation: it finds each element's branch from its row-major index."""
+    that selects from a concatenation: kept NCHW as first planned (a select over the kernel's own space could
+    iterate a channels-last output, as Llama's transposed rotary does; not tried or measured here)."""
     meta = gen.out_meta
     if gen.mapped is not None or len(meta.shape) not in (4, 5) or selects(gen.prologue) \
             or not meta.is_contiguous or meta.dtype not in (torch.float32, torch.float16, torch.bfloat16) \

@@ -121,8 +121,7 @@ def cat_group(graph: Graph, cat: Node, space: TensorMeta, used: set[str], mixed:
         if not all(conditions_inside(m, names) for m in members):
             return None
         group += members
-    order = {n.name: i for i, n in enumerate(graph.nodes)}
-    group.sort(key=lambda n: order[n.name])
+    group.sort(key=lambda n: graph.position(n.name))
     if build_program(graph, [*group, cat], cat.meta, cat.meta.shape)[0] is None:
         return None
     return group
