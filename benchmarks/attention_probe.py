@@ -118,11 +118,12 @@ def sdpa(case: Case):
     return run
 
 
-def our_kernels(dtype: torch.dtype, flash_configs: list[str]) -> dict[str, tuple[object, list[str]]]:
+def our_kernels(dtype: torch.dtype, flash_configs: list[str],
+                split_forms: bool = False) -> dict[str, tuple[object, list[str]]]:
     """The planner's kernels for every case in each arithmetic (fp32: exact FMA, 3xTF32 as the strict policy gives
     SDPA nodes, TF32 as the tf32 policy gives, and 3xTF32 in the first tensor-core kernel, where the flash kernel
-    would take the case; bf16: tensor cores, once per tiling of `flash_configs` if any), and each one's kernel
-    names."""
+    would take the case, and with `split_forms` each of SPLIT_FORMS; bf16: tensor cores, once per tiling of
+    `flash_configs` if any), and each one's kernel names."""
     example = [t for case in CASES for t in inputs_of(case, dtype, "meta")]
     plan = make_plan(capture_module(Attentions(), example))
     assert len(plan.attention) == len(CASES), plan.summary()
@@ -139,7 +140,25 @@ def our_kernels(dtype: torch.dtype, flash_configs: list[str]) -> dict[str, tuple
         with patch.object(attention, "flash_warps", lambda step, strides: 0):
             first = load_kernels(generate(replace(plan, steps=tuple(steps))), "attention_probe_first_f32")
         built["kernelfuse 3xtf32 first kernel"] = (first, [s.kernel for s in steps])
+        if split_forms:  # the 3xTF32 flash kernel with other operand splits (SPLIT_FORMS), beside the shipped one
+            source = generate(replace(plan, steps=tuple(steps)))
+            assert SHIPPED_SPLIT in source.cuda, "kf_tf32_parts changed: update SPLIT_FORMS"
+            for name, body in SPLIT_FORMS.items():
+                form = replace(source, cuda=source.cuda.replace(SHIPPED_SPLIT, body))
+                built[f"kernelfuse 3xtf32 {name}"] = (load_kernels(form, f"attention_probe_{name.replace(' ', '_')}"),
+                                                      [s.kernel for s in steps])
     return built
+
+
+# kf_tf32_parts's 3xTF32 branch as shipped, and the forms --split-forms times against it
+SHIPPED_SPLIT = """    big = __float_as_uint(x);
+    const float rest = x - __uint_as_float(big & 0xffffe000u);
+    small = (__float_as_uint(rest) + 0x1000u) & 0xffffe000u;"""
+SPLIT_FORMS = {
+    "rna split": "    big = kf_tf32(x);\n    small = kf_tf32(x - __uint_as_float(big));",  # both parts by cvt.rna
+    "truncated small":  # the remainder truncated by the tensor cores too
+        "    big = __float_as_uint(x);\n    small = __float_as_uint(x - __uint_as_float(big & 0xffffe000u));",
+}
 
 
 def flash_tilings(plan: Plan, names: list[str]) -> dict[str, tuple[object, list[str]]]:
@@ -165,6 +184,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--no-compile", action="store_true", help="no torch.compile rows (most of the run time)")
     parser.add_argument("--bf16-only", action="store_true", help="skip the fp32 cases")
     parser.add_argument("--fp32-only", action="store_true", help="skip the bf16 cases")
+    parser.add_argument("--split-forms", action="store_true", help="fp32: time the 3xTF32 kernel's other splits")
     parser.add_argument("--flash-configs", default="", help=f"bf16 flash tilings to time, of {','.join(FLASH_CONFIGS)}")
     opts = parser.parse_args(argv)
     flash_configs = [n for n in opts.flash_configs.split(",") if n]
@@ -174,7 +194,7 @@ def main(argv: list[str]) -> int:
     dtypes = (torch.bfloat16,) if opts.bf16_only else (torch.float32,) if opts.fp32_only else \
         (torch.float32, torch.bfloat16)
     for dtype in dtypes:
-        built = our_kernels(dtype, flash_configs)
+        built = our_kernels(dtype, flash_configs, opts.split_forms)
         for i, case in enumerate(CASES):
             args = inputs_of(case, dtype, "cuda")
             with torch.no_grad():

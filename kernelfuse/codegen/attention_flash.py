@@ -267,18 +267,13 @@ cudaError_t kf_attention_tc(const kf_attn_params& p, int batch, cudaStream_t str
 # m16n8k8, whose fragments ldmatrix cannot give (32-bit elements), so they are plain shared-memory loads.
 FLASH_PRELUDE += r"""
 // ---- fp32 flash attention on tensor cores, FlashAttention-2 style, where q, k and v are contiguous along d with
-// 16-byte aligned rows: TF32 (the tf32 policy) or 3xTF32 (SPLIT: each operand as a TF32 big part and the TF32 rounding
-// of its remainder, three products, torch's own fp32 SDPA arithmetic). WARPS warps x 16 query rows a block, BK keys
-// a tile. Query, key and value tiles arrive by cp.async into shared rows padded to D + 4 floats (every fragment load
+// 16-byte aligned rows: TF32 (the tf32 policy) or 3xTF32 (SPLIT: each operand as a TF32 big part and its remainder,
+// kf_tf32_parts; three products, torch's own fp32 SDPA arithmetic). WARPS warps x 16 query rows a block, BK keys a
+// tile. Query, key and value tiles arrive by cp.async into shared rows padded to D + 4 floats (every fragment load
 // below then falls in 32 distinct banks); the key and value tiles are double-buffered. Operands are split into
-// their TF32 parts in registers as they are loaded. The probabilities' A fragments come from the scores' C fragments
-// without shuffles: in the second product, operand column t of key group kk stands for key 2 t and column t + 4 for
-// key 2 t + 1, and the value rows are read in that order.
-template <bool SPLIT>
-__device__ __forceinline__ void kf_tf32_parts(float x, unsigned int& big, unsigned int& small) {
-  big = kf_tf32(x);
-  if (SPLIT) small = kf_tf32(x - __uint_as_float(big));
-}
+// their TF32 parts in registers as they are loaded. The probabilities' A fragments come from the
+// scores' C fragments without shuffles: in the second product, operand column t of key group kk stands for key 2 t
+// and column t + 4 for key 2 t + 1, and the value rows are read in that order.
 
 // d += a b in TF32 (one product) or 3xTF32 (the small products first, then the big one)
 template <bool SPLIT>
@@ -322,7 +317,6 @@ __global__ void __launch_bounds__(WARPS * 32) kf_attention_fa2_f32_kernel(const 
     float s[NT][4];
 #pragma unroll
     for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-#pragma unroll
 """ + SCORE_CHUNKS + r"""    for (int kk = 0; kk < DT; ++kk) {
       unsigned int qb[4], qsm[4];
       kf_tf32_parts<SPLIT>(qrow[kk * 8], qb[0], qsm[0]);

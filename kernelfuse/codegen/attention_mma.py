@@ -228,17 +228,32 @@ __device__ __forceinline__ void kf_mma_tf32_1688(float (&d)[4], const unsigned i
 }
 #endif
 
+// An fp32 operand's TF32 parts. TF32 alone: rounded to nearest. 3xTF32 (SPLIT): x itself is the big part (the
+// tensor cores read a TF32 operand's top 19 bits: they truncate it), the remainder under that truncation (exact) the
+// small part, rounded to nearest through its bits (ties away, as cvt.rna). Four integer and fp32 instructions where
+// two cvt.rna took about ten (each is a compare, an add, a mask and a select on sm_90): the split was most of the
+// 3xTF32 kernels' issue slots. A NaN or infinity travels in the big part unchanged.
+template <bool SPLIT>
+__device__ __forceinline__ void kf_tf32_parts(float x, unsigned int& big, unsigned int& small) {
+  if (SPLIT) {
+    big = __float_as_uint(x);
+    const float rest = x - __uint_as_float(big & 0xffffe000u);
+    small = (__float_as_uint(rest) + 0x1000u) & 0xffffe000u;
+  } else {
+    big = kf_tf32(x);
+  }
+}
+
 template <bool SPLIT>
 __device__ __forceinline__ void kf_mma_f32(float (&d)[4], const float (&a)[4], float b0, float b1) {
-  unsigned int big[4], bb0 = kf_tf32(b0), bb1 = kf_tf32(b1);
+  unsigned int big[4], small[4], bb0, bb1, bs0, bs1;
+  kf_tf32_parts<SPLIT>(b0, bb0, bs0);
+  kf_tf32_parts<SPLIT>(b1, bb1, bs1);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) big[i] = kf_tf32(a[i]);
+  for (int i = 0; i < 4; ++i) kf_tf32_parts<SPLIT>(a[i], big[i], small[i]);
   if (SPLIT) {  // the small products first, then the big one: a * b ~ as * bb + ab * bs + ab * bb
-    unsigned int small[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) small[i] = kf_tf32(a[i] - __uint_as_float(big[i]));
     kf_mma_tf32_1688(d, small, bb0, bb1);
-    kf_mma_tf32_1688(d, big, kf_tf32(b0 - __uint_as_float(bb0)), kf_tf32(b1 - __uint_as_float(bb1)));
+    kf_mma_tf32_1688(d, big, bs0, bs1);
   }
   kf_mma_tf32_1688(d, big, bb0, bb1);
 }
@@ -284,7 +299,6 @@ __global__ void __launch_bounds__(128) kf_attention_tf32_kernel(const kf_attn_pa
     float s[NT][4];
 #pragma unroll
     for (int j = 0; j < NT; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-#pragma unroll
 """ + SCORE_CHUNKS + r"""    for (int kk = 0; kk < DT; ++kk) {
       const float* row = qs + (r0 + g) * DP + kk * 8 + t;
       const float a[4] = {row[0], row[8 * DP], row[4], row[8 * DP + 4]};
