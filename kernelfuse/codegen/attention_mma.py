@@ -4,8 +4,10 @@ parameter block, tile loop, masking and online softmax of kernelfuse.codegen.att
 holds them after it (kernelfuse.codegen.cuda)."""
 
 from kernelfuse.codegen.attention_prelude import FRESH_END, FRESH_START, ONLINE_SOFTMAX, SCORE_CHUNK_END, SCORE_CHUNKS
+from kernelfuse.codegen.tensorcore import TF32_SPLIT
 
-MMA_ATTENTION_PRELUDE = r"""// ---- the same on tensor cores, for bf16 (mma.sync m16n8k16, fp32 accumulation) ----
+MMA_ATTENTION_PRELUDE = TF32_SPLIT + r"""
+// ---- the same on tensor cores, for bf16 (mma.sync m16n8k16, fp32 accumulation) ----
 // 4 warps x 16 query rows; scores and the output accumulate in fp32 fragments, probabilities are rounded to bf16
 // for the second product (as flash attention does). Head dims in steps of 8: the scores in k16 steps over zero-padded
 // shared rows (kf_attn_bf16_pitch), the output in D / 8 n8 tiles. Elements are raw bf16 bits (unsigned short). The
@@ -228,20 +230,13 @@ __device__ __forceinline__ void kf_mma_tf32_1688(float (&d)[4], const unsigned i
 }
 #endif
 
-// An fp32 operand's TF32 parts. TF32 alone: rounded to nearest. 3xTF32 (SPLIT): x itself is the big part (the
-// tensor cores read a TF32 operand's top 19 bits: they truncate it), the remainder under that truncation (exact) the
-// small part, rounded to nearest through its bits (ties away, as cvt.rna). Four integer and fp32 instructions where
-// two cvt.rna took about ten (each is a compare, an add, a mask and a select on sm_90): the split was most of the
-// 3xTF32 kernels' issue slots. A NaN or infinity travels in the big part unchanged.
+// An fp32 operand's TF32 parts: TF32 alone, rounded to nearest; 3xTF32 (SPLIT), kf_tf32_split's big and small parts
 template <bool SPLIT>
 __device__ __forceinline__ void kf_tf32_parts(float x, unsigned int& big, unsigned int& small) {
-  if (SPLIT) {
-    big = __float_as_uint(x);
-    const float rest = x - __uint_as_float(big & 0xffffe000u);
-    small = (__float_as_uint(rest) + 0x1000u) & 0xffffe000u;
-  } else {
+  if (SPLIT)
+    kf_tf32_split(x, big, small);
+  else
     big = kf_tf32(x);
-  }
 }
 
 template <bool SPLIT>

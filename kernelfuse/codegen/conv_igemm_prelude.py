@@ -5,7 +5,7 @@ IGEMM_PRELUDE = r"""
 // Implicit-GEMM convolutions (kernelfuse.codegen.conv_igemm), on codegen.tensorcore's helpers.
 // One k8 step of a warp's MF x NF tiles of m16n8 (rows wm.., columns wn..), operands from shared memory stored
 // k-major (A[k][m], B[k][n]) as fp32 and rounded to TF32 as they enter the tensor cores. SPLIT (where eager's
-// convolution computes in full fp32): each operand is its TF32 part plus the TF32 rounding of the rest, and three
+// convolution computes in full fp32): each operand as kf_tf32_split's big and small TF32 parts, and three
 // products (small x big, big x small, big x big) give fp32 accuracy (3xTF32). In the CPU emulation each lane
 // computes the same accumulator elements with scalar FMAs on the same TF32 parts, in the same three passes, so
 // tiling and epilogue are the ones the GPU runs.
@@ -19,17 +19,21 @@ __device__ __forceinline__ void kf_igemm_k8(float (&acc)[MF][NF][4], const float
   for (int i = 0; i < MF; ++i)
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const float v = A[(t + (r >> 1) * 4) * lda + wm + i * 16 + g + (r & 1) * 8], hi = kf_round_tf32(v);
-      a[i][r] = __float_as_uint(hi);
-      if constexpr (SPLIT) a_lo[i][r] = __float_as_uint(kf_round_tf32(v - hi));
+      const float v = A[(t + (r >> 1) * 4) * lda + wm + i * 16 + g + (r & 1) * 8];
+      if constexpr (SPLIT)
+        kf_tf32_split(v, a[i][r], a_lo[i][r]);
+      else
+        a[i][r] = __float_as_uint(kf_round_tf32(v));
     }
 #pragma unroll
   for (int j = 0; j < NF; ++j)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float v = B[(t + r * 4) * ldb + wn + j * 8 + g], hi = kf_round_tf32(v);
-      b[j][r] = __float_as_uint(hi);
-      if constexpr (SPLIT) b_lo[j][r] = __float_as_uint(kf_round_tf32(v - hi));
+      const float v = B[(t + r * 4) * ldb + wn + j * 8 + g];
+      if constexpr (SPLIT)
+        kf_tf32_split(v, b[j][r], b_lo[j][r]);
+      else
+        b[j][r] = __float_as_uint(kf_round_tf32(v));
     }
 #pragma unroll
   for (int i = 0; i < MF; ++i)
@@ -52,9 +56,12 @@ __device__ __forceinline__ void kf_igemm_k8(float (&acc)[MF][NF][4], const float
         float s = acc[i][j][e];
         for (int pass = SPLIT ? 0 : 2; pass < 3; ++pass)
           for (int k = 0; k < 8; ++k) {
-            const float x = A[k * lda + m], y = B[k * ldb + n], hx = kf_round_tf32(x), hy = kf_round_tf32(y);
-            const float u = pass == 0 ? kf_round_tf32(x - hx) : hx, w = pass == 1 ? kf_round_tf32(y - hy) : hy;
-            s = fmaf(u, w, s);
+            float hx = kf_round_tf32(A[k * lda + m]), hy = kf_round_tf32(B[k * ldb + n]), lx = 0.0f, ly = 0.0f;
+            if (SPLIT) {
+              kf_tf32_split_values(A[k * lda + m], hx, lx);
+              kf_tf32_split_values(B[k * ldb + n], hy, ly);
+            }
+            s = fmaf(pass == 0 ? lx : hx, pass == 1 ? ly : hy, s);
           }
         acc[i][j][e] = s;
       }

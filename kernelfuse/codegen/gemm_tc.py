@@ -2,8 +2,9 @@
 
 out[M][N] = x[M][K] w[N][K]ᵀ (+ bias[N]), then the anchor's epilogue (`kN_apply`) on each element before the one
 store. Both operands are K-contiguous: `x` row-major and `w` a Linear's weight, which the graph reads as the view
-`w.t()` (a weight stored K x N is read through a K-contiguous copy: kernelfuse.plan.gemm.k_contiguous_weights). Each operand is split into its TF32 rounding and the TF32 rounding of the rest, and three products (small x
-big, big x small, big x big) keep fp32 accuracy. The tensor cores' own fp32 accumulation rounds toward zero, an error
+`w.t()` (a weight stored K x N is read through a K-contiguous copy: kernelfuse.plan.gemm.k_contiguous_weights).
+Each operand is split into a big and a small TF32 part (`kf_tf32_split`, kernelfuse.codegen.tensorcore), and three
+products (small x big, big x small, big x big) keep fp32 accuracy. The tensor cores' own fp32 accumulation rounds toward zero, an error
 that grows with K (3.4e-4 against float64 at K = 8192, cuBLAS's SGEMM 2e-5): so each K tile's products go into a
 fresh tensor-core accumulator, added to the running sum in registers with round-to-nearest (4e-6 there).
 
@@ -125,10 +126,8 @@ __device__ __forceinline__ void kf_gemm_3xtf32(const float* __restrict__ A, cons
 #pragma unroll
         for (int j = 0; j < NF; ++j) {
           const float b0 = s ? bv[j].z : bv[j].x, b1 = s ? bv[j].w : bv[j].y;
-          bh[j][0] = __float_as_uint(kf_round_tf32(b0));
-          bh[j][1] = __float_as_uint(kf_round_tf32(b1));
-          bl[j][0] = __float_as_uint(kf_round_tf32(b0 - __uint_as_float(bh[j][0])));
-          bl[j][1] = __float_as_uint(kf_round_tf32(b1 - __uint_as_float(bh[j][1])));
+          kf_tf32_split(b0, bh[j][0], bl[j][0]);
+          kf_tf32_split(b1, bh[j][1], bl[j][1]);
         }
 #pragma unroll
         for (int i = 0; i < MF; ++i) {
@@ -136,10 +135,7 @@ __device__ __forceinline__ void kf_gemm_3xtf32(const float* __restrict__ A, cons
                                s ? hi[i].w : hi[i].y};
           unsigned int ah[4], al[4];
 #pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            ah[r] = __float_as_uint(kf_round_tf32(av[r]));
-            al[r] = __float_as_uint(kf_round_tf32(av[r] - __uint_as_float(ah[r])));
-          }
+          for (int r = 0; r < 4; ++r) kf_tf32_split(av[r], ah[r], al[r]);
 #pragma unroll
           for (int j = 0; j < NF; ++j) {
             kf_mma_tf32(part[i][j], al, bh[j]);
@@ -159,8 +155,10 @@ __device__ __forceinline__ void kf_gemm_3xtf32(const float* __restrict__ A, cons
             float v = part[i][j][e];
             for (int pass = 0; pass < 3; ++pass)
               for (int k = 0; k < 16; ++k) {
-                const float ha = kf_round_tf32(a[k]), hb = kf_round_tf32(b[k]);
-                v = fmaf(pass == 0 ? kf_round_tf32(a[k] - ha) : ha, pass == 1 ? kf_round_tf32(b[k] - hb) : hb, v);
+                float ha, la, hb, lb;
+                kf_tf32_split_values(a[k], ha, la);
+                kf_tf32_split_values(b[k], hb, lb);
+                v = fmaf(pass == 0 ? la : ha, pass == 1 ? lb : hb, v);
               }
             part[i][j][e] = v;
           }
