@@ -103,6 +103,28 @@ def test_the_gemm_twins_include_one_with_3xtf32_attention():
     assert sum(s.anchor.family == "matmul" and s.anchor.epilogue_inside for s in both.fused) == 2
 
 
+class ConvThenLinear(torch.nn.Module):
+    """ConvNeXt's pattern in small: convolutions, then a Linear over the channels of the NHWC map (a permute)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Conv2d(8, 16, 3, padding=1), torch.nn.Conv2d(16, 16, 3, padding=1)
+        self.fc = torch.nn.Linear(16, 32)
+
+    def forward(self, x):
+        y = self.b(torch.relu(self.a(x))).permute(0, 2, 3, 1)
+        return torch.nn.functional.gelu(self.fc(y)).permute(0, 3, 1, 2)
+
+
+def test_the_channels_last_plan_gets_a_gemm_twin():
+    graph = capture_module(ConvThenLinear().eval(), [torch.randn(2, 8, 12, 12)])
+    plans = {p.variant: p for p in optimizer_variants(graph)}
+    assert "fused-cl" in plans and "fused-cl-tcgemm" in plans
+    twin = plans["fused-cl-tcgemm"]
+    assert twin.options.channels_last_graph
+    assert [s.anchor.impl for s in twin.fused if s.anchor.family == "matmul"] == ["generated"]
+
+
 @pytest.mark.parametrize("loop", ["mma.sync", "wgmma"])
 def test_gemm_kernels_on_the_cpu_match_float64(model_and_graph, tmp_path, loop):
     """Both main loops in the emulation; the wgmma one (kernelfuse.codegen.gemm_wgmma) with kf_wg's emulated

@@ -144,18 +144,20 @@ def optimizer_variants(graph: Graph, precision: str = "strict", max_fusions: int
 
 
 def gemm_variants(library: list[Plan], precision: str) -> list[Plan]:
-    """The first library plan, the first with torch's SDPA for its attention (its `-sdpa` twin) and the first with
-    hand-written attention on 3xTF32 tensor cores (`-3xtf32`), each with its fp32 matrix products run by
-    kernelfuse's 3xTF32 GEMM, epilogue inside. Strict policy only: under tf32 cuBLAS's TF32 kernels are faster than
-    any 3xTF32 one. None where no product qualifies (gemm_refusal). The judge decides whether they beat cuBLAS's
-    SGEMM on these shapes (level-3 44 at stop 54: our GEMM made 1.42x compile, our 3xTF32 attention 1.07x more,
-    and no variant held both)."""
+    """The first library plan, the first with torch's SDPA for its attention (its `-sdpa` twin), the first with
+    hand-written attention on 3xTF32 tensor cores (`-3xtf32`) and the channels-last graph's plan (`fused-cl`), each
+    with its fp32 matrix products run by kernelfuse's 3xTF32 GEMM, epilogue inside. Strict policy only: under tf32
+    cuBLAS's TF32 kernels are faster than any 3xTF32 one. None where no product qualifies (gemm_refusal). The judge
+    decides whether they beat cuBLAS's SGEMM on these shapes (level-3 44 at stop 54: our GEMM made 1.42x compile,
+    our 3xTF32 attention 1.07x more, and until then no variant held both)."""
     if precision != "strict":
         return []
-    bases = [p for p in library if isinstance(p.options, PlanOptions) and not p.options.channels_last_graph]
+    ours = [p for p in library if isinstance(p.options, PlanOptions)]
+    bases = [p for p in ours if not p.options.channels_last_graph]
     twins = [[p for p in bases[1:] if p.options.attention == kind][:1] for kind in ("library", "split")]
+    channels_last = [p for p in ours if p.options.channels_last_graph][:1]  # ConvNeXt's Linears on NHWC maps
     found = []
-    for base in bases[:1] + twins[0] + twins[1]:
+    for base in bases[:1] + twins[0] + twins[1] + channels_last:
         plan = make_plan(base.source or base.graph, replace(base.options, gemm_impl="generated"))
         if any(s.anchor.family == "matmul" and s.anchor.epilogue_inside for s in plan.fused):
             found.append(plan)
