@@ -167,6 +167,24 @@ def test_untraceable_forward_exit_code_3(tmp_path):
     assert not out.exists()
 
 
+DATA_SIZED = """
+def __init__(self):
+    super().__init__()
+    self.lin = nn.Linear(16, 16)
+
+def forward(self, x):
+    y = self.lin(x)
+    return y[y > 0]  # as many elements as are positive
+"""
+
+
+def test_value_sized_output_says_why(tmp_path):
+    path = write_problem(tmp_path, "data_sized", DATA_SIZED, "[torch.rand(4, 16)]")
+    with pytest.raises(CaptureError, match=r"an output's size depends on the input's values at line 13") as info:
+        capture(load_problem(path))
+    assert "fixed shapes" in str(info.value) and info.value.exit_code == 3
+
+
 def test_constructor_error_during_capture_is_a_problem_error(tmp_path):
     path = write_problem(tmp_path, "ctor", """
         def __init__(self):

@@ -34,6 +34,8 @@ CONSTANT_LIMIT = 1024
 
 # Calls that mean "the forward branches on a tensor's value": make_fx cannot record one graph for them.
 DATA_DEPENDENT = ("_local_scalar_dense", "data-dependent", "Data dependent", "DataDependentOutputException")
+# ...and ops whose output size depends on the values (nonzero, masked_select, unique, boolean-mask indexing)
+DATA_SIZED = ("DynamicOutputShapeException",)
 # Recurrent ops recorded as one node each: their CPU decomposition unrolls every time step and layer (a 6-layer
 # GRU over 512 steps is 64 000 nodes and minutes of tracing), while on the GPU each is a single cuDNN call.
 WHOLE_OPS = ("gru", "lstm", "rnn_tanh", "rnn_relu")
@@ -317,6 +319,11 @@ def _capture_error(err: Exception, what: str) -> CaptureError:
     if any(k in f"{type(err).__name__} {err}" for k in DATA_DEPENDENT):
         return CaptureError(f"{what}: forward branches on a tensor's value{line}: kernelfuse traces one graph "
                             "for all inputs (compute both branches with torch.where, or move the test out of forward)")
+    if any(k in type(err).__name__ for k in DATA_SIZED):
+        return CaptureError(f"{what}: an output's size depends on the input's values{line} ({text}: nonzero, "
+                            "boolean-mask indexing, a mixture-of-experts router's token choice): kernelfuse traces "
+                            "fixed shapes (use fixed-size ops such as torch.where, or optimize the model's dense "
+                            "submodules)")
     return CaptureError(f"{what}: could not trace forward to ATen ops{line}: {type(err).__name__}: {text}")
 
 
