@@ -99,6 +99,8 @@ CASES = {
                                            randn(3, 5, 70)], "sdpa"),
     "sdpa_gqa_d128": (sdpa_fn(enable_gqa=True), [randn(1, 4, 66, 128), randn(1, 2, 66, 128),
                                                randn(1, 2, 66, 128)], "sdpa"),
+    "sdpa_mqa_broadcast_d64": (sdpa_fn(is_causal=True), [randn(2, 4, 45, 64), randn(2, 1, 45, 64),
+                                                       randn(2, 1, 45, 64)], "sdpa"),  # one k/v head broadcast
     "sdpa_strided_k_d32": (sdpa_fn(), [randn(1, 2, 33, 32), randn(1, 2, 32, 33).transpose(-2, -1),
                                      randn(1, 2, 33, 32)], "sdpa"),  # k not contiguous along d: no 16-byte loads
     "sdpa_d256": (sdpa_fn(is_causal=True), [randn(1, 1, 35, 256), randn(1, 1, 35, 256), randn(1, 1, 35, 256)],

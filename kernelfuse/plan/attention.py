@@ -91,8 +91,9 @@ def _from_sdpa(graph: Graph, node: Node, kernel: str, read_repeats: bool = True)
         return "key/value shapes do not match the query's (head dims must be equal)"
     batch, heads = (1, q.shape[0]) if len(q.shape) == 3 else q.shape[:2]
     kv_heads = k.shape[0] if len(q.shape) == 3 else k.shape[1]
+    # one key/value head broadcasts over the query's (multi-query attention: Falcon), as grouped-query heads do
     if (len(q.shape) == 4 and k.shape[0] != batch) or heads % kv_heads or \
-            (kv_heads != heads and not args.get("enable_gqa", False)):
+            (kv_heads not in (heads, 1) and not args.get("enable_gqa", False)):
         return "key/value batch or heads do not match the query's"
     mask_ref = args.get("attn_mask")
     mask, kind = None, "none"
