@@ -41,6 +41,8 @@ def handwritten(mask: str, heads: int):
         q, k, v = m.proj(x).split(c, dim=2)
         q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in (q, k, v))
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))
+        if mask == "softcap":  # Gemma 2's soft cap (cap 2: 1 / cap exact in fp32, as the float64 proof needs; the
+            att = torch.tanh(att / 2.0) * 2.0 + m.tril[:, :, :t, :t]  # tanh bends these scores), an additive mask
         if mask in ("causal", "relu"):
             att = att.masked_fill(m.tril[:, :, :t, :t] == 0, float("-inf"))
         elif mask == "add":
@@ -72,6 +74,20 @@ def repeat_kv(m, q, k, v):
     rep = q.shape[1] // hk
     k, v = (t[:, :, None, :, :].expand(b, hk, rep, length, d).reshape(b, hk * rep, length, d) for t in (k, v))
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def eager_gqa(softcap: bool):
+    """transformers' eager attention (Llama, Gemma 2): keys and values repeated per query head (repeat_kv),
+    `q @ kᵀ` scaled, Gemma 2's soft cap if asked, an additive mask, softmax, `@ v`."""
+    def fn(m, q, k, v, mask):
+        b, hk, length, d = k.shape
+        rep = q.shape[1] // hk
+        k, v = (t[:, :, None, :, :].expand(b, hk, rep, length, d).reshape(b, hk * rep, length, d) for t in (k, v))
+        att = torch.matmul(q, k.transpose(2, 3)) * d**-0.5
+        if softcap:
+            att = torch.tanh(att / 2.0) * 2.0
+        return torch.matmul(torch.softmax(att + mask, dim=-1), v)
+    return fn
 
 
 def randn(*shape: int) -> torch.Tensor:
@@ -111,6 +127,11 @@ CASES = {
     "sdpakv_cache_d64": (kv_cache, [randn(1, 2, 67, 64), randn(1, 67, 2, 64), randn(1, 67, 2, 64)], "sdpa"),
     "handwritten_causal_d96": (handwritten("causal", 2), [randn(2, 70, 192)], "hand-written"),
     "handwritten_add_d32": (handwritten("add", 3), [randn(1, 37, 96)], "hand-written"),
+    "handwritten_gqa_d32": (eager_gqa(False), [randn(2, 6, 21, 32), randn(2, 2, 21, 32), randn(2, 2, 21, 32),
+                                              randn(2, 1, 21, 21)], "hand-written"),
+    "handwritten_gqa_softcap_d64": (eager_gqa(True), [randn(1, 4, 40, 64), randn(1, 1, 40, 64),
+                                                      randn(1, 1, 40, 64), randn(1, 1, 40, 40)], "hand-written"),
+    "handwritten_softcap_d32": (handwritten("softcap", 3), [randn(2, 37, 96)], "hand-written"),
     "handwritten_relu_d64": (handwritten("relu", 2), [randn(2, 67, 128)], "hand-written"),
     "bmm_bool_mask": (bmm3d, [randn(4, 9, 16), randn(4, 20, 16), randn(4, 20, 16), bool_mask(4, 9, 20)],
                       "hand-written"),

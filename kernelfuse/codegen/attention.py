@@ -144,6 +144,7 @@ def render_attention(plan: Plan, step: AttnStep) -> tuple[str, Binding]:
     mask = "mask" if step.mask else "nullptr"
     windows = "windows, {" + ", ".join(str(x) for x in strides["windows"]) + f"}}, {step.window_count}" \
         if step.windows else "nullptr, {0, 0, 0, 0}, 0"
+    softcap = ", ".join(float_literal(x) for x in step.softcap) if step.softcap else "0.0f, 0.0f"
     flags = f"{str(step.causal).lower()}, {str(step.empty_nan).lower()}, {str(step.activation == 'relu').lower()}"
     kind = MASK_KINDS[step.mask_kind]
     if tensor_cores and step.out_meta.dtype == torch.float32:
@@ -156,7 +157,7 @@ def render_attention(plan: Plan, step: AttnStep) -> tuple[str, Binding]:
     source = f"""// {step.kernel}: {step.chain(plan.graph)}  (B={b} H={h} KV heads={hk} S={s} L={length} D={d})
 KF_EXPORT cudaError_t {step.kernel}_launch({args}void* out, cudaStream_t stream) {{
   const kf_attn_params p = {{q, k, v, {mask}, out, {h}, {h // hk}, {s}, {length}, {arrays},
-                            {float_literal(step.scale)}, {windows}}};
+                            {float_literal(step.scale)}, {windows}, {softcap}}};
   return {launch}(p, {b}, stream);
 }}
 """

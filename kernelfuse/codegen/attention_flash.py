@@ -210,7 +210,8 @@ __global__ void __launch_bounds__(WARPS * 32, BLOCKS)
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] *= scale;
+      for (int e = 0; e < 4; ++e)
+        s[j][e] = p.cap_out != 0.0f ? kf_attn_softcap(p, s[j][e] * p.scale) * (RELU ? 1.0f : LOG2E) : s[j][e] * scale;
     // per element only where needed: a mask, keys past L, the causal diagonal across the warp's rows
     if (MASK != 0 || k0 + BK > p.L || (CAUSAL && k0 + BK - 1 > rt))
 #pragma unroll
@@ -339,7 +340,7 @@ __global__ void __launch_bounds__(WARPS * 32) kf_attention_fa2_f32_kernel(const 
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        float x = s[j][e] * p.scale;
+        float x = kf_attn_softcap(p, s[j][e] * p.scale);
         if (edge) {
           const int row = rt + g + (e >> 1) * 8, col = k0 + j * 8 + 2 * t + (e & 1);
           bool ok = col < p.L && (!CAUSAL || col <= row);  // rows past S are never written

@@ -172,7 +172,7 @@ __global__ void __launch_bounds__(128) kf_attention_tc_kernel(const kf_attn_para
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int row = q0 + r0 + g + (e >> 1) * 8, col = k0 + j * 8 + 2 * t + (e & 1);
-        float x = s[j][e] * p.scale;
+        float x = kf_attn_softcap(p, s[j][e] * p.scale);
         if constexpr (MASK == 3)
           if (row < p.S && col < p.L) x += kf_attn_additive(p, mask, b, h, row, col);
         s[j][e] = (valid >> (j * 4 + e) & 1u) ? x : -INFINITY;
@@ -309,7 +309,7 @@ __global__ void __launch_bounds__(128) kf_attention_tf32_kernel(const kf_attn_pa
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int row = q0 + r0 + g + (e >> 1) * 8, col = k0 + j * 8 + 2 * t + (e & 1);
-        float x = s[j][e] * p.scale;
+        float x = kf_attn_softcap(p, s[j][e] * p.scale);
         if constexpr (MASK == 3)
           if (row < p.S && col < p.L) x += kf_attn_additive(p, mask, b, h, row, col);
         s[j][e] = (valid >> (j * 4 + e) & 1u) ? x : -INFINITY;

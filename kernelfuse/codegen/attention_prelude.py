@@ -84,7 +84,13 @@ struct kf_attn_params {
   // a second additive mask (MASK 3 only), periodic over the batch: batch b adds window b % windows (0: none), its
   // strides over (window, head, row, col)
   const void* wmask; long long sw[4]; int windows;
+  float cap_in, cap_out;  // Gemma 2's soft cap of the scaled scores (cap_out 0: none)
 };
+
+// A scaled score through the soft cap, as eager computes it: x * (1 / cap), tanh, * cap
+__device__ __forceinline__ float kf_attn_softcap(const kf_attn_params& p, float x) {
+  return p.cap_out != 0.0f ? tanhf(x * p.cap_in) * p.cap_out : x;
+}
 
 // An additive mask's element as a float: fp32, fp16, bf16 (raw bits in the tensor-core kernels: unsigned short)
 __device__ __forceinline__ float kf_attn_mask_value(float x) { return x; }
@@ -223,7 +229,7 @@ __global__ void __launch_bounds__(128) kf_attention_kernel(const kf_attn_params 
       float mx = -INFINITY;
 #pragma unroll
       for (int c = 0; c < CK; ++c) {
-        float x = s[r][c] * p.scale;
+        float x = kf_attn_softcap(p, s[r][c] * p.scale);
         if constexpr (MASK == 3)
           if (row < p.S && k0 + c0 + c < p.L) x += kf_attn_additive(p, mask, b, h, row, k0 + c0 + c);
         s[r][c] = (valid >> (r * CK + c) & 1u) ? x : -INFINITY;

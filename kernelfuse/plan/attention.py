@@ -25,7 +25,7 @@ from dataclasses import replace
 import torch
 
 from kernelfuse.capture import Graph, Node, Ref, schema_args
-from kernelfuse.plan.attention_inputs import FLAT_RESHAPES, past_copies, private, repeated_heads
+from kernelfuse.plan.attention_inputs import FLAT_RESHAPES, past_copies, private, repeated_heads, repeated_source
 from kernelfuse.plan.attention_views import mask_view, strides_of, window_view
 from kernelfuse.plan.ir import AttnInput, AttnStep
 from kernelfuse.plan.schedule import FLOAT_DTYPES
@@ -64,10 +64,10 @@ def attention_steps(graph: Graph, first_kernel: int, library: bool = False, tf32
             continue
         if found.out_meta.dtype == torch.float32:
             found = replace(found, math="tf32" if tf32 else "3xtf32" if found.origin == "sdpa" or split else "fma")
-        # torch's SDPA takes no mask of another dtype than q's (autocast's fp32 mask beside bf16 scores) and no
-        # window mask: such a step keeps the kernel in the library variant too
-        as_call = library and found.activation == "softmax" and found.windows is None and \
-            (found.mask is None or found.mask.meta.dtype in (torch.bool, found.out_meta.dtype))
+        # torch's SDPA takes no mask of another dtype than q's (autocast's fp32 mask beside bf16 scores), no
+        # window mask and no soft cap: such a step keeps the kernel in the library variant too
+        as_call = library and found.activation == "softmax" and found.windows is None and found.softcap is None \
+            and (found.mask is None or found.mask.meta.dtype in (torch.bool, found.out_meta.dtype))
         steps.append(replace(found, impl="library") if as_call else found)
         taken.update(found.replaces)
     return steps, reasons
@@ -157,6 +157,9 @@ def _from_handwritten(graph: Graph, pv: Node, kernel: str) -> AttnStep | str:
             return "additive mask of another dtype"
         mask, kind = AttnInput(Ref(other.name), other.meta), "add"
         x = _widened(graph, x, chain)
+    softcap = _softcap(graph, x, chain)
+    if softcap is not None:
+        x = _widened(graph, graph[graph[graph[x.args[0]].args[0]].args[0]], chain)
     scale = 1.0
     if x.op == "mul.Tensor" and _scalar(x.args[1]) is not None and private(graph, x, chain):
         scale = _scalar(x.args[1])  # type: ignore[assignment]
@@ -170,9 +173,17 @@ def _from_handwritten(graph: Graph, pv: Node, kernel: str) -> AttnStep | str:
     bh, s, d = graph[qk.args[0]].meta.shape
     length = graph[qk.args[1]].meta.shape[2]
     expect = [(s, d), (d, length), (length, d)]
-    for src, rows_cols in zip(sources, expect, strict=True):
+    rep = 1  # keys and values repeated per query head (transformers' repeat_kv): read as grouped-query heads
+    repeats = [_repeated_key(graph, sources[1], chain), repeated_source(graph, sources[2], chain)]
+    if repeats[0] is not None and repeats[1] is not None and repeats[0][1] == repeats[1][1]:
+        rep = repeats[0][1]
+        sources[1:] = [found[0] for found in repeats]
+        expect[1] = (length, d)  # the key before its transpose
+        for found in repeats:
+            chain.update(found[2])
+    for i, (src, rows_cols) in enumerate(zip(sources, expect, strict=True)):
         shape = src.meta.shape if src.meta is not None else ()
-        if len(shape) not in (3, 4) or shape[-2:] != rows_cols or math.prod(shape[:-2]) != bh:
+        if len(shape) not in (3, 4) or shape[-2:] != rows_cols or math.prod(shape[:-2]) * (rep if i else 1) != bh:
             return "q, k or v is not a (batch, heads, rows, cols) tensor"
     dtype = pv.meta.dtype  # the kernel's: q, k, v and the output; the scores may be wider (autocast's fp32)
     if any(src.meta.dtype != dtype for src in sources) or dtype not in FLOAT_DTYPES or \
@@ -180,7 +191,8 @@ def _from_handwritten(graph: Graph, pv: Node, kernel: str) -> AttnStep | str:
         return "dtypes differ"
     batch, heads = scores_shape[:2] if len(scores_shape) == 4 else next(
         (tuple(src.meta.shape[:2]) for src in sources if len(src.meta.shape) == 4), (1, bh))
-    if any(len(src.meta.shape) == 4 and tuple(src.meta.shape[:2]) != (batch, heads) for src in sources):
+    if any(len(src.meta.shape) == 4 and tuple(src.meta.shape[:2]) != (batch, heads // (rep if i else 1))
+           for i, src in enumerate(sources)):
         return "q, k and v split batch and heads differently"
     if mask is not None and len(scores_shape) == 3 and len(mask.meta.shape) == 3 and mask.meta.shape[0] > 1 \
             and batch > 1:
@@ -191,15 +203,17 @@ def _from_handwritten(graph: Graph, pv: Node, kernel: str) -> AttnStep | str:
         if kind != "add" or wmask.meta.dtype != mask.meta.dtype or len(scores_shape) != 4 or batch % window_count:
             return "window mask without an additive mask of its dtype over (batch, heads, S, L) scores"
         window = AttnInput(Ref(wmask.name), wmask.meta)
-    inputs = [AttnInput(Ref(src.name), src.meta, swap=i == 1) for i, src in enumerate(sources)]
+    inputs = [AttnInput(Ref(src.name), src.meta, swap=i == 1 and rep == 1) for i, src in enumerate(sources)]
     out = pv
     after = _only_reader(graph, pv)
     if after is not None and after.op in FLAT_RESHAPES and after.meta.shape == (batch, heads, s, d):
         chain.add(after.name)
         out = after
-    step = _step(graph, kernel, inputs, mask, kind, False, scale, True, (batch, heads, heads, s, length, d), out,
+    step = _step(graph, kernel, inputs, mask, kind, False, scale, True, (batch, heads, heads // rep, s, length, d), out,
                  tuple(n.name for n in graph.nodes if n.name in chain), "hand-written",
                  "relu" if probs.op == "relu.default" else "softmax")
+    if softcap is not None and not isinstance(step, str):
+        step = replace(step, softcap=softcap)
     if window is None or isinstance(step, str):
         return step
     try:
@@ -340,6 +354,33 @@ def _widened(graph: Graph, node: Node, chain: set[str]) -> Node:
     if inner.meta is None or inner.meta.dtype not in (torch.bfloat16, torch.float16):
         return node
     return _cast_from(graph, node, chain, inner.meta.dtype, torch.float32) or node
+
+
+def _repeated_key(graph: Graph, node: Node, chain: set[str]) -> tuple[Node, int, tuple[str, ...]] | None:
+    """A key repeated per query head, then transposed for `q @ kᵀ` (Llama's eager attention: `repeat_kv(k)
+    .transpose(2, 3)`): `repeated_source` of what the transpose reads, the transpose and its copies added."""
+    if node.op != "transpose.int" or sorted(a % 4 for a in node.args[1:]) != [2, 3] or len(node.meta.shape) != 4 \
+            or not private(graph, node, chain):
+        return None
+    inside = chain | {node.name}
+    found = repeated_source(graph, _peel(graph, node.args[0], inside), inside)
+    return None if found is None else (found[0], found[1], (*found[2], *(inside - chain)))
+
+
+def _softcap(graph: Graph, x: Node, chain: set[str]) -> tuple[float, float] | None:
+    """Gemma 2's soft cap, `x * (1 / cap)` (a division by a number becomes that product), tanh, `* cap`, each op
+    private to the attention: its two multipliers, or None. Adds the three ops to `chain`."""
+    if x.op != "mul.Tensor" or _scalar(x.args[1]) is None or not private(graph, x, chain):
+        return None
+    tanh = graph[x.args[0]]
+    if tanh.op != "tanh.default" or not private(graph, tanh, chain | {x.name}):
+        return None
+    inner = graph[tanh.args[0]]
+    if inner.op != "mul.Tensor" or _scalar(inner.args[1]) is None or \
+            not private(graph, inner, chain | {x.name, tanh.name}):
+        return None
+    chain.update((x.name, tanh.name, inner.name))
+    return _scalar(inner.args[1]), _scalar(x.args[1])  # type: ignore[return-value]
 
 
 def _only_reader(graph: Graph, node: Node) -> Node | None:

@@ -45,30 +45,41 @@ def repeated_heads(graph: Graph, ref: Ref, chain: set[str]) -> tuple[Ref, int, t
     the input is no such repeat, or the graph mutates a value in place (`mutates`)."""
     view = graph[ref]
     if view.op not in FLAT_RESHAPES or not isinstance(view.args[0], Ref) or view.meta is None \
-            or len(view.meta.shape) != 4 or mutates(graph):
+            or len(view.meta.shape) != 4:
         return None
     clone = graph[view.args[0]]
     if clone.op != "clone.default" or not isinstance(clone.args[0], Ref):
         return None
-    expand = graph[clone.args[0]]
-    if expand.op != "expand.default" or not isinstance(expand.args[0], Ref) or expand.meta is None:
+    inside = chain | {view.name, clone.name}
+    found = repeated_source(graph, graph[clone.args[0]], inside)
+    if found is None or not private(graph, view, inside) or not private(graph, clone, inside):
         return None
-    unsqueeze = graph[expand.args[0]]
-    if unsqueeze.op != "unsqueeze.default" or not isinstance(unsqueeze.args[0], Ref) \
-            or unsqueeze.args[1] not in (2, -3):
+    source, rep, nodes = found
+    b, hk, length, d = source.meta.shape
+    if tuple(view.meta.shape) != (b, hk * rep, length, d):
         return None
-    source = graph[unsqueeze.args[0]].meta
-    if source is None or len(source.shape) != 4:
+    return Ref(source.name), rep, (view.name, clone.name, *nodes)
+
+
+def repeated_source(graph: Graph, node: Node, chain: set[str]) -> tuple[Node, int, tuple[str, ...]] | None:
+    """The hand-written form's view of repeat_kv, its reshape and copy already walked past: the broadcasting
+    `expand(b, hk, rep, L, D)` of `x[:, :, None]`. (x, rep, the expand and the unsqueeze), or None (also where
+    the graph mutates a value in place)."""
+    if node.op != "expand.default" or node.meta is None or len(node.meta.shape) != 5 or mutates(graph):
         return None
-    b, hk, length, d = source.shape
-    rep = expand.meta.shape[2]
-    if tuple(expand.meta.shape) != (b, hk, rep, length, d) or tuple(view.meta.shape) != (b, hk * rep, length, d):
+    unsqueeze = graph[node.args[0]]
+    if unsqueeze.op != "unsqueeze.default" or unsqueeze.args[1] not in (2, -3) \
+            or not isinstance(unsqueeze.args[0], Ref):
         return None
-    nodes = (view.name, clone.name, expand.name, unsqueeze.name)
-    inside = chain | set(nodes)
-    if any(not private(graph, graph[n], inside) for n in nodes):
+    source = graph[unsqueeze.args[0]]
+    if source.meta is None or len(source.meta.shape) != 4:
         return None
-    return unsqueeze.args[0], rep, nodes
+    b, hk, length, d = source.meta.shape
+    rep = node.meta.shape[2]
+    if tuple(node.meta.shape) != (b, hk, rep, length, d) or not private(graph, node, chain) \
+            or not private(graph, unsqueeze, chain | {node.name}):
+        return None
+    return source, rep, (node.name, unsqueeze.name)
 
 
 def private(graph: Graph, node: Node, chain: set[str]) -> bool:

@@ -51,6 +51,8 @@ def attention_reference(step: AttnStep, q: torch.Tensor, k: torch.Tensor, v: tor
     kf = logical_view(k, step.k, b).double().repeat_interleave(h // hk, dim=1)
     vf = logical_view(v, step.v, b).double().repeat_interleave(h // hk, dim=1)
     scores = (qf @ kf.transpose(-2, -1)) * step.scale
+    if step.softcap is not None:
+        scores = torch.tanh(scores * step.softcap[0]) * step.softcap[1]
     if step.causal:
         scores = scores.masked_fill(torch.ones(s, length, dtype=torch.bool, device=q.device).triu(1), -math.inf)
     if mask is not None:

@@ -264,6 +264,9 @@ class AttnStep:
     # additive `mask` of its dtype only
     windows: AttnInput | None = None
     window_count: int = 0
+    # Gemma 2's soft cap of the scaled scores, cap * tanh(x / cap), as eager computes it: x times the float 1 / cap,
+    # tanh, times cap; (the multiplier inside, the one outside), or None
+    softcap: tuple[float, float] | None = None
 
     @property
     def family(self) -> str:
@@ -271,7 +274,7 @@ class AttnStep:
 
     def chain(self, graph: Graph) -> str:
         ops = [graph[n].op.split(".")[0] for n in self.replaces]
-        kept = [o for o in ops if o in ("scaled_dot_product_attention", "bmm", "mul", "masked_fill", "add",
+        kept = [o for o in ops if o in ("scaled_dot_product_attention", "bmm", "mul", "tanh", "masked_fill", "add",
                                         "_softmax", "relu")]
         return " -> ".join(kept)
 
@@ -362,6 +365,7 @@ class Plan:
             extra = (", causal" if a.causal else "") + (f", {a.mask_kind} mask" if a.mask is not None else "") + \
                 (f", {a.window_count}-window mask" if a.windows is not None else "") + \
                 (", grouped-query" if a.dims[2] != a.dims[1] else "") + (", relu" if a.activation == "relu" else "") + \
+                (f", soft cap {a.softcap[1]:g}" if a.softcap else "") + \
                 (f", {a.math}" if a.math != "fma" and a.impl == "kernel" else "")
             how = "flash-attention kernel" if a.impl == "kernel" else "torch SDPA call"
             lines.append(f"  attention {a.kernel}: {a.chain(self.graph)}  ({how}, {a.origin}, head dim {a.dims[5]}"
