@@ -96,8 +96,10 @@ def render_attention(p: Params, shapes: list[Shape]) -> tuple[list[str], str]:
     (plain or causal) or its hand-written form (minGPT's; with a per-head additive bias; autocast's fp32 softmax
     and cast back; Swin's shifted windows: the batch as images x windows, a window mask added in a 5-d view).
     Causal SDPA with `windows` 2 over a batch and an even number of heads takes keys and values from the first
-    half of the heads, each repeated for two query heads as transformers' repeat_kv copies them (no new draw:
-    earlier seeds' other models stay as they were)."""
+    half of the heads, each repeated for two query heads as transformers' repeat_kv copies them; with `windows` 2
+    the hand-written forms soft-cap the scores as Gemma 2 does (`tanh(x / 2) * 2`), and over a batch with an even
+    number of heads read keys and values repeated the same way, as transformers' eager attention does (no new
+    draw: earlier seeds' other models stay as they were)."""
     shape = shapes[0]
     if len(shape) not in (2, 3):
         raise Invalid("attention over rank 2 or 3")
@@ -117,6 +119,12 @@ def render_attention(p: Params, shapes: list[Shape]) -> tuple[list[str], str]:
         body = f"F.scaled_dot_product_attention(t, {kv}, {kv}, is_causal=True)"
     elif form.startswith("sdpa"):
         body = f"F.scaled_dot_product_attention(t, t, t, is_causal={form == 'sdpa_causal'})"
+    elif form in ("hand", "hand_bias") and int(p["windows"]) == 2:
+        kv = f"t[:, :{h // 2}, None].expand(-1, {h // 2}, 2, -1, -1).reshape(t.shape)" \
+            if len(shape) == 3 and h % 2 == 0 else "t"
+        capped = f"torch.tanh(((t @ {kv}.transpose(-2, -1)) * {1.0 / math.sqrt(c // h)!r}) / 2.0) * 2.0"
+        bias = " + self.{m}_bias" if form == "hand_bias" else ""
+        body = f"torch.softmax({capped}{bias}, -1) @ {kv}"
     elif form == "hand":
         body = f"torch.softmax({scores}, -1) @ t"
     elif form == "hand_bias":
