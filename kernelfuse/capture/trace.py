@@ -12,7 +12,6 @@ from __future__ import annotations
 import inspect
 import logging
 import operator
-import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -22,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental import proxy_tensor
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from kernelfuse.capture.failures import capture_error
 from kernelfuse.capture.graph import Arg, Graph, Node, Ref, TensorMeta
 from kernelfuse.capture.signature import CallSpec, Output, Param, bind, describe_output
 from kernelfuse.errors import CaptureError, Fallback, ProblemError, Unsupported
@@ -32,10 +32,6 @@ PARAM_LIMIT_BYTES = 2 * 1024**3  # larger models are built on the meta device: n
 # weight in disguise (register it as a buffer), and the original module ships
 CONSTANT_LIMIT = 1024
 
-# Calls that mean "the forward branches on a tensor's value": make_fx cannot record one graph for them.
-DATA_DEPENDENT = ("_local_scalar_dense", "data-dependent", "Data dependent", "DataDependentOutputException")
-# ...and ops whose output size depends on the values (nonzero, masked_select, unique, boolean-mask indexing)
-DATA_SIZED = ("DynamicOutputShapeException",)
 # Recurrent ops recorded as one node each: their CPU decomposition unrolls every time step and layer (a 6-layer
 # GRU over 512 steps is 64 000 nodes and minutes of tracing), while on the GPU each is a single cuDNN call.
 WHOLE_OPS = ("gru", "lstm", "rnn_tanh", "rnn_relu")
@@ -159,7 +155,7 @@ def _capture_call(model: torch.nn.Module, params: tuple[Param, ...], tensors: li
     except (ProblemError, Unsupported):
         raise
     except Exception as err:  # noqa: BLE001 - tracing failures of arbitrary models become one clear error
-        raise _capture_error(err, what) from None
+        raise capture_error(err, what) from None
     modes = "".join("1" if m.training else "0" for m in model.modules())
     graph = _to_graph(gm, names, kinds, model.training, CallSpec(params, returned[-1]), modes)
     if autocast is None:
@@ -306,25 +302,6 @@ def _cut_batch(t: torch.Tensor, batch: int) -> torch.Tensor:
     if t.dim() == 0 or t.shape[0] <= batch:
         return t
     return t[:batch].clone()
-
-
-def _capture_error(err: Exception, what: str) -> CaptureError:
-    """One line naming the user's own line; data-dependent control flow says what to change."""
-    line = ""
-    for frame in reversed(traceback.extract_tb(err.__traceback__)):
-        if frame.filename == what:
-            line = f" at line {frame.lineno} ({(frame.line or '?').strip()})"
-            break
-    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
-    if any(k in f"{type(err).__name__} {err}" for k in DATA_DEPENDENT):
-        return CaptureError(f"{what}: forward branches on a tensor's value{line}: kernelfuse traces one graph "
-                            "for all inputs (compute both branches with torch.where, or move the test out of forward)")
-    if any(k in type(err).__name__ for k in DATA_SIZED):
-        return CaptureError(f"{what}: an output's size depends on the input's values{line} ({text}: nonzero, "
-                            "boolean-mask indexing, a mixture-of-experts router's token choice): kernelfuse traces "
-                            "fixed shapes (use fixed-size ops such as torch.where, or optimize the model's dense "
-                            "submodules)")
-    return CaptureError(f"{what}: could not trace forward to ATen ops{line}: {type(err).__name__}: {text}")
 
 
 @contextmanager

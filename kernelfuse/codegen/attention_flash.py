@@ -210,7 +210,7 @@ __global__ void __launch_bounds__(WARPS * 32, BLOCKS)
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
+      for (int e = 0; e < 4; ++e)  // one product where there is no soft cap (scale holds LOG2E already)
         s[j][e] = p.cap_out != 0.0f ? kf_attn_softcap(p, s[j][e] * p.scale) * (RELU ? 1.0f : LOG2E) : s[j][e] * scale;
     // per element only where needed: a mask, keys past L, the causal diagonal across the warp's rows
     if (MASK != 0 || k0 + BK > p.L || (CAUSAL && k0 + BK - 1 > rt))

@@ -56,10 +56,13 @@ __device__ __forceinline__ void kf_igemm_k8(float (&acc)[MF][NF][4], const float
         float s = acc[i][j][e];
         for (int pass = SPLIT ? 0 : 2; pass < 3; ++pass)
           for (int k = 0; k < 8; ++k) {
-            float hx = kf_round_tf32(A[k * lda + m]), hy = kf_round_tf32(B[k * ldb + n]), lx = 0.0f, ly = 0.0f;
+            float hx, hy, lx = 0.0f, ly = 0.0f;  // SPLIT: kf_tf32_split's parts; else the TF32 roundings
             if (SPLIT) {
               kf_tf32_split_values(A[k * lda + m], hx, lx);
               kf_tf32_split_values(B[k * ldb + n], hy, ly);
+            } else {
+              hx = kf_round_tf32(A[k * lda + m]);
+              hy = kf_round_tf32(B[k * ldb + n]);
             }
             s = fmaf(pass == 0 ? lx : hx, pass == 1 ? ly : hy, s);
           }

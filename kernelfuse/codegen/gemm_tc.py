@@ -4,9 +4,10 @@ out[M][N] = x[M][K] w[N][K]ᵀ (+ bias[N]), then the anchor's epilogue (`kN_appl
 store. Both operands are K-contiguous: `x` row-major and `w` a Linear's weight, which the graph reads as the view
 `w.t()` (a weight stored K x N is read through a K-contiguous copy: kernelfuse.plan.gemm.k_contiguous_weights).
 Each operand is split into a big and a small TF32 part (`kf_tf32_split`, kernelfuse.codegen.tensorcore), and three
-products (small x big, big x small, big x big) keep fp32 accuracy. The tensor cores' own fp32 accumulation rounds toward zero, an error
-that grows with K (3.4e-4 against float64 at K = 8192, cuBLAS's SGEMM 2e-5): so each K tile's products go into a
-fresh tensor-core accumulator, added to the running sum in registers with round-to-nearest (4e-6 there).
+products (small x big, big x small, big x big) keep fp32 accuracy. The tensor cores' own fp32 accumulation
+rounds toward zero, an error that grows with K (3.4e-4 against float64 at K = 8192, cuBLAS's SGEMM 2e-5): so each
+K tile's products go into a fresh tensor-core accumulator, added to the running sum in registers with
+round-to-nearest (4e-6 there).
 
 Measured against cuBLAS's SGEMM (benchmarks/gemm_probe.py, stop 41, H200, `gemm_probe_s41_h200.md`): 1.05x at
 1024 x 8192 x 8192, 1.03-1.30x on BERT's and Llama's Linear shapes, 0.92x at 128 rows (the judge picks per model).

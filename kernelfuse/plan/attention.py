@@ -157,9 +157,7 @@ def _from_handwritten(graph: Graph, pv: Node, kernel: str) -> AttnStep | str:
             return "additive mask of another dtype"
         mask, kind = AttnInput(Ref(other.name), other.meta), "add"
         x = _widened(graph, x, chain)
-    softcap = _softcap(graph, x, chain)
-    if softcap is not None:
-        x = _widened(graph, graph[graph[graph[x.args[0]].args[0]].args[0]], chain)
+    softcap, x = _softcap(graph, x, chain)
     scale = 1.0
     if x.op == "mul.Tensor" and _scalar(x.args[1]) is not None and private(graph, x, chain):
         scale = _scalar(x.args[1])  # type: ignore[assignment]
@@ -367,20 +365,22 @@ def _repeated_key(graph: Graph, node: Node, chain: set[str]) -> tuple[Node, int,
     return None if found is None else (found[0], found[1], (*found[2], *(inside - chain)))
 
 
-def _softcap(graph: Graph, x: Node, chain: set[str]) -> tuple[float, float] | None:
+def _softcap(graph: Graph, x: Node, chain: set[str]) -> tuple[tuple[float, float] | None, Node]:
     """Gemma 2's soft cap, `x * (1 / cap)` (a division by a number becomes that product), tanh, `* cap`, each op
-    private to the attention: its two multipliers, or None. Adds the three ops to `chain`."""
+    private to the attention: its two multipliers and the scores it caps (the three ops added to `chain`), or
+    (None, x)."""
     if x.op != "mul.Tensor" or _scalar(x.args[1]) is None or not private(graph, x, chain):
-        return None
+        return None, x
     tanh = graph[x.args[0]]
     if tanh.op != "tanh.default" or not private(graph, tanh, chain | {x.name}):
-        return None
+        return None, x
     inner = graph[tanh.args[0]]
     if inner.op != "mul.Tensor" or _scalar(inner.args[1]) is None or \
             not private(graph, inner, chain | {x.name, tanh.name}):
-        return None
+        return None, x
     chain.update((x.name, tanh.name, inner.name))
-    return _scalar(inner.args[1]), _scalar(x.args[1])  # type: ignore[return-value]
+    caps = (_scalar(inner.args[1]), _scalar(x.args[1]))
+    return caps, _widened(graph, graph[inner.args[0]], chain)  # type: ignore[return-value]
 
 
 def _only_reader(graph: Graph, node: Node) -> Node | None:
