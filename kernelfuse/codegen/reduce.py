@@ -202,7 +202,8 @@ def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tp
         lines.append("    const float logs = logf(s);" if kind == "log_softmax" else "")
         expr = "v - m - logs" if kind == "log_softmax" else "expf(v - m) / s"
         return lines + broadcast_store(step, expr, ctype, [], space, again, oc)
-    # norm: mean and biased variance in one Welford pass; affine; batch norm updates its running statistics
+    # norm: mean and biased variance in one Welford pass; affine; batch norm updates its running statistics;
+    # moments: the same statistics, written as (mean, 1/std) per row
     lines.append("    float n = 0.0f, mean = 0.0f, m2 = 0.0f;")
     lines += two_passes(kind, oc, gp) if cached else row_pass(["kf_welford_add(n, mean, m2, v);"])
     lines.append("    kf_row_reduce_welford<TPR>(n, mean, m2);")
@@ -211,6 +212,11 @@ def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tp
     lines.append(f"    const float var = m2 * {float_literal(1.0 / red)};")
     lines.append(f"    const float rstd = {rstd(step)};")
     lines += running_lines(step, red, ctype, "    ", "lane == 0 && kf_rank == 0" if blocks else "lane == 0")
+    if kind == "moments":
+        return lines + ["    if (lane == 0) {",
+                        f"      out[2 * row] = kf_store<{out_ctype(step)}>(mean);",
+                        f"      out[2 * row + 1] = kf_store<{out_ctype(step)}>(rstd);",
+                        "    }"]
     affine = [n for n in ("weight", "bias") if n in space.strides]
     expr = normalised(step, lambda n: f"row_{n} + o_{n}").replace("value(r)", "v")
     return lines + broadcast_store(step, expr, ctype, affine, space, again, oc)

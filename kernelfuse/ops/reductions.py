@@ -6,6 +6,8 @@ and affine operands. `kind` names the CUDA algorithm (kernelfuse.codegen.reduce 
 
 - reducing kinds write one value per row (the kept dims): sum, mean, amax, amin, prod, logsumexp; the index kinds
   argmax and argmin write the row's int64 index of its first extreme (INDEX_KINDS);
+- moments writes each row's mean and 1/std, interleaved (a group norm whose normalisation moved into its readers,
+  kernelfuse.rewrite.norms: the statistics kernel reads the input once and writes two values a row);
 - broadcasting kinds write the whole space, each element transformed by its row's statistics: softmax,
   log_softmax, norm (layer/group/batch norm in training mode: mean and biased variance), and affine_norm
   (batch norm in eval mode: running statistics, no reduction);
@@ -226,12 +228,34 @@ def _group_norm(graph: Graph, node: Node) -> ReduceSpec | str:
     space = (n, groups, cg, hw)
     src_strides = (c * hw, cg * hw, hw, 1)  # type: ignore[operator]
     dtype = graph[ref].meta.dtype
+    stacked = _stacked_statistics(graph, node)
+    if stacked is not None:
+        stack, absorbs = stacked
+        return ReduceSpec("moments", ref, space, (2, 3), src_strides, eps=float(eps),  # type: ignore[arg-type]
+                          result=stack, absorbs=absorbs)
     weight = _affine(graph, node.args[1], (0, cg, 1, 0), dtype)
     bias = _affine(graph, node.args[2], (0, cg, 1, 0), dtype)
     if isinstance(weight, str) or isinstance(bias, str):
         return weight if isinstance(weight, str) else bias  # type: ignore[return-value]
     return ReduceSpec("norm", ref, space, (2, 3), src_strides, weight, bias, eps=float(eps),  # type: ignore[arg-type]
                       out_index=0)
+
+
+def _stacked_statistics(graph: Graph, node: Node) -> tuple[str, tuple[str, ...]] | None:
+    """(the stack, the getitems it reads) where a norm's only readers are its mean and 1/std, stacked along a new
+    last dim in that order and read by nothing else (kernelfuse.rewrite.norms's form); None otherwise."""
+    readers = graph.users(node.name)
+    if len(readers) != 2 or any(r.op != "getitem" for r in readers) or graph.is_output(node.name):
+        return None
+    items = {r.args[1]: r for r in readers}
+    if set(items) != {1, 2} or any(graph.is_output(r.name) or len(graph.users(r.name)) != 1 for r in readers):
+        return None
+    stack = graph.users(items[1].name)[0]
+    rank = len(items[1].meta.shape) if items[1].meta is not None else -1
+    if stack.op != "stack.default" or graph.users(items[2].name)[0].name != stack.name or list(stack.args[0]) != [  # type: ignore[call-overload]
+            Ref(items[1].name), Ref(items[2].name)] or (stack.args[1] if len(stack.args) > 1 else 0) not in (-1, rank):
+        return None
+    return stack.name, (items[1].name, items[2].name)
 
 
 def _batch_norm(graph: Graph, node: Node) -> ReduceSpec | str:

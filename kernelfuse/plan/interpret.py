@@ -140,7 +140,9 @@ def _run_generated(step: GenStep, env: dict[str, object]) -> torch.Tensor:
     elif step.reduce_node is not None:
         node = step.reduce_node
         args = (Ref("__kf_reduce_input"),) + node.args[1:]
-        if getattr(step.spec, "kind", None) == "norm" and isinstance(value, torch.Tensor):
+        if getattr(step.spec, "kind", None) == "moments":  # the statistics alone: weight and bias do not enter them
+            args = (args[0], None, None) + args[3:]
+        if getattr(step.spec, "kind", None) in ("norm", "moments") and isinstance(value, torch.Tensor):
             value = value.contiguous()  # ATen's CPU channels-last norms lose accuracy (NaN on overflow); ours don't
         try:  # on the source as eager holds it: the same summation order as eager's own call
             value = call_aten(Node(node.name, node.op, args, node.meta), {**env, "__kf_reduce_input": value})
@@ -150,6 +152,8 @@ def _run_generated(step: GenStep, env: dict[str, object]) -> torch.Tensor:
         index = getattr(step.spec, "out_index", None)
         if index is not None:
             value = value[index]  # type: ignore[index]
+        elif getattr(step.spec, "kind", None) == "moments":  # the kernel writes (mean, 1/std) pairs
+            value = torch.stack((value[1], value[2]), -1)  # type: ignore[index]
     value = _run_program(step.epilogue, value, env)
     return value if step.mapped is None else _run_program(step.mapped, value, env)  # the row's value broadcast
 

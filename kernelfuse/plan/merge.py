@@ -17,47 +17,86 @@ from kernelfuse.plan.program import space_strides
 def merge_into_reductions(graph: Graph, by_out: dict[str, Step]) -> None:
     """An anchor epilogue whose value only a reduction kernel reads (as its source, and maybe in its epilogue:
     `recomputed_in_epilogue`) joins that kernel's prologue: in place (NCHW), or straight from a channels-last
-    convolution's output, which the reduction then reads through its strides."""
-    gens = {s.source.ref.name: s for s in by_out.values() if isinstance(s, GenStep) and s.spec is not None}
-    through = _reshaped_sources(graph, gens)
+    convolution's output, which the reduction then reads through its strides. A value several reduction kernels
+    read, each as its source only (a group norm's statistics and the reduction its normalisation moved into,
+    kernelfuse.rewrite.norms), joins each of their prologues: recomputed per kernel, never stored."""
+    gens: dict[str, list[GenStep]] = {}
+    for s in by_out.values():
+        if isinstance(s, GenStep) and s.spec is not None:
+            gens.setdefault(s.source.ref.name, []).append(s)
+    through = _reshaped_sources(graph, {name: found[0] for name, found in gens.items() if len(found) == 1})
     for name, step in list(by_out.items()):
         if not isinstance(step, FusedStep) or step.anchor.epilogue_inside or not (
                 step.inplace and step.epilogue.statements or step.anchor.layout == "nhwc"):
             continue
-        gen, reshape = (gens[name], None) if name in gens else through.get(name, (None, None))
+        if graph.is_output(name):
+            continue
+        if len(gens.get(name, ())) > 1:
+            readers = gens[name] if _read_as_sources_only(graph, gens[name], name) else []
+            joined = [_joined(graph, step, gen, None) for gen in readers]
+            if readers and all(j is not None for j in joined):
+                del by_out[name]
+                by_out[_anchor_only(graph, step)[0]] = _anchor_only(graph, step)[1]
+                by_out.update({j.out: j for j in joined})  # type: ignore[union-attr]
+            continue
+        gen, reshape = (gens[name][0], None) if name in gens else through.get(name, (None, None))
         if reshape is not None and not step.inplace:
             continue  # a channels-last source regrouped: its rows' elements lie C apart, one thread per long row
-        if gen is None or graph.is_output(name):
+        if gen is None:
             continue
         if len(graph.users(name)) != 1:  # its norm's residual, say: recomputed in the epilogue, never stored
             gen = recomputed_in_epilogue(graph, step, gen, name) if reshape is None else None
             if gen is None:
                 continue
-        acc_name = step.replaces[1] if step.anchor.fused_relu else step.replaces[0]
-        acc_meta = graph[acc_name].meta
-        if step.anchor.layout == "nhwc":
-            acc_meta = replace(acc_meta, stride=channels_last_strides(acc_meta.shape))
-        source_strides = space_strides(acc_meta, acc_meta.shape, gen.prologue.space)
-        operands = [space_strides(o.meta, step.epilogue.out.shape, gen.prologue.space) for o in step.epilogue.operands]
-        if source_strides is None or any(s is None for s in operands):
+        merged = _joined(graph, step, gen, reshape)
+        if merged is None:
             continue
-        first = [Operand(o.ref, o.meta, s) for o, s in zip(step.epilogue.operands, operands, strict=True)]
-        shift = len(first)
-        regroup = () if reshape is None else (  # same flat order: a rename inside the kernel
-            Statement(reshape.name, "reshape", reshape.op, (step.epilogue.result,), (gen.prologue.space,)),)
-        renamed = {"acc": reshape.name if reshape is not None else step.epilogue.result}
-        renamed.update({f"in{i}": f"in{i + shift}" for i in range(len(gen.prologue.operands))})
-        later = tuple(replace(st, args=tuple(renamed.get(a, a) if isinstance(a, str) else a for a in st.args))
-                      for st in gen.prologue.statements)
-        prologue = Program(step.epilogue.statements + regroup + later, tuple(first) + gen.prologue.operands,
-                           gen.prologue.space)
-        anchor_only = replace(step, epilogue=Epilogue((), (), acc_meta), replaces=step.replaces[:len(step.replaces) -
-                              len(step.epilogue.statements)], out=acc_name, keeps_layout=step.anchor.layout == "nhwc")
-        merged = replace(gen, source=Operand(Ref(acc_name), acc_meta, source_strides), prologue=prologue,
-                         replaces=tuple(s.name for s in step.epilogue.statements + regroup) + gen.replaces)
+        acc_name, anchor_only = _anchor_only(graph, step)
         del by_out[name]
         by_out[acc_name] = anchor_only
         by_out[gen.out] = merged
+
+
+def _read_as_sources_only(graph: Graph, gens: list[GenStep], name: str) -> bool:
+    """Is every reader of `name` inside one of `gens`, each reading it as its source only (no operand of theirs
+    is `name`)?"""
+    inside = {n for gen in gens for n in gen.replaces}
+    programs = [p for gen in gens for p in (gen.prologue, gen.epilogue, gen.mapped) if p is not None]
+    return all(u.name in inside for u in graph.users(name)) and \
+        not any(o.ref.name == name for p in programs for o in p.operands)
+
+
+def _anchor_only(graph: Graph, step: FusedStep) -> tuple[str, FusedStep]:
+    """The anchor without its epilogue, writing its raw output (in its own layout), and that output's name."""
+    acc_name = step.replaces[1] if step.anchor.fused_relu else step.replaces[0]
+    acc_meta = graph[acc_name].meta
+    if step.anchor.layout == "nhwc":
+        acc_meta = replace(acc_meta, stride=channels_last_strides(acc_meta.shape))
+    return acc_name, replace(step, epilogue=Epilogue((), (), acc_meta), replaces=step.replaces[
+        :len(step.replaces) - len(step.epilogue.statements)], out=acc_name, keeps_layout=step.anchor.layout == "nhwc")
+
+
+def _joined(graph: Graph, step: FusedStep, gen: GenStep, reshape: Node | None) -> GenStep | None:
+    """`gen` reading the anchor's raw output, the anchor's epilogue statements first in its prologue (through
+    `reshape`, a same-order regrouping, where its source is one); None where an operand cannot follow its space."""
+    acc_name, anchor_only = _anchor_only(graph, step)
+    acc_meta = anchor_only.epilogue.out
+    source_strides = space_strides(acc_meta, acc_meta.shape, gen.prologue.space)
+    operands = [space_strides(o.meta, step.epilogue.out.shape, gen.prologue.space) for o in step.epilogue.operands]
+    if source_strides is None or any(s is None for s in operands):
+        return None
+    first = [Operand(o.ref, o.meta, s) for o, s in zip(step.epilogue.operands, operands, strict=True)]  # type: ignore[arg-type]
+    shift = len(first)
+    regroup = () if reshape is None else (  # same flat order: a rename inside the kernel
+        Statement(reshape.name, "reshape", reshape.op, (step.epilogue.result,), (gen.prologue.space,)),)
+    renamed = {"acc": reshape.name if reshape is not None else step.epilogue.result}
+    renamed.update({f"in{i}": f"in{i + shift}" for i in range(len(gen.prologue.operands))})
+    later = tuple(replace(st, args=tuple(renamed.get(a, a) if isinstance(a, str) else a for a in st.args))
+                  for st in gen.prologue.statements)
+    prologue = Program(step.epilogue.statements + regroup + later, tuple(first) + gen.prologue.operands,
+                       gen.prologue.space)
+    return replace(gen, source=Operand(Ref(acc_name), acc_meta, source_strides), prologue=prologue,
+                   replaces=tuple(s.name for s in step.epilogue.statements + regroup) + gen.replaces)
 
 
 def _reshaped_sources(graph: Graph, gens: dict[str, GenStep]) -> dict[str, tuple[GenStep, Node]]:

@@ -239,8 +239,9 @@ def _reduction_kernel(graph: Graph, node: Node, prologue: _Chain | None, used: s
         replaces.sort(key=graph.position)
     # an index result (argmax's int64) takes no epilogue: the float programs cannot hold it, its readers stay
     # torch calls or start kernels of their own (argmin(x, 1).float() * 2: the mul reads the float copy)
+    # nor does moments' (mean, 1/std) pairs: their readers take them apart by views
     epi_chain = _grow(graph, [graph[value]], out_meta, used | set(replaces)) \
-        if graph.users(value) and out_meta.dtype in FLOAT_DTYPES else None
+        if graph.users(value) and out_meta.dtype in FLOAT_DTYPES and spec.kind != "moments" else None
     # the chain in graph order: a producer it pulled in for a later member (floor(s1) in floor(s1) - softmax(x),
     # grown from softmax(x)) may precede the reduction itself, which is not one of its epilogue's statements
     epi_members = [m for m in epi_chain.members if m.name != value] if epi_chain else []
