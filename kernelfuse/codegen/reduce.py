@@ -56,6 +56,7 @@ from kernelfuse.codegen.row_passes import (
     reads_rows_contiguously,
     row_pass,
     two_passes,
+    welford_in_fours,
 )
 from kernelfuse.codegen.row_writes import broadcast_store, mapped_store
 from kernelfuse.ops import float_literal
@@ -205,7 +206,10 @@ def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tp
     # norm: mean and biased variance in one Welford pass; affine; batch norm updates its running statistics;
     # moments: the same statistics, written as (mean, 1/std) per row
     lines.append("    float n = 0.0f, mean = 0.0f, m2 = 0.0f;")
-    lines += two_passes(kind, oc, gp) if cached else row_pass(["kf_welford_add(n, mean, m2, v);"])
+    if cached:
+        lines += two_passes(kind, oc, gp)
+    else:
+        lines += welford_in_fours() if kind == "moments" else row_pass(["kf_welford_add(n, mean, m2, v);"])
     lines.append("    kf_row_reduce_welford<TPR>(n, mean, m2);")
     if blocks:
         lines.append(f"    {combine_across_blocks(blocks, ('n', 'mean', 'm2'), 'kf_welford_merge3')}")

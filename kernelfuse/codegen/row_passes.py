@@ -102,3 +102,19 @@ def two_passes(kind: str, onchip: int, grouped: tuple[list[str], str] | None = N
     return [*row_pass(["m = kf_max_op()(m, v);"], "fill", onchip=onchip, grouped=grouped),
             *row_pass(["const float e = expf(v - m);", "s += (v == -INFINITY) ? 0.0f : e;"], again, onchip=onchip,
                    grouped=grouped)]
+
+
+def welford_in_fours() -> list[str]:
+    """A thread's Welford statistics of its elements read once each (not kept): four at a time merged by Chan's
+    formula (`kf_welford_add4`, one division a group), then the rest one by one. A division per element made
+    level-2 92's statistics kernel issue-bound (520 MB at 2.1 TB/s on an H200)."""
+    return ["    INDEX r = lane;",
+            "    for (; r + 3 * (INDEX)TPR < (INDEX)RED; r += 4 * (INDEX)TPR) {",
+            "      kf_welford_add4(n, mean, m2, value(r), value(r + TPR), value(r + 2 * (INDEX)TPR),"
+            " value(r + 3 * (INDEX)TPR));",
+            "    }",
+            "    for (; r < (INDEX)RED; r += TPR) {",
+            "      const float v = value(r);",
+            "      kf_welford_add(n, mean, m2, v);",
+            "    }"]
+

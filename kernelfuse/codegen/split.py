@@ -27,7 +27,7 @@ from kernelfuse.ops import float_literal
 from kernelfuse.plan.ir import GenStep
 
 # norm: the statistics split, then one pass over every element; argmax/argmin: (value, index) partials
-SPLIT_KINDS = frozenset({*REDUCE_OPS, *INDEX_KINDS, "norm"})
+SPLIT_KINDS = frozenset({*REDUCE_OPS, *INDEX_KINDS, "norm", "moments"})
 SPLIT_MAX_ROWS = 264  # two rows per SM of an H100: fewer rows than this leave multiprocessors idle
 SPLIT_MIN_ROW = 65536
 SPLIT_TARGET_BLOCKS = 1024
@@ -72,6 +72,8 @@ def split_workspace(step: GenStep) -> int:
     rows = space_of(step).count("k")
     if step.spec.kind in INDEX_KINDS:  # type: ignore[attr-defined]
         return arg_workspace(rows, chunks)
+    if step.spec.kind == "moments":  # type: ignore[attr-defined]
+        return 2 * rows * chunks
     return 2 * rows * chunks + 2 * rows if step.spec.kind == "norm" else rows * chunks  # type: ignore[attr-defined]
 
 
@@ -88,12 +90,13 @@ def split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
     space = space_of(step)
     rows, red = space.count("k"), space.count("r")
     strided = not reads_rows_contiguously(space)
-    norm = spec.kind == "norm"  # type: ignore[attr-defined]
+    norm = spec.kind in ("norm", "moments")  # type: ignore[attr-defined]
+    alone = spec.kind == "moments"  # type: ignore[attr-defined]  # the statistics are the output: no normalise pass
     tile = strided_tile(rows)
     tiles = f", tiles of {tile} rows" if strided else ""
     then = "a combine kernel"
     if norm:
-        then = f"a Welford combine kernel, then {normalise_strategy(space)}"
+        then = "a Welford combine kernel" + ("" if alone else f", then {normalise_strategy(space)}")
     lines = [f"// strategy: split{' norm' if norm else ''}{' strided' if strided else ''}, {rows} rows of {red} in "
              f"{chunks} chunks of {-(-red // chunks)}{tiles}, then {then}"]
     scale = float_literal(1.0 / red)
@@ -102,14 +105,17 @@ def split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
     partial_grid = f"dim3({chunks}, {-(-rows // tile) if strided else rows})"
     if norm:
         stats = 2 * rows * chunks  # work: the partial means, the partial squared deviations, each row's mean, 1/std
-        moments = [f"  const float var = m2 * {scale}, rstd = {rstd(step)};",
-                   f"  if (lane == 0) {{ work[{stats} + row] = mean; work[{stats + rows} + row] = rstd; }}",
+        store = (f"  if (lane == 0) {{ out[2 * row] = kf_store<{out_ctype(step)}>(mean); "
+                 f"out[2 * row + 1] = kf_store<{out_ctype(step)}>(rstd); }}") if alone else \
+            f"  if (lane == 0) {{ work[{stats} + row] = mean; work[{stats + rows} + row] = rstd; }}"
+        moments = [f"  const float var = m2 * {scale}, rstd = {rstd(step)};", store,
                    *running_lines(step, red, ctype, "  ")]
         lines += _split_partial(step, ctype, chunks, "moments", None)
         lines += _split_combine_welford(step, ctype, chunks, moments)
-        lines += normalise_kernels(step, ctype, space, stats)
-        passes = [("moments", partial_grid, "float*"), ("combine", combine_grid, "float*"),
-                  normalise_pass(step, space, stats)]
+        passes = [("moments", partial_grid, "float*"), ("combine", combine_grid, "float*")]
+        if not alone:
+            lines += normalise_kernels(step, ctype, space, stats)
+            passes.append(normalise_pass(step, space, stats))
     elif spec.kind in INDEX_KINDS:  # type: ignore[attr-defined]
         lines += _split_partial(step, ctype, chunks, "partial", None)
         combine = arg_split_combine(spec.kind, rows, chunks)  # type: ignore[attr-defined]

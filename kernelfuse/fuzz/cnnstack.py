@@ -9,7 +9,8 @@ final map: the fused call must be refused); pools of channels-last sources (max 
 adaptive to 1 or 2), written channels-last; batch norms as modules (the model's mode) or eval-mode functional ones
 over random running statistics (eps 1e-5 or 1e-3, as the norm kind draws); a flatten or `x.view(x.size(0), -1)` of
 the channels-last map (a view that needs NCHW strides: a contiguous copy before it) then a linear layer, or a
-global average pool then the same.
+global average pool then the same. A stage whose batch norm is followed by the second ReLU form adds a downsample
+branch (1x1 convolution and batch norm of the stage's input) before its ReLU, as a ResNet block does.
 Sizes are whatever the input has: a convolution whose window does not fit the map is 1x1, a pool's window is cut
 to the map (rectangular over a 1-high map) or dropped, a stride that would leave one position of two or more is 1,
 so a shrunk model re-renders; channels shrink to keep each value small.
@@ -66,6 +67,7 @@ def render_cnn_stack(p: Params, shapes: list[Shape]) -> tuple[list[str], str]:
     leak: tuple[str, int] | None = None  # the leaking convolution's value and channels
     x = "x0"
     for i in range(int(p["stages"])):
+        x_in, cin_in, space_in = x, cin, space
         cin, space, x = _conv(p, i, d, batch, cin, space, x, inits, steps)
         after = str(_at(p, "after", i))
         leaks = after.startswith("r") and i == leak_at  # its output read elsewhere too: no fused conv+ReLU
@@ -83,6 +85,8 @@ def render_cnn_stack(p: Params, shapes: list[Shape]) -> tuple[list[str], str]:
             elif op == "b" and batch * math.prod(space) > 1:  # a training one needs two values per channel
                 inits.append(f"self.{{m}}_bn{i} = nn.BatchNorm{d}d({cin}, eps={_at(p, 'eps', i)})")
                 expr = f"self.{{m}}_bn{i}({x})"
+                if j == 0 and after.startswith("br") and int(_at(p, "relu", i)) == 1:
+                    expr = _shortcut(p, i, d, x_in, cin_in, space_in, cin, space, inits, expr)
             elif op in "be":
                 inits += [f"self.register_buffer('{{m}}_mean{i}', torch.randn({cin}) * 0.5)",
                           f"self.register_buffer('{{m}}_var{i}', torch.rand({cin}) + 0.5)",
@@ -104,6 +108,19 @@ def render_cnn_stack(p: Params, shapes: list[Shape]) -> tuple[list[str], str]:
         x = "xl"
     steps.append(_tail(p, d, cin, space, x, inits))
     return inits, "(lambda x0: (" + ", ".join(steps) + ")[-1])({a0})"
+
+
+def _shortcut(p: Params, i: int, d: int, x_in: str, cin_in: int, space_in: list[int], cout: int, space: list[int],
+              inits: list[str], expr: str) -> str:
+    """Stage i's batch norm plus a ResNet block's downsample branch (a 1x1 convolution of the stage's input, its own
+    batch norm), where a 1x1 window at the stage's stride (or 1) gives the convolution's output sizes; else the
+    norm alone. Two norms meeting in an add: kernelfuse.rewrite.norms splits both in training mode."""
+    for stride in dict.fromkeys((int(_at(p, "stride", i)), 1)):
+        if [(s - 1) // stride + 1 for s in space_in] == space:
+            inits += [f"self.{{m}}_sc{i} = nn.Conv{d}d({cin_in}, {cout}, 1, stride={stride}, bias=False)",
+                      f"self.{{m}}_sbn{i} = nn.BatchNorm{d}d({cout}, eps={_at(p, 'eps', i)})"]
+            return f"({expr} + self.{{m}}_sbn{i}(self.{{m}}_sc{i}({x_in})))"
+    return expr
 
 
 def _at(p: Params, key: str, i: int) -> object:

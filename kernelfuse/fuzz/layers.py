@@ -33,7 +33,10 @@ def render_norm(p: Params, shapes: list[Shape]) -> tuple[list[str], str]:
     if p["fn"] == "group":
         divisors = [d for d in range(1, c + 1) if c % d == 0]
         g = divisors[int(p["g"]) % len(divisors)]
-        return [f"self.{{m}} = nn.GroupNorm({g}, {c}, eps={eps}, affine={affine})"], "self.{m}({a0})"
+        init = [f"self.{{m}} = nn.GroupNorm({g}, {c}, eps={eps}, affine={affine})"]
+        if int(p["k"]) == 3:  # read by a reduction over the channels (level-2 92's form), broadcast back
+            return init, "({a0} + torch.logsumexp(torch.tanh(self.{m}({a0})), dim=1, keepdim=True))"
+        return init, "self.{m}({a0})"
     if p["fn"] == "functional_bn":
         if rank > 5:
             raise Invalid("rank")
@@ -45,7 +48,11 @@ def render_norm(p: Params, shapes: list[Shape]) -> tuple[list[str], str]:
         if rank > 5:
             raise Invalid("rank")
         d = {2: 1, 3: 1, 4: 2, 5: 3}[rank]
-        return [f"self.{{m}} = nn.BatchNorm{d}d({c}, eps={eps}, affine={affine})"], "self.{m}({a0})"
+        init = [f"self.{{m}} = nn.BatchNorm{d}d({c}, eps={eps}, affine={affine})"]
+        if int(p["k"]) == 3:  # two norms meeting in a residual add (a ResNet block's downsample branch)
+            return [*init, f"self.{{m}}_skip = nn.BatchNorm{d}d({c}, eps={eps}, affine={affine})"], \
+                "torch.relu(self.{m}({a0}) + self.{m}_skip({a0} * 0.5 + 1.0))"
+        return init, "self.{m}({a0})"
     if rank < 3:
         raise Invalid("instance norm needs a spatial dim")
     return [f"self.{{m}} = nn.InstanceNorm{rank - 2}d({c}, eps={eps}, affine={affine})"], "self.{m}({a0})"

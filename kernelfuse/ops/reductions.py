@@ -6,8 +6,9 @@ and affine operands. `kind` names the CUDA algorithm (kernelfuse.codegen.reduce 
 
 - reducing kinds write one value per row (the kept dims): sum, mean, amax, amin, prod, logsumexp; the index kinds
   argmax and argmin write the row's int64 index of its first extreme (INDEX_KINDS);
-- moments writes each row's mean and 1/std, interleaved (a group norm whose normalisation moved into its readers,
-  kernelfuse.rewrite.norms: the statistics kernel reads the input once and writes two values a row);
+- moments writes each row's mean and 1/std, interleaved (a group or training batch norm whose normalisation moved
+  into its readers, kernelfuse.rewrite.norms: the statistics kernel reads the input once and writes two values a
+  row; a batch norm's running statistics are updated as the norm kernel does);
 - broadcasting kinds write the whole space, each element transformed by its row's statistics: softmax,
   log_softmax, norm (layer/group/batch norm in training mode: mean and biased variance), and affine_norm
   (batch norm in eval mode: running statistics, no reduction);
@@ -297,6 +298,10 @@ def _batch_norm(graph: Graph, node: Node) -> ReduceSpec | str:
         if any(graph[r].meta.dtype != (dtype if training else params) for r in (rm, rv)):
             return "running statistics of another dtype"
         running = (rm, rv)
+    stacked = _stacked_statistics(graph, node) if training else None
+    if stacked is not None:  # its statistics alone (kernelfuse.rewrite.norms), the running ones updated
+        return ReduceSpec("moments", ref, space, reduced, strides, running=running, eps=float(eps),
+                          momentum=float(momentum), result=stacked[0], absorbs=stacked[1])
     if not training:
         if running is None:
             return "eval-mode batch norm without running statistics"

@@ -93,6 +93,13 @@ class Builder:
         if ref.name in self._values:
             return self._values[ref.name]
         node = self.graph[ref]
+        if node.meta is None and node.op not in ("getitem", "constant", "input", "param", "buffer"):
+            try:  # a multi-output op (a norm's output and statistics): its values again, on meta tensors
+                value = call_aten(node, {r.name: self._value(r) for r in node.refs})
+            except (RuntimeError, TypeError, ValueError, IndexError, NotImplementedError) as err:
+                raise NoMatch(str(err)) from None
+            self._values[ref.name] = value
+            return value
         if node.meta is None:
             raise NoMatch(f"{ref} has no tensor metadata")
         m = node.meta

@@ -31,7 +31,7 @@ from kernelfuse.rewrite.engine import Match, RuleFiring, drop_dead, rebuild, rew
 from kernelfuse.rewrite.inplace import inplace_to_functional
 from kernelfuse.rewrite.losses import losses_as_pointwise
 from kernelfuse.rewrite.monotonic import reduce_before_monotonic
-from kernelfuse.rewrite.norms import group_norm_statistics_apart
+from kernelfuse.rewrite.norms import norm_statistics_apart
 from kernelfuse.rewrite.reductions import (
     avg_pool_linear_output,
     reduce_before_affine,
@@ -165,7 +165,7 @@ RULES: tuple[Rule, ...] = (
     _local(avg_pool_linear_output),
     _local(conv_bias_to_epilogue),
     _local(linear_bias_to_kernel),
-    _local(group_norm_statistics_apart),
+    _local(norm_statistics_apart),
 )
 RULE_NAMES: tuple[str, ...] = tuple(r.name for r in RULES)
 
