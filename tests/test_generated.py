@@ -133,15 +133,16 @@ def test_max_with_used_indices_stays_a_torch_call(tmp_path):
     assert_interpreter_matches(problem, plan)
 
 
-def test_a_prologue_value_read_elsewhere_is_its_own_kernel(tmp_path):
+def test_an_epilogue_value_two_kernels_read_is_recomputed_in_each(tmp_path):
     problem, g, plan = _plan(tmp_path, """
     r = torch.sigmoid(y)
     return r - r.mean(dim=1, keepdim=True)
     """)
     fams = sorted((s.family, s.replaces) for s in plan.generated)
-    # the anchor takes the sigmoid; the mean and the subtraction read it: two kernels, nothing recomputed
-    assert [s.chain(g) for s in plan.fused] == ["addmm -> sigmoid"]
-    assert fams == [("mean", ("mean",)), ("pointwise", ("sub",))]
+    # the mean and the subtraction read the sigmoid as their source: each recomputes it from the anchor's raw
+    # output (kernelfuse.plan.merge), which is all the anchor writes: no epilogue pass
+    assert [s.chain(g) for s in plan.fused] == ["addmm"] and not plan.fused[0].needs_kernel
+    assert fams == [("mean", ("sigmoid", "mean")), ("pointwise", ("sigmoid", "sub"))]
     assert_interpreter_matches(problem, plan, atol=1e-6, rtol=1e-6)
 
 

@@ -17,13 +17,17 @@ from kernelfuse.plan.program import space_strides
 def merge_into_reductions(graph: Graph, by_out: dict[str, Step]) -> None:
     """An anchor epilogue whose value only a reduction kernel reads (as its source, and maybe in its epilogue:
     `recomputed_in_epilogue`) joins that kernel's prologue: in place (NCHW), or straight from a channels-last
-    convolution's output, which the reduction then reads through its strides. A value several reduction kernels
-    read, each as its source only (a group norm's statistics and the reduction its normalisation moved into,
-    kernelfuse.rewrite.norms), joins each of their prologues: recomputed per kernel, never stored."""
-    gens: dict[str, list[GenStep]] = {}
+    convolution's output, which the reduction then reads through its strides. A value several generated kernels
+    read, each as its source only, a reduction among them (a norm's statistics and the kernel its normalisation
+    moved into, kernelfuse.rewrite.norms), joins each of their prologues: recomputed per kernel, never stored (and
+    a channels-last convolution's output is read by each through its strides)."""
+    gens: dict[str, list[GenStep]] = {}  # the reduction kernels by source
+    readers: dict[str, list[GenStep]] = {}  # every generated kernel by source
     for s in by_out.values():
-        if isinstance(s, GenStep) and s.spec is not None:
-            gens.setdefault(s.source.ref.name, []).append(s)
+        if isinstance(s, GenStep):
+            readers.setdefault(s.source.ref.name, []).append(s)
+            if s.spec is not None:
+                gens.setdefault(s.source.ref.name, []).append(s)
     through = _reshaped_sources(graph, {name: found[0] for name, found in gens.items() if len(found) == 1})
     for name, step in list(by_out.items()):
         if not isinstance(step, FusedStep) or step.anchor.epilogue_inside or not (
@@ -31,10 +35,11 @@ def merge_into_reductions(graph: Graph, by_out: dict[str, Step]) -> None:
             continue
         if graph.is_output(name):
             continue
-        if len(gens.get(name, ())) > 1:
-            readers = gens[name] if _read_as_sources_only(graph, gens[name], name) else []
-            joined = [_joined(graph, step, gen, None) for gen in readers]
-            if readers and all(j is not None for j in joined):
+        several = readers.get(name, [])
+        if len(several) > 1 and name in gens:
+            several = several if _read_as_sources_only(graph, several, name) else []
+            joined = [_joined(graph, step, gen, None) for gen in several]
+            if several and all(j is not None for j in joined):
                 del by_out[name]
                 by_out[_anchor_only(graph, step)[0]] = _anchor_only(graph, step)[1]
                 by_out.update({j.out: j for j in joined})  # type: ignore[union-attr]
