@@ -40,8 +40,9 @@ def merge_into_reductions(graph: Graph, by_out: dict[str, Step]) -> None:
             several = several if _read_as_sources_only(graph, several, name) else []
             joined = [_joined(graph, step, gen, None) for gen in several]
             if several and all(j is not None for j in joined):
+                acc_name, anchor_only = _anchor_only(graph, step)
                 del by_out[name]
-                by_out[_anchor_only(graph, step)[0]] = _anchor_only(graph, step)[1]
+                by_out[acc_name] = anchor_only
                 by_out.update({j.out: j for j in joined})  # type: ignore[union-attr]
             continue
         gen, reshape = (gens[name][0], None) if name in gens else through.get(name, (None, None))
