@@ -217,13 +217,16 @@ def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tp
     lines.append(f"    const float rstd = {rstd(step)};")
     lines += running_lines(step, red, ctype, "    ", "lane == 0 && kf_rank == 0" if blocks else "lane == 0")
     if kind == "moments":
-        return lines + ["    if (lane == 0) {",
-                        f"      out[2 * row] = kf_store<{out_ctype(step)}>(mean);",
-                        f"      out[2 * row + 1] = kf_store<{out_ctype(step)}>(rstd);",
-                        "    }"]
+        return lines + [f"    {moments_store(step)}"]
     affine = [n for n in ("weight", "bias") if n in space.strides]
     expr = normalised(step, lambda n: f"row_{n} + o_{n}").replace("value(r)", "v")
     return lines + broadcast_store(step, expr, ctype, affine, space, again, oc)
+
+
+def moments_store(step: GenStep) -> str:
+    """The statement a moments kernel ends a row with: its mean and 1/std, side by side (lane 0)."""
+    t = out_ctype(step)
+    return f"if (lane == 0) {{ out[2 * row] = kf_store<{t}>(mean); out[2 * row + 1] = kf_store<{t}>(rstd); }}"
 
 
 def rstd(step: GenStep) -> str:

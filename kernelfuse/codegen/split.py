@@ -20,7 +20,7 @@ from kernelfuse.codegen.iteration import (
     space_of,
     value_lambda,
 )
-from kernelfuse.codegen.reduce import REDUCE_OPS, reduced_store, rstd, running_lines
+from kernelfuse.codegen.reduce import REDUCE_OPS, moments_store, reduced_store, rstd, running_lines
 from kernelfuse.codegen.row_passes import reads_rows_contiguously
 from kernelfuse.codegen.split_normalise import normalise_kernels, normalise_pass, normalise_strategy
 from kernelfuse.ops import float_literal
@@ -105,8 +105,7 @@ def split_kernel(step: GenStep, ctype: str, chunks: int) -> str:
     partial_grid = f"dim3({chunks}, {-(-rows // tile) if strided else rows})"
     if norm:
         stats = 2 * rows * chunks  # work: the partial means, the partial squared deviations, each row's mean, 1/std
-        store = (f"  if (lane == 0) {{ out[2 * row] = kf_store<{out_ctype(step)}>(mean); "
-                 f"out[2 * row + 1] = kf_store<{out_ctype(step)}>(rstd); }}") if alone else \
+        store = f"  {moments_store(step)}" if alone else \
             f"  if (lane == 0) {{ work[{stats} + row] = mean; work[{stats + rows} + row] = rstd; }}"
         moments = [f"  const float var = m2 * {scale}, rstd = {rstd(step)};", store,
                    *running_lines(step, red, ctype, "  ")]

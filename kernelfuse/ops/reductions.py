@@ -252,9 +252,10 @@ def _stacked_statistics(graph: Graph, node: Node) -> tuple[str, tuple[str, ...]]
     if set(items) != {1, 2} or any(graph.is_output(r.name) or len(graph.users(r.name)) != 1 for r in readers):
         return None
     stack = graph.users(items[1].name)[0]
-    rank = len(items[1].meta.shape) if items[1].meta is not None else -1
-    if stack.op != "stack.default" or graph.users(items[2].name)[0].name != stack.name or list(stack.args[0]) != [  # type: ignore[call-overload]
-            Ref(items[1].name), Ref(items[2].name)] or (stack.args[1] if len(stack.args) > 1 else 0) not in (-1, rank):
+    last = (-1, len(items[1].meta.shape) if items[1].meta is not None else -1)
+    stacked = [Ref(items[1].name), Ref(items[2].name)]
+    if stack.op != "stack.default" or list(stack.args[0]) != stacked \
+            or (stack.args[1] if len(stack.args) > 1 else 0) not in last:  # type: ignore[call-overload]
         return None
     return stack.name, (items[1].name, items[2].name)
 

@@ -37,9 +37,9 @@ def merge_into_reductions(graph: Graph, by_out: dict[str, Step]) -> None:
             continue
         several = readers.get(name, [])
         if len(several) > 1 and name in gens:
-            several = several if _read_as_sources_only(graph, several, name) else []
-            joined = [_joined(graph, step, gen, None) for gen in several]
-            if several and all(j is not None for j in joined):
+            joined = [_joined(graph, step, gen, None) for gen in several] \
+                if _read_as_sources_only(graph, several, name) else []
+            if joined and all(j is not None for j in joined):
                 acc_name, anchor_only = _anchor_only(graph, step)
                 del by_out[name]
                 by_out[acc_name] = anchor_only
