@@ -78,7 +78,15 @@ NORMS = {
     "instance_norm": ("def forward(self, x):\n    return F.instance_norm(x)", (2, 4, 30, 40), "256 thread(s) per row"),
     "batch_norm_strided": ("def __init__(self):\n    super().__init__()\n    self.bn = nn.BatchNorm1d(16)\n\n"
                            "def forward(self, x):\n    return self.bn(x)", (64, 16), "strided, 1 thread(s) per row"),
+    # 67 a thread, read twice: 16 groups of four, then 3 one by one
+    "batch_norm_strided_ragged": ("def __init__(self):\n    super().__init__()\n    self.bn = nn.BatchNorm1d(16)\n\n"
+                                  "def forward(self, x):\n    return self.bn(x)", (67, 16),
+                                  "strided, 1 thread(s) per row"),
+    # 36 or 37 a thread of 256, read twice
+    "layer_norm_block_uncached": ("def __init__(self):\n    super().__init__()\n    self.ln = nn.LayerNorm(9301)\n\n"
+                                  "def forward(self, x):\n    return self.ln(x)", (3, 9301), "256 thread(s) per row"),
 }
+UNCACHED = ("batch_norm_strided", "batch_norm_strided_ragged", "layer_norm_block_uncached")
 
 
 @pytest.mark.parametrize("name", sorted(NORMS))
@@ -89,7 +97,9 @@ def test_welford_norm_kernel_matches_the_interpreter(name: str, tmp_path) -> Non
     step = next(g for g in plan.generated if g.spec.kind == "norm")
     cuda = generate(plan).cuda
     assert strategy in cuda and "kf_row_reduce_welford<TPR>(n, mean, m2)" in cuda
-    assert ("float cache[PER];" in cuda) == (name != "batch_norm_strided")  # 64 per thread: read twice
+    # a row a thread does not keep in registers is read twice; its statistics pass takes four elements a step
+    assert ("float cache[PER];" in cuda) == (name not in UNCACHED)
+    assert ("kf_welford_add4(n, mean, m2, value(r)" in cuda) == (name in UNCACHED)
     out, expected, tensors, env = emulated_run(emulated(plan, tmp_path), plan, step, seed=1, src_offset=100.0)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
     for (arg, ref), emulated_buffer in zip(tensor_args(step), tensors, strict=True):

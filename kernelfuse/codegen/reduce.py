@@ -209,7 +209,7 @@ def _kind_lines(step: GenStep, kind: str, red: int, ctype: str, space: Space, tp
     if cached:
         lines += two_passes(kind, oc, gp)
     else:
-        lines += welford_in_fours() if kind == "moments" else row_pass(["kf_welford_add(n, mean, m2, v);"])
+        lines += welford_in_fours()  # the row read from memory twice: the statistics pass, then the write pass
     lines.append("    kf_row_reduce_welford<TPR>(n, mean, m2);")
     if blocks:
         lines.append(f"    {combine_across_blocks(blocks, ('n', 'mean', 'm2'), 'kf_welford_merge3')}")

@@ -106,8 +106,9 @@ def two_passes(kind: str, onchip: int, grouped: tuple[list[str], str] | None = N
 
 def welford_in_fours() -> list[str]:
     """A thread's Welford statistics of its elements read once each (not kept): four at a time merged by Chan's
-    formula (`kf_welford_add4`, one division a group), then the rest one by one. A division per element made
-    level-2 92's statistics kernel issue-bound (520 MB at 2.1 TB/s on an H200)."""
+    formula (`kf_welford_add4`, one division a group), then the rest one by one: the moments kernels' pass and a
+    norm's statistics pass where its row does not stay in registers. A division per element made level-2 92's
+    statistics kernel issue-bound (520 MB at 2.1 TB/s on an H200)."""
     return ["    INDEX r = lane;",
             "    for (; r + 3 * (INDEX)TPR < (INDEX)RED; r += 4 * (INDEX)TPR) {",
             "      kf_welford_add4(n, mean, m2, value(r), value(r + TPR), value(r + 2 * (INDEX)TPR),"
