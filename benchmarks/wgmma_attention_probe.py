@@ -19,6 +19,9 @@ Variants (each builds on the one above it unless said otherwise):
   pipe-2cta    pipelined with 64-key tiles and __launch_bounds__(256, 2): two blocks a SM (64 KB shared each),
                so one block's softmax and barriers overlap the other's MMAs.
   pipe-3wg     pipelined with 192 query rows (three warpgroups, 168 registers at most).
+  pipe-mbar    pipelined without the block barrier: an mbarrier a ring slot says its copies landed (cp.async's
+               own arrive) and another that its readers are done (4 slots, K two ahead, V one), so the warpgroups
+               drift apart and one's softmax meets the other's MMAs, as FA3's warp specialization gives.
   pipe-d128    pipelined at head dim 128 (2-deep ring, 160 KB): P V as two m64n64k16 per k16 step, one per
                64-column atom of V, so no descriptor offset beyond stop 45's proven ones.
   pipe-d128n   as pipe-d128 but P V as one m64n128k16 reading both atoms of V through the leading byte offset
@@ -55,7 +58,7 @@ CASES = [(8, 12, 1024, True), (4, 16, 4096, False), (64, 12, 256, False), (2, 16
 CASES_D128 = [(8, 12, 1024, True), (4, 16, 4096, False), (8, 16, 2048, True)]
 NAME = "kf_wgmma_attention_probe2"
 QUIET = ["-diag-suppress=177"]  # each translation unit holds helpers it does not use
-CHILD_TIMEOUT_S = 120
+CHILD_TIMEOUT_S = 60  # a child takes ~10 s; a hang (an mbarrier never completing) costs this much
 
 
 def _regs(first: int, count: int) -> str:
@@ -139,6 +142,30 @@ __device__ __forceinline__ float ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
   return y;
+}
+// cp.async with a source size: 0 fills the 16 bytes with zeros (rows past S), so every write to a ring slot is a
+// cp.async that the slot's mbarrier tracks
+__device__ __forceinline__ void cp_async16_zfill(void* dst, const void* src, int bytes) {
+  const unsigned d = (unsigned)__cvta_generic_to_shared(dst);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ unsigned smem_addr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+// arrives once this thread's earlier cp.async copies have landed (noinc: counted in the init count)
+__device__ __forceinline__ void mbar_arrive_copies(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// waits for the completion of the phase with this parity (the label is local to the braces)
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nWAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
 }
 // Registers an in-flight wgmma reads or writes: the empty asm pins them (the compiler may not move their uses
 // across it), so uses stay after the wait and writes before the issue.
@@ -309,7 +336,7 @@ V2 = r"""
 namespace {
 // ROWS rows x D bf16 from global (row pitch D) into swizzled atoms: atom a (head dims 64a..64a+63) is ROWS rows of
 // 128 bytes, atoms ROWS * 128 bytes apart (each 1024-byte aligned since ROWS is a multiple of 8)
-template <int ROWS, int D, int THREADS>
+template <int ROWS, int D, int THREADS, bool ZFILL = false>
 __device__ __forceinline__ void load_rows(char* tile, const __nv_bfloat16* src, int rows_left) {
   constexpr int CPR = D / 8, TOTAL = ROWS * CPR;
 #pragma unroll
@@ -318,7 +345,9 @@ __device__ __forceinline__ void load_rows(char* tile, const __nv_bfloat16* src, 
     if (TOTAL % THREADS != 0 && idx >= TOTAL) break;
     const int r = idx / CPR, cc = idx % CPR, c = cc & 7;
     char* dst = tile + (cc >> 3) * ROWS * 128 + r * 128 + ((c ^ (r & 7)) << 4);
-    if (r < rows_left) cp_async16(dst, src + (long long)r * D + cc * 8);
+    if constexpr (ZFILL) cp_async16_zfill(dst, r < rows_left ? src + (long long)r * D + cc * 8 : src,
+                                          r < rows_left ? 16 : 0);
+    else if (r < rows_left) cp_async16(dst, src + (long long)r * D + cc * 8);
     else *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
   }
 }
@@ -386,8 +415,11 @@ __device__ __forceinline__ void softmax_tile(float (&s)[NS], float (&row_max)[2]
 
 // D: head dim (64 or 128); BR: query rows a block (64 a warpgroup); BC: keys a tile (64 or 128); STAGES: K/V ring
 // depth; PIPE: FA3's intra-warpgroup overlap; FAST: see softmax_tile; MIN_BLOCKS: __launch_bounds__'s second
-// argument; WIDE_PV: at D = 128, P V as one m64n128k16 a k16 step instead of two m64n64k16.
-template <int D, int BR, int BC, int STAGES, bool PIPE, bool FAST, int MIN_BLOCKS, bool WIDE_PV, bool CAUSAL>
+// argument; WIDE_PV: at D = 128, P V as one m64n128k16 a k16 step instead of two m64n64k16; MBAR: mbarriers a
+// ring slot instead of the block barrier a tile (pipelined only), so the warpgroups drift apart and one's softmax
+// meets the other's MMAs.
+template <int D, int BR, int BC, int STAGES, bool PIPE, bool FAST, int MIN_BLOCKS, bool WIDE_PV, bool MBAR,
+          bool CAUSAL>
 __global__ void __launch_bounds__(BR * 2, MIN_BLOCKS) attention_v2(const __nv_bfloat16* __restrict__ q,
     const __nv_bfloat16* __restrict__ k, const __nv_bfloat16* __restrict__ v, __nv_bfloat16* __restrict__ o,
     int S, float scale_log2) {
@@ -396,13 +428,32 @@ __global__ void __launch_bounds__(BR * 2, MIN_BLOCKS) attention_v2(const __nv_bf
   // After iteration j's barrier come the copies of iteration j + STAGES - 1's K and iteration j + VAHEAD's V, into
   // slot (iteration % STAGES). Pipelined, iteration j's V is read in iteration j + 1 (P V lags S by one), so it may
   // be one less ahead; its slot (iteration j - 2's) was released by the wait at the end of iteration j - 1.
-  constexpr int VAHEAD = PIPE ? STAGES - 2 : STAGES - 1;
-  static_assert(STAGES >= 2, "ring");
+  // With MBAR each is one less ahead again (4 slots: K two ahead, V one): a slot's last readers are then two
+  // (K) or three (V) iterations back, slack for a warpgroup that lags the other.
+  constexpr int KAHEAD = MBAR ? STAGES - 2 : STAGES - 1;
+  constexpr int VAHEAD = MBAR ? STAGES - 3 : PIPE ? STAGES - 2 : STAGES - 1;
+  static_assert(STAGES >= 2 && (!MBAR || (PIPE && STAGES >= 4)), "ring");
   extern __shared__ char smem_raw[];
   char* smem = reinterpret_cast<char*>(((uintptr_t)smem_raw + 1023) & ~(uintptr_t)1023);
   char* q_tile = smem;                          // BR rows, ATOMS atoms BR * 128 bytes apart
   char* k_ring = smem + Q_BYTES;                // STAGES tiles of BC rows
   char* v_ring = k_ring + STAGES * KV_BYTES;    // STAGES tiles of BC rows
+  // MBAR: a slot's copies landed (full: one arrival a thread) and its readers done (empty: one a warp)
+  uint64_t* full_k = reinterpret_cast<uint64_t*>(v_ring + STAGES * KV_BYTES);
+  uint64_t* full_v = full_k + STAGES;
+  uint64_t* empty_k = full_v + STAGES;
+  uint64_t* empty_v = empty_k + STAGES;
+  if constexpr (MBAR) {
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < STAGES; ++i) {
+        mbar_init(full_k + i, THREADS);
+        mbar_init(full_v + i, THREADS);
+        mbar_init(empty_k + i, THREADS / 32);
+        mbar_init(empty_v + i, THREADS / 32);
+      }
+    }
+    __syncthreads();
+  }
   const long long head = (long long)blockIdx.y * S * D;
   // causal: the query blocks with the most key tiles first (FA's order), so the short ones fill the last wave
   const int qblock = (FAST && CAUSAL) ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
@@ -423,19 +474,30 @@ __global__ void __launch_bounds__(BR * 2, MIN_BLOCKS) attention_v2(const __nv_bf
   const int unmasked = min(tiles, FAST ? (CAUSAL ? min(S, q0 + 1) : S) / BC : 0);
   const int masked = tiles - unmasked;
   auto issue_loads = [&](int it) {  // the copies of iteration it (negative: the prologue's)
-    const int ki = it + STAGES - 1, vi = it + VAHEAD;
+    const int ki = it + KAHEAD, vi = it + VAHEAD;
     if (ki >= 0 && ki < tiles) {
       const int kt = tile_of(ki);
-      load_rows<BC, D, THREADS>(k_ring + (ki % STAGES) * KV_BYTES, k + head + (long long)kt * BC * D, S - kt * BC);
+      if constexpr (MBAR) {  // the slot's last readers (iteration ki - STAGES) are done
+        if (ki >= STAGES) mbar_wait(empty_k + ki % STAGES, ((ki - STAGES) / STAGES) & 1);
+      }
+      load_rows<BC, D, THREADS, MBAR>(k_ring + (ki % STAGES) * KV_BYTES, k + head + (long long)kt * BC * D,
+                                      S - kt * BC);
+      if constexpr (MBAR) mbar_arrive_copies(full_k + ki % STAGES);
     }
     if (vi >= 0 && vi < tiles) {
       const int vt = tile_of(vi);
-      load_rows<BC, D, THREADS>(v_ring + (vi % STAGES) * KV_BYTES, v + head + (long long)vt * BC * D, S - vt * BC);
+      if constexpr (MBAR) {
+        if (vi >= STAGES) mbar_wait(empty_v + vi % STAGES, ((vi - STAGES) / STAGES) & 1);
+      }
+      load_rows<BC, D, THREADS, MBAR>(v_ring + (vi % STAGES) * KV_BYTES, v + head + (long long)vt * BC * D,
+                                      S - vt * BC);
+      if constexpr (MBAR) mbar_arrive_copies(full_v + vi % STAGES);
     }
   };
-  load_rows<BR, D, THREADS>(q_tile, q + head + (long long)q0 * D, S - q0);
+  // Q before the first K: that K's arrival (after all of the thread's earlier copies) covers Q too
+  load_rows<BR, D, THREADS, MBAR>(q_tile, q + head + (long long)q0 * D, S - q0);
 #pragma unroll
-  for (int it = -(STAGES - 1); it < 0; ++it) {
+  for (int it = -KAHEAD; it < 0; ++it) {
     issue_loads(it);
     cp_async_commit();
   }
@@ -485,11 +547,19 @@ __global__ void __launch_bounds__(BR * 2, MIN_BLOCKS) attention_v2(const __nv_bf
     constexpr bool MASK = decltype(mask)::value, FIRST = decltype(first)::value;
     // one barrier a tile: this iteration's K (and V, or the last one's V pipelined) landed for every thread, and
     // every warpgroup is past the last iteration, so the slots the copies below overwrite are free
-    cp_async_wait<STAGES - 2>();
-    fence_async();
-    __syncthreads();
-    issue_loads(it);
-    cp_async_commit();
+    if constexpr (MBAR) {
+      issue_loads(it);
+      // both waits before the first issue: a spin loop between two wgmma issues makes ptxas add an arrive
+      mbar_wait(full_k + it % STAGES, (it / STAGES) & 1);
+      if constexpr (!FIRST) mbar_wait(full_v + (it - 1) % STAGES, ((it - 1) / STAGES) & 1);
+      fence_async();  // the copies (generic proxy) before wgmma's reads (async proxy)
+    } else {
+      cp_async_wait<STAGES - 2>();
+      fence_async();
+      __syncthreads();
+      issue_loads(it);
+      cp_async_commit();
+    }
     float corr[2];
     wgmma_fence();
     issue_s(it);
@@ -502,11 +572,17 @@ __global__ void __launch_bounds__(BR * 2, MIN_BLOCKS) attention_v2(const __nv_bf
       wgmma_wait_n<0>();
     }
     pin(s);
+    if constexpr (MBAR) {
+      if (lane == 0) mbar_arrive(empty_k + it % STAGES);
+    }
     softmax_tile<NS, FAST, MASK, CAUSAL>(s, row_max, row_sum, corr, tile_of(it) * BC, my_row, S, scale_log2);
     if constexpr (PIPE) {  // the softmax above ran while P V did
       wgmma_wait_n<0>();
       pin(acc);
       pin(p);
+      if constexpr (MBAR && !FIRST) {
+        if (lane == 0) mbar_arrive(empty_v + (it - 1) % STAGES);
+      }
     }
     rescale_and_pack(corr);
     if constexpr (!PIPE) {
@@ -523,10 +599,15 @@ __global__ void __launch_bounds__(BR * 2, MIN_BLOCKS) attention_v2(const __nv_bf
   else iteration(0, no{}, yes{});
   for (int it = 1; it < masked; ++it) iteration(it, yes{}, no{});
   for (int it = max(1, masked); it < tiles; ++it) iteration(it, no{}, no{});
-  if constexpr (PIPE) {
+  if constexpr (MBAR) {
+    mbar_wait(full_v + (tiles - 1) % STAGES, ((tiles - 1) / STAGES) & 1);
+    fence_async();
+  } else if constexpr (PIPE) {
     cp_async_wait<0>();
     fence_async();
     __syncthreads();
+  }
+  if constexpr (PIPE) {
     wgmma_fence();
     issue_pv(tiles - 1);
     wgmma_commit();
@@ -552,19 +633,19 @@ __global__ void __launch_bounds__(BR * 2, MIN_BLOCKS) attention_v2(const __nv_bf
   }
 }
 
-template <int D, int BR, int BC, int STAGES, bool PIPE, bool FAST, int MIN_BLOCKS, bool WIDE_PV>
+template <int D, int BR, int BC, int STAGES, bool PIPE, bool FAST, int MIN_BLOCKS, bool WIDE_PV, bool MBAR>
 int launch(const void* q, const void* k, const void* v, void* o, int heads, int S, int d, bool causal,
            cudaStream_t stream) {
   if (d != D) return -1;
-  constexpr int SMEM = BR * D * 2 + 2 * STAGES * BC * D * 2 + 1024;
+  constexpr int SMEM = BR * D * 2 + 2 * STAGES * BC * D * 2 + 1024 + 4 * STAGES * 8;  // + the mbarriers
   const float scale_log2 = 1.4426950408889634f / sqrtf((float)D);
-  auto kernel = causal ? attention_v2<D, BR, BC, STAGES, PIPE, FAST, MIN_BLOCKS, WIDE_PV, true>
-                       : attention_v2<D, BR, BC, STAGES, PIPE, FAST, MIN_BLOCKS, WIDE_PV, false>;
+  auto kernel = causal ? attention_v2<D, BR, BC, STAGES, PIPE, FAST, MIN_BLOCKS, WIDE_PV, MBAR, true>
+                       : attention_v2<D, BR, BC, STAGES, PIPE, FAST, MIN_BLOCKS, WIDE_PV, MBAR, false>;
   static bool attributes_set = false;  // once per kernel pair (the probe calls from one thread)
   if (!attributes_set) {
-    cudaFuncSetAttribute(attention_v2<D, BR, BC, STAGES, PIPE, FAST, MIN_BLOCKS, WIDE_PV, true>,
+    cudaFuncSetAttribute(attention_v2<D, BR, BC, STAGES, PIPE, FAST, MIN_BLOCKS, WIDE_PV, MBAR, true>,
                          cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
-    cudaFuncSetAttribute(attention_v2<D, BR, BC, STAGES, PIPE, FAST, MIN_BLOCKS, WIDE_PV, false>,
+    cudaFuncSetAttribute(attention_v2<D, BR, BC, STAGES, PIPE, FAST, MIN_BLOCKS, WIDE_PV, MBAR, false>,
                          cudaFuncAttributeMaxDynamicSharedMemorySize, SMEM);
     attributes_set = true;
   }
@@ -603,17 +684,18 @@ void run(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor o, boo
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("run", &run); }
 """
 
-# name, head dim, attention_v2's template arguments <D, BR, BC, STAGES, PIPE, FAST, MIN_BLOCKS, WIDE_PV> (None:
+# name, head dim, attention_v2's template arguments <D, BR, BC, STAGES, PIPE, FAST, MIN_BLOCKS, WIDE_PV, MBAR> (None:
 # stop 45's kernel); safest first, since a trap ends the process's CUDA context
 VARIANTS = [
     ("base", 64, None),
-    ("k128", 64, "64, 128, 128, 2, false, false, 1, false"),
-    ("masked", 64, "64, 128, 128, 2, false, true, 1, false"),
-    ("pipelined", 64, "64, 128, 128, 3, true, true, 1, false"),
-    ("pipe-2cta", 64, "64, 128, 64, 3, true, true, 2, false"),
-    ("pipe-3wg", 64, "64, 192, 128, 3, true, true, 1, false"),
-    ("pipe-d128", 128, "128, 128, 128, 2, true, true, 1, false"),
-    ("pipe-d128n", 128, "128, 128, 128, 2, true, true, 1, true"),
+    ("k128", 64, "64, 128, 128, 2, false, false, 1, false, false"),
+    ("masked", 64, "64, 128, 128, 2, false, true, 1, false, false"),
+    ("pipelined", 64, "64, 128, 128, 3, true, true, 1, false, false"),
+    ("pipe-2cta", 64, "64, 128, 64, 3, true, true, 2, false, false"),
+    ("pipe-3wg", 64, "64, 192, 128, 3, true, true, 1, false, false"),
+    ("pipe-mbar", 64, "64, 128, 128, 4, true, true, 1, false, true"),
+    ("pipe-d128", 128, "128, 128, 128, 2, true, true, 1, false, false"),
+    ("pipe-d128n", 128, "128, 128, 128, 2, true, true, 1, true, false"),
 ]
 
 
@@ -688,8 +770,9 @@ def compile_only() -> None:
             kernel = spills = ""
             for line in log.splitlines():
                 if "Compiling entry function" in line:
-                    kernel = re.sub(r".*Li(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELb(\d)ELb(\d)ELi(\d)ELb(\d)ELb(\d)E.*",
-                                    r"<D\1 BR\2 BC\3 ST\4 pipe\5 fast\6 min\7 wide\8 causal\9>", line.split("'")[1])
+                    kernel = re.sub(r".*Li(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELb(\d)ELb(\d)ELi(\d)ELb(\d)ELb(\d)ELb(\d)E.*",
+                                    r"<D\1 BR\2 BC\3 ST\4 pipe\5 fast\6 min\7 wide\8 mbar\9 causal\10>",
+                                    line.split("'")[1])
                     kernel = kernel if kernel.startswith("<") else line.split("'")[1]
                 elif "spill stores" in line:
                     spills = line.strip()
