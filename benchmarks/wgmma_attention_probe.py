@@ -27,8 +27,9 @@ Variants (each builds on the one above it unless said otherwise):
   pipe-d128n   as pipe-d128 but P V as one m64n128k16 reading both atoms of V through the leading byte offset
                (riskiest: the one descriptor field not yet proven on the GPU).
 
-Every variant first runs in a child process (the layout check and a ragged random case against float64) so that a
-trap or a hang costs only that variant; variants that came back are then timed beside SDPA.
+Every variant is first checked in a child process (the layout check and ragged random cases against float64), so
+that a trap or a hang costs only that variant (a new child carries on after it); variants that came back are then
+timed beside SDPA.
 
 Run on the GPU machine from the repo root (builds for sm_90a):
     PYTHONPATH=. python benchmarks/wgmma_attention_probe.py > $OUT/wgmma_attention_probe.md
@@ -58,7 +59,7 @@ CASES = [(8, 12, 1024, True), (4, 16, 4096, False), (64, 12, 256, False), (2, 16
 CASES_D128 = [(8, 12, 1024, True), (4, 16, 4096, False), (8, 16, 2048, True)]
 NAME = "kf_wgmma_attention_probe2"
 QUIET = ["-diag-suppress=177"]  # each translation unit holds helpers it does not use
-CHILD_TIMEOUT_S = 60  # a child takes ~10 s; a hang (an mbarrier never completing) costs this much
+CHILD_TIMEOUT_S = 60  # the checks of all variants take ~15 s; a hang (an mbarrier never completing) costs this
 
 
 def _regs(first: int, count: int) -> str:
@@ -827,9 +828,11 @@ def layout_check(ext, variant: int, d: int) -> bool:
 
 
 def random_check(ext, variant: int, d: int) -> bool:
-    """Ragged sequences (partial tiles, padding rows) against float64, causal and not."""
+    """Ragged sequences (partial tiles, padding rows, empty warpgroups) against float64, causal and not."""
     ok = True
-    for b, h, s, causal in ((1, 2, 300, False), (1, 2, 300, True), (2, 3, 520, True), (1, 1, 64, False)):
+    # 1100 keys: nine 128-key tiles, so every ring (and pipe-mbar's barrier phases) wraps more than twice
+    for b, h, s, causal in ((1, 2, 300, False), (1, 2, 300, True), (2, 3, 520, True), (1, 1, 64, False),
+                            (1, 2, 1100, False)):
         g = torch.Generator(device="cuda").manual_seed(1)
         q, k, v = (torch.randn(b, h, s, d, device="cuda", generator=g).to(torch.bfloat16) for _ in range(3))
         want = reference(q, k, v, causal)
@@ -844,34 +847,43 @@ def random_check(ext, variant: int, d: int) -> bool:
     return ok
 
 
-def child_check(name: str) -> None:
-    index = [n for n, _, _ in VARIANTS].index(name)
+DONE = "@@checked "  # a child's marker after each variant: the parent knows where a trap or hang struck
+
+
+def child_check(first: int) -> None:
+    """The checks of variants first.. in order (safest first), each followed by the marker."""
     ext = build()
-    d = VARIANTS[index][1]
-    ok = layout_check(ext, index, d)
-    ok &= random_check(ext, index, d)
-    print(f"  {name}: {'passed' if ok else 'FAILED'}", flush=True)
+    for index in range(first, len(VARIANTS)):
+        name, d, _ = VARIANTS[index]
+        print(f"{name} (d {d}):", flush=True)
+        ok = layout_check(ext, index, d)
+        ok &= random_check(ext, index, d)
+        print(f"  {name}: {'passed' if ok else 'FAILED'}\n{DONE}{index}", flush=True)
 
 
 def screen() -> list[int]:
-    """Each variant's checks in a child process: a trap or hang there costs only that variant. Returns the variants
-    whose child came back (failed checks included: they are timed, marked by their errors below)."""
-    alive = []
-    for index, (name, d, _) in enumerate(VARIANTS):
+    """The variants' checks in child processes: a trap or a hang ends that child only; the next child starts after
+    the variant that struck. Returns the variants a child came back from (failed checks included: they are timed,
+    and their errors in the table say so)."""
+    alive, first = [], 0
+    while first < len(VARIANTS):
         t0 = time.time()
-        print(f"{name} (d {d}):", flush=True)
         try:
-            r = subprocess.run([sys.executable, os.path.abspath(__file__), "--check", name], capture_output=True,
-                               text=True, timeout=CHILD_TIMEOUT_S)
-            print(r.stdout.rstrip())
-            if r.returncode == 0:
-                alive.append(index)
-            else:
-                tail = [line for line in r.stderr.splitlines() if line.strip()][-3:]
-                print(f"  child exited {r.returncode}; not timed: " + " / ".join(tail)[:400])
-        except subprocess.TimeoutExpired:
-            print(f"  child still running after {CHILD_TIMEOUT_S} s (a hang?); not timed")
-        print(f"  ({time.time() - t0:.1f} s)", flush=True)
+            r = subprocess.run([sys.executable, os.path.abspath(__file__), "--check-from", str(first)],
+                               capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
+            out, err, why = r.stdout, r.stderr, f"child exited {r.returncode}"
+        except subprocess.TimeoutExpired as e:
+            out, err = (x.decode() if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
+            why = f"child still running after {CHILD_TIMEOUT_S} s (a hang?)"
+        done = [int(line[len(DONE):]) for line in out.splitlines() if line.startswith(DONE)]
+        print("\n".join(line for line in out.splitlines() if not line.startswith(DONE)))
+        alive += done
+        last = done[-1] if done else first - 1
+        if last < len(VARIANTS) - 1:  # the child ended during variant last + 1
+            tail = [line for line in err.splitlines() if line.strip()][-3:]
+            print(f"  {VARIANTS[last + 1][0]}: {why}; not timed. " + " / ".join(tail)[:400])
+        print(f"  (child: {time.time() - t0:.1f} s)", flush=True)
+        first = last + 2
     return alive
 
 
@@ -921,13 +933,13 @@ def probe_case(ext, alive: list[int], b: int, h: int, s: int, causal: bool, d: i
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--compile-only", action="store_true", help="ptxas registers and spills, no GPU")
-    parser.add_argument("--check", help="(internal) one variant's checks, in a child process")
+    parser.add_argument("--check-from", type=int, help="(internal) the checks from this variant on, in a child")
     args = parser.parse_args()
     if args.compile_only:
         compile_only()
         return
-    if args.check:
-        child_check(args.check)
+    if args.check_from is not None:
+        child_check(args.check_from)
         return
     t0 = time.time()
     ext = build()
