@@ -546,8 +546,9 @@ __global__ void __launch_bounds__(BR * 2, MIN_BLOCKS) attention_v2(const __nv_bf
   // one iteration; MASK and FIRST (no P V to overlap yet) are compile-time so the body has no branch
   auto iteration = [&](int it, auto mask, auto first) {
     constexpr bool MASK = decltype(mask)::value, FIRST = decltype(first)::value;
-    // one barrier a tile: this iteration's K (and V, or the last one's V pipelined) landed for every thread, and
-    // every warpgroup is past the last iteration, so the slots the copies below overwrite are free
+    // Without MBAR, one barrier a tile: this iteration's K (and V, or the last one's V pipelined) landed for every
+    // thread, and every warpgroup is past the last iteration, so the slots the copies below overwrite are free.
+    // With MBAR the copies wait for their slot's readers, and S and P V for their slot's copies, and nothing else.
     if constexpr (MBAR) {
       issue_loads(it);
       // both waits before the first issue: a spin loop between two wgmma issues makes ptxas add an arrive
