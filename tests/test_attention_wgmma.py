@@ -19,6 +19,7 @@ from test_attention_flash import poisoned_shared  # noqa: F401 (a fixture)
 
 from kernelfuse.capture import capture_module
 from kernelfuse.codegen import generate
+from kernelfuse.codegen.attention import input_strides
 from kernelfuse.plan import make_plan
 from kernelfuse.plan.attention_views import attention_reference
 from kernelfuse.plan.ir import AttnStep
@@ -94,6 +95,8 @@ def test_emulated_wgmma_attention_matches_float64_and_the_flash_kernel(name, tmp
     inputs, plan = _plan(_sdpa(causal, q_bshd, kv_bshd, out_bshd, **kw), [q, k, v])
     step: AttnStep = plan.attention[0]
     assert step.dims == (b, h, hk, s, length, d) and step.causal == causal and step.mask is None
+    strides = input_strides(step)
+    assert strides["q"][2] == (h * d if q_bshd else d) and strides["k"][2] == (hk * d if kv_bshd else d)
     emu = emulated(plan, tmp_path)
     got = _run(emu, step, inputs, wgmma=True)
     flash = _run(emu, step, inputs, wgmma=False)
