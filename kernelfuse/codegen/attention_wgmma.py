@@ -57,7 +57,8 @@ def _mma(n: int, a_regs: bool) -> str:
     regs, ops = accumulator_operands(count)
     if a_regs:
         a_operand = "{" + ", ".join(f"%{count + i}" for i in range(4)) + "}"
-        return f"""__device__ __forceinline__ void mma_bf16_rs(float (&d)[{count}], const unsigned (&a)[4], uint64_t b) {{
+        return f"""__device__ __forceinline__ void mma_bf16_rs(float (&d)[{count}], const unsigned (&a)[4],
+                                            uint64_t b) {{
   asm volatile(
       "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{count + 5}, 0;\\n"
       "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {regs}, {a_operand}, %{count + 4}, p, 1, 1, 1;\\n}}\\n"
@@ -65,7 +66,8 @@ def _mma(n: int, a_regs: bool) -> str:
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
 }}
 """
-    return f"""__device__ __forceinline__ void mma_bf16_ss(float (&d)[{count}], uint64_t a, uint64_t b, int accumulate) {{
+    return f"""__device__ __forceinline__ void mma_bf16_ss(float (&d)[{count}], uint64_t a, uint64_t b,
+                                            int accumulate) {{
   asm volatile(
       "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{count + 2}, 0;\\n"
       "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {regs}, %{count}, %{count + 1}, p, 1, 1, 0, 0;\\n}}\\n"
@@ -167,18 +169,19 @@ inline float ex2(float x) { return exp2f(x); }
 template <bool B> struct flag { static constexpr bool value = B; };
 
 // ROWS rows x D bf16 (row pitch `pitch` elements) into swizzled atoms: atom a (head dims 64a..64a+63) is ROWS rows
-// of 128 bytes, atoms ROWS * 128 bytes apart; rows from `valid` on are zeros (their copies read nothing)
+// of 128 bytes, atoms ROWS * 128 bytes apart; rows from `valid` on are zeros (their copies read nothing). A thread
+// keeps one 16-byte column and steps RP rows (a multiple of 8: one swizzle phase) at a time: one address and one
+// stride, where an address per copy held 32 more registers at head dim 128.
 template <int ROWS, int D, int THREADS>
 __device__ __forceinline__ void attn_rows(char* tile, const unsigned short* src, long long pitch, int valid) {
-  constexpr int CPR = D / 8, TOTAL = ROWS * CPR;
+  constexpr int CPR = D / 8, RP = THREADS / CPR;  // 16-byte copies a row, rows a pass
+  static_assert(THREADS % CPR == 0 && RP % 8 == 0 && ROWS % RP == 0, "whole passes of whole swizzle phases");
+  const int r0 = threadIdx.x / CPR, cc = threadIdx.x % CPR;
+  const unsigned short* from = src + r0 * pitch + cc * 8;
+  char* dst = tile + (cc >> 3) * ROWS * 128 + r0 * 128 + (((cc & 7) ^ (r0 & 7)) << 4);
 #pragma unroll
-  for (int i = 0; i < (TOTAL + THREADS - 1) / THREADS; ++i) {
-    const int idx = threadIdx.x + i * THREADS;
-    if (TOTAL % THREADS != 0 && idx >= TOTAL) break;
-    const int r = idx / CPR, cc = idx % CPR, c = cc & 7;
-    char* dst = tile + (cc >> 3) * ROWS * 128 + r * 128 + ((c ^ (r & 7)) << 4);
-    kf_cp_async16(dst, r < valid ? src + r * pitch + cc * 8 : src, r < valid);
-  }
+  for (int i = 0; i < ROWS / RP; ++i)
+    kf_cp_async16(dst + i * RP * 128, r0 + i * RP < valid ? from + i * RP * pitch : src, r0 + i * RP < valid);
 }
 
 // One tile's online softmax on the S fragments (n8 block c: (row g, keys 8c + 2t, +1), (row g + 8, the same)): the
@@ -287,7 +290,8 @@ __global__ void __launch_bounds__(256, D == 64 ? 2 : 1)
   auto issue_pv = [&](int it) {  // O += P V: V MN-major, its 64-column atoms BC rows of 128 bytes apart (head dim 128)
     const char* vt = v_ring + (it % STAGES) * KV_BYTES;
 #pragma unroll
-    for (int kk = 0; kk < KSTEPS; ++kk) mma_bf16_rs(acc, pf[kk], desc_b16(vt, kk * 16 * 128, ATOMS == 2 ? BC * 128 : 1024));
+    for (int kk = 0; kk < KSTEPS; ++kk)
+      mma_bf16_rs(acc, pf[kk], desc_b16(vt, kk * 16 * 128, ATOMS == 2 ? BC * 128 : 1024));
   };
   auto rescale_and_pack = [&](const float (&corr)[2]) {
 #pragma unroll

@@ -37,7 +37,8 @@ def accumulator_operands(count: int = 64) -> tuple[str, str]:
 _D_REGS, _D_OPS = accumulator_operands()
 
 # What every wgmma kernel of a file shares (the GEMM's loop here, the dense convolution's in conv_wgmma, attention's
-# in attention_wgmma): the switch the loader sets, the launchers' test, the shared-memory descriptor of a 128-byte-swizzled K-major tile, the fences.
+# in attention_wgmma): the switch the loader sets, the launchers' test, the shared-memory descriptor of a
+# 128-byte-swizzled K-major tile, the fences.
 WGMMA_COMMON = r"""
 // ---- Hopper's warpgroup MMA (wgmma), sm_90a: what the GEMM, convolution and attention kernels share ----
 #if defined(__CUDACC__) || defined(KF_EMULATION)
