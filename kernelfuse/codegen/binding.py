@@ -67,8 +67,9 @@ class _KernelLibrary:
         self._lib.kf_error_string.restype = ctypes.c_char_p
 
     def _allow_wgmma(self, built_for_sm90a):
-        """Tell the GEMM launchers whether this library holds the sm_90a (wgmma) main loop: only the loader knows
-        what it built for, and without it they take the mma.sync loop (a library without GEMMs has no switch)."""
+        """Tell the GEMM, convolution and attention launchers whether this library holds the sm_90a (wgmma) kernels:
+        only the loader knows what it built for, and without it they take the mma.sync ones (a library without such
+        launchers has no switch)."""
         if hasattr(self._lib, "kf_wgmma_enable"):
             self._lib.kf_wgmma_enable(ctypes.c_int(int(built_for_sm90a)))
 

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from kernelfuse.codegen.arg_reduce import ARG_PRELUDE, INDEX_KINDS
-from kernelfuse.codegen.attention import render_attention
+from kernelfuse.codegen.attention import render_attention, uses_tensor_cores
 from kernelfuse.codegen.attention_flash import FLASH_PRELUDE
 from kernelfuse.codegen.attention_mma import MMA_ATTENTION_PRELUDE
 from kernelfuse.codegen.attention_prelude import ATTENTION_PRELUDE
+from kernelfuse.codegen.attention_wgmma import ATTENTION_WGMMA_PRELUDE
 from kernelfuse.codegen.binding import Binding, kernels_class
 from kernelfuse.codegen.common import C_TYPES
 from kernelfuse.codegen.conv_igemm import dense_kernel, render_conv
@@ -207,8 +208,12 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
         cuda += [TENSORCORE_PRELUDE, IGEMM_PRELUDE]  # the TF32 rounding, cp.async and mma helpers; the igemm step
     gemm = any(s.anchor.epilogue_inside and s.anchor.family == "matmul" for s in steps)
     dense = any(s.anchor.epilogue_inside and s.anchor.family == "conv" and dense_kernel(plan.graph, s) for s in steps)
-    if gemm or dense:  # both kernels have a wgmma main loop for Hopper; the loader's switch and helpers, once
+    # bf16 attention on tensor cores: kf_attention_tc's Hopper branch (the wgmma flash kernel) is in the file
+    attention_wgmma = any(a.out_meta.dtype == torch.bfloat16 and uses_tensor_cores(a) for a in attention)
+    if gemm or dense or attention_wgmma:  # each has a wgmma kernel for Hopper; the loader's switch and helpers, once
         cuda.append(WGMMA_COMMON)
+    if attention_wgmma:
+        cuda.append(ATTENTION_WGMMA_PRELUDE)
     if gemm:
         cuda += [GEMM_PRELUDE, WGMMA_PRELUDE]
     if dense:

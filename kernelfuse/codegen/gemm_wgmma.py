@@ -36,10 +36,11 @@ def accumulator_operands(count: int = 64) -> tuple[str, str]:
 
 _D_REGS, _D_OPS = accumulator_operands()
 
-# What every wgmma kernel of a file shares (the GEMM's loop here, the dense convolution's in conv_wgmma): the switch
-# the loader sets, the launchers' test, the shared-memory descriptor of a 128-byte-swizzled K-major tile, the fences.
+# What every wgmma kernel of a file shares (the GEMM's loop here, the dense convolution's in conv_wgmma, attention's
+# in attention_wgmma): the switch the loader sets, the launchers' test, the shared-memory descriptor of a
+# 128-byte-swizzled K-major tile, the fences.
 WGMMA_COMMON = r"""
-// ---- Hopper's warpgroup MMA (wgmma), sm_90a: what the GEMM and convolution loops share ----
+// ---- Hopper's warpgroup MMA (wgmma), sm_90a: what the GEMM, convolution and attention kernels share ----
 #if defined(__CUDACC__) || defined(KF_EMULATION)
 namespace kf_wg {
 // set by the loader (kf_wgmma_enable) when it built this library for sm_90a; off, the wgmma kernels only trap
@@ -48,23 +49,31 @@ inline bool& enabled() {
   return on;
 }
 #if defined(KF_EMULATION)
-// the tests' CPU emulation takes the wgmma forms it has (the convolution's) wherever the test enabled them
+// the tests' CPU emulation takes the wgmma forms it has (the convolution's, attention's) wherever the test enabled
+// them
+inline int sm90_sms() { return enabled() ? 132 : 0; }
 inline bool fits_tiles(long long) { return enabled(); }
 #else
-// the launchers' choice: wgmma where the library holds it, on a compute-capability 9.0 device, where a launch's
-// `tiles` blocks cover three quarters of its SMs; the device's answers read once per device
-inline bool fits_tiles(long long tiles) {
+// the current device's SMs where the library holds the wgmma kernels and the device is of compute capability 9.0,
+// else 0; the device's answers read once per device
+inline int sm90_sms() {
   static int major[16], minor[16], sms[16];
   int dev = 0;
-  if (!enabled()) return false;
+  if (!enabled()) return 0;
   cudaGetDevice(&dev);
-  if (dev >= 16) return false;
+  if (dev >= 16) return 0;
   if (sms[dev] == 0) {
     cudaDeviceGetAttribute(&major[dev], cudaDevAttrComputeCapabilityMajor, dev);
     cudaDeviceGetAttribute(&minor[dev], cudaDevAttrComputeCapabilityMinor, dev);
     cudaDeviceGetAttribute(&sms[dev], cudaDevAttrMultiProcessorCount, dev);
   }
-  return major[dev] == 9 && minor[dev] == 0 && tiles * 4 >= 3LL * sms[dev];
+  return major[dev] == 9 && minor[dev] == 0 ? sms[dev] : 0;
+}
+// the GEMM and convolution launchers' choice: wgmma (sm90_sms) where a launch's `tiles` blocks cover three quarters
+// of the SMs
+inline bool fits_tiles(long long tiles) {
+  const int sms = sm90_sms();
+  return sms > 0 && tiles * 4 >= 3LL * sms;
 }
 #endif
 // (row, k) of a K-major tile of rows of 32 floats (128 bytes) in the 128-byte swizzle wgmma's descriptors read:

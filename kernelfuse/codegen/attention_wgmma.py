@@ -1,0 +1,391 @@
+"""The bf16 flash-attention forward on Hopper's warpgroup MMA (wgmma), for sm_90a builds: `kf_attention_tc` (the
+plan's bf16 attention launcher, kernelfuse.codegen.attention_flash) takes it at run time where it applies, else the
+mma.sync FlashAttention-2-style kernel runs unchanged.
+
+Why: the mma.sync flash kernel measured 0.53-0.75x of cuDNN's SDPA at stops 43/44 (GPT-2 0.75x, head dim 128
+0.53x); these kernels (benchmarks/wgmma_attention_probe.py, verified and timed on an H200, bf16; ratio = cuDNN's ms
+/ ours) measured at head dim 64 (`pipe-2cta`) 1.070 on (8, 12, 1024, causal), 1.118 on (64, 12, 256), 0.810 on
+(8, 16, 2048, causal), 0.707 on (4, 16, 4096); at head dim 128 (`pipe-d128n`) 0.899 on (8, 12, 1024, causal), 0.851
+on (8, 16, 2048, causal), 0.699 on (4, 16, 4096): a gain on every shape measured.
+
+The kernel (the probe's `attention_v2`, pipelined, FAST softmax): 128 query rows a block (two warpgroups of 64),
+S = Q Kᵀ by wgmma with both operands K-major from 128-byte-swizzled shared tiles (a 64-bf16 row is 128 bytes, its
+16-byte chunk c at c ^ (row % 8); head dim 128 is two such atoms), the online softmax on the accumulator fragments
+(scale folded into exp2's argument), P as bf16 A fragments in registers, O += P V by wgmma with V read MN-major
+(trans-b). Key tiles run last to first, so only the first iterations mask; tile j's S and tile j - 1's P V are in
+flight together (FA3's intra-warpgroup overlap). Head dim 64: 64-key tiles, a 3-deep K/V cp.async ring, two blocks
+an SM; head dim 128: 128-key tiles, a 2-deep ring, P V one m64n128k16 a k16 step over both atoms of V (the leading
+byte offset).
+
+Where it runs (else the mma.sync kernel): the library was built for sm_90a and the device is compute capability
+9.0 (kf_wg::sm90_sms, the loader's switch kf_wgmma_enable); bf16 with head dim 64 or 128, no mask (MASK 0), no
+ReLU (compile-time: those instantiations only), and at run time no soft cap, no window mask, a positive finite
+scale (the softmax takes the raw scores' maximum), q, k and v contiguous along d with 16-byte-aligned rows and bases
+(kf_attn_vectorised). Any batch, head and row strides, S != L, grouped-query heads (kv head = head / group) and any
+output strides (two columns a store where they are adjacent and aligned) are the plan's, through kf_attn_params.
+Causal is top-left aligned (key <= query row), as the other kernels; without a mask every row has key 0, so no
+row is empty (EMPTY_NAN never applies).
+
+The tests' CPU emulation (KF_EMULATION) runs this kernel: kf_wg's bf16 descriptors carry the tile's address and
+leading byte offset, and each thread computes its own accumulator fragment, reading the swizzled tiles through the
+hardware's addressing (the 128-byte swizzle applied to address bits 4-6 from bits 7-9; K-major rows 128 bytes apart,
+8-row groups 1024 apart; MN-major: 8-key groups 1024 apart, 64-column atoms the leading byte offset apart) and A's
+register fragments gathered from its quad. kf_attention_wgmma_launches() counts the launches that took this kernel.
+"""
+
+from __future__ import annotations
+
+from kernelfuse.codegen.gemm_wgmma import accumulator_operands
+
+# (query rows, keys a tile, ring depth, __launch_bounds__ blocks) per head dim: the probe's `pipe-2cta` and
+# `pipe-d128n`
+WGA_CONFIG = {64: (128, 64, 3, 2), 128: (128, 128, 2, 1)}
+WGA_THREADS = 256
+
+
+def wgmma_attention_smem_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of a block: the query tile, the K and V rings, the 1024-byte alignment of the swizzled
+    tiles."""
+    rows, keys, stages, _ = WGA_CONFIG[head_dim]
+    return rows * head_dim * 2 + 2 * stages * keys * head_dim * 2 + 1024
+
+
+def _mma(n: int, a_regs: bool) -> str:
+    """One wgmma.m64nNk16 bf16 product into the fp32 accumulator d: A and B K-major from descriptors (kf_wg::
+    mma_bf16_ss, scale-d from `accumulate`), or A from registers and B MN-major (kf_wg::mma_bf16_rs, trans-b)."""
+    count = n // 2
+    regs, ops = accumulator_operands(count)
+    if a_regs:
+        a_operand = "{" + ", ".join(f"%{count + i}" for i in range(4)) + "}"
+        return f"""__device__ __forceinline__ void mma_bf16_rs(float (&d)[{count}], const unsigned (&a)[4],
+                                            uint64_t b) {{
+  asm volatile(
+      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{count + 5}, 0;\\n"
+      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {regs}, {a_operand}, %{count + 4}, p, 1, 1, 1;\\n}}\\n"
+      : {ops}
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(1));
+}}
+"""
+    return f"""__device__ __forceinline__ void mma_bf16_ss(float (&d)[{count}], uint64_t a, uint64_t b,
+                                            int accumulate) {{
+  asm volatile(
+      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{count + 2}, 0;\\n"
+      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {regs}, %{count}, %{count + 1}, p, 1, 1, 0, 0;\\n}}\\n"
+      : {ops}
+      : "l"(a), "l"(b), "r"(accumulate));
+}}
+"""
+
+
+_KERNEL = r"""
+// ---- bf16 flash attention on wgmma, sm_90a (kernelfuse.codegen.attention_wgmma) ----
+#if defined(__CUDACC__) || defined(KF_EMULATION)
+namespace kf_wg {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// descriptor of a 128-byte-swizzled bf16 tile `offset` bytes in: 8-row (K-major) or 8-key (MN-major) groups 1024
+// bytes apart (stride byte offset); `leading`: the leading byte offset (MN-major: between 64-column atoms)
+__device__ __forceinline__ uint64_t desc_b16(const void* tile, int offset, int leading) {
+  const uint64_t addr = (unsigned)__cvta_generic_to_shared(tile) + offset;
+  return ((addr & 0x3FFFF) >> 4) | (uint64_t(leading >> 4) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+MMA_FORMS
+// registers an in-flight wgmma reads or writes: the empty asm pins them, so their uses stay after the wait
+template <int N> __device__ __forceinline__ void pin(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N> __device__ __forceinline__ void pin(unsigned (&r)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(r[i][e])::"memory");
+}
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+#elif defined(KF_EMULATION)
+// The emulation's descriptor: the host address (48 bits) and the leading byte offset / 16 above it; the stride
+// byte offset is 1024, as every descriptor of the kernel sets it.
+inline uint64_t desc_b16(const void* tile, int offset, int leading) {
+  return (uint64_t)(uintptr_t)((const char*)tile + offset) | (uint64_t(leading >> 4) << 48);
+}
+// element (k, mn) of the operand at descriptor d, as the tensor cores address it: K-major rows (the M or N index)
+// 128 bytes apart in groups of 8 rows 1024 apart, k along the row; MN-major: k's rows 128 bytes apart in groups of
+// 8 keys 1024 apart, 64 mn a row, 64-column atoms the leading byte offset apart; then the 128-byte swizzle on the
+// address (bits 4-6 ^= bits 7-9: the tiles are 1024-byte aligned)
+inline float b16_at(uint64_t d, int k, int mn, bool mn_major) {
+  uintptr_t a = (uintptr_t)(d & ((uint64_t(1) << 48) - 1));
+  if (mn_major)
+    a += (uintptr_t)(mn / 64) * (uintptr_t)((d >> 48) << 4) + (k / 8) * 1024 + (k % 8) * 128 + (mn % 64) * 2;
+  else
+    a += (mn / 8) * 1024 + (mn % 8) * 128 + k * 2;
+  a ^= ((a >> 7) & 7) << 4;
+  return __uint_as_float((unsigned)*reinterpret_cast<const unsigned short*>(a) << 16);
+}
+// d (this thread's m64nN fragment: rows row and row + 8, columns 8j + 2t and + 1) += A's two rows' 16 k times B
+template <int N> inline void mma_b16_fragment(float (&d)[N / 2], const float (&rows)[2][16], uint64_t b, bool trans_b) {
+  const int t = threadIdx.x % 4;
+  for (int j = 0; j < N / 8; ++j)
+    for (int e = 0; e < 4; ++e) {
+      const int c = 8 * j + 2 * t + (e & 1);
+      float v = d[4 * j + e];
+      for (int k = 0; k < 16; ++k) v = fmaf(rows[e >> 1][k], b16_at(b, k, c, trans_b), v);
+      d[4 * j + e] = v;
+    }
+}
+inline int fragment_row() { return threadIdx.x % 128 / 32 * 16 + threadIdx.x % 32 / 4; }
+template <int NN> inline void mma_bf16_ss(float (&d)[NN], uint64_t a, uint64_t b, int accumulate) {
+  if (!accumulate)
+    for (float& v : d) v = 0.0f;
+  float rows[2][16];
+  for (int h = 0; h < 2; ++h)
+    for (int k = 0; k < 16; ++k) rows[h][k] = b16_at(a, k, fragment_row() + 8 * h, false);
+  mma_b16_fragment<2 * NN>(d, rows, b, false);
+}
+// A from registers: a[0] (row, k 2t..+1), a[1] (row + 8, the same), a[2] (row, k 2t + 8..+9), a[3] (row + 8, the
+// same), low half the lower k; the thread gathers its rows' 16 k from its quad
+static unsigned emu_words[1024][4];
+template <int NN> inline void mma_bf16_rs(float (&d)[NN], const unsigned (&a)[4], uint64_t b) {
+  for (int i = 0; i < 4; ++i) emu_words[threadIdx.x][i] = a[i];
+  __syncwarp();
+  const int quad = threadIdx.x / 4 * 4;
+  float rows[2][16];
+  for (int t = 0; t < 4; ++t)
+    for (int h = 0; h < 2; ++h)
+      for (int e = 0; e < 2; ++e) {
+        rows[h][2 * t + e] = kf_bf16_float((unsigned short)(emu_words[quad + t][h] >> (16 * e)));
+        rows[h][2 * t + 8 + e] = kf_bf16_float((unsigned short)(emu_words[quad + t][2 + h] >> (16 * e)));
+      }
+  __syncwarp();
+  mma_b16_fragment<2 * NN>(d, rows, b, true);
+}
+template <int N> inline void pin(float (&)[N]) {}
+template <int N> inline void pin(unsigned (&)[N][4]) {}
+inline float ex2(float x) { return exp2f(x); }
+#endif
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(KF_EMULATION)
+template <bool B> struct flag { static constexpr bool value = B; };
+
+// ROWS rows x D bf16 (row pitch `pitch` elements) into swizzled atoms: atom a (head dims 64a..64a+63) is ROWS rows
+// of 128 bytes, atoms ROWS * 128 bytes apart; rows from `valid` on are zeros (their copies read nothing). A thread
+// keeps one 16-byte column and steps RP rows (a multiple of 8: one swizzle phase) at a time: one address and one
+// stride, where an address per copy held 32 more registers at head dim 128.
+template <int ROWS, int D, int THREADS>
+__device__ __forceinline__ void attn_rows(char* tile, const unsigned short* src, long long pitch, int valid) {
+  constexpr int CPR = D / 8, RP = THREADS / CPR;  // 16-byte copies a row, rows a pass
+  static_assert(THREADS % CPR == 0 && RP % 8 == 0 && ROWS % RP == 0, "whole passes of whole swizzle phases");
+  const int r0 = threadIdx.x / CPR, cc = threadIdx.x % CPR;
+  const unsigned short* from = src + r0 * pitch + cc * 8;
+  char* dst = tile + (cc >> 3) * ROWS * 128 + r0 * 128 + (((cc & 7) ^ (r0 & 7)) << 4);
+#pragma unroll
+  for (int i = 0; i < ROWS / RP; ++i)
+    kf_cp_async16(dst + i * RP * 128, r0 + i * RP < valid ? from + i * RP * pitch : src, r0 + i * RP < valid);
+}
+
+// One tile's online softmax on the S fragments (n8 block c: (row g, keys 8c + 2t, +1), (row g + 8, the same)): the
+// raw scores' maximum, exp2(s * scale_log2 - max * scale_log2) as one FFMA and ex2.approx; masks (keys past L, the
+// causal diagonal) only where MASK. The exponentials stay in s, O's factor goes to corr, row_sum holds this thread's
+// partial sums.
+template <int NS, bool MASK, bool CAUSAL>
+__device__ __forceinline__ void attn_softmax(float (&s)[NS], float (&row_max)[2], float (&row_sum)[2],
+                                             float (&corr)[2], int key0, int my_row, int L, float scale_log2) {
+  const int t = threadIdx.x % 4;
+  float m[2] = {row_max[0], row_max[1]};
+#pragma unroll
+  for (int i = 0; i < NS; ++i) {
+    if constexpr (MASK) {
+      const int key = key0 + 8 * (i / 4) + 2 * t + (i & 1), row = my_row + ((i >> 1) & 1) * 8;
+      if (key >= L || (CAUSAL && key > row)) s[i] = -INFINITY;
+    }
+    m[(i >> 1) & 1] = fmaxf(m[(i >> 1) & 1], s[i]);
+  }
+  float scaled[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    m[h] = fmaxf(m[h], __shfl_xor_sync(0xffffffffu, m[h], 1));
+    m[h] = fmaxf(m[h], __shfl_xor_sync(0xffffffffu, m[h], 2));
+    scaled[h] = m[h] == -INFINITY ? 0.0f : m[h] * scale_log2;  // a row masked so far: exponentials 0, no NaN
+    corr[h] = ex2(fmaf(row_max[h], scale_log2, -scaled[h]));    // old maximum -inf: 0 (O and the sum are 0)
+    row_max[h] = m[h];
+    row_sum[h] *= corr[h];
+  }
+#pragma unroll
+  for (int i = 0; i < NS; ++i) {
+    s[i] = ex2(fmaf(s[i], scale_log2, -scaled[(i >> 1) & 1]));
+    row_sum[(i >> 1) & 1] += s[i];
+  }
+}
+#endif
+}  // namespace kf_wg
+
+// A block: 128 query rows (two warpgroups) of one (batch, head) over the keys in tiles of BC (the launch's grid
+// and arguments are kf_attn_launch's; `pairs`: two output columns a store)
+template <int D, bool CAUSAL>
+__global__ void __launch_bounds__(256, D == 64 ? 2 : 1)
+    kf_attention_wgmma_kernel(const kf_attn_params p, int tiles, bool pairs) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(KF_EMULATION)
+  using namespace kf_wg;
+  constexpr int BR = 128, BC = D == 64 ? 64 : 128, STAGES = D == 64 ? 3 : 2, THREADS = 256;
+  constexpr int ATOMS = D / 64, NS = BC / 2, KSTEPS = BC / 16;
+  constexpr int Q_BYTES = BR * D * 2, KV_BYTES = BC * D * 2;
+  // after iteration j's barrier come the copies of tile-iteration j + KAHEAD's K and j + VAHEAD's V, into slot
+  // (iteration % STAGES); V is read one iteration after S (P V lags S by one), so it may be one less ahead
+  constexpr int KAHEAD = STAGES - 1, VAHEAD = STAGES - 2;
+  constexpr float LOG2E = 1.4426950408889634f;
+  KF_DYNAMIC_SHARED(kf_wga_raw);
+  char* smem = reinterpret_cast<char*>(((uintptr_t)kf_wga_raw + 1023) & ~(uintptr_t)1023);
+  char* q_tile = smem;                          // BR rows, ATOMS atoms BR * 128 bytes apart
+  char* k_ring = smem + Q_BYTES;                // STAGES tiles of BC rows
+  char* v_ring = k_ring + STAGES * KV_BYTES;    // STAGES tiles of BC rows
+  const int bh = blockIdx.x / tiles, b = bh / p.heads, h = bh % p.heads, hk = h / p.group;
+  const int tile = blockIdx.x % tiles, q0 = (CAUSAL ? tiles - 1 - tile : tile) * BR;  // causal: longest first
+  const unsigned short* Q = (const unsigned short*)p.q + b * p.sq[0] + h * p.sq[1];
+  const unsigned short* K = (const unsigned short*)p.k + b * p.sk[0] + hk * p.sk[1];
+  const unsigned short* V = (const unsigned short*)p.v + b * p.sv[0] + hk * p.sv[1];
+  // the warpgroup's index from lane 0: branches on it are then warp-uniform to the compiler (a divergent-looking
+  // branch around in-flight wgmma makes ptxas serialize them)
+  const int wg = __shfl_sync(0xffffffffu, (int)(threadIdx.x / 128), 0);
+  const int warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int L = p.L, kv_end = CAUSAL ? min(L, q0 + BR) : L, ktiles = (kv_end + BC - 1) / BC;
+  const int my_row = q0 + wg * 64 + warp * 16 + g;  // and my_row + 8
+  const float scale_log2 = p.scale * LOG2E;
+
+  // key tiles run last to first, so the ones that need masks (the partial last one; causal, those reaching past
+  // the block's first row) come first and the rest run in a loop without a branch; ring slots follow the iteration
+  auto tile_of = [&](int it) { return ktiles - 1 - it; };
+  const int masked = ktiles - min(ktiles, (CAUSAL ? min(L, q0 + 1) : L) / BC);
+  auto issue_loads = [&](int it) {  // the copies of iteration it (negative: the prologue's)
+    const int ki = it + KAHEAD, vi = it + VAHEAD;
+    if (ki >= 0 && ki < ktiles) {
+      const int k0 = tile_of(ki) * BC;
+      attn_rows<BC, D, THREADS>(k_ring + (ki % STAGES) * KV_BYTES, K + k0 * p.sk[2], p.sk[2], L - k0);
+    }
+    if (vi >= 0 && vi < ktiles) {
+      const int k0 = tile_of(vi) * BC;
+      attn_rows<BC, D, THREADS>(v_ring + (vi % STAGES) * KV_BYTES, V + k0 * p.sv[2], p.sv[2], L - k0);
+    }
+  };
+  // Q lands with the first K (one commit group)
+  attn_rows<BR, D, THREADS>(q_tile, Q + q0 * p.sq[2], p.sq[2], p.S - q0);
+#pragma unroll
+  for (int it = -KAHEAD; it < 0; ++it) {
+    issue_loads(it);
+    kf_attn_cp_commit();
+  }
+  float acc[D / 2], s[NS];
+  unsigned pf[KSTEPS][4];  // P's A fragments, one a k16 step over the tile's keys
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+  const char* qw = q_tile + wg * 64 * 128;
+  auto issue_s = [&](int it) {  // S = Q Kᵀ; k16 steps 4..7 (head dims 64..127) read each operand's second atom
+    const char* kt = k_ring + (it % STAGES) * KV_BYTES;
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks)
+      mma_bf16_ss(s, desc_b16(qw + (ks / 4) * BR * 128, (ks % 4) * 32, 16),
+                  desc_b16(kt + (ks / 4) * BC * 128, (ks % 4) * 32, 16), ks > 0);
+  };
+  auto issue_pv = [&](int it) {  // O += P V: V MN-major, its 64-column atoms BC rows of 128 bytes apart (head dim 128)
+    const char* vt = v_ring + (it % STAGES) * KV_BYTES;
+#pragma unroll
+    for (int kk = 0; kk < KSTEPS; ++kk)
+      mma_bf16_rs(acc, pf[kk], desc_b16(vt, kk * 16 * 128, ATOMS == 2 ? BC * 128 : 1024));
+  };
+  auto rescale_and_pack = [&](const float (&corr)[2]) {
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) acc[i] *= corr[(i >> 1) & 1];
+    // k16 step kk: n8 block 2 kk gives a0 (row g) and a1 (row g + 8); block 2 kk + 1 gives a2, a3
+#pragma unroll
+    for (int c = 0; c < NS / 4; ++c) {
+      pf[c / 2][(c & 1) * 2 + 0] = kf_bf16x2(s[4 * c + 0], s[4 * c + 1]);
+      pf[c / 2][(c & 1) * 2 + 1] = kf_bf16x2(s[4 * c + 2], s[4 * c + 3]);
+    }
+  };
+  // one iteration; MASK and FIRST (no P V to overlap yet) are compile-time, so the body has no branch
+  auto iteration = [&](int it, auto mask, auto first) {
+    constexpr bool MASK = decltype(mask)::value, FIRST = decltype(first)::value;
+    // one barrier a tile: this iteration's K and the last one's V landed for every thread, and every warpgroup is
+    // past the last iteration, so the slots the copies below overwrite are free
+    kf_attn_cp_wait<STAGES - 2>();
+    fence_async();
+    __syncthreads();
+    issue_loads(it);
+    kf_attn_cp_commit();
+    float corr[2];
+    fence();
+    issue_s(it);
+    commit();
+    if constexpr (!FIRST) {  // the last tile's P V behind this S; wait for S only
+      issue_pv(it - 1);
+      commit();
+      wait<1>();
+    } else {
+      wait<0>();
+    }
+    pin(s);
+    attn_softmax<NS, MASK, CAUSAL>(s, row_max, row_sum, corr, tile_of(it) * BC, my_row, L, scale_log2);
+    wait<0>();  // the softmax above ran while P V did
+    pin(acc);
+    pin(pf);
+    rescale_and_pack(corr);
+  };
+  if (masked > 0) iteration(0, flag<true>{}, flag<true>{});
+  else iteration(0, flag<false>{}, flag<true>{});
+  for (int it = 1; it < masked; ++it) iteration(it, flag<true>{}, flag<false>{});
+  for (int it = max(1, masked); it < ktiles; ++it) iteration(it, flag<false>{}, flag<false>{});
+  kf_attn_cp_wait<0>();
+  fence_async();
+  __syncthreads();
+  fence();
+  issue_pv(ktiles - 1);
+  commit();
+  wait<0>();
+  pin(acc);
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    row_sum[hh] += __shfl_xor_sync(0xffffffffu, row_sum[hh], 1);
+    row_sum[hh] += __shfl_xor_sync(0xffffffffu, row_sum[hh], 2);
+  }
+  unsigned short* out = (unsigned short*)p.out + b * p.so[0] + h * p.so[1];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int row = my_row + 8 * hh;
+    if (row >= p.S) continue;
+    const float inv = 1.0f / row_sum[hh];  // no mask: every row has key 0
+#pragma unroll
+    for (int c = 0; c < D / 8; ++c) {
+      const int col = 8 * c + 2 * t;
+      kf_attn_store2(out + row * p.so[2] + col * p.so[3], acc[4 * c + 2 * hh] * inv, acc[4 * c + 2 * hh + 1] * inv,
+                     pairs, p.so[3]);
+    }
+  }
+#else
+  __trap();  // never launched: kf_attention_wgmma takes it only where the loader built sm_90a for a 9.0 device
+#endif
+}
+
+// launches that took the wgmma kernel (a test's proof that it ran)
+static long long kf_attention_wgmma_count = 0;
+KF_EXPORT long long kf_attention_wgmma_launches() { return kf_attention_wgmma_count; }
+
+// kf_attention_tc's Hopper branch (head dims 64 and 128, no mask, no ReLU: the instantiations it makes): the wgmma
+// kernel where the library holds it for this device and the step's parameters suit it; false: the caller's kernel
+template <int D, bool CAUSAL>
+bool kf_attention_wgmma(const kf_attn_params& p, int batch, cudaStream_t stream, cudaError_t& error) {
+  static_assert(D == 64 || D == 128, "the wgmma attention kernel's head dims");
+  if (kf_wg::sm90_sms() == 0 || p.cap_out != 0.0f || p.windows != 0 || !(p.scale > 0.0f && p.scale < INFINITY) ||
+      !kf_attn_vectorised(p, 2, true))
+    return false;
+  ++kf_attention_wgmma_count;
+  error = kf_attn_launch<kf_attention_wgmma_kernel<D, CAUSAL>>(p, batch, 128, 256, D == 64 ? SMEM64 : SMEM128,
+                                                               kf_attn_pairs(p, 2), stream);
+  return true;
+}
+#endif  // __CUDACC__ || KF_EMULATION
+"""
+
+ATTENTION_WGMMA_PRELUDE = _KERNEL.replace(
+    "MMA_FORMS", "".join(_mma(n, regs) for regs in (False, True) for n in (64, 128))).replace(
+    "SMEM64", str(wgmma_attention_smem_bytes(64))).replace("SMEM128", str(wgmma_attention_smem_bytes(128)))
