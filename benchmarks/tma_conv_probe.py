@@ -32,22 +32,18 @@ Compile only, printing ptxas's registers and spills per kernel (no GPU needed):
 from __future__ import annotations
 
 import argparse
-import os
-import re
-import subprocess
-import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from variant_probe import build as build_variants
+from variant_probe import checked, ident, screen, template_label
+from variant_probe import compile_only as report_ptxas
 
 # (name, N, C, H, W, K) of KernelBench level 2 (3x3, no padding, stride 1; the shapes cutlass_conv_probe.py ran)
 SHAPES = [("54", 64, 64, 256, 256, 64), ("4", 64, 64, 256, 256, 128), ("46", 128, 64, 128, 128, 128),
           ("52", 64, 64, 128, 128, 128)]
 NAME = "kf_tma_conv_probe"
-QUIET = ["-diag-suppress=177"]
 CHILD_TIMEOUT_S = 90  # checks of all variants ~20 s; a hang (an mbarrier never completing) costs this
 DEVICE = "cuda"
 EPILOGUES = {0: "bare NHWC", 1: "bias+mish2 NHWC", 2: "bare NCHW", 3: "bias+mish2 NCHW"}
@@ -368,82 +364,26 @@ VARIANTS = [
 ]
 
 
-def _ident(name: str) -> str:
-    return name.replace("-", "_")
-
-
 def sources() -> dict[str, str]:
     """File name -> text: the binding and one CUDA translation unit a variant (ninja builds them in parallel)."""
     common = COMMON.replace("R64", _regs(64)).replace("OPS64", _ops(64)).replace("R32", _regs(32)).replace(
         "OPS32", _ops(32))
-    files = {f"conv_{_ident(n)}.cu": common + VARIANT_TU.replace("launch_VARIANT", f"launch_{_ident(n)}").replace(
+    files = {f"conv_{ident(n)}.cu": common + VARIANT_TU.replace("launch_VARIANT", f"launch_{ident(n)}").replace(
         "ARGS", args) for n, args in VARIANTS}
-    decls = "\n".join(f"int launch_{_ident(n)}(const float*, const float*, const float*, float*, int, int, int, int, "
+    decls = "\n".join(f"int launch_{ident(n)}(const float*, const float*, const float*, float*, int, int, int, int, "
                       "int, int, int, int, cudaStream_t);" for n, _ in VARIANTS)
     files["binding.cpp"] = CPP.replace("DECLS", decls).replace("TABLE", ", ".join(
-        f"launch_{_ident(n)}" for n, _ in VARIANTS))
+        f"launch_{ident(n)}" for n, _ in VARIANTS))
     return files
 
 
-def _write(directory: Path) -> list[str]:
-    """Writes the sources, leaving unchanged files alone (their mtimes keep the children's loads from rebuilding)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, text in sources().items():
-        path = directory / name
-        if not path.exists() or path.read_text() != text:
-            path.write_text(text)
-        paths.append(str(path))
-    return paths
-
-
-def _build_dir() -> Path:
-    return Path(os.environ.get("TMPDIR", "/tmp")) / NAME
-
-
-def build():
-    from torch.utils.cpp_extension import load
-
-    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0a"  # wgmma and setmaxnreg need the arch-specific target
-    directory = _build_dir()
-    paths = _write(directory / "src")
-    (directory / "build").mkdir(parents=True, exist_ok=True)
-    return load(NAME, sources=paths, extra_cuda_cflags=["-O3", *QUIET], build_directory=str(directory / "build"))
+def build():  # noqa: ANN201 - torch's extension module
+    return build_variants(NAME, sources())
 
 
 def compile_only() -> None:
-    """nvcc -Xptxas -v on every translation unit (no GPU needed): registers, spills, wgmma serialization warnings."""
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    nvcc = os.path.join(CUDA_HOME or "/usr/local/cuda", "bin", "nvcc")
-    directory = _build_dir() / "ptxas"
-    paths = [p for p in _write(directory) if p.endswith(".cu")]
-
-    def one(path: str) -> tuple[str, float, str]:
-        t0 = time.time()
-        r = subprocess.run([nvcc, "-gencode=arch=compute_90a,code=sm_90a", "-O3", *QUIET, "-Xptxas", "-v", "-c",
-                            path, "-o", path + ".o"], capture_output=True, text=True)
-        return path, time.time() - t0, r.stdout + r.stderr
-
-    t0 = time.time()
-    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
-        for path, seconds, log in pool.map(one, paths):
-            print(f"{Path(path).name}: {seconds:.1f} s")
-            kernel = spills = ""
-            for line in log.splitlines():
-                if "Compiling entry function" in line:
-                    name = line.split("'")[1]
-                    m = re.search(r"conv_tmaILi(\d+)ELi(\d+)ELi(\d+)ELb(\d)ELi(\d+)E", name)
-                    kernel = f"<BN{m[1]} WG_M{m[2]} CONS{m[3]} pp{m[4]} ST{m[5]}>" if m else name
-                elif "spill stores" in line:
-                    spills = line.strip()
-                elif "Used" in line:
-                    print(f"  {kernel}: {line.split(':', 1)[-1].strip()}; {spills}")
-                elif "(C75" in line:  # wgmma serialized, or an arrive the compiler had to add
-                    print(f"  {line.split(':', 1)[-1].strip()[:160]}")
-                elif "error" in line.lower() or "warning" in line.lower():
-                    print(f"  {line.strip()}")
-    print(f"all translation units: {time.time() - t0:.1f} s wall on {os.cpu_count()} cores")
+    report_ptxas(NAME, sources(), template_label(
+        r"conv_tmaILi(\d+)ELi(\d+)ELi(\d+)ELb(\d)ELi(\d+)E", r"<BN\1 WG_M\2 CONS\3 pp\4 ST\5>"))
 
 
 def tf32_trunc(t: torch.Tensor) -> torch.Tensor:
@@ -558,9 +498,6 @@ def random_check(ext, variant: int) -> bool:
     return ok
 
 
-DONE = "@@checked "  # a child's marker after each variant: the parent knows where a trap or hang struck
-
-
 def child_check(first: int) -> None:
     ext = build()
     for index in range(first, len(VARIANTS)):
@@ -568,33 +505,7 @@ def child_check(first: int) -> None:
         print(f"{name}:", flush=True)
         ok = layout_check(ext, index)
         ok = random_check(ext, index) and ok
-        print(f"  {name}: {'passed' if ok else 'FAILED'}\n{DONE}{index}", flush=True)
-
-
-def screen() -> list[int]:
-    """The variants' checks in child processes: a trap or a hang ends that child only; the next child starts after
-    the variant that struck. Returns the variants a child came back from (failed checks included: timed, and
-    flagged in the table)."""
-    alive, first = [], 0
-    while first < len(VARIANTS):
-        t0 = time.time()
-        try:
-            r = subprocess.run([sys.executable, os.path.abspath(__file__), "--check-from", str(first)],
-                               capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
-            out, err, why = r.stdout, r.stderr, f"child exited {r.returncode}"
-        except subprocess.TimeoutExpired as e:
-            out, err = (x.decode() if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
-            why = f"child still running after {CHILD_TIMEOUT_S} s (a hang?)"
-        done = [int(line[len(DONE):]) for line in out.splitlines() if line.startswith(DONE)]
-        print("\n".join(line for line in out.splitlines() if not line.startswith(DONE)))
-        alive += done
-        last = done[-1] if done else first - 1
-        if last < len(VARIANTS) - 1:
-            tail = [line for line in err.splitlines() if line.strip()][-3:]
-            print(f"  {VARIANTS[last + 1][0]}: {why}; not timed. " + " / ".join(tail)[:400])
-        print(f"  (child: {time.time() - t0:.1f} s)", flush=True)
-        first = last + 2
-    return alive
+        print(f"  {name}: {'passed' if ok else 'FAILED'}\n{checked(index)}", flush=True)
 
 
 def probe_shape(ext, alive: list[int], name: str, n: int, c: int, h: int, wd: int, k: int) -> None:
@@ -654,7 +565,7 @@ def main() -> None:
     build()
     print(f"build: {time.time() - t0:.1f} s\n", flush=True)
     t0 = time.time()
-    alive = screen()
+    alive = screen(__file__, [v[0] for v in VARIANTS], CHILD_TIMEOUT_S)
     print(f"\nchecks: {time.time() - t0:.1f} s; timed: {', '.join(VARIANTS[i][0] for i in alive)}")
     ext = build()
     print(f"\nGPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}; "

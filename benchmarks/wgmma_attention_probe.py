@@ -41,24 +41,20 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import re
-import subprocess
-import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from variant_probe import build as build_variants
+from variant_probe import checked, ident, screen, template_label
+from variant_probe import compile_only as report_ptxas
 
 # (batch, heads, sequence, causal): GPT-2 small's attention, a long non-causal one, a ViT-sized one, longer ones
 CASES = [(8, 12, 1024, True), (4, 16, 4096, False), (64, 12, 256, False), (2, 16, 8192, False),
          (8, 16, 2048, True)]
 CASES_D128 = [(8, 12, 1024, True), (4, 16, 4096, False), (8, 16, 2048, True)]
 NAME = "kf_wgmma_attention_probe2"
-QUIET = ["-diag-suppress=177"]  # each translation unit holds helpers it does not use
 CHILD_TIMEOUT_S = 60  # the checks of all variants take ~15 s; a hang (an mbarrier never completing) costs this
 
 
@@ -701,10 +697,6 @@ VARIANTS = [
 ]
 
 
-def _ident(name: str) -> str:
-    return name.replace("-", "_")
-
-
 def sources() -> dict[str, str]:
     """File name -> text: the binding and one CUDA translation unit a variant."""
     common = (COMMON.replace("R32", _regs(0, 32)).replace("OPS32", _ops("d", 32))
@@ -715,76 +707,23 @@ def sources() -> dict[str, str]:
         if args is None:
             text = common + BASE.replace("BASE_KERNEL", base_kernel)
         else:
-            text = common + V2.replace("launch_VARIANT", f"launch_{_ident(name)}").replace("ARGS", args)
-        files[f"attn_{_ident(name)}.cu"] = text
-    decls = "\n".join(f"int launch_{_ident(n)}(const void*, const void*, const void*, void*, int, int, int, bool, "
+            text = common + V2.replace("launch_VARIANT", f"launch_{ident(name)}").replace("ARGS", args)
+        files[f"attn_{ident(name)}.cu"] = text
+    decls = "\n".join(f"int launch_{ident(n)}(const void*, const void*, const void*, void*, int, int, int, bool, "
                       "cudaStream_t);" for n, _, _ in VARIANTS)
-    table = ", ".join(f"launch_{_ident(n)}" for n, _, _ in VARIANTS)
+    table = ", ".join(f"launch_{ident(n)}" for n, _, _ in VARIANTS)
     files["binding.cpp"] = CPP.replace("DECLS", decls).replace("TABLE", table)
     return files
 
 
-def _write(directory: Path) -> list[str]:
-    """Writes the sources, leaving unchanged files alone (their mtimes keep the children's loads from rebuilding)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for name, text in sources().items():
-        path = directory / name
-        if not path.exists() or path.read_text() != text:
-            path.write_text(text)
-        paths.append(str(path))
-    return paths
-
-
-def _build_dir() -> Path:
-    return Path(os.environ.get("TMPDIR", "/tmp")) / NAME
-
-
-def build():
-    from torch.utils.cpp_extension import load
-
-    os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0a"  # wgmma needs the arch-specific target, whatever the host sets
-    directory = _build_dir()
-    paths = _write(directory / "src")
-    (directory / "build").mkdir(parents=True, exist_ok=True)
-    return load(NAME, sources=paths, extra_cuda_cflags=["-O3", *QUIET], build_directory=str(directory / "build"))
+def build():  # noqa: ANN201 - torch's extension module
+    return build_variants(NAME, sources())
 
 
 def compile_only() -> None:
-    """nvcc -Xptxas -v on every translation unit (no GPU needed): registers, spills, wgmma serialization warnings."""
-    from torch.utils.cpp_extension import CUDA_HOME
-
-    nvcc = os.path.join(CUDA_HOME or "/usr/local/cuda", "bin", "nvcc")
-    directory = _build_dir() / "ptxas"
-    paths = [p for p in _write(directory) if p.endswith(".cu")]
-
-    def one(path: str) -> tuple[str, float, str]:
-        t0 = time.time()
-        r = subprocess.run([nvcc, "-gencode=arch=compute_90a,code=sm_90a", "-O3", *QUIET, "-Xptxas", "-v", "-c",
-                            path, "-o", path + ".o"],
-                           capture_output=True, text=True)
-        return path, time.time() - t0, r.stdout + r.stderr
-
-    t0 = time.time()
-    with ThreadPoolExecutor(max_workers=os.cpu_count()) as pool:
-        for path, seconds, log in pool.map(one, paths):
-            print(f"{Path(path).name}: {seconds:.1f} s")
-            kernel = spills = ""
-            for line in log.splitlines():
-                if "Compiling entry function" in line:
-                    kernel = re.sub(r".*Li(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELb(\d)ELb(\d)ELi(\d)ELb(\d)ELb(\d)ELb(\d)E.*",
-                                    r"<D\1 BR\2 BC\3 ST\4 pipe\5 fast\6 min\7 wide\8 mbar\9 causal\10>",
-                                    line.split("'")[1])
-                    kernel = kernel if kernel.startswith("<") else line.split("'")[1]
-                elif "spill stores" in line:
-                    spills = line.strip()
-                elif "Used" in line:
-                    print(f"  {kernel}: {line.split(':', 1)[-1].strip()}; {spills}")
-                elif "(C75" in line:  # wgmma serialized, or an arrive the compiler had to add
-                    print(f"  {line.split(':', 1)[-1].strip()[:160]}")
-                elif "error" in line.lower() or "warning" in line.lower():
-                    print(f"  {line.strip()}")
-    print(f"all translation units: {time.time() - t0:.1f} s wall on {os.cpu_count()} cores")
+    report_ptxas(NAME, sources(), template_label(
+        r"Li(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELb(\d)ELb(\d)ELi(\d)ELb(\d)ELb(\d)ELb(\d)E",
+        r"<D\1 BR\2 BC\3 ST\4 pipe\5 fast\6 min\7 wide\8 mbar\9 causal\10>"))
 
 
 def reference(q, k, v, causal: bool) -> torch.Tensor:
@@ -848,9 +787,6 @@ def random_check(ext, variant: int, d: int) -> bool:
     return ok
 
 
-DONE = "@@checked "  # a child's marker after each variant: the parent knows where a trap or hang struck
-
-
 def child_check(first: int) -> None:
     """The checks of variants first.. in order (safest first), each followed by the marker."""
     ext = build()
@@ -859,33 +795,7 @@ def child_check(first: int) -> None:
         print(f"{name} (d {d}):", flush=True)
         ok = layout_check(ext, index, d)
         ok &= random_check(ext, index, d)
-        print(f"  {name}: {'passed' if ok else 'FAILED'}\n{DONE}{index}", flush=True)
-
-
-def screen() -> list[int]:
-    """The variants' checks in child processes: a trap or a hang ends that child only; the next child starts after
-    the variant that struck. Returns the variants a child came back from (failed checks included: they are timed,
-    and their errors in the table say so)."""
-    alive, first = [], 0
-    while first < len(VARIANTS):
-        t0 = time.time()
-        try:
-            r = subprocess.run([sys.executable, os.path.abspath(__file__), "--check-from", str(first)],
-                               capture_output=True, text=True, timeout=CHILD_TIMEOUT_S)
-            out, err, why = r.stdout, r.stderr, f"child exited {r.returncode}"
-        except subprocess.TimeoutExpired as e:
-            out, err = (x.decode() if isinstance(x, bytes) else x or "" for x in (e.stdout, e.stderr))
-            why = f"child still running after {CHILD_TIMEOUT_S} s (a hang?)"
-        done = [int(line[len(DONE):]) for line in out.splitlines() if line.startswith(DONE)]
-        print("\n".join(line for line in out.splitlines() if not line.startswith(DONE)))
-        alive += done
-        last = done[-1] if done else first - 1
-        if last < len(VARIANTS) - 1:  # the child ended during variant last + 1
-            tail = [line for line in err.splitlines() if line.strip()][-3:]
-            print(f"  {VARIANTS[last + 1][0]}: {why}; not timed. " + " / ".join(tail)[:400])
-        print(f"  (child: {time.time() - t0:.1f} s)", flush=True)
-        first = last + 2
-    return alive
+        print(f"  {name}: {'passed' if ok else 'FAILED'}\n{checked(index)}", flush=True)
 
 
 def tflops(b: int, h: int, s: int, d: int, causal: bool, ms: float) -> float:
@@ -946,7 +856,7 @@ def main() -> None:
     ext = build()
     print(f"build: {time.time() - t0:.1f} s\n", flush=True)
     t0 = time.time()
-    alive = screen()
+    alive = screen(__file__, [v[0] for v in VARIANTS], CHILD_TIMEOUT_S)
     print(f"\nchecks: {time.time() - t0:.1f} s; timed: {', '.join(VARIANTS[i][0] for i in alive)}")
     print(f"\nGPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; bf16. ratio = cuDNN's ms / this ms "
           "(the goal: >= 0.9); TFLOP/s counts 4 B H S² D, halved for causal\n")
