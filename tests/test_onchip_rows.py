@@ -66,7 +66,15 @@ def test_onchip_kernels_compile_for_sm80_and_sm90(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stderr.count("Compiling entry function '_Z") >= 4 * len(plans[-1].generated)
     assert all(f"{g.kernel}_onchip_kernel" in result.stderr for g in plans[-1].generated)
-    spills = [ln for ln in result.stderr.splitlines() if "spill stores" in ln and not ln.strip().startswith("0 bytes")]
+    # the on-chip kernels (512 threads, 4 blocks an SM: 32 registers) hold their statistics without spilling. The
+    # row kernels beside them are not asked: one keeps the weight and bias of its first column, hoisted out of its
+    # row loop, on the stack across the calls of the IEEE division's slow path (8 bytes, once a thread; sm_90)
+    spills, kernel = [], ""
+    for line in result.stderr.splitlines():
+        if "Compiling entry function" in line:
+            kernel = line.split("'")[1]
+        elif "spill stores" in line and not line.strip().startswith("0 bytes") and "_onchip_kernel" in kernel:
+            spills.append(f"{kernel}: {line.strip()}")
     assert not spills, spills
 
 
