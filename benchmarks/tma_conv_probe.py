@@ -37,7 +37,7 @@ import time
 import torch
 import torch.nn.functional as F
 from variant_probe import build as build_variants
-from variant_probe import checked, ident, screen, template_label
+from variant_probe import checked, ident, start, template_label
 from variant_probe import compile_only as report_ptxas
 
 # (name, N, C, H, W, K) of KernelBench level 2 (3x3, no padding, stride 1; the shapes cutlass_conv_probe.py ran)
@@ -551,23 +551,11 @@ def probe_shape(ext, alive: list[int], name: str, n: int, c: int, h: int, wd: in
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--compile-only", action="store_true", help="ptxas registers and spills, no GPU")
-    parser.add_argument("--check-from", type=int, help="(internal) the checks from this variant on, in a child")
     parser.add_argument("--shapes", default=",".join(s[0] for s in SHAPES), help="which SHAPES to time")
-    args = parser.parse_args()
-    if args.compile_only:
-        compile_only()
+    started = start(__file__, [v[0] for v in VARIANTS], CHILD_TIMEOUT_S, build, compile_only, child_check, parser)
+    if started is None:
         return
-    if args.check_from is not None:
-        child_check(args.check_from)
-        return
-    t0 = time.time()
-    build()
-    print(f"build: {time.time() - t0:.1f} s\n", flush=True)
-    t0 = time.time()
-    alive = screen(__file__, [v[0] for v in VARIANTS], CHILD_TIMEOUT_S)
-    print(f"\nchecks: {time.time() - t0:.1f} s; timed: {', '.join(VARIANTS[i][0] for i in alive)}")
-    ext = build()
+    args, ext, alive = started
     print(f"\nGPU: {torch.cuda.get_device_name()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}; "
           "fp32 in and out, TF32 products. ratio = the cuDNN row's ms / this ms: bare rows (NHWC and NCHW) against "
           "cuDNN's channels-last conv without bias; bias+mish2 NHWC against cuDNN conv+bias then torch's mish(mish); "

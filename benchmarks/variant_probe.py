@@ -5,6 +5,7 @@ variants after it are still checked and timed."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -120,3 +121,27 @@ def screen(script: str, names: list[str], timeout_s: int) -> list[int]:
         print(f"  (child: {time.time() - t0:.1f} s)", flush=True)
         first = last + 2
     return alive
+
+
+def start(script: str, names: list[str], timeout_s: int, build: Callable, compile_only: Callable[[], None],
+          child_check: Callable[[int], None], parser: argparse.ArgumentParser | None = None):  # noqa: ANN201
+    """A probe's first steps: `--compile-only` (ptxas only) and the internal `--check-from N` (a child's checks)
+    end the run (None); else the build and every variant's checks in children, giving (arguments, the extension,
+    the variants that came back)."""
+    parser = parser or argparse.ArgumentParser()
+    parser.add_argument("--compile-only", action="store_true", help="ptxas registers and spills, no GPU")
+    parser.add_argument("--check-from", type=int, help="(internal) the checks from this variant on, in a child")
+    args = parser.parse_args()
+    if args.compile_only:
+        compile_only()
+        return None
+    if args.check_from is not None:
+        child_check(args.check_from)
+        return None
+    t0 = time.time()
+    ext = build()
+    print(f"build: {time.time() - t0:.1f} s\n", flush=True)
+    t0 = time.time()
+    alive = screen(script, names, timeout_s)
+    print(f"\nchecks: {time.time() - t0:.1f} s; timed: {', '.join(names[i] for i in alive)}")
+    return args, ext, alive

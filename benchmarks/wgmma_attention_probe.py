@@ -39,7 +39,6 @@ Compile only, printing ptxas's registers and spills per kernel (no GPU needed):
 
 from __future__ import annotations
 
-import argparse
 import math
 import time
 
@@ -47,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from variant_probe import build as build_variants
-from variant_probe import checked, ident, screen, template_label
+from variant_probe import checked, ident, start, template_label
 from variant_probe import compile_only as report_ptxas
 
 # (batch, heads, sequence, causal): GPT-2 small's attention, a long non-causal one, a ViT-sized one, longer ones
@@ -842,22 +841,10 @@ def probe_case(ext, alive: list[int], b: int, h: int, s: int, causal: bool, d: i
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--compile-only", action="store_true", help="ptxas registers and spills, no GPU")
-    parser.add_argument("--check-from", type=int, help="(internal) the checks from this variant on, in a child")
-    args = parser.parse_args()
-    if args.compile_only:
-        compile_only()
+    started = start(__file__, [v[0] for v in VARIANTS], CHILD_TIMEOUT_S, build, compile_only, child_check)
+    if started is None:
         return
-    if args.check_from is not None:
-        child_check(args.check_from)
-        return
-    t0 = time.time()
-    ext = build()
-    print(f"build: {time.time() - t0:.1f} s\n", flush=True)
-    t0 = time.time()
-    alive = screen(__file__, [v[0] for v in VARIANTS], CHILD_TIMEOUT_S)
-    print(f"\nchecks: {time.time() - t0:.1f} s; timed: {', '.join(VARIANTS[i][0] for i in alive)}")
+    _, ext, alive = started
     print(f"\nGPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; bf16. ratio = cuDNN's ms / this ms "
           "(the goal: >= 0.9); TFLOP/s counts 4 B H S² D, halved for causal\n")
     print("| batch, heads, seq, causal, d | method | variant | ms | TFLOP/s | ratio | max abs err vs fp64 |\n"
