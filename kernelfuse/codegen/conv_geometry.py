@@ -250,9 +250,10 @@ def pixel_setup(geo: Geometry, s: ConvShape, ctype: str, lane: str = "threadIdx.
 
 
 def tile_stores(k: str, s: ConvShape, bn: int, threads: int, index_t: str, ctype: str, has_bias: bool,
-                out_layout: str, operand_args: str, unroll: int = 1) -> str:
+                out_layout: str, operand_args: str, unroll: int = 1, first: str = "threadIdx.x") -> str:
     """C lines: the block's BM x `bn` accumulator tile, staged in shared memory as smem[n * LDC + m], through the
-    epilogue (`kN_apply`) to the output, in store order (pixels fastest for NCHW, channels for channels-last)."""
+    epilogue (`kN_apply`) to the output, in store order (pixels fastest for NCHW, channels for channels-last), by
+    `threads` threads whose index is `first` (the TMA kernel's warpgroups store their own tiles)."""
     if out_layout == "nchw":
         order = f"const int nl = e / {BM}, ml = e % {BM};"
         store = "i"
@@ -261,7 +262,7 @@ def tile_stores(k: str, s: ConvShape, bn: int, threads: int, index_t: str, ctype
         store = f"(({index_t})img * {s.pixels} + pix) * {s.cout} + co"
     bias = " + kf_load(bias[co])" if has_bias else ""
     pragma = f"#pragma unroll {unroll}\n" if unroll > 1 else ""
-    return f"""{pragma}  for (int e = threadIdx.x; e < {BM} * BN; e += {threads}) {{
+    return f"""{pragma}  for (int e = {first}; e < {BM} * BN; e += {threads}) {{
     {order}
     const int img = img_s[ml], col = n0 + nl;
     if (img < 0 || col >= COG) continue;

@@ -25,6 +25,7 @@ from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, apply_function, chan
 from kernelfuse.codegen.conv_depthwise import render_depthwise
 from kernelfuse.codegen.conv_geometry import BM, ConvShape, conv_shape, geometry, pixel_setup, tile_stores
 from kernelfuse.codegen.conv_tc import dense_config, render_dense
+from kernelfuse.codegen.conv_tma import render_dense_tma, tma_form, tma_launch, tma_tile
 from kernelfuse.codegen.conv_wgmma import (
     WGC_MIN_TILES,
     WGC_ROW,
@@ -88,7 +89,7 @@ def render_conv(plan: Plan, step: FusedStep, out_layout: str = "nchw") -> tuple[
     launch_params = "".join(f", const void* in{i}" for i in ops)
     launch_args = "".join(f", (const {ctype}*)in{i}" for i in ops)
     smem = 0  # dynamic shared memory bytes
-    wgmma = ""  # the launcher's branch to a wgmma form of the kernel
+    wgmma = ""  # the launcher's branches to a TMA or wgmma form of the kernel
     if step.anchor.impl == "direct":  # planned for a depthwise convolution (kernelfuse.plan.fuse.depthwise)
         comment = f"// {k}: {step.chain(plan.graph)}  (direct depthwise convolution, epilogue inside, {out_layout} " \
                   "output)\n"
@@ -104,16 +105,23 @@ def render_conv(plan: Plan, step: FusedStep, out_layout: str = "nchw") -> tuple[
                         cfg.epilogue_unroll))
         threads, smem = cfg.threads, cfg.smem_bytes
         hopper = cfg.wgmma and grid[0] * grid[1] * grid[2] >= WGC_MIN_TILES  # its wgmma form (codegen.conv_wgmma)
+        tma = tma_form(shape, cfg)  # its TMA im2col form (codegen.conv_tma)
         comment = f"// {k}: {step.chain(plan.graph)}  (dense implicit GEMM on TF32 tensor cores, epilogue inside, " \
                   f"{'channels-last' if cfg.a_nhwc else 'NCHW'} input, {out_layout} output" \
+                  f"{f'; {k}_kernel_tma: its TMA im2col form, for Hopper' if tma else ''}" \
                   f"{f'; {k}_kernel_wg: its wgmma form, for Hopper' if hopper else ''})\n"
+        if tma:  # the consumer warpgroups' epilogue: tma_tile's CH columns at a time, 128 threads each
+            body += render_dense_tma(k, shape, operand_params, tile_stores(
+                k, shape, tma_tile(shape)[1], 128, index_t, ctype, has_bias, out_layout, operand_args,
+                cfg.epilogue_unroll, first="t"))
+            wgmma = tma_launch(k, shape, launch_args)
         if hopper:
             body += render_dense_wgmma(
                 k, shape, geo, cfg, operand_params,
                 pixel_setup(geo, shape, ctype, WGC_ROW, writer=WGC_WRITER),
                 tile_stores(k, shape, cfg.bn, WGC_THREADS, index_t, ctype, has_bias, out_layout, operand_args,
                             cfg.epilogue_unroll))
-            wgmma = wgmma_launch(k, grid, cfg, ctype, launch_args)
+            wgmma += wgmma_launch(k, grid, cfg, ctype, launch_args)
     else:
         comment = f"// {k}: {step.chain(plan.graph)}  (implicit GEMM, epilogue inside, {out_layout} output)\n"
         body, grid = _kernel(k, shape, tile_config(shape), ctype, index_t, has_bias, step.anchor.fp32, out_layout, operand_params,
@@ -140,6 +148,14 @@ def dense_kernel(graph: Graph, step: FusedStep) -> bool:
     return step.anchor.impl == "generated" and not step.anchor.fp32 and node.meta.dtype == torch.float32 \
         and w is not None and w.stride == tap_major_strides(w.shape, bool(node.args[6])) \
         and conv_shape(graph, step).cig % DENSE_CHANNELS == 0
+
+
+def carries_tma(graph: Graph, step: FusedStep) -> bool:
+    """Whether the anchor's dense kernel has a TMA im2col form in the file (kernelfuse.codegen.conv_tma)."""
+    if not dense_kernel(graph, step):
+        return False
+    shape = conv_shape(graph, step)
+    return tma_form(shape, dense_config(shape))
 
 
 def _kernel(k: str, s: ConvShape, cfg: TileConfig, ctype: str, index_t: str, has_bias: bool, split: bool,
@@ -318,9 +334,12 @@ def _binding(plan: Plan, step: FusedStep, shape: ConvShape, out_layout: str) -> 
              f"def {k}(self, x, w, b{params}):",
              f'    _check_dense(x, "{k} input", {py_tuple(plan.graph[node.args[0]].meta.shape)}, {dtype})',
              f'    _check_dense(w, "{k} weight", {py_tuple(w_meta.shape)}, {dtype})']
-    if dense_kernel(plan.graph, step) and dense_config(shape).a_nhwc:  # 16-byte copies of 4 input channels
-        lines[2] = (f'    _check_dense(x, "{k} input (channels-last)", {py_tuple(plan.graph[node.args[0]].meta.shape)}, '
-                    f'{dtype}, {channels_last_format(plan.graph[node.args[0]].meta)})')
+    if dense_kernel(plan.graph, step) and dense_config(shape).a_nhwc:  # 16-byte copies of 4 input channels (or TMA)
+        x_meta = plan.graph[node.args[0]].meta
+        fmt = channels_last_format(x_meta)
+        lines[2] = (f'    _check_dense(x, "{k} input (channels-last)", {py_tuple(x_meta.shape)}, {dtype}, {fmt})')
+        # the forward passes the input as it is (NCHW): here it becomes channels-last (a copy where it is not)
+        lines.insert(2, f"    if x.dim() == {len(x_meta.shape)}:\n        x = x.contiguous(memory_format={fmt})")
     if dense_kernel(plan.graph, step):  # the weight through its tap-major copy, in 16-byte copies
         lines[-1] = (f'    _check(w, "{k} weight (tap-major)", {py_tuple(w_meta.shape)}, {py_tuple(w_meta.stride)}, '
                      f'{dtype})')

@@ -35,7 +35,9 @@ class DenseConfig:
     wgmma form (kernelfuse.codegen.conv_wgmma, NCHW input), carried where `wgmma`: `wg_stages` stages in its ring,
     `wg_min_blocks` blocks an SM the registers must allow, A by descriptor or (`wg_a_regs`) as register fragments,
     as the GEMM loop. Off by default: on level-2 54, 4, 46 and 2 (H200) each wgmma configuration ran no faster than
-    the mma.sync kernel, and both ran 2.5-4x slower than cuDNN's channels-last call (benchmarks/NOTES.md, stop 47)."""
+    the mma.sync kernel, and both ran 2.5-4x slower than cuDNN's channels-last call (benchmarks/NOTES.md, stop 47).
+    Its TMA im2col form (kernelfuse.codegen.conv_tma, Hopper), carried where `tma` and conv_tma.tma_form allow
+    (a_nhwc, round_tf32 off); off by default: not yet run inside a plan on a GPU."""
 
     bn: int = 128
     warps_m: int = 2
@@ -48,6 +50,7 @@ class DenseConfig:
     wg_min_blocks: int = 1
     wg_a_regs: bool = False
     wgmma: bool = False
+    tma: bool = False
 
     @property
     def threads(self) -> int:

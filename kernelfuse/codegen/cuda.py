@@ -21,9 +21,10 @@ from kernelfuse.codegen.attention_prelude import ATTENTION_PRELUDE
 from kernelfuse.codegen.attention_wgmma import ATTENTION_WGMMA_PRELUDE
 from kernelfuse.codegen.binding import Binding, kernels_class
 from kernelfuse.codegen.common import C_TYPES
-from kernelfuse.codegen.conv_igemm import dense_kernel, render_conv
+from kernelfuse.codegen.conv_igemm import carries_tma, dense_kernel, render_conv
 from kernelfuse.codegen.conv_igemm_prelude import IGEMM_PRELUDE
 from kernelfuse.codegen.conv_tc import CONV_TC_PRELUDE
+from kernelfuse.codegen.conv_tma import CONV_TMA_PRELUDE
 from kernelfuse.codegen.conv_wgmma import CONV_WGMMA_PRELUDE
 from kernelfuse.codegen.epilogue import render_fused
 from kernelfuse.codegen.gemm_tc import GEMM_PRELUDE, render_gemm
@@ -218,6 +219,8 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
         cuda += [GEMM_PRELUDE, WGMMA_PRELUDE]
     if dense:
         cuda += [CONV_TC_PRELUDE, CONV_WGMMA_PRELUDE]
+    if any(s.anchor.epilogue_inside and s.anchor.family == "conv" and carries_tma(plan.graph, s) for s in steps):
+        cuda.append(CONV_TMA_PRELUDE)
     bindings: list[Binding] = []
     functions: list[str] = []
     channels_last = [s for s in plan.fused if s.anchor.layout == "nhwc"]  # with or without an epilogue kernel

@@ -1,0 +1,409 @@
+"""The dense convolution on Hopper by TMA im2col loads and wgmma: `{k}_kernel_tma`, a run-time branch of the dense
+implicit-GEMM anchor's launcher (kernelfuse.codegen.conv_tc), with the same epilogue code (conv_geometry's
+tile_stores of the epilogue IR's `kN_apply`) and either output layout.
+
+Why: our dense kernels (mma.sync, and its wgmma form conv_wgmma) run 2.5-4x slower than cuDNN because the gathers'
+integer work dominates (stop 47's ncu). In im2col mode the TMA unit makes the gather addresses itself. The probe
+`benchmarks/tma_conv_probe.py` (stop 56, H200, `benchmarks/results/tma_conv_probe_s56_h200.md`), whose verified
+pieces this kernel reuses, ran this schedule (`coop-256`) at cuDNN's speed bare: 1.035x cuDNN's channels-last TF32
+conv on (64, 64, 256, 256) -> 64, 1.005x on (128, 64, 128, 128) -> 128, 0.878x on (64, 64, 256, 256) -> 128; with
+bias + mish(mish) fused and NCHW stores 2.07 ms against cuDNN + torch's 4.91 on the first.
+
+The kernel (the probe's coop-256): persistent blocks (one an SM), 384 threads. Warpgroup 0's first thread is the
+producer: per k block (32 channels of one tap r, s) one TMA im2col load of 256 output pixels x 32 channels of the
+NHWC input (coordinates {c, w, h, n} of the tile's first pixel less the padding, offsets {s, r}; the box's corners
+{-pad_w, -pad_h} and {pad_w - (S - 1), pad_h - (R - 1)}, W first; zero fill out of bounds) and one tiled TMA load of
+TBN weight rows x 32 of the planner's tap-major weight copy (K, R S C), both 128-byte swizzled, into a ring of four
+slots with full (expect_tx + complete_tx) and empty (one arrive a consumer warp) mbarriers. Two consumer warpgroups
+take 128 pixels each: wgmma.m64nTBNk8 TF32 from both shared-memory descriptors (kf_wg::desc). Each warpgroup's
+epilogue stages CH columns of its accumulators at a time in its own shared tile (smem[n * LDC + m], the dense
+kernel's layout) and runs tile_stores over them with its 128 threads, while the producer already fills the ring
+for the block's next tile.
+
+Where it runs (else the dense kernel, unchanged): the file carries it where `tma_form` holds: DenseConfig.tma (off
+by default), a channels-last input (a_nhwc: the binding converts the input), TF32 truncation accepted
+(round_tf32 False: wgmma reads an operand's top 19 bits, there is no rounding pass; the dense kernel rounds to
+nearest by default, so which one the accuracy rule takes is a measured decision), a 2-d forward convolution, stride
+1, dilation 1, groups 1, input channels a multiple of 32, output channels a multiple of 64 (TBN = 128 where they
+divide by 128, else 64; the probe's rule), kernel and padding at most 64 (the corners' range). At run time the
+launcher takes it where the library was built for sm_90a on a 9.0 device (kf_wg::sm90_sms), the input is 16-byte
+aligned and the driver's tensor-map encoders (reached through cudaGetDriverEntryPointByVersion: no -lcuda) accept
+the maps; they are encoded on the host at every call (the probe's way; caching them per pointer is a measurement
+for later). kf_conv_tma_launches() counts its launches.
+
+The CPU emulation (KF_EMULATION) runs the same kernel text: the producer's copies are synchronous (what the
+hardware writes, by the box traversal and swizzle modelled here), the mbarriers are counters with the hardware's
+phase and tx-count rules that block by atomic waits, the named barriers std::barriers, the products kf_wg's
+emulated wgmma. Not emulated: the real TMA unit's corner and offset semantics (padding and non-square kernels are
+this model's reading of the driver's documentation, as CUTLASS uses them), the descriptors' bit layout, the
+products' asynchrony, setmaxnreg.
+"""
+
+from __future__ import annotations
+
+from kernelfuse.codegen.conv_geometry import ConvShape
+from kernelfuse.codegen.conv_tc import LDC, DenseConfig
+
+TMA_THREADS = 384  # the producer's warpgroup and two consumer warpgroups
+TMA_BM = 256  # output pixels a block tile (one im2col box), 128 a consumer warpgroup
+TMA_STAGES = 4
+SMEM_LIMIT = 227 * 1024  # a block's shared memory on Hopper
+STATIC_SMEM = 2 * 2 * 128 * 4  # the warpgroups' pixel tables (img_t, pix_t)
+
+
+def tma_form(s: ConvShape, cfg: DenseConfig) -> bool:
+    """Whether the dense anchor's file carries the TMA kernel for convolution `s` (see the module's docstring)."""
+    return (cfg.tma and cfg.a_nhwc and not cfg.round_tf32 and not s.transposed and len(s.kernel) == 2
+            and s.groups == 1 and s.stride == (1, 1) and s.dilation == (1, 1) and s.cin % 32 == 0
+            and s.cout % 64 == 0 and max(s.kernel) <= 64 and max(s.padding) <= 64 and min(s.out_size) >= 1
+            and s.m + TMA_BM < 2**31)
+
+
+def tma_tile(s: ConvShape) -> tuple[int, int]:
+    """(TBN, CH): output channels a block tile, and columns a warpgroup's epilogue stages at once (as many as the
+    shared memory beside the four ring slots holds: 16 at TBN 128, 32 at 64)."""
+    bn = 128 if s.cout % 128 == 0 else 64
+    ch = next(c for c in (bn, 64, 32, 16) if c <= bn and tma_smem_bytes(bn, c) + STATIC_SMEM <= SMEM_LIMIT)
+    return bn, ch
+
+
+def tma_smem_bytes(bn: int, ch: int) -> int:
+    """Dynamic shared memory: the ring's slots (256 pixels + bn weight rows of 128 bytes each), the 1024-byte
+    alignment of the swizzled tiles, the mbarriers, and each consumer warpgroup's staged columns."""
+    return TMA_STAGES * (TMA_BM + bn) * 128 + 1024 + 2 * TMA_STAGES * 8 + 2 * ch * LDC * 4
+
+
+CONV_TMA_PRELUDE = r"""
+// ---- the dense convolution by TMA im2col loads and wgmma, sm_90a (kernelfuse.codegen.conv_tma) ----
+#if defined(__CUDACC__)
+#include <cuda.h>  // CUtensorMap and its enums only: the encoders come through the runtime's driver entry points
+#endif
+#if defined(__CUDACC__) || defined(KF_EMULATION)
+#if defined(KF_EMULATION)
+// a tensor map as this emulation reads it: the input's {C, W, H, N} (im2col) or the weight's {RSC, K} (tiled)
+struct CUtensorMap {
+  const float* base;
+  long long dims[4];
+  int lower[2], upper[2];  // the im2col box's corners, W first
+  int rows;                // the box's pixels (im2col) or rows (tiled); each is 32 floats
+};
+#define __grid_constant__
+#endif
+namespace kf_tma {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
+__device__ __forceinline__ void bar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void fence_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+// the producer's arrive, announcing the bytes the slot's copies will complete
+__device__ __forceinline__ void arrive_expect_tx(uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
+               : "memory");
+}
+// until the phase of parity `parity` has completed (a fresh barrier passes parity 1 at once)
+__device__ __forceinline__ void wait(uint64_t* bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nKF_TMA_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra KF_TMA_WAIT;\n}\n" ::"r"(smem_u32(bar)), "r"(parity) : "memory");
+}
+// `rows` pixels from (n, h, w) on (the box walks w, then h, then n) x 32 channels from c, each pixel shifted by the
+// tap (dw, dh): coordinates innermost first, offsets in the same order (W, then H)
+__device__ __forceinline__ void im2col(void* dst, const CUtensorMap* map, uint64_t* bar, int c, int w, int h, int n,
+                                       int dw, int dh) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.im2col.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6}], [%2], {%7, %8};\n" ::"r"(smem_u32(dst)), "l"((uint64_t)map),
+      "r"(smem_u32(bar)), "r"(c), "r"(w), "r"(h), "r"(n), "h"((unsigned short)dw), "h"((unsigned short)dh)
+      : "memory");
+}
+__device__ __forceinline__ void tile2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4}], [%2];\n" ::"r"(smem_u32(dst)), "l"((uint64_t)map), "r"(smem_u32(bar)), "r"(c0),
+      "r"(c1)
+      : "memory");
+}
+// the producer's warpgroup gives registers to the consumers' (40 x 128 + 232 x 256 <= 64K)
+__device__ __forceinline__ void producer_registers() { asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n"); }
+__device__ __forceinline__ void consumer_registers() { asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n"); }
+// consumer warpgroup cw's 128 threads (named barriers 1 and 2; 0 is __syncthreads)
+__device__ __forceinline__ void warpgroup_sync(int cw) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(cw + 1) : "memory");
+}
+#elif defined(KF_EMULATION)
+// An mbarrier as one word: phase (bit 63), arrivals a phase (48..55), arrivals pending (32..47), tx bytes pending
+// (0..31). A phase completes (the bit flips, the counts reset) when both pending counts reach zero, as on the GPU.
+using bar_word = std::atomic<unsigned long long>;
+inline bar_word& word(uint64_t* bar) { return *reinterpret_cast<bar_word*>(bar); }
+inline void bar_init(uint64_t* bar, int count) {
+  new (bar) bar_word((unsigned long long)count << 48 | (unsigned long long)count << 32);
+}
+inline void fence_init() {}
+inline void update(uint64_t* bar, long long tx, int arrivals) {
+  bar_word& w = word(bar);
+  unsigned long long old = w.load(), next;
+  do {
+    const unsigned long long phase = old >> 63, count = old >> 48 & 0xff;
+    const long long pending = (long long)(old >> 32 & 0xffff) - arrivals, bytes = (long long)(old & 0xffffffffu) + tx;
+    if (pending < 0 || bytes < 0) __builtin_trap();  // more arrivals or bytes than the phase expects
+    next = pending == 0 && bytes == 0 ? (phase ^ 1) << 63 | count << 48 | count << 32
+                                      : phase << 63 | count << 48 | (unsigned long long)pending << 32 |
+                                            (unsigned long long)bytes;
+  } while (!w.compare_exchange_weak(old, next));
+  w.notify_all();
+}
+inline void arrive(uint64_t* bar) { update(bar, 0, 1); }
+inline void arrive_expect_tx(uint64_t* bar, unsigned bytes) { update(bar, bytes, 1); }
+inline void wait(uint64_t* bar, int parity) {
+  bar_word& w = word(bar);
+  for (unsigned long long v = w.load(); (int)(v >> 63) == parity; v = w.load()) w.wait(v);
+}
+// The copies, done at once by the producer: what the TMA unit writes (rows of 32 floats in the 128-byte swizzle,
+// zeros out of bounds), then their bytes completed on the barrier. The im2col box walks the pixels of the
+// bounding box [lower, size - 1 + upper] of W, then H, then the images, from the coordinates' pixel.
+inline void im2col(void* dst, const CUtensorMap* map, uint64_t* bar, int c, int w, int h, int n, int dw, int dh) {
+  float* out = static_cast<float*>(dst);
+  const long long C = map->dims[0], W = map->dims[1], H = map->dims[2], N = map->dims[3];
+  const long long wc = W - map->lower[0] + map->upper[0], hc = H - map->lower[1] + map->upper[1];
+  long long at = ((long long)n * hc + (h - map->lower[1])) * wc + (w - map->lower[0]);
+  for (int i = 0; i < map->rows; ++i, ++at) {
+    const long long pw = map->lower[0] + at % wc, ph = map->lower[1] + at / wc % hc, pn = at / wc / hc;
+    const long long iw = pw + dw, ih = ph + dh;
+    const bool in = pn < N && ih >= 0 && ih < H && iw >= 0 && iw < W;
+    for (int k = 0; k < 32; ++k)
+      out[kf_wg::swz128(i, k)] = in ? map->base[((pn * H + ih) * W + iw) * C + c + k] : 0.0f;
+  }
+  update(bar, -128LL * map->rows, 0);
+}
+inline void tile2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1) {
+  float* out = static_cast<float*>(dst);
+  for (int r = 0; r < map->rows; ++r)
+    for (int k = 0; k < 32; ++k)
+      out[kf_wg::swz128(r, k)] = c1 + r < map->dims[1] ? map->base[(c1 + r) * map->dims[0] + c0 + k] : 0.0f;
+  update(bar, -128LL * map->rows, 0);
+}
+inline void producer_registers() {}
+inline void consumer_registers() {}
+inline void warpgroup_sync(int cw) {
+  static std::barrier<> bars[2] = {std::barrier<>(128), std::barrier<>(128)};
+  bars[cw].arrive_and_wait();
+}
+#endif
+
+// Host side: the tensor maps, encoded at each call
+#if !defined(KF_EMULATION)
+using EncodeIm2col = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                  const cuuint64_t*, const int*, const int*, cuuint32_t, cuuint32_t,
+                                  const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
+                                  CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+// a driver function through the runtime (the library does not link libcuda); null where there is none
+inline void* driver_fn(const char* name) {
+  void* fn = nullptr;
+#if CUDART_VERSION >= 12050
+  cudaDriverEntryPointQueryResult found;
+  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess)
+    return nullptr;
+#endif
+  return fn;
+}
+#endif
+// x: NHWC (N, H, W, C); a box of `rows` output pixels, each 32 channels, over the output's pixels: W from -pad_w to
+// W - 1 + pad_w - (S - 1), H likewise (inclusive), corners W first; zeros out of bounds. False: not encoded.
+inline bool encode_input(CUtensorMap* map, const float* x, int N, int H, int W, int C, int R, int S, int pad_h,
+                         int pad_w, int rows) {
+  const int lower[2] = {-pad_w, -pad_h}, upper[2] = {pad_w - (S - 1), pad_h - (R - 1)};
+#if defined(KF_EMULATION)
+  *map = CUtensorMap{x, {C, W, H, N}, {lower[0], lower[1]}, {upper[0], upper[1]}, rows};
+  return true;
+#else
+  static const EncodeIm2col encode = (EncodeIm2col)driver_fn("cuTensorMapEncodeIm2col");
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[4] = {(cuuint64_t)C, (cuuint64_t)W, (cuuint64_t)H, (cuuint64_t)N};
+  const cuuint64_t strides[3] = {(cuuint64_t)C * 4, (cuuint64_t)W * C * 4, (cuuint64_t)H * W * C * 4};
+  const cuuint32_t ones[4] = {1, 1, 1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, (void*)x, dims, strides, lower, upper, 32, rows, ones,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+#endif
+}
+// w: the tap-major weight (K rows of RSC floats); boxes of `rows` rows x 32 floats
+inline bool encode_weight(CUtensorMap* map, const float* w, int K, int RSC, int rows) {
+#if defined(KF_EMULATION)
+  *map = CUtensorMap{w, {RSC, K, 1, 1}, {0, 0}, {0, 0}, rows};
+  return true;
+#else
+  static const EncodeTiled encode = (EncodeTiled)driver_fn("cuTensorMapEncodeTiled");
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {(cuuint64_t)RSC, (cuuint64_t)K};
+  const cuuint64_t strides[1] = {(cuuint64_t)RSC * 4};
+  const cuuint32_t box[2] = {32, (cuuint32_t)rows}, ones[2] = {1, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, (void*)w, dims, strides, box, ones,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+#endif
+}
+// persistent blocks: one an SM; the emulation runs two, so each block's ring goes on across its tiles
+inline int blocks(int tiles) {
+#if defined(KF_EMULATION)
+  const int sms = 2;
+#else
+  const int sms = kf_wg::sm90_sms();
+#endif
+  return tiles < sms ? tiles : sms;
+}
+}  // namespace kf_tma
+// launches that took the TMA kernel (a test's proof that it ran)
+static long long kf_conv_tma_count = 0;
+KF_EXPORT long long kf_conv_tma_launches() { return kf_conv_tma_count; }
+#endif  // __CUDACC__ || KF_EMULATION
+"""
+
+
+def render_dense_tma(k: str, s: ConvShape, operand_params: str, stores: str) -> str:
+    """The text of `{k}_kernel_tma` for convolution `s` (tma_form holds); `stores` is conv_geometry's tile_stores for
+    tma_tile's CH columns, 128 threads whose index is `t`."""
+    bn, ch = tma_tile(s)
+    (r, sk), (ph, pw), (p, q) = s.kernel, s.padding, s.out_size
+    tiles_n = s.cout // bn
+    tiles = -(-s.m // TMA_BM) * tiles_n
+    return f"""#if defined(__CUDACC__) || defined(KF_EMULATION)
+__global__ void __launch_bounds__({TMA_THREADS}, 1) {k}_kernel_tma(const __grid_constant__ CUtensorMap tmap_x, const __grid_constant__ CUtensorMap tmap_w, const float* __restrict__ bias, float* __restrict__ out{operand_params}) {{
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(KF_EMULATION)
+  constexpr int TBN = {bn}, CH = {ch}, LDC = {LDC}, COG = {s.cout}, STAGES = {TMA_STAGES}, BM = {TMA_BM}, WG_M = BM / 2;
+  constexpr int KT = {r * sk * s.cin // 32}, CB = {s.cin // 32}, S = {sk}, Q = {q}, PQ = {p * q}, M = {s.m};
+  constexpr int PAD_H = {ph}, PAD_W = {pw}, TILES_N = {tiles_n}, TILES = {tiles};
+  constexpr int A_BYTES = BM * 128, STAGE_BYTES = (BM + TBN) * 128;
+  KF_DYNAMIC_SHARED(kf_tma_raw);
+  unsigned char* const ring = reinterpret_cast<unsigned char*>(((uintptr_t)kf_tma_raw + 1023) & ~(uintptr_t)1023);
+  uint64_t* const full = reinterpret_cast<uint64_t*>(ring + STAGES * STAGE_BYTES);
+  uint64_t* const empty = full + STAGES;
+  float* const staged = reinterpret_cast<float*>(empty + STAGES);  // each consumer warpgroup's CH columns
+  __shared__ int img_t[2][WG_M], pix_t[2][WG_M];
+  const int wg = threadIdx.x / 128, lane = threadIdx.x % 32;
+  if (threadIdx.x == 0) {{
+    for (int i = 0; i < STAGES; ++i) {{
+      kf_tma::bar_init(&full[i], 1);
+      kf_tma::bar_init(&empty[i], 8);  // every consumer warp arrives once its products reading the slot are done
+    }}
+    kf_tma::fence_init();
+  }}
+  __syncthreads();
+  const int my_tiles = TILES > (int)blockIdx.x ? (TILES - (int)blockIdx.x + (int)gridDim.x - 1) / (int)gridDim.x : 0;
+  if (wg == 0) {{  // the producer: one thread issues every copy, the ring's slots in order over the block's tiles
+    kf_tma::producer_registers();
+    if (threadIdx.x == 0) {{
+      unsigned it = 0;
+      for (int i = 0; i < my_tiles; ++i) {{
+        const int tile = blockIdx.x + i * gridDim.x, tm = tile / TILES_N, tn = tile % TILES_N;
+        const int m0 = tm * BM, img = m0 / PQ, pq = m0 % PQ, p = pq / Q, q = pq % Q;
+        for (int kb = 0; kb < KT; ++kb, ++it) {{
+          const int slot = it % STAGES, rs = kb / CB, cb = kb % CB;
+          kf_tma::wait(&empty[slot], ((it / STAGES) & 1) ^ 1);
+          unsigned char* const a = ring + slot * STAGE_BYTES;
+          kf_tma::arrive_expect_tx(&full[slot], STAGE_BYTES);
+          kf_tma::im2col(a, &tmap_x, &full[slot], cb * 32, q - PAD_W, p - PAD_H, img, rs % S, rs / S);
+          kf_tma::tile2d(a + A_BYTES, &tmap_w, &full[slot], kb * 32, tn * TBN);
+        }}
+      }}
+    }}
+  }} else {{  // consumer warpgroup cw: rows cw * 128.. of each tile
+    kf_tma::consumer_registers();
+    const int cw = wg - 1, t = threadIdx.x % 128;
+    const int row = t / 32 * 16 + lane / 4, tq = lane % 4;  // its accumulator rows (row, row + 8), columns 2 tq..
+    float* const tile_c = staged + cw * CH * LDC;
+    int* const img_s = img_t[cw];
+    int* const pix_s = pix_t[cw];
+    float acc[2][TBN / 2];
+    for (int i = 0; i < my_tiles; ++i) {{
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+        for (int j = 0; j < TBN / 2; ++j) acc[mi][j] = 0.0f;
+      const unsigned it0 = (unsigned)i * KT;
+#pragma unroll 1
+      for (int kb = 0; kb < KT; ++kb) {{
+        const unsigned it = it0 + kb;
+        const int slot = it % STAGES;
+        kf_tma::wait(&full[slot], (it / STAGES) & 1);
+        const float* const a = reinterpret_cast<const float*>(ring + slot * STAGE_BYTES + cw * WG_M * 128);
+        const float* const b = reinterpret_cast<const float*>(ring + slot * STAGE_BYTES + A_BYTES);
+        kf_wg::fence();
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks)
+#pragma unroll
+          for (int mi = 0; mi < 2; ++mi) kf_cw_mma_n{bn}(acc[mi], kf_wg::desc(a + mi * 64 * 32, ks), kf_wg::desc(b, ks));
+        kf_wg::commit();
+        kf_wg::wait<1>();  // the previous slot's products are done: hand it back
+        __syncwarp();  // (the emulation's lanes run apart; on the GPU the warp is converged here)
+        if (kb > 0 && lane == 0) kf_tma::arrive(&empty[(it - 1) % STAGES]);
+      }}
+      kf_wg::wait<0>();
+      __syncwarp();
+      if (lane == 0) kf_tma::arrive(&empty[(it0 + KT - 1) % STAGES]);
+      // the epilogue: CH columns at a time through this warpgroup's shared tile to tile_stores, as the dense kernel
+      const int tile = blockIdx.x + i * gridDim.x, tm = tile / TILES_N, tn = tile % TILES_N;
+      kf_tma::warpgroup_sync(cw);  // the previous tile's stores are done with the pixel tables and tile_c
+      {{
+        const int m = tm * BM + cw * WG_M + t;
+        img_s[t] = m < M ? m / PQ : -1;
+        pix_s[t] = m < M ? m % PQ : 0;
+      }}
+#pragma unroll
+      for (int c = 0; c < TBN / CH; ++c) {{
+        if (c > 0) kf_tma::warpgroup_sync(cw);  // the previous columns' stores are done with tile_c
+        // accumulator fragment of m64nTBN: n8 block j holds (row, columns 8j + 2tq, +1) and (row + 8, the same)
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi)
+#pragma unroll
+          for (int j = 0; j < CH / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              tile_c[(8 * j + 2 * tq + (e & 1)) * LDC + mi * 64 + row + (e >> 1) * 8] = acc[mi][4 * (c * CH / 8 + j) + e];
+        kf_tma::warpgroup_sync(cw);
+        {{
+          constexpr int BN = CH;
+          const int n0 = tn * TBN + c * CH, grp = 0;
+          const float* const smem = tile_c;
+{stores}
+        }}
+      }}
+    }}
+  }}
+#else
+  __trap();  // never launched: the launcher takes it only where the loader built sm_90a for a 9.0 device
+#endif
+}}
+#endif
+"""
+
+
+def tma_launch(k: str, s: ConvShape, launch_args: str) -> str:
+    """The launcher's first lines for convolution `k`: its TMA kernel, on Hopper, where the maps encode."""
+    bn, ch = tma_tile(s)
+    (r, sk), (ph, pw), (h, w) = s.kernel, s.padding, s.in_size
+    tiles = -(-s.m // TMA_BM) * (s.cout // bn)
+    smem = tma_smem_bytes(bn, ch)
+    return f"""#if defined(__CUDACC__) || defined(KF_EMULATION)
+  if (kf_wg::sm90_sms() > 0 && (uintptr_t)x % 16 == 0) {{  // Hopper: the TMA im2col kernel (codegen.conv_tma)
+    CUtensorMap tx, tw;
+    if (kf_tma::encode_input(&tx, (const float*)x, {s.batch}, {h}, {w}, {s.cin}, {r}, {sk}, {ph}, {pw}, {TMA_BM}) &&
+        kf_tma::encode_weight(&tw, (const float*)w, {s.cout}, {r * sk * s.cin}, {bn})) {{
+      const cudaError_t opted = kf_opt_in<{k}_kernel_tma>({smem});
+      if (opted != cudaSuccess) return opted;
+      const int blocks = kf_tma::blocks({tiles});
+      ++kf_conv_tma_count;
+      {k}_kernel_tma<<<dim3(blocks), {TMA_THREADS}, {smem}, stream>>>(tx, tw, (const float*)bias, (float*)out{launch_args});
+      return cudaGetLastError();
+    }}
+  }}
+#endif
+"""
