@@ -18,7 +18,7 @@ import torch
 
 from kernelfuse.capture import Graph, capture
 from kernelfuse.load import Problem, load_problem
-from kernelfuse.plan import Plan, interpret, plan_variants
+from kernelfuse.plan import Plan, interpret, owned_anchor_variants, plan_variants
 from kernelfuse.rewrite import rewrite
 
 REPO = Path(__file__).resolve().parents[1]
@@ -122,3 +122,10 @@ class AsCuda:
     @property
     def _modules(self):
         return {k: AsCuda(m) for k, m in self._inner._modules.items() if m is not None}
+
+
+def owned_tf32_plan(graph: Graph) -> Plan:
+    """The owned-anchor plan with every convolution measured TF32 (as eager's cuDNN call on a GPU)."""
+    convs = frozenset(n.name for n in graph.nodes if n.op == "convolution.default")
+    (plan,) = owned_anchor_variants(graph, measured=convs)
+    return plan

@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 from emulation_helpers import emulated
+from optimizer_helpers import owned_tf32_plan
 from test_conv_igemm import _tf32
 
 import kernelfuse.codegen.conv_igemm as conv_igemm
@@ -20,7 +21,7 @@ from kernelfuse.capture import capture_module
 from kernelfuse.codegen import generate
 from kernelfuse.codegen.conv_igemm import dense_kernel
 from kernelfuse.codegen.conv_tc import DenseConfig
-from kernelfuse.plan import make_plan, owned_anchor_variants
+from kernelfuse.plan import make_plan
 from kernelfuse.plan.conv import dense_refusal, tap_major_strides
 from kernelfuse.plan.interpret import run_env, run_fused
 
@@ -61,16 +62,9 @@ def model_and_graph():
     return model, inputs, capture_module(model, inputs)
 
 
-def _plan(graph):
-    """The owned-anchor plan with every convolution measured TF32 (as eager's cuDNN call on a GPU)."""
-    convs = frozenset(n.name for n in graph.nodes if n.op == "convolution.default")
-    (plan,) = owned_anchor_variants(graph, measured=convs)
-    return plan
-
-
 def test_every_eligible_convolution_reads_a_tap_major_weight_copy(model_and_graph):
     _, _, graph = model_and_graph
-    plan = _plan(graph)
+    plan = owned_tf32_plan(graph)
     assert all(dense_kernel(plan.graph, s) for s in plan.fused)
     for step in plan.fused:
         node = step.anchor.node
@@ -98,7 +92,7 @@ def test_refusals_name_the_cause():
     convs = [n for n in graph.nodes if n.op == "convolution.default"]
     assert "16 input" in dense_refusal(graph, convs[0])
     assert "grouped transposed" in dense_refusal(graph, convs[1])
-    assert not any(dense_kernel(_plan(graph).graph, s) for s in _plan(graph).fused)
+    assert not any(dense_kernel(owned_tf32_plan(graph).graph, s) for s in owned_tf32_plan(graph).fused)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
@@ -139,7 +133,7 @@ def _with_wgmma(monkeypatch, cfg: DenseConfig | None = None) -> None:
 def _check_against_float64(model_and_graph, tmp_path, cfg: DenseConfig | None, wgmma: bool = False) -> None:
     """Each convolution's emulated kernel (the wgmma form where `wgmma`) against float64 on its TF32 operands."""
     model, inputs, graph = model_and_graph
-    plan = _plan(graph)
+    plan = owned_tf32_plan(graph)
     emu = emulated(plan, tmp_path)
     if wgmma:
         assert generate(plan).cuda.count("_kernel_wg<<<") == len(plan.fused)
@@ -170,7 +164,7 @@ def test_dense_kernels_compile_for_sm90_without_spills(model_and_graph, tmp_path
     nvcc = _nvcc()
     _, _, graph = model_and_graph
     cu = tmp_path / "dense.cu"
-    cu.write_text(generate(_plan(graph)).cuda)
+    cu.write_text(generate(owned_tf32_plan(graph)).cuda)
     result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90", "-O3", "-c", "-Xptxas", "-v", str(cu), "-o",
                              str(tmp_path / "dense.o")], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -240,10 +234,10 @@ def test_wgmma_form_assembles_for_sm_90a_without_spills(model_and_graph, tmp_pat
 
     nvcc = _nvcc()
     torch.manual_seed(0)
-    plan = _plan(capture_module(DenseConvs().eval(), [torch.randn(s) for s in WIDE_INPUTS]))
+    plan = owned_tf32_plan(capture_module(DenseConvs().eval(), [torch.randn(s) for s in WIDE_INPUTS]))
     assert "_kernel_wg" not in generate(plan).cuda
     _with_wgmma(monkeypatch)
-    assert "_kernel_wg" not in generate(_plan(model_and_graph[2])).cuda
+    assert "_kernel_wg" not in generate(owned_tf32_plan(model_and_graph[2])).cuda
     source = generate(plan).cuda
     assert source.count("KF_EXPORT void kf_wgmma_enable") == 1
     assert source.count("_kernel_wg<<<") == len(plan.fused)

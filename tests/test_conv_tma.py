@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from emulation_helpers import emulated
+from optimizer_helpers import owned_tf32_plan
 from test_conv_igemm import _tf32
 
 import kernelfuse.codegen.conv_igemm as conv_igemm
@@ -24,7 +25,6 @@ import kernelfuse.codegen.cuda as codegen_cuda
 from kernelfuse.capture import capture_module
 from kernelfuse.codegen import generate
 from kernelfuse.codegen.conv_igemm import carries_tma, dense_kernel
-from kernelfuse.plan import owned_anchor_variants
 from kernelfuse.plan.interpret import run_env, run_fused
 
 
@@ -72,13 +72,6 @@ def model_and_graph():
     return model, inputs, capture_module(model, inputs)
 
 
-def _plan(graph):
-    """The owned-anchor plan with every convolution measured TF32 (as eager's cuDNN call on a GPU)."""
-    convs = frozenset(n.name for n in graph.nodes if n.op == "convolution.default")
-    (plan,) = owned_anchor_variants(graph, measured=convs)
-    return plan
-
-
 def _launches(lib) -> int:
     lib.kf_conv_tma_launches.restype = ctypes.c_longlong
     return lib.kf_conv_tma_launches()
@@ -88,7 +81,7 @@ def test_tma_form_only_where_it_applies(model_and_graph, monkeypatch):
     """Carried for the three stride-1 convolutions, not for stride 2, dilation 2 or 48 channels; nothing by
     default (DenseConfig.tma off), nor where the dense kernel rounds (round_tf32)."""
     _, _, graph = model_and_graph
-    plan = _plan(graph)
+    plan = owned_tf32_plan(graph)
     assert not any(carries_tma(plan.graph, s) for s in plan.fused) and "_kernel_tma" not in generate(plan).cuda
     _with_tma(monkeypatch)
     assert [carries_tma(plan.graph, s) for s in plan.fused] == TAKES_TMA
@@ -109,7 +102,7 @@ def test_emulated_tma_form_matches_float64_on_truncated_operands(model_and_graph
     model, inputs, graph = model_and_graph
     _with_tma(monkeypatch)
     _with_out_layout(monkeypatch, layout)
-    plan = _plan(graph)
+    plan = owned_tf32_plan(graph)
     emu = emulated(plan, tmp_path)
     state = {k: v.detach().double() for k, v in [*model.named_parameters(), *model.named_buffers()]}
     env = run_env(plan, state, [t.double() for t in inputs])
@@ -143,7 +136,7 @@ def test_tma_form_compiles_for_sm_90a_and_sm_80(model_and_graph, tmp_path, monke
 
     nvcc = _nvcc()
     _with_tma(monkeypatch)
-    plan = _plan(model_and_graph[2])
+    plan = owned_tf32_plan(model_and_graph[2])
     cu = tmp_path / "tma.cu"
     cu.write_text(generate(plan).cuda)
     result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90a", "-O3", "-c", "-Xptxas", "-v", str(cu), "-o",
