@@ -13,6 +13,7 @@ Run on the GPU host from the repo root:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -52,6 +53,8 @@ CONFIGS = {
     "wgmma-s4-2blocks-trunc": {"wgmma": True, "wg_stages": 4, "wg_min_blocks": 2, "round_tf32": False},
     "wgmma-regA": {"wgmma": True, "wg_a_regs": True},
     "wgmma-regA-s4-2blocks": {"wgmma": True, "wg_a_regs": True, "wg_stages": 4, "wg_min_blocks": 2},
+    "mma-nhwc-trunc": {"a_nhwc": True, "round_tf32": False},
+    "tma": {"a_nhwc": True, "round_tf32": False, "tma": True},  # codegen.conv_tma where tma_form allows
 }
 
 
@@ -118,10 +121,21 @@ def probe(path: Path, configs: list[str]) -> list[str]:
             diff = (out - ref).abs().max().item()
             t_bare = median_event_ms(lambda: getattr(ext, bare.kernel)(xin, wk, b))  # noqa: B023
             t_fused = median_event_ms(lambda: getattr(ext, step.kernel)(xin, wk, b, *operands))  # noqa: B023
-            wg = "_kernel_wg" in sources[name].cuda
-            lines.append(f"  {name:24s} bn={cfg.bn} {'wgmma' if wg else 'mma.sync'} bare={t_bare:.3f} "
+            form = "tma" if "_kernel_tma" in sources[name].cuda else "wgmma" if "_kernel_wg" in sources[name].cuda \
+                else "mma.sync"
+            if form == "tma":  # the launch counter says whether the TMA branch ran, not just was carried
+                form += f"(launches={_tma_launches(ext)})"
+            lines.append(f"  {name:24s} bn={cfg.bn} {form} bare={t_bare:.3f} "
                          f"fused={t_fused:.3f} ms  max|ours-cudnn|={diff:.1e}")
     return lines
+
+
+def _tma_launches(ext: object) -> int:
+    lib = getattr(ext, "_lib", None)
+    if lib is None or not hasattr(lib, "kf_conv_tma_launches"):
+        return -1
+    lib.kf_conv_tma_launches.restype = ctypes.c_longlong
+    return int(lib.kf_conv_tma_launches())
 
 
 if __name__ == "__main__":
