@@ -43,6 +43,7 @@ CONFIGS = {
     "mma": {},
     "mma-truncated": {"round_tf32": False},
     "mma-unroll4": {"epilogue_unroll": 4},
+    "mma-unroll8": {"epilogue_unroll": 8},
     "mma-8warps": {"warps_n": 4},
     "mma-nhwc": {"a_nhwc": True},
     "mma-stages4": {"stages": 4},
@@ -55,6 +56,7 @@ CONFIGS = {
     "wgmma-regA-s4-2blocks": {"wgmma": True, "wg_a_regs": True, "wg_stages": 4, "wg_min_blocks": 2},
     "mma-nhwc-trunc": {"a_nhwc": True, "round_tf32": False},
     "tma": {"a_nhwc": True, "round_tf32": False, "tma": True},  # codegen.conv_tma where tma_form allows
+    "tma-unroll8": {"a_nhwc": True, "round_tf32": False, "tma": True, "epilogue_unroll": 8},
 }
 
 

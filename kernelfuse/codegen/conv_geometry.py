@@ -253,7 +253,13 @@ def tile_stores(k: str, s: ConvShape, bn: int, threads: int, index_t: str, ctype
                 out_layout: str, operand_args: str, unroll: int = 1, first: str = "threadIdx.x") -> str:
     """C lines: the block's BM x `bn` accumulator tile, staged in shared memory as smem[n * LDC + m], through the
     epilogue (`kN_apply`) to the output, in store order (pixels fastest for NCHW, channels for channels-last), by
-    `threads` threads whose index is `first` (the TMA kernel's warpgroups store their own tiles)."""
+    `threads` threads whose index is `first` (the TMA kernel's warpgroups store their own tiles).
+
+    `unroll` elements a thread at a time in two phases: their loads and math, then their stores, each one predicated
+    store (kf_store_if; an element past the tile's last pixel or channel is computed at valid indices and not
+    stored). So the elements' operand loads and math overlap: with a `continue` or an `if` around each store the
+    compiler made every element a branch of its own, in series, latency-bound at the dense kernels' eight warps an
+    SM (stop 57's SASS of level-2 54's kernels)."""
     if out_layout == "nchw":
         order = f"const int nl = e / {BM}, ml = e % {BM};"
         store = "i"
@@ -261,14 +267,24 @@ def tile_stores(k: str, s: ConvShape, bn: int, threads: int, index_t: str, ctype
         order = f"const int ml = e / {bn}, nl = e % {bn};"
         store = f"(({index_t})img * {s.pixels} + pix) * {s.cout} + co"
     bias = " + kf_load(bias[co])" if has_bias else ""
-    pragma = f"#pragma unroll {unroll}\n" if unroll > 1 else ""
-    return f"""{pragma}  for (int e = {first}; e < {BM} * BN; e += {threads}) {{
-    {order}
-    const int img = img_s[ml], col = n0 + nl;
-    if (img < 0 || col >= COG) continue;
-    const int co = grp * COG + col, pix = pix_s[ml];
-    const {index_t} i = (({index_t})img * {s.cout} + co) * {s.pixels} + pix;
-    out[{store}] = kf_store<{ctype}>({k}_apply(smem[nl * LDC + ml]{bias}, i{operand_args}));
+    u = max(d for d in (1, 2, 4, 8) if d <= max(unroll, 1) and BM * bn % (threads * d) == 0)
+    return f"""  for (int e0 = {first}; e0 < {BM} * BN; e0 += {threads * u}) {{
+    {ctype} v[{u}];
+    {index_t} at[{u}];
+    bool ok[{u}];
+#pragma unroll
+    for (int j = 0; j < {u}; ++j) {{
+      const int e = e0 + j * {threads};
+      {order}
+      const int img0 = img_s[ml], col = n0 + nl;
+      ok[j] = img0 >= 0 && col < COG;
+      const int img = ok[j] ? img0 : 0, co = grp * COG + (ok[j] ? col : 0), pix = pix_s[ml];
+      const {index_t} i = (({index_t})img * {s.cout} + co) * {s.pixels} + pix;
+      at[j] = {store};
+      v[j] = kf_store<{ctype}>({k}_apply(smem[nl * LDC + ml]{bias}, i{operand_args}));
+    }}
+#pragma unroll
+    for (int j = 0; j < {u}; ++j) kf_store_if(out + at[j], v[j], ok[j]);
   }}"""
 
 

@@ -3,6 +3,24 @@ tiles on TF32 tensor cores, split into three products where the convolution keep
 
 IGEMM_PRELUDE = r"""
 // Implicit-GEMM convolutions (kernelfuse.codegen.conv_igemm), on codegen.tensorcore's helpers.
+// *p = v where ok, as one predicated store: a plain `if` lets the compiler sink the value's loads and math into
+// the branch, which serialises an unrolled epilogue's elements (kernelfuse.codegen.conv_geometry.tile_stores)
+template <typename T> __device__ __forceinline__ void kf_store_if(T* p, T v, bool ok) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (sizeof(T) == 4) {
+    asm volatile("{\n.reg .pred q;\nsetp.ne.b32 q, %2, 0;\n@q st.b32 [%0], %1;\n}\n"
+                 :: "l"(p), "r"(*reinterpret_cast<const unsigned*>(&v)), "r"((int)ok));
+  } else if constexpr (sizeof(T) == 2) {
+    asm volatile("{\n.reg .pred q;\nsetp.ne.b32 q, %2, 0;\n@q st.b16 [%0], %1;\n}\n"
+                 :: "l"(p), "h"(*reinterpret_cast<const unsigned short*>(&v)), "r"((int)ok));
+  } else if (ok) {
+    *p = v;
+  }
+#else
+  if (ok) *p = v;
+#endif
+}
+
 // One k8 step of a warp's MF x NF tiles of m16n8 (rows wm.., columns wn..), operands from shared memory stored
 // k-major (A[k][m], B[k][n]) as fp32 and rounded to TF32 as they enter the tensor cores. SPLIT (where eager's
 // convolution computes in full fp32): each operand as kf_tf32_split's big and small TF32 parts, and three
