@@ -20,11 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernelfuse.codegen.conv_geometry import BM, ConvShape, Geometry, block_lines
+from kernelfuse.codegen.conv_geometry import BM, LDC, ConvShape, Geometry, block_lines
 
 BK = 32
 LDA2 = BM + 2  # 2 * LDA2 % 32 == 4: a warp's 16-byte A loads (k-pair 2t + s, quad g) hit 32 distinct banks a phase
-LDC = BM + 4  # the accumulator tile's row stride (conv_geometry.tile_stores): its stores land on distinct banks
 
 
 @dataclass(frozen=True)

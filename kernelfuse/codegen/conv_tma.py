@@ -41,8 +41,8 @@ products' asynchrony, setmaxnreg.
 
 from __future__ import annotations
 
-from kernelfuse.codegen.conv_geometry import ConvShape
-from kernelfuse.codegen.conv_tc import LDC, DenseConfig
+from kernelfuse.codegen.conv_geometry import LDC, ConvShape
+from kernelfuse.codegen.conv_tc import DenseConfig
 
 TMA_THREADS = 384  # the producer's warpgroup and two consumer warpgroups
 TMA_BM = 256  # output pixels a block tile (one im2col box), 128 a consumer warpgroup
