@@ -2,10 +2,12 @@
 
 On the CPU (tests/emulation_helpers.py) the kernel text runs with its producer thread's copies done at once as the
 TMA unit would write them (the im2col box's walk, padding's zero fill, the 128-byte swizzle), mbarriers as
-counters with the hardware's phase rules, and kf_wg's emulated wgmma: the ring's slots and phases across a block's
-several tiles, the descriptors' offsets, the accumulator's way to the shared epilogue code and both output layouts
-are checked against float64 on the TF32-truncated operands. What the real TMA unit does with the corners and
-offsets is the emulation's model of it: the GPU test checks it.
+counters with the hardware's phase rules, the rounding warps' pass over each slot's weight tile, and kf_wg's
+emulated wgmma (A from the consumers' rounded register fragments by emulated shuffles, or by descriptor where the
+form truncates): the ring's slots and phases across a block's several tiles, the descriptors' offsets, the
+fragments' layout and rounding, the accumulator's way to the shared epilogue code and both output layouts are
+checked against float64 on the operands rounded to nearest TF32 (truncated for round_tf32 off). What the real TMA
+unit does with the corners and offsets is the emulation's model of it: the GPU test checks it.
 """
 
 from __future__ import annotations
@@ -50,12 +52,13 @@ INPUTS = [(2, 32, 13, 11), (4, 64, 14, 12), (2, 32, 9, 20), (1, 64, 9, 9), (1, 3
 TAKES_TMA = [True, True, True, False, False, False]
 
 
-def _with_tma(monkeypatch) -> None:
-    """Generated files carry the TMA form where it applies: channels-last input, truncation, DenseConfig.tma."""
+def _with_tma(monkeypatch, round_tf32: bool = True) -> None:
+    """Generated files carry the TMA form where it applies: channels-last input, DenseConfig.tma; operands rounded
+    to nearest TF32, or truncated where not `round_tf32`."""
     base = conv_igemm.dense_config
 
     def config(s):
-        return replace(base(s), a_nhwc=len(s.kernel) > 1, round_tf32=False, tma=True)
+        return replace(base(s), a_nhwc=len(s.kernel) > 1, round_tf32=round_tf32, tma=True)
     monkeypatch.setattr(conv_igemm, "dense_config", config)
 
 
@@ -78,8 +81,8 @@ def _launches(lib) -> int:
 
 
 def test_tma_form_only_where_it_applies(model_and_graph, monkeypatch):
-    """Carried for the three stride-1 convolutions, not for stride 2, dilation 2 or 48 channels; nothing by
-    default (DenseConfig.tma off), nor where the dense kernel rounds (round_tf32)."""
+    """Carried for the three stride-1 convolutions, not for stride 2, dilation 2 or 48 channels, rounding or not;
+    nothing by default (DenseConfig.tma off)."""
     _, _, graph = model_and_graph
     plan = owned_tf32_plan(graph)
     assert not any(carries_tma(plan.graph, s) for s in plan.fused) and "_kernel_tma" not in generate(plan).cuda
@@ -88,19 +91,22 @@ def test_tma_form_only_where_it_applies(model_and_graph, monkeypatch):
     assert [dense_kernel(plan.graph, s) for s in plan.fused] == [True] * 5 + [False]
     source = generate(plan).cuda
     assert source.count("_kernel_tma<<<") == 3 and source.count("KF_EXPORT long long kf_conv_tma_launches") == 1
-    base = conv_igemm.dense_config
-    monkeypatch.setattr(conv_igemm, "dense_config", lambda s: replace(base(s), round_tf32=True))
-    assert not any(carries_tma(plan.graph, s) for s in plan.fused)
+    assert "kf_tma::rounded_fragments" in source and "kf_tma::round_in_place" in source
+    _with_tma(monkeypatch, round_tf32=False)
+    assert [carries_tma(plan.graph, s) for s in plan.fused] == TAKES_TMA
+    source = generate(plan).cuda
+    assert "kf_tma::rounded_fragments" not in source and "kf_tma::round_in_place" not in source
 
 
-@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
-def test_emulated_tma_form_matches_float64_on_truncated_operands(model_and_graph, tmp_path, monkeypatch, layout):
+@pytest.mark.parametrize(("layout", "round_tf32"), [("nchw", True), ("nhwc", True), ("nchw", False)])
+def test_emulated_tma_form_matches_float64_on_tf32_operands(model_and_graph, tmp_path, monkeypatch, layout,
+                                                            round_tf32):
     """Every convolution through its binding (NCHW input: the binding makes it channels-last) with the loader's
     switch on: the TMA kernel runs for exactly the three it applies to, the others take their old kernels; all
-    match float64 on the TF32-truncated operands. With the switch off the dense kernel runs for the three and
-    matches too."""
+    match float64 on the operands rounded to nearest TF32 (truncated for round_tf32 off) within 2e-5 (either
+    operand left unrounded: 5e-4 off). With the switch off the dense kernel runs for the three and matches too."""
     model, inputs, graph = model_and_graph
-    _with_tma(monkeypatch)
+    _with_tma(monkeypatch, round_tf32)
     _with_out_layout(monkeypatch, layout)
     plan = owned_tf32_plan(graph)
     emu = emulated(plan, tmp_path)
@@ -119,16 +125,19 @@ def test_emulated_tma_form_matches_float64_on_truncated_operands(model_and_graph
                 assert out.is_contiguous(memory_format=torch.channels_last)
             ref_env = dict(env)
             exact = not dense_kernel(plan.graph, step)  # the general kernel: 3xTF32 or rounding, fp32-close
-            ref_env[node.args[0].name] = (x if exact else _tf32(x, False)).double()
-            ref_env[node.args[1].name] = (w if exact else _tf32(w, False)).double()
+            ref_env[node.args[0].name] = (x if exact else _tf32(x, round_tf32)).double()
+            ref_env[node.args[1].name] = (w if exact else _tf32(w, round_tf32)).double()
             ref = run_fused(plan.graph, step, ref_env)
             tol = 2e-3 if exact else 2e-5
-            torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol, msg=f"{step.kernel} on={on}")
+            torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol,
+                                       msg=lambda m: f"{step.kernel} on={on}: {m}")  # noqa: B023
 
 
 def test_tma_form_compiles_for_sm_90a_and_sm_80(model_and_graph, tmp_path, monkeypatch):
-    """nvcc builds the file for sm_90a (the loader's Hopper target: ptxas takes the TMA kernels without spills, the
-    PTX holds the im2col copies and m64n64/m64n128 products) and for sm_80 (the kernel body is a trap there)."""
+    """nvcc builds the file for sm_90a (the loader's Hopper target: ptxas takes the TMA kernels without spills or
+    serialized products, the PTX holds the im2col copies, m64n64/m64n128 products, A from rounded registers for
+    the two rounding kernels and by descriptor for the truncating one) and for sm_80 (the kernel body is a trap
+    there)."""
     import re
     import subprocess
 
@@ -136,6 +145,8 @@ def test_tma_form_compiles_for_sm_90a_and_sm_80(model_and_graph, tmp_path, monke
 
     nvcc = _nvcc()
     _with_tma(monkeypatch)
+    base = conv_igemm.dense_config  # the oblong convolution truncates: both forms in one file
+    monkeypatch.setattr(conv_igemm, "dense_config", lambda s: replace(base(s), round_tf32=s.kernel != (3, 2)))
     plan = owned_tf32_plan(model_and_graph[2])
     cu = tmp_path / "tma.cu"
     cu.write_text(generate(plan).cuda)
@@ -151,6 +162,10 @@ def test_tma_form_compiles_for_sm_90a_and_sm_80(model_and_graph, tmp_path, monke
                          text=True, timeout=600).stdout
     assert ptx.count("cp.async.bulk.tensor.4d.shared::cluster.global.im2col") >= 3  # (unrolled copies: more)
     assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k8\.f32\.tf32\.tf32", ptx)) >= {"64", "128"}
+    register_a = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k8\.f32\.tf32\.tf32\s*\{[^}]*\},\s*\{"
+    forms = {m.group(1): ("cvt.rna.tf32.f32" in body, bool(re.search(register_a, body)))
+             for body in ptx.split(".entry ")[1:] if (m := re.match(r"_Z\d+(k\d+)_kernel_tma", body))}
+    assert forms == {"k0": (True, True), "k1": (True, True), "k2": (False, False)}, forms
     result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_80", "-O3", "-c", str(cu), "-o", str(tmp_path / "a.o")],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -111,7 +111,7 @@ def render_conv(plan: Plan, step: FusedStep, out_layout: str = "nchw") -> tuple[
                   f"{f'; {k}_kernel_tma: its TMA im2col form, for Hopper' if tma else ''}" \
                   f"{f'; {k}_kernel_wg: its wgmma form, for Hopper' if hopper else ''})\n"
         if tma:  # the consumer warpgroups' epilogue: tma_tile's CH columns at a time, 128 threads each
-            body += render_dense_tma(k, shape, operand_params, tile_stores(
+            body += render_dense_tma(k, shape, cfg.round_tf32, operand_params, tile_stores(
                 k, shape, tma_tile(shape)[1], 128, index_t, ctype, has_bias, out_layout, operand_args,
                 cfg.epilogue_unroll, first="t"))
             wgmma = tma_launch(k, shape, launch_args)

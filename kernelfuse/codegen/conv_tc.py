@@ -36,7 +36,8 @@ class DenseConfig:
     as the GEMM loop. Off by default: on level-2 54, 4, 46 and 2 (H200) each wgmma configuration ran no faster than
     the mma.sync kernel, and both ran 2.5-4x slower than cuDNN's channels-last call (benchmarks/NOTES.md, stop 47).
     Its TMA im2col form (kernelfuse.codegen.conv_tma, Hopper), carried where `tma` and conv_tma.tma_form allow
-    (a_nhwc, round_tf32 off); off by default: not yet run inside a plan on a GPU."""
+    (a_nhwc), computes as this kernel does (operands rounded to TF32 where `round_tf32`, else truncated); off by
+    default: its rounding form has not run on a GPU."""
 
     bn: int = 128
     warps_m: int = 2
