@@ -44,14 +44,17 @@ Shared memory read and written a k block (TBN 128): 128 KB (wgmma's B reads 64, 
 is addressed from the dynamic shared array by pointer arithmetic, so these are shared (LDS/STS), not generic,
 accesses.
 
-Where it runs (else the dense kernel, unchanged): the file carries it where `tma_form` holds: DenseConfig.tma (off
-by default), a channels-last input (a_nhwc: the binding converts the input), a 2-d forward convolution, stride 1,
-dilation 1, groups 1, input channels a multiple of 32, output channels a multiple of 64 (TBN = 128 where they
-divide by 128, else 64; the probe's rule), kernel and padding at most 64 (the corners' range). At run time the
-launcher takes it where the library was built for sm_90a on a 9.0 device (kf_wg::sm90_sms), the input is 16-byte
-aligned and the driver's tensor-map encoders (reached through cudaGetDriverEntryPointByVersion: no -lcuda) accept
-the maps; they are encoded on the host at every call (the probe's way; caching them per pointer is a measurement
-for later). kf_conv_tma_launches() counts its launches.
+Where it runs: the file carries it where DenseConfig.tma, which dense_config sets where `tma_shape` holds: a 2-d
+forward convolution, stride 1, dilation 1, groups 1, input channels a multiple of 32, output channels a multiple
+of 64 (TBN = 128 where they divide by 128, else 64), kernel and padding at most 64 (the corners' range), and
+TMA_MIN_TILES tiles at least. Its launcher `{k}_launch_tma` takes a channels-last input and runs this kernel only:
+the binding calls it, with the input made channels-last (a copy where it is not), where kf_conv_tma_ready() (the
+library built for sm_90a on a compute-capability 9.0 device, the driver's tensor-map encoders found; asked once a
+device), else `{k}_launch`, the dense kernel reading its own layout (NCHW by default): on other GPUs nothing
+changes. `{k}_launch_tma` refuses (cudaErrorNotSupported) where it is not ready, the input is not 16-byte aligned
+or the maps do not encode, and never falls back to a kernel that would read the input in another layout. The maps
+are encoded on the host at every call (caching them per pointer is a measurement for later);
+kf_conv_tma_launches() counts its launches.
 
 The CPU emulation (KF_EMULATION) runs the same kernel text: the producer's copies are synchronous (what the
 hardware writes, by the box traversal and swizzle modelled here), the mbarriers are counters with the hardware's
@@ -75,15 +78,25 @@ TMA_THREADS = 384  # the producer's warpgroup and two consumer warpgroups
 TMA_BM = 256  # output pixels a block tile (one im2col box), 128 a consumer warpgroup
 TMA_STAGES = 4
 TMA_ROUNDERS = 64  # the producer warpgroup's threads that round each slot's weight tile (warps 1 and 2)
+# Fewer tiles than this stay on the dense kernel: twice an H100's or H200's 132 SMs, so that every persistent block
+# takes two tiles or more (its ring runs on across its epilogues) and no SM idles for want of a 256-pixel tile where
+# the dense kernel's 128-pixel ones would spread (chosen, not measured; smaller convolutions' files are smaller too)
+TMA_MIN_TILES = 2 * 132
 SMEM_LIMIT = 227 * 1024  # a block's shared memory on Hopper
 STATIC_SMEM = 2 * 2 * 128 * 4  # the warpgroups' pixel tables (img_t, pix_t)
 
 
+def tma_shape(s: ConvShape) -> bool:
+    """Whether convolution `s` suits the TMA kernel (see the module's docstring): dense_config turns it on there."""
+    return (not s.transposed and len(s.kernel) == 2 and s.groups == 1 and s.stride == (1, 1)
+            and s.dilation == (1, 1) and s.cin % 32 == 0 and s.cout % 64 == 0 and max(s.kernel) <= 64
+            and max(s.padding) <= 64 and min(s.out_size) >= 1 and s.m + TMA_BM < 2**31
+            and tma_tiles(s) >= TMA_MIN_TILES)
+
+
 def tma_form(s: ConvShape, cfg: DenseConfig) -> bool:
-    """Whether the dense anchor's file carries the TMA kernel for convolution `s` (see the module's docstring)."""
-    return (cfg.tma and cfg.a_nhwc and not s.transposed and len(s.kernel) == 2 and s.groups == 1
-            and s.stride == (1, 1) and s.dilation == (1, 1) and s.cin % 32 == 0 and s.cout % 64 == 0
-            and max(s.kernel) <= 64 and max(s.padding) <= 64 and min(s.out_size) >= 1 and s.m + TMA_BM < 2**31)
+    """Whether the dense anchor's file carries the TMA kernel for convolution `s` under configuration `cfg`."""
+    return cfg.tma and tma_shape(s)
 
 
 def tma_tile(s: ConvShape) -> tuple[int, int]:
@@ -271,7 +284,23 @@ inline void* driver_fn(const char* name) {
 #endif
   return fn;
 }
+inline EncodeIm2col im2col_encoder() {
+  static const EncodeIm2col encode = (EncodeIm2col)driver_fn("cuTensorMapEncodeIm2col");
+  return encode;
+}
+inline EncodeTiled tiled_encoder() {
+  static const EncodeTiled encode = (EncodeTiled)driver_fn("cuTensorMapEncodeTiled");
+  return encode;
+}
 #endif
+// whether the driver's tensor-map encoders were found (the emulation encodes its own maps)
+inline bool encoders() {
+#if defined(KF_EMULATION)
+  return true;
+#else
+  return im2col_encoder() != nullptr && tiled_encoder() != nullptr;
+#endif
+}
 // x: NHWC (N, H, W, C); a box of `rows` output pixels, each 32 channels, over the output's pixels: W from -pad_w to
 // W - 1 + pad_w - (S - 1), H likewise (inclusive), corners W first; zeros out of bounds. False: not encoded.
 inline bool encode_input(CUtensorMap* map, const float* x, int N, int H, int W, int C, int R, int S, int pad_h,
@@ -281,7 +310,7 @@ inline bool encode_input(CUtensorMap* map, const float* x, int N, int H, int W, 
   *map = CUtensorMap{x, {C, W, H, N}, {lower[0], lower[1]}, {upper[0], upper[1]}, rows};
   return true;
 #else
-  static const EncodeIm2col encode = (EncodeIm2col)driver_fn("cuTensorMapEncodeIm2col");
+  const EncodeIm2col encode = im2col_encoder();
   if (encode == nullptr) return false;
   const cuuint64_t dims[4] = {(cuuint64_t)C, (cuuint64_t)W, (cuuint64_t)H, (cuuint64_t)N};
   const cuuint64_t strides[3] = {(cuuint64_t)C * 4, (cuuint64_t)W * C * 4, (cuuint64_t)H * W * C * 4};
@@ -297,7 +326,7 @@ inline bool encode_weight(CUtensorMap* map, const float* w, int K, int RSC, int 
   *map = CUtensorMap{w, {RSC, K, 1, 1}, {0, 0}, {0, 0}, rows};
   return true;
 #else
-  static const EncodeTiled encode = (EncodeTiled)driver_fn("cuTensorMapEncodeTiled");
+  const EncodeTiled encode = tiled_encoder();
   if (encode == nullptr) return false;
   const cuuint64_t dims[2] = {(cuuint64_t)RSC, (cuuint64_t)K};
   const cuuint64_t strides[1] = {(cuuint64_t)RSC * 4};
@@ -320,6 +349,9 @@ inline int blocks(int tiles) {
 // launches that took the TMA kernel (a test's proof that it ran)
 static long long kf_conv_tma_count = 0;
 KF_EXPORT long long kf_conv_tma_launches() { return kf_conv_tma_count; }
+// whether the TMA kernels run on the current device (the library built for sm_90a on a 9.0 device, the encoders
+// found): the binding then converts their convolutions' inputs to channels-last and calls {k}_launch_tma
+KF_EXPORT int kf_conv_tma_ready() { return kf_wg::sm90_sms() > 0 && kf_tma::encoders(); }
 #endif  // __CUDACC__ || KF_EMULATION
 """
 
@@ -442,7 +474,7 @@ __global__ void __launch_bounds__({TMA_THREADS}, 1) {k}_kernel_tma(const __grid_
     }}
   }}
 #else
-  __trap();  // never launched: the launcher takes it only where the loader built sm_90a for a 9.0 device
+  __trap();  // never launched: {k}_launch_tma runs it only where the loader built sm_90a for a 9.0 device
 #endif
 }}
 #endif
@@ -481,23 +513,25 @@ def _products(bn: int, round_tf32: bool) -> str:
         }}"""
 
 
-def tma_launch(k: str, s: ConvShape, launch_args: str) -> str:
-    """The launcher's first lines for convolution `k`: its TMA kernel, on Hopper, where the maps encode."""
+def tma_launcher(k: str, s: ConvShape, launch_params: str, launch_args: str) -> str:
+    """`{k}_launch_tma`: the TMA kernel of convolution `k` on a channels-last input, where it can run (else
+    cudaErrorNotSupported; the binding calls it only where kf_conv_tma_ready says it can)."""
     bn, ch = tma_tile(s)
     (r, sk), (ph, pw), (h, w) = s.kernel, s.padding, s.in_size
     smem = tma_smem_bytes(bn, ch)
     return f"""#if defined(__CUDACC__) || defined(KF_EMULATION)
-  if (kf_wg::sm90_sms() > 0 && (uintptr_t)x % 16 == 0) {{  // Hopper: the TMA im2col kernel (codegen.conv_tma)
-    CUtensorMap tx, tw;
-    if (kf_tma::encode_input(&tx, (const float*)x, {s.batch}, {h}, {w}, {s.cin}, {r}, {sk}, {ph}, {pw}, {TMA_BM}) &&
-        kf_tma::encode_weight(&tw, (const float*)w, {s.cout}, {r * sk * s.cin}, {bn})) {{
-      const cudaError_t opted = kf_opt_in<{k}_kernel_tma>({smem});
-      if (opted != cudaSuccess) return opted;
-      const int blocks = kf_tma::blocks({tma_tiles(s)});
-      ++kf_conv_tma_count;
-      {k}_kernel_tma<<<dim3(blocks), {TMA_THREADS}, {smem}, stream>>>(tx, tw, (const float*)bias, (float*)out{launch_args});
-      return cudaGetLastError();
-    }}
-  }}
+// {k}'s TMA im2col kernel (codegen.conv_tma) on a channels-last x; never another kernel, which would read x as NCHW
+KF_EXPORT cudaError_t {k}_launch_tma(const void* x, const void* w, const void* bias, void* out{launch_params}, cudaStream_t stream) {{
+  CUtensorMap tx, tw;
+  if (!kf_conv_tma_ready() || (uintptr_t)x % 16 != 0 ||
+      !kf_tma::encode_input(&tx, (const float*)x, {s.batch}, {h}, {w}, {s.cin}, {r}, {sk}, {ph}, {pw}, {TMA_BM}) ||
+      !kf_tma::encode_weight(&tw, (const float*)w, {s.cout}, {r * sk * s.cin}, {bn}))
+    return cudaErrorNotSupported;
+  const cudaError_t opted = kf_opt_in<{k}_kernel_tma>({smem});
+  if (opted != cudaSuccess) return opted;
+  ++kf_conv_tma_count;
+  {k}_kernel_tma<<<dim3(kf_tma::blocks({tma_tiles(s)})), {TMA_THREADS}, {smem}, stream>>>(tx, tw, (const float*)bias, (float*)out{launch_args});
+  return cudaGetLastError();
+}}
 #endif
 """
