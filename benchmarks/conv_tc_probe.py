@@ -37,8 +37,11 @@ from kernelfuse.plan import Plan, owned_anchor_variants
 from kernelfuse.plan.interpret import run_env, run_fused
 from kernelfuse.rewrite import apply_rules
 
-# DenseConfig changes; "mma" names keep the mma.sync kernel (no wgmma form in the file), the others run the wgmma
-# form on a compute-capability 9.0 GPU where its tiles cover 3/4 of the SMs (kernelfuse.codegen.conv_wgmma)
+# DenseConfig changes from dense_config's tiling with its TMA form off; "mma" names keep the mma.sync kernel (no wgmma
+# or TMA form in the file), "wgmma" ones run the wgmma form on a compute-capability 9.0 GPU where its tiles cover 3/4
+# of the SMs (kernelfuse.codegen.conv_wgmma), "tma" ones the TMA im2col form (kernelfuse.codegen.conv_tma, where
+# its tma_shape holds: dense_config's default there) on a channels-last input, operands rounded to nearest TF32 as
+# the mma.sync kernel's, or truncated (tma-trunc)
 CONFIGS = {
     "mma": {},
     "mma-truncated": {"round_tf32": False},
@@ -55,8 +58,9 @@ CONFIGS = {
     "wgmma-regA": {"wgmma": True, "wg_a_regs": True},
     "wgmma-regA-s4-2blocks": {"wgmma": True, "wg_a_regs": True, "wg_stages": 4, "wg_min_blocks": 2},
     "mma-nhwc-trunc": {"a_nhwc": True, "round_tf32": False},
-    "tma": {"a_nhwc": True, "round_tf32": False, "tma": True},  # codegen.conv_tma where tma_form allows
-    "tma-unroll8": {"a_nhwc": True, "round_tf32": False, "tma": True, "epilogue_unroll": 8},
+    "tma": {"tma": True},
+    "tma-unroll8": {"tma": True, "epilogue_unroll": 8},
+    "tma-trunc": {"tma": True, "round_tf32": False},
 }
 
 
@@ -106,7 +110,7 @@ def probe(path: Path, configs: list[str]) -> list[str]:
                  f"{median_event_ms(lambda: torch.convolution(xc, wc, b, *conv_args)):.3f} to_cl="
                  f"{median_event_ms(lambda: x.contiguous(memory_format=fmt)):.3f} ms"]
         bare = replace(bare, kernel=f"{step.kernel}b")
-        cfgs = {name: replace(dense_config(shape), **CONFIGS[name]) for name in configs}
+        cfgs = {name: replace(dense_config(shape), **{"tma": False, **CONFIGS[name]}) for name in configs}
         sources = {}
         for name, cfg in cfgs.items():
             with patch.object(conv_igemm, "dense_config", lambda s, cfg=cfg: cfg):
@@ -118,7 +122,9 @@ def probe(path: Path, configs: list[str]) -> list[str]:
         lines.append(f"  built {len(cfgs)} configurations in {time.perf_counter() - started:.1f} s")
         for name, cfg in cfgs.items():
             ext = built[name]
-            xin = xc if cfg.a_nhwc else x
+            # the layout the kernel that runs reads, so that no copy is timed: channels-last for the TMA kernel
+            tma_runs = "_kernel_tma" in sources[name].cuda and ext._conv_tma_ready(x)
+            xin = xc if cfg.a_nhwc or tma_runs else x
             out = getattr(ext, step.kernel)(xin, wk, b, *operands)
             diff = (out - ref).abs().max().item()
             t_bare = median_event_ms(lambda: getattr(ext, bare.kernel)(xin, wk, b))  # noqa: B023

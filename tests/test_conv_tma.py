@@ -2,10 +2,12 @@
 
 On the CPU (tests/emulation_helpers.py) the kernel text runs with its producer thread's copies done at once as the
 TMA unit would write them (the im2col box's walk, padding's zero fill, the 128-byte swizzle), mbarriers as
-counters with the hardware's phase rules, and kf_wg's emulated wgmma: the ring's slots and phases across a block's
-several tiles, the descriptors' offsets, the accumulator's way to the shared epilogue code and both output layouts
-are checked against float64 on the TF32-truncated operands. What the real TMA unit does with the corners and
-offsets is the emulation's model of it: the GPU test checks it.
+counters with the hardware's phase rules, the rounding warps' pass over each slot's weight tile, and kf_wg's
+emulated wgmma (A from the consumers' rounded register fragments by emulated shuffles, or by descriptor where the
+form truncates): the ring's slots and phases across a block's several tiles, the descriptors' offsets, the
+fragments' layout and rounding, the accumulator's way to the shared epilogue code and both output layouts are
+checked against float64 on the operands rounded to nearest TF32 (truncated for round_tf32 off). What the real TMA
+unit does with the corners and offsets is the emulation's model of it: the GPU test checks it.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from optimizer_helpers import owned_tf32_plan
 from test_conv_igemm import _tf32
 
 import kernelfuse.codegen.conv_igemm as conv_igemm
+import kernelfuse.codegen.conv_tma as conv_tma
 import kernelfuse.codegen.cuda as codegen_cuda
 from kernelfuse.capture import capture_module
 from kernelfuse.codegen import generate
+from kernelfuse.codegen.binding import _KernelLibrary
 from kernelfuse.codegen.conv_igemm import carries_tma, dense_kernel
 from kernelfuse.plan.interpret import run_env, run_fused
 
@@ -50,13 +54,13 @@ INPUTS = [(2, 32, 13, 11), (4, 64, 14, 12), (2, 32, 9, 20), (1, 64, 9, 9), (1, 3
 TAKES_TMA = [True, True, True, False, False, False]
 
 
-def _with_tma(monkeypatch) -> None:
-    """Generated files carry the TMA form where it applies: channels-last input, truncation, DenseConfig.tma."""
-    base = conv_igemm.dense_config
-
-    def config(s):
-        return replace(base(s), a_nhwc=len(s.kernel) > 1, round_tf32=False, tma=True)
-    monkeypatch.setattr(conv_igemm, "dense_config", config)
+def _with_tma(monkeypatch, round_tf32: bool = True) -> None:
+    """The small convolutions here carry the TMA form, as dense_config gives it to large ones (their tiles fill
+    the GPU: conv_tma.TMA_MIN_TILES); its operands truncated where not `round_tf32`."""
+    monkeypatch.setattr(conv_tma, "TMA_MIN_TILES", 1)
+    if not round_tf32:
+        base = conv_igemm.dense_config
+        monkeypatch.setattr(conv_igemm, "dense_config", lambda s: replace(base(s), round_tf32=False))
 
 
 def _with_out_layout(monkeypatch, layout: str) -> None:
@@ -77,58 +81,120 @@ def _launches(lib) -> int:
     return lib.kf_conv_tma_launches()
 
 
+def _launcher(source: str, name: str) -> str:
+    """The text of launcher `name` (up to the next exported function)."""
+    return source.split(f"KF_EXPORT cudaError_t {name}(")[1].split("KF_EXPORT")[0]
+
+
 def test_tma_form_only_where_it_applies(model_and_graph, monkeypatch):
-    """Carried for the three stride-1 convolutions, not for stride 2, dilation 2 or 48 channels; nothing by
-    default (DenseConfig.tma off), nor where the dense kernel rounds (round_tf32)."""
+    """Carried where tma_shape holds: by default not at these sizes (fewer tiles than TMA_MIN_TILES), and with that
+    limit lowered for the three stride-1 convolutions, not for stride 2, dilation 2 or 48 channels; rounding or
+    not; nothing where DenseConfig.tma is off. The TMA kernel has its own launcher ({k}_launch_tma), which the
+    binding calls with a channels-last input; the dense kernel's ({k}_launch) never launches it."""
     _, _, graph = model_and_graph
     plan = owned_tf32_plan(graph)
     assert not any(carries_tma(plan.graph, s) for s in plan.fused) and "_kernel_tma" not in generate(plan).cuda
     _with_tma(monkeypatch)
     assert [carries_tma(plan.graph, s) for s in plan.fused] == TAKES_TMA
     assert [dense_kernel(plan.graph, s) for s in plan.fused] == [True] * 5 + [False]
-    source = generate(plan).cuda
+    sources = generate(plan)
+    source = sources.cuda
     assert source.count("_kernel_tma<<<") == 3 and source.count("KF_EXPORT long long kf_conv_tma_launches") == 1
+    assert source.count("KF_EXPORT int kf_conv_tma_ready") == 1
+    for step, tma in zip(plan.fused, TAKES_TMA, strict=True):
+        assert "_kernel_tma" not in _launcher(source, f"{step.kernel}_launch")
+        assert (f"{step.kernel}_launch_tma(" in source) == tma
+        method = sources.binding.split(f"def {step.kernel}(")[1].split("\n    def ")[0]
+        assert ("self._conv_tma_input(x, torch.contiguous_format)" in method) == tma, method
+        assert (f"self._{step.kernel}_tma if tma else self._{step.kernel}" in method) == tma, method
+    assert "kf_tma::rounded_fragments" in source and "kf_tma::round_in_place" in source
+    _with_tma(monkeypatch, round_tf32=False)
+    assert [carries_tma(plan.graph, s) for s in plan.fused] == TAKES_TMA
+    source = generate(plan).cuda
+    assert "kf_tma::rounded_fragments" not in source and "kf_tma::round_in_place" not in source
     base = conv_igemm.dense_config
-    monkeypatch.setattr(conv_igemm, "dense_config", lambda s: replace(base(s), round_tf32=True))
+    monkeypatch.setattr(conv_igemm, "dense_config", lambda s: replace(base(s), tma=False))
     assert not any(carries_tma(plan.graph, s) for s in plan.fused)
 
 
-@pytest.mark.parametrize("layout", ["nchw", "nhwc"])
-def test_emulated_tma_form_matches_float64_on_truncated_operands(model_and_graph, tmp_path, monkeypatch, layout):
-    """Every convolution through its binding (NCHW input: the binding makes it channels-last) with the loader's
-    switch on: the TMA kernel runs for exactly the three it applies to, the others take their old kernels; all
-    match float64 on the TF32-truncated operands. With the switch off the dense kernel runs for the three and
-    matches too."""
+@pytest.mark.parametrize(("layout", "round_tf32"), [("nchw", True), ("nhwc", True), ("nchw", False)])
+def test_emulated_tma_form_matches_float64_on_tf32_operands(model_and_graph, tmp_path, monkeypatch, layout,
+                                                            round_tf32):
+    """Every convolution through its binding (an NCHW input: the binding makes it channels-last for the TMA
+    kernel) with the loader's switch on: the TMA kernel runs for exactly the three it applies to, the others take
+    their old kernels; all match float64 on the operands rounded to nearest TF32 (truncated for round_tf32 off),
+    within 2e-5 (either operand left unrounded: 5e-4 off). A channels-last input runs the same. With the switch off
+    the dense kernel runs for the three, on the NCHW input, and matches too."""
     model, inputs, graph = model_and_graph
-    _with_tma(monkeypatch)
+    _with_tma(monkeypatch, round_tf32)
     _with_out_layout(monkeypatch, layout)
     plan = owned_tf32_plan(graph)
     emu = emulated(plan, tmp_path)
     state = {k: v.detach().double() for k, v in [*model.named_parameters(), *model.named_buffers()]}
     env = run_env(plan, state, [t.double() for t in inputs])
-    for on in (1, 0):
-        emu.lib.kf_wgmma_enable(on)
+    for on in (True, False):
+        emu.kernels._allow_wgmma(on)
         for step, tma in zip(plan.fused, TAKES_TMA, strict=True):
             node = step.anchor.node
             x, w = env[node.args[0].name].float(), env[node.args[1].name].float()
             b = env[node.args[2].name].float() if node.args[2] is not None else None
+            operands = [env[o.ref.name].float() for o in step.epilogue.operands]
             before = _launches(emu.lib)
-            out = getattr(emu.kernels, step.kernel)(x, w, b, *[env[o.ref.name].float() for o in step.epilogue.operands])
-            assert _launches(emu.lib) - before == int(tma and on == 1), (step.kernel, on)
+            out = getattr(emu.kernels, step.kernel)(x, w, b, *operands)
+            assert _launches(emu.lib) - before == int(tma and on), (step.kernel, on)
             if layout == "nhwc" and out.dim() == 4:
                 assert out.is_contiguous(memory_format=torch.channels_last)
             ref_env = dict(env)
             exact = not dense_kernel(plan.graph, step)  # the general kernel: 3xTF32 or rounding, fp32-close
-            ref_env[node.args[0].name] = (x if exact else _tf32(x, False)).double()
-            ref_env[node.args[1].name] = (w if exact else _tf32(w, False)).double()
+            ref_env[node.args[0].name] = (x if exact else _tf32(x, round_tf32)).double()
+            ref_env[node.args[1].name] = (w if exact else _tf32(w, round_tf32)).double()
             ref = run_fused(plan.graph, step, ref_env)
             tol = 2e-3 if exact else 2e-5
-            torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol, msg=f"{step.kernel} on={on}")
+            torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol,
+                                       msg=lambda m: f"{step.kernel} on={on}: {m}")  # noqa: B023
+            if tma and layout == "nchw" and round_tf32:  # a channels-last input: the TMA kernel reads it as it is
+                x_cl = x.contiguous(memory_format=torch.channels_last)
+                again = getattr(emu.kernels, step.kernel)(x_cl, w, b, *operands)
+                assert _launches(emu.lib) - before == 2 * int(on), (step.kernel, on)
+                assert torch.equal(again, out), step.kernel
+
+
+class _Library(_KernelLibrary):
+    """The binding's run-time helpers over no library: kf_conv_tma_ready answers `ready`."""
+
+    def __init__(self, ready: bool) -> None:
+        self._tma_ready = {}
+        self._lib = type("Lib", (), {"kf_conv_tma_ready": staticmethod(lambda: int(ready))})()
+
+
+def test_binding_gives_each_kernel_its_layout() -> None:
+    """_conv_tma_input: channels-last and 16-byte aligned where the TMA kernel runs (a copy only where the input is
+    not so: an aligned channels-last input passes as it is, one off the 16-byte grain is copied), else the dense
+    kernel's layout; the answer asked once a device."""
+    nchw = torch.rand(2, 32, 5, 6)
+    cl = nchw.contiguous(memory_format=torch.channels_last)
+    flat = torch.empty(cl.numel() + 1)
+    flat[1:].copy_(cl.permute(0, 2, 3, 1).reshape(-1))
+    off_grain = flat[1:].view(2, 5, 6, 32).permute(0, 3, 1, 2)  # channels-last, 4 bytes past the grain
+    assert off_grain.is_contiguous(memory_format=torch.channels_last) and off_grain.data_ptr() % 16
+    tma = _Library(True)
+    for x in (nchw, cl, off_grain):
+        got, fmt, runs = tma._conv_tma_input(x, torch.contiguous_format)
+        assert runs and fmt is torch.channels_last and got.is_contiguous(memory_format=fmt)
+        assert got.data_ptr() % 16 == 0 and torch.equal(got, nchw)
+        assert (got.data_ptr() == x.data_ptr()) == (x is cl)
+    assert tma._tma_ready == {-1: True}
+    dense = _Library(False)
+    for other in (torch.contiguous_format, torch.channels_last):
+        got, fmt, runs = dense._conv_tma_input(cl, other)
+        assert not runs and fmt is other and got.is_contiguous(memory_format=other) and torch.equal(got, nchw)
 
 
 def test_tma_form_compiles_for_sm_90a_and_sm_80(model_and_graph, tmp_path, monkeypatch):
-    """nvcc builds the file for sm_90a (the loader's Hopper target: ptxas takes the TMA kernels without spills, the
-    PTX holds the im2col copies and m64n64/m64n128 products) and for sm_80 (the kernel body is a trap there)."""
+    """nvcc builds the file for sm_90a (the loader's Hopper target: ptxas takes the TMA kernels without spills or
+    serialized products, the PTX holds the im2col copies, m64n64/m64n128 products, A from rounded registers for
+    the two rounding kernels and by descriptor for the truncating one) and for sm_80 (the kernel body is a trap
+    there)."""
     import re
     import subprocess
 
@@ -136,6 +202,8 @@ def test_tma_form_compiles_for_sm_90a_and_sm_80(model_and_graph, tmp_path, monke
 
     nvcc = _nvcc()
     _with_tma(monkeypatch)
+    base = conv_igemm.dense_config  # the oblong convolution truncates: both forms in one file
+    monkeypatch.setattr(conv_igemm, "dense_config", lambda s: replace(base(s), round_tf32=s.kernel != (3, 2)))
     plan = owned_tf32_plan(model_and_graph[2])
     cu = tmp_path / "tma.cu"
     cu.write_text(generate(plan).cuda)
@@ -151,14 +219,19 @@ def test_tma_form_compiles_for_sm_90a_and_sm_80(model_and_graph, tmp_path, monke
                          text=True, timeout=600).stdout
     assert ptx.count("cp.async.bulk.tensor.4d.shared::cluster.global.im2col") >= 3  # (unrolled copies: more)
     assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k8\.f32\.tf32\.tf32", ptx)) >= {"64", "128"}
+    register_a = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k8\.f32\.tf32\.tf32\s*\{[^}]*\},\s*\{"
+    forms = {m.group(1): ("cvt.rna.tf32.f32" in body, bool(re.search(register_a, body)))
+             for body in ptx.split(".entry ")[1:] if (m := re.match(r"_Z\d+(k\d+)_kernel_tma", body))}
+    assert forms == {"k0": (True, True), "k1": (True, True), "k2": (False, False)}, forms
     result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_80", "-O3", "-c", str(cu), "-o", str(tmp_path / "a.o")],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
 
 
 class BigConvs(torch.nn.Module):
-    """Level-2 54's convolution at a quarter of its batch (no padding, bias + mish(mish)) and a padded 128-channel
-    one with a non-square kernel: the TMA form on real sizes."""
+    """Level-2 54's convolution at a quarter of its batch (no padding, bias + mish(mish); 4033 tiles) and a padded
+    128-channel one with a non-square kernel (277 tiles at batch 16): the TMA form on real sizes, as dense_config
+    gives it (both past TMA_MIN_TILES)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -172,8 +245,9 @@ class BigConvs(torch.nn.Module):
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 def test_tma_form_runs_and_matches_eager_on_hopper(monkeypatch, layout) -> None:
-    """On an H100/H200 (the loader builds sm_90a) each convolution's launcher takes its TMA kernel (the launch
-    counter), and the outputs pass the judge's rule against eager and float64."""
+    """On an H100/H200 (the loader builds sm_90a) the default plan carries the rounding TMA form for both
+    convolutions, each binding runs its TMA kernel (the launch counter) on a channels-last copy of the forward's
+    NCHW input, and the outputs pass the judge's rule against eager and float64."""
     from test_conv_igemm_gpu import _check
     from test_conv_igemm_gpu import _plan as _gpu_plan
 
@@ -183,14 +257,14 @@ def test_tma_form_runs_and_matches_eager_on_hopper(monkeypatch, layout) -> None:
         pytest.skip("the TMA form runs on compute capability 9.0")
     torch.manual_seed(0)
     model = BigConvs().cuda().eval()
-    inputs = [torch.rand(16, 64, 256, 256, device="cuda"), torch.rand(8, 64, 66, 67, device="cuda")]
-    _with_tma(monkeypatch)
+    inputs = [torch.rand(16, 64, 256, 256, device="cuda"), torch.rand(16, 64, 66, 67, device="cuda")]
     _with_out_layout(monkeypatch, layout)
     plan = _gpu_plan(capture_module(model, inputs), model, inputs)
     tma = [s.kernel for s in plan.fused if carries_tma(plan.graph, s)]
     assert len(tma) == 2, plan.summary()
     sources = generate(plan)
+    assert sources.cuda.count("kf_tma::rounded_fragments(") == 2
     fused = build_module(model, plan, sources)
-    _check(model, fused, inputs)
+    _check(model, fused, inputs, torch.channels_last if layout == "nhwc" else torch.contiguous_format)
     kernels = load_kernels(sources, type(model).__name__.lower())  # the same library: its launch counter
     assert _launches(kernels._lib) >= 2

@@ -65,6 +65,7 @@ class _KernelLibrary:
         self._lib = ctypes.PyDLL(path)
         self._lib.kf_error_string.argtypes = [ctypes.c_int]
         self._lib.kf_error_string.restype = ctypes.c_char_p
+        self._tma_ready = {}  # device index -> whether the convolutions' TMA kernels run there
 
     def _allow_wgmma(self, built_for_sm90a):
         """Tell the GEMM, convolution and attention launchers whether this library holds the sm_90a (wgmma) kernels:
@@ -72,6 +73,31 @@ class _KernelLibrary:
         launchers has no switch)."""
         if hasattr(self._lib, "kf_wgmma_enable"):
             self._lib.kf_wgmma_enable(ctypes.c_int(int(built_for_sm90a)))
+        self._tma_ready = {}
+
+    def _conv_tma_ready(self, tensor):
+        """Whether the convolutions' TMA im2col kernels (kernelfuse.codegen.conv_tma) run on `tensor`'s device:
+        kf_conv_tma_ready (the library built for sm_90a, a compute-capability 9.0 device), asked once a device."""
+        index = tensor.get_device()
+        ready = self._tma_ready.get(index)
+        if ready is None:
+            if index >= 0 and index != self._current_device():  # the library asks about its current device
+                with torch.cuda.device(index):
+                    return self._conv_tma_ready(tensor)
+            ready = self._tma_ready[index] = bool(self._lib.kf_conv_tma_ready())
+        return ready
+
+    def _conv_tma_input(self, x, other):
+        """(x, its memory format, whether the TMA kernel runs) for a convolution whose file holds a TMA im2col
+        kernel: x becomes the layout of the kernel that runs, channels-last and 16-byte aligned for the TMA one
+        where it runs on x's device, else `other` (the dense kernel's); a copy only where x is not so already."""
+        tma = x.dim() == 4 and self._conv_tma_ready(x)
+        fmt = torch.channels_last if tma else other
+        if x.dim() == 4:  # (another rank fails the binding's shape check)
+            x = x.contiguous(memory_format=fmt)
+            if tma and x.data_ptr() % 16:  # a view off the 16-byte grain the TMA unit reads
+                x = x.clone(memory_format=fmt)
+        return x, fmt, tma
 
     def _function(self, symbol, argtypes):
         """The launcher `symbol`: `argtypes`, then the stream; it returns a cudaError_t."""
@@ -97,7 +123,7 @@ class Binding:
     """One launcher's Python side: the line of `_Kernels.__init__` that declares its C signature, and the method
     that calls it with tensors."""
 
-    init: str
+    init: str  # (lines, where it declares more than one launcher)
     method: str
 
 
@@ -113,7 +139,7 @@ def py_tuple(values: tuple[int, ...]) -> str:
 
 def kernels_class(bindings: list[Binding]) -> str:
     """The emitted `_Kernels` class: one method per kernel entry point, all on one ctypes library."""
-    init = "\n".join(f"        {b.init}" for b in bindings)
+    init = "\n".join(_indent(b.init, "        ") for b in bindings)
     methods = "\n\n".join(_indent(b.method.strip("\n"), "    ") for b in bindings)
     return f'''
 class _Kernels(_KernelLibrary):

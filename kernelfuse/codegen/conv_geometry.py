@@ -16,6 +16,7 @@ from kernelfuse.capture import Graph
 from kernelfuse.plan.ir import FusedStep
 
 BM = 128  # output pixels a block covers, one a thread (the kernels' blocks are BM threads)
+LDC = BM + 4  # the accumulator tile's row stride (tile_stores): its stores land on distinct banks
 
 
 @dataclass(frozen=True)

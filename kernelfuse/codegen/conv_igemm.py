@@ -25,7 +25,7 @@ from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, apply_function, chan
 from kernelfuse.codegen.conv_depthwise import render_depthwise
 from kernelfuse.codegen.conv_geometry import BM, ConvShape, conv_shape, geometry, pixel_setup, tile_stores
 from kernelfuse.codegen.conv_tc import dense_config, render_dense
-from kernelfuse.codegen.conv_tma import render_dense_tma, tma_form, tma_launch, tma_tile
+from kernelfuse.codegen.conv_tma import render_dense_tma, tma_form, tma_launcher, tma_tile
 from kernelfuse.codegen.conv_wgmma import (
     WGC_MIN_TILES,
     WGC_ROW,
@@ -89,7 +89,8 @@ def render_conv(plan: Plan, step: FusedStep, out_layout: str = "nchw") -> tuple[
     launch_params = "".join(f", const void* in{i}" for i in ops)
     launch_args = "".join(f", (const {ctype}*)in{i}" for i in ops)
     smem = 0  # dynamic shared memory bytes
-    wgmma = ""  # the launcher's branches to a TMA or wgmma form of the kernel
+    wgmma = ""  # the launcher's branch to the kernel's wgmma form
+    tma_entry = ""  # the TMA im2col kernel's own launcher (a channels-last input)
     if step.anchor.impl == "direct":  # planned for a depthwise convolution (kernelfuse.plan.fuse.depthwise)
         comment = f"// {k}: {step.chain(plan.graph)}  (direct depthwise convolution, epilogue inside, {out_layout} " \
                   "output)\n"
@@ -108,13 +109,13 @@ def render_conv(plan: Plan, step: FusedStep, out_layout: str = "nchw") -> tuple[
         tma = tma_form(shape, cfg)  # its TMA im2col form (codegen.conv_tma)
         comment = f"// {k}: {step.chain(plan.graph)}  (dense implicit GEMM on TF32 tensor cores, epilogue inside, " \
                   f"{'channels-last' if cfg.a_nhwc else 'NCHW'} input, {out_layout} output" \
-                  f"{f'; {k}_kernel_tma: its TMA im2col form, for Hopper' if tma else ''}" \
+                  f"{f'; {k}_kernel_tma: its TMA im2col form on a channels-last input, for Hopper' if tma else ''}" \
                   f"{f'; {k}_kernel_wg: its wgmma form, for Hopper' if hopper else ''})\n"
         if tma:  # the consumer warpgroups' epilogue: tma_tile's CH columns at a time, 128 threads each
-            body += render_dense_tma(k, shape, operand_params, tile_stores(
+            body += render_dense_tma(k, shape, cfg.round_tf32, operand_params, tile_stores(
                 k, shape, tma_tile(shape)[1], 128, index_t, ctype, has_bias, out_layout, operand_args,
                 cfg.epilogue_unroll, first="t"))
-            wgmma = tma_launch(k, shape, launch_args)
+            tma_entry = tma_launcher(k, shape, launch_params, launch_args)
         if hopper:
             body += render_dense_wgmma(
                 k, shape, geo, cfg, operand_params,
@@ -136,7 +137,7 @@ KF_EXPORT cudaError_t {k}_launch(const void* x, const void* w, const void* bias,
   {k}_kernel<<<grid, {threads}, {smem}, stream>>>((const {ctype}*)x, (const {ctype}*)w, (const {ctype}*)bias, ({ctype}*)out{launch_args});
   return cudaGetLastError();
 }}
-"""
+{tma_entry}"""
     return comment + apply_function(k, epi, ctype, index_t) + body + launch, _binding(plan, step, shape, out_layout)
 
 
@@ -330,17 +331,24 @@ def _binding(plan: Plan, step: FusedStep, shape: ConvShape, out_layout: str) -> 
     w_meta = plan.graph[node.args[1]].meta
     ops = range(len(epi.operands))
     params = "".join(f", in{i}" for i in ops)
+    x_meta = plan.graph[node.args[0]].meta
+    dense = dense_kernel(plan.graph, step)
+    cfg = dense_config(shape) if dense else None
+    tma = cfg is not None and tma_form(shape, cfg)  # the file holds {k}_launch_tma (codegen.conv_tma)
     lines = [f"# {k}: {step.chain(plan.graph)}  (implicit-GEMM convolution, epilogue inside)",
              f"def {k}(self, x, w, b{params}):",
-             f'    _check_dense(x, "{k} input", {py_tuple(plan.graph[node.args[0]].meta.shape)}, {dtype})',
+             f'    _check_dense(x, "{k} input", {py_tuple(x_meta.shape)}, {dtype})',
              f'    _check_dense(w, "{k} weight", {py_tuple(w_meta.shape)}, {dtype})']
-    if dense_kernel(plan.graph, step) and dense_config(shape).a_nhwc:  # 16-byte copies of 4 input channels (or TMA)
-        x_meta = plan.graph[node.args[0]].meta
+    if tma:  # the input in the layout of the kernel that runs: channels-last for the TMA one, else the dense one's
+        other = channels_last_format(x_meta) if cfg.a_nhwc else "torch.contiguous_format"
+        lines[2] = (f"    x, fmt, tma = self._conv_tma_input(x, {other})\n"
+                    f'    _check_dense(x, "{k} input", {py_tuple(x_meta.shape)}, {dtype}, fmt)')
+    elif cfg is not None and cfg.a_nhwc:  # 16-byte copies of 4 input channels
         fmt = channels_last_format(x_meta)
         lines[2] = (f'    _check_dense(x, "{k} input (channels-last)", {py_tuple(x_meta.shape)}, {dtype}, {fmt})')
         # the forward passes the input as it is (NCHW): here it becomes channels-last (a copy where it is not)
         lines.insert(2, f"    if x.dim() == {len(x_meta.shape)}:\n        x = x.contiguous(memory_format={fmt})")
-    if dense_kernel(plan.graph, step):  # the weight through its tap-major copy, in 16-byte copies
+    if dense:  # the weight through its tap-major copy, in 16-byte copies
         lines[-1] = (f'    _check(w, "{k} weight (tap-major)", {py_tuple(w_meta.shape)}, {py_tuple(w_meta.stride)}, '
                      f'{dtype})')
         lines.append("    if w.data_ptr() % 16:")
@@ -358,9 +366,12 @@ def _binding(plan: Plan, step: FusedStep, shape: ConvShape, out_layout: str) -> 
         lines.append(f"    out = torch.empty({py_tuple(epi.out.shape)}, dtype={dtype}, device=x.device)")
     bias = "b.data_ptr()" if node.args[2] is not None else "None"
     ptrs = "".join(f", in{i}.data_ptr()" for i in ops)
-    lines.append(f'    self._launch(self._{k}, "{k}", x, x.data_ptr(), w.data_ptr(), {bias}, out.data_ptr(){ptrs})')
+    launcher = f"self._{k}_tma if tma else self._{k}" if tma else f"self._{k}"
+    lines.append(f'    self._launch({launcher}, "{k}", x, x.data_ptr(), w.data_ptr(), {bias}, out.data_ptr(){ptrs})')
     lines.append("    return out")
     init = f'self._{k} = self._function("{k}_launch", [ctypes.c_void_p] * {4 + len(epi.operands)})'
+    if tma:
+        init += f'\nself._{k}_tma = self._function("{k}_launch_tma", [ctypes.c_void_p] * {4 + len(epi.operands)})'
     return Binding(init, "\n".join(lines))
 
 

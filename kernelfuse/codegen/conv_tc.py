@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kernelfuse.codegen.conv_geometry import BM, ConvShape, Geometry, block_lines
+from kernelfuse.codegen.conv_geometry import BM, LDC, ConvShape, Geometry, block_lines
+from kernelfuse.codegen.conv_tma import tma_shape
 
 BK = 32
 LDA2 = BM + 2  # 2 * LDA2 % 32 == 4: a warp's 16-byte A loads (k-pair 2t + s, quad g) hit 32 distinct banks a phase
-LDC = BM + 4  # the accumulator tile's row stride (conv_geometry.tile_stores): its stores land on distinct banks
 
 
 @dataclass(frozen=True)
@@ -36,8 +36,9 @@ class DenseConfig:
     `wg_min_blocks` blocks an SM the registers must allow, A by descriptor or (`wg_a_regs`) as register fragments,
     as the GEMM loop. Off by default: on level-2 54, 4, 46 and 2 (H200) each wgmma configuration ran no faster than
     the mma.sync kernel, and both ran 2.5-4x slower than cuDNN's channels-last call (benchmarks/NOTES.md, stop 47).
-    Its TMA im2col form (kernelfuse.codegen.conv_tma, Hopper), carried where `tma` and conv_tma.tma_form allow
-    (a_nhwc, round_tf32 off); off by default: not yet run inside a plan on a GPU."""
+    Its TMA im2col form (kernelfuse.codegen.conv_tma, Hopper: a channels-last input, whatever `a_nhwc` says),
+    carried where `tma` and the shape allows (conv_tma.tma_form); dense_config turns it on for such shapes, and it
+    computes as this kernel does (operands rounded to TF32 where `round_tf32`, else truncated)."""
 
     bn: int = 128
     warps_m: int = 2
@@ -77,8 +78,12 @@ class DenseConfig:
 def dense_config(s: ConvShape) -> DenseConfig:
     """The tiling for convolution `s`: 64 output channels a block for up to 64 a group, else 128; the epilogue
     unrolled by 4 (its libm calls interleave: Mish twice 14.0 -> 11.1 ms on level-2 problem 4, H200). Measured
-    against the other DenseConfig choices in benchmarks/results/session42_h200x2.md (calls 1-2)."""
-    return DenseConfig(bn=64 if s.cog <= 64 else 128, epilogue_unroll=4)
+    against the other DenseConfig choices in benchmarks/results/session42_h200x2.md (calls 1-2). The file carries
+    the TMA im2col form for Hopper where the shape allows it (conv_tma.tma_shape: a 2-d stride-1 convolution whose
+    tiles fill an H200 twice; its truncating form ran level-2 problem 54's convolution bare in 1.34 ms against this
+    kernel's 3.11 on an H200); its launcher runs only on a compute-capability 9.0 device, so other GPUs run this
+    kernel as before."""
+    return DenseConfig(bn=64 if s.cog <= 64 else 128, epilogue_unroll=4, tma=tma_shape(s))
 
 
 CONV_TC_PRELUDE = r"""

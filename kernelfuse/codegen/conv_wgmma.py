@@ -25,8 +25,8 @@ the judge verifies and times the plan that carries it against the library plan.
 
 from __future__ import annotations
 
-from kernelfuse.codegen.conv_geometry import BM, ConvShape, Geometry, block_lines
-from kernelfuse.codegen.conv_tc import BK, LDC, DenseConfig
+from kernelfuse.codegen.conv_geometry import BM, LDC, ConvShape, Geometry, block_lines
+from kernelfuse.codegen.conv_tc import BK, DenseConfig
 from kernelfuse.codegen.gemm_wgmma import accumulator_operands
 
 WGC_THREADS = 256

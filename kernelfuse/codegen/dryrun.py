@@ -90,6 +90,9 @@ def _dry_kernels(binding: str) -> object:
         def _launch(self, function: object, kernel: str, tensor: torch.Tensor, *args: object) -> None:
             return None
 
+        def _conv_tma_ready(self, tensor: torch.Tensor) -> bool:  # no library: no TMA kernel runs
+            return False
+
     return DryKernels()
 
 
