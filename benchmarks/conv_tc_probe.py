@@ -59,7 +59,7 @@ CONFIGS = {
     "wgmma-regA-s4-2blocks": {"wgmma": True, "wg_a_regs": True, "wg_stages": 4, "wg_min_blocks": 2},
     "mma-nhwc-trunc": {"a_nhwc": True, "round_tf32": False},
     "tma": {"tma": True},
-    "tma-unroll8": {"tma": True, "epilogue_unroll": 8},
+    "tma-unroll4": {"tma": True, "tma_epilogue_unroll": 4},
     "tma-trunc": {"tma": True, "round_tf32": False},
 }
 

@@ -114,7 +114,7 @@ def render_conv(plan: Plan, step: FusedStep, out_layout: str = "nchw") -> tuple[
         if tma:  # the consumer warpgroups' epilogue: tma_tile's CH columns at a time, 128 threads each
             body += render_dense_tma(k, shape, cfg.round_tf32, operand_params, tile_stores(
                 k, shape, tma_tile(shape)[1], 128, index_t, ctype, has_bias, out_layout, operand_args,
-                cfg.epilogue_unroll, first="t"))
+                cfg.tma_epilogue_unroll, first="t"))
             tma_entry = tma_launcher(k, shape, launch_params, launch_args)
         if hopper:
             body += render_dense_wgmma(
