@@ -167,6 +167,18 @@ class _Library(_KernelLibrary):
         self._lib = type("Lib", (), {"kf_conv_tma_ready": staticmethod(lambda: int(ready))})()
 
 
+class _CopyingLibrary(_Library):
+    """... whose channels-last copies are counted."""
+
+    def __init__(self, ready: bool) -> None:
+        super().__init__(ready)
+        self.copies = 0
+
+    def _channels_last_copy(self, x: torch.Tensor) -> torch.Tensor:
+        self.copies += 1
+        return super()._channels_last_copy(x)
+
+
 def test_binding_gives_each_kernel_its_layout() -> None:
     """_conv_tma_input: channels-last and 16-byte aligned where the TMA kernel runs (a copy only where the input is
     not so: an aligned channels-last input passes as it is, one off the 16-byte grain is copied), else the dense
@@ -184,6 +196,11 @@ def test_binding_gives_each_kernel_its_layout() -> None:
         assert got.data_ptr() % 16 == 0 and torch.equal(got, nchw)
         assert (got.data_ptr() == x.data_ptr()) == (x is cl)
     assert tma._tma_ready == {-1: True}
+    copied = _CopyingLibrary(True)  # where the TMA kernel runs, the input goes through the binding's copy
+    for x in (nchw, cl):
+        got, fmt, runs = copied._conv_tma_input(x, torch.contiguous_format)
+        assert runs and got.is_contiguous(memory_format=fmt) and torch.equal(got, nchw)
+    assert copied.copies == 2 and _CopyingLibrary(False)._conv_tma_input(nchw, torch.contiguous_format)[2] is False
     dense = _Library(False)
     for other in (torch.contiguous_format, torch.channels_last):
         got, fmt, runs = dense._conv_tma_input(cl, other)

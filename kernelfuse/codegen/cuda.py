@@ -223,7 +223,9 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
         cuda.append(CONV_TMA_PRELUDE)
     bindings: list[Binding] = []
     functions: list[str] = []
-    channels_last = [s for s in plan.fused if s.anchor.layout == "nhwc"]  # with or without an epilogue kernel
+    # with or without an epilogue kernel; and the convolutions whose TMA kernel reads a channels-last copy
+    channels_last = [s for s in plan.fused
+                     if s.anchor.layout == "nhwc" or s.anchor.family == "conv" and carries_tma(plan.graph, s)]
     if channels_last:
         dtypes = sorted({s.anchor.node.meta.dtype for s in channels_last}, key=str)
         cuda.append(NCHW_TO_NHWC)
