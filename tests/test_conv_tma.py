@@ -89,8 +89,9 @@ def _launcher(source: str, name: str) -> str:
 def test_tma_form_only_where_it_applies(model_and_graph, monkeypatch):
     """Carried where tma_shape holds: by default not at these sizes (fewer tiles than TMA_MIN_TILES), and with that
     limit lowered for the three stride-1 convolutions, not for stride 2, dilation 2 or 48 channels; rounding or
-    not; nothing where DenseConfig.tma is off. The TMA kernel has its own launcher ({k}_launch_tma), which the
-    binding calls with a channels-last input; the dense kernel's ({k}_launch) never launches it."""
+    not; nothing where DenseConfig.tma is off. The TMA kernel has its own launchers ({k}_launch_tma, and where it
+    rounds {k}_launch_tma_prerounded for its pre-rounded form), which the binding calls with a channels-last
+    input; the dense kernel's ({k}_launch) never launches either."""
     _, _, graph = model_and_graph
     plan = owned_tf32_plan(graph)
     assert not any(carries_tma(plan.graph, s) for s in plan.fused) and "_kernel_tma" not in generate(plan).cuda
@@ -100,10 +101,15 @@ def test_tma_form_only_where_it_applies(model_and_graph, monkeypatch):
     sources = generate(plan)
     source = sources.cuda
     assert source.count("_kernel_tma<<<") == 3 and source.count("KF_EXPORT long long kf_conv_tma_launches") == 1
+    assert source.count("_kernel_tma_prerounded<<<") == 3 and source.count("kf_tma::rounded_fragments(frag") == 3
     assert source.count("KF_EXPORT int kf_conv_tma_ready") == 1
     for step, tma in zip(plan.fused, TAKES_TMA, strict=True):
-        assert "_kernel_tma" not in _launcher(source, f"{step.kernel}_launch")
-        assert (f"{step.kernel}_launch_tma(" in source) == tma
+        k = step.kernel
+        assert "_kernel_tma" not in _launcher(source, f"{k}_launch")
+        assert (f"{k}_launch_tma(" in source) == tma and (f"{k}_launch_tma_prerounded(" in source) == tma
+        if tma:
+            assert f"{k}_kernel_tma_prerounded<<<" in _launcher(source, f"{k}_launch_tma_prerounded")
+            assert "kf_conv_tma_prerounded_count" not in _launcher(source, f"{k}_launch_tma")
         method = sources.binding.split(f"def {step.kernel}(")[1].split("\n    def ")[0]
         assert ("self._conv_tma_input(x, torch.contiguous_format)" in method) == tma, method
         assert (f"self._{step.kernel}_tma if tma else self._{step.kernel}" in method) == tma, method
@@ -112,6 +118,7 @@ def test_tma_form_only_where_it_applies(model_and_graph, monkeypatch):
     assert [carries_tma(plan.graph, s) for s in plan.fused] == TAKES_TMA
     source = generate(plan).cuda
     assert "kf_tma::rounded_fragments" not in source and "kf_tma::round_in_place" not in source
+    assert "_kernel_tma_prerounded" not in source
     base = conv_igemm.dense_config
     monkeypatch.setattr(conv_igemm, "dense_config", lambda s: replace(base(s), tma=False))
     assert not any(carries_tma(plan.graph, s) for s in plan.fused)
@@ -208,10 +215,10 @@ def test_binding_gives_each_kernel_its_layout() -> None:
 
 
 def test_tma_form_compiles_for_sm_90a_and_sm_80(model_and_graph, tmp_path, monkeypatch):
-    """nvcc builds the file for sm_90a (the loader's Hopper target: ptxas takes the TMA kernels without spills or
-    serialized products, the PTX holds the im2col copies, m64n64/m64n128 products, A from rounded registers for
-    the two rounding kernels and by descriptor for the truncating one) and for sm_80 (the kernel body is a trap
-    there)."""
+    """nvcc builds the file for sm_90a (the loader's Hopper target: ptxas takes the TMA kernels, every form,
+    without spills or serialized products, the PTX holds the im2col copies, m64n64/m64n128 products, A from
+    rounded registers in the two rounding kernels, by descriptor in their pre-rounded forms (which round B) and in
+    the truncating kernel (which rounds nothing)) and for sm_80 (the kernel body is a trap there)."""
     import re
     import subprocess
 
@@ -228,7 +235,7 @@ def test_tma_form_compiles_for_sm_90a_and_sm_80(model_and_graph, tmp_path, monke
                              str(tmp_path / "tma.o")], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     tma_lines = [ln for ln in result.stderr.split("Compiling entry function") if "_kernel_tma" in ln.split("\n")[0]]
-    assert len(tma_lines) == 3, result.stderr[-3000:]
+    assert len(tma_lines) == 5, result.stderr[-3000:]
     for report in tma_lines:
         assert not re.search(r"[1-9]\d* bytes spill (stores|loads)", report), report
     assert "serialized" not in result.stderr
@@ -238,8 +245,9 @@ def test_tma_form_compiles_for_sm_90a_and_sm_80(model_and_graph, tmp_path, monke
     assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k8\.f32\.tf32\.tf32", ptx)) >= {"64", "128"}
     register_a = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k8\.f32\.tf32\.tf32\s*\{[^}]*\},\s*\{"
     forms = {m.group(1): ("cvt.rna.tf32.f32" in body, bool(re.search(register_a, body)))
-             for body in ptx.split(".entry ")[1:] if (m := re.match(r"_Z\d+(k\d+)_kernel_tma", body))}
-    assert forms == {"k0": (True, True), "k1": (True, True), "k2": (False, False)}, forms
+             for body in ptx.split(".entry ")[1:] if (m := re.match(r"_Z\d+(k\d+_kernel_tma(_prerounded)?)", body))}
+    assert forms == {"k0_kernel_tma": (True, True), "k1_kernel_tma": (True, True), "k2_kernel_tma": (False, False),
+                     "k0_kernel_tma_prerounded": (True, False), "k1_kernel_tma_prerounded": (True, False)}, forms
     result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_80", "-O3", "-c", str(cu), "-o", str(tmp_path / "a.o")],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
