@@ -154,10 +154,16 @@ def dense_kernel(graph: Graph, step: FusedStep) -> bool:
 
 def carries_tma(graph: Graph, step: FusedStep) -> bool:
     """Whether the anchor's dense kernel has a TMA im2col form in the file (kernelfuse.codegen.conv_tma)."""
+    return bool(carried_tma_forms(graph, step))
+
+
+def carried_tma_forms(graph: Graph, step: FusedStep) -> tuple[str, ...]:
+    """The TMA im2col kernel's forms the file carries for the anchor (conv_tma.tma_forms; none where it has none)."""
     if not dense_kernel(graph, step):
-        return False
+        return ()
     shape = conv_shape(graph, step)
-    return tma_form(shape, dense_config(shape))
+    cfg = dense_config(shape)
+    return tma_forms(cfg.round_tf32) if tma_form(shape, cfg) else ()
 
 
 def _kernel(k: str, s: ConvShape, cfg: TileConfig, ctype: str, index_t: str, has_bias: bool, split: bool,
@@ -341,9 +347,11 @@ def _binding(plan: Plan, step: FusedStep, shape: ConvShape, out_layout: str) -> 
              f"def {k}(self, x, w, b{params}):",
              f'    _check_dense(x, "{k} input", {py_tuple(x_meta.shape)}, {dtype})',
              f'    _check_dense(w, "{k} weight", {py_tuple(w_meta.shape)}, {dtype})']
-    if tma:  # the input in the layout of the kernel that runs: channels-last for the TMA one, else the dense one's
+    if tma:  # the input in the layout of the kernel that runs (channels-last for a TMA one, else the dense one's)
+        # and the launcher that runs (the pre-rounded form's only on the binding's own rounding copy)
         other = channels_last_format(x_meta) if cfg.a_nhwc else "torch.contiguous_format"
-        lines[2] = (f"    x, fmt, tma = self._conv_tma_input(x, {other})\n"
+        launchers = "".join(f", self._{k}_tma{tma_suffix(form)}" for form in forms)
+        lines[2] = (f"    x, fmt, launcher = self._conv_tma_input(x, {other}, self._{k}{launchers})\n"
                     f'    _check_dense(x, "{k} input", {py_tuple(x_meta.shape)}, {dtype}, fmt)')
     elif cfg is not None and cfg.a_nhwc:  # 16-byte copies of 4 input channels
         fmt = channels_last_format(x_meta)
@@ -368,7 +376,7 @@ def _binding(plan: Plan, step: FusedStep, shape: ConvShape, out_layout: str) -> 
         lines.append(f"    out = torch.empty({py_tuple(epi.out.shape)}, dtype={dtype}, device=x.device)")
     bias = "b.data_ptr()" if node.args[2] is not None else "None"
     ptrs = "".join(f", in{i}.data_ptr()" for i in ops)
-    launcher = f"self._{k}_tma if tma else self._{k}" if tma else f"self._{k}"
+    launcher = "launcher" if tma else f"self._{k}"
     lines.append(f'    self._launch({launcher}, "{k}", x, x.data_ptr(), w.data_ptr(), {bias}, out.data_ptr(){ptrs})')
     lines.append("    return out")
     init = f'self._{k} = self._function("{k}_launch", [ctypes.c_void_p] * {4 + len(epi.operands)})'

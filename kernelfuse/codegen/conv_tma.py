@@ -44,6 +44,16 @@ Shared memory read and written a k block (TBN 128): 128 KB (wgmma's B reads 64, 
 is addressed from the dynamic shared array by pointer arithmetic, so these are shared (LDS/STS), not generic,
 accesses.
 
+The pre-rounded form (`{k}_kernel_tma_prerounded`, carried beside the rounding one): A by descriptor as the
+truncating form reads it, B rounded by the warps as above. The tensor cores read an operand's top 19 bits, which
+is exact for a value already rounded to nearest TF32 (its low 13 mantissa bits zero): so where the binding makes
+the input's channels-last copy itself (an NCHW input, the common case: a model's input) its copy kernel rounds as
+it copies (kf_nchw_to_nhwc<float, TILE, true>: kf_round_tf32, three integer instructions a value in a pass bound
+by its memory traffic; its cost not yet measured) and this form multiplies the same TF32 values as the rounding
+form, without A's fragment loads, their rounding and the halves' extra wait (on an H200 the rounding form ran
+3-52% slower than the truncating one, bare: level-2 54 1.62 against 1.26 ms). A channels-last input is not
+copied, so the rounding form reads it.
+
 Where it runs: the file carries it where DenseConfig.tma, which dense_config sets where `tma_shape` holds: a 2-d
 forward convolution, stride 1, dilation 1, groups 1, input channels a multiple of 32, output channels a multiple
 of 64 (TBN = 128 where they divide by 128, else 64), kernel and padding at most 64 (the corners' range), and
@@ -52,14 +62,19 @@ the binding calls it, with the input made channels-last (a copy where it is not)
 library built for sm_90a on a compute-capability 9.0 device, the driver's tensor-map encoders found; asked once a
 device), else `{k}_launch`, the dense kernel reading its own layout (NCHW by default): on other GPUs nothing
 changes. `{k}_launch_tma` refuses (cudaErrorNotSupported) where it is not ready, the input is not 16-byte aligned
-or the maps do not encode, and never falls back to a kernel that would read the input in another layout. The maps
-are encoded on the host at every call (caching them per pointer is a measurement for later);
-kf_conv_tma_launches() counts its launches.
+or the maps do not encode, and never falls back to a kernel that would read the input in another layout. Where the
+form rounds, `{k}_launch_tma_prerounded` (the same checks) runs the pre-rounded form: the binding calls it only on
+the copy it has just made with `to_channels_last(x, round_tf32=True)` (a contiguous NCHW fp32 input on the
+device), and `{k}_launch_tma` on every other input (channels-last already, or copied by torch, which does not
+round). The maps are encoded on the host at every call (caching them per pointer is a measurement for later);
+kf_conv_tma_launches() counts the launches of either form, kf_conv_tma_prerounded_launches() the pre-rounded
+ones.
 
 The CPU emulation (KF_EMULATION) runs the same kernel text: the producer's copies are synchronous (what the
 hardware writes, by the box traversal and swizzle modelled here), the mbarriers are counters with the hardware's
 phase and tx-count rules that block by atomic waits, the named barriers std::barriers, the products kf_wg's
-emulated wgmma (the register-A form by emulated shuffles), the rounding kf_round_tf32's host form. Not emulated:
+emulated wgmma (the register-A form by emulated shuffles), the rounding kf_round_tf32's host form (the SASS ptxas
+makes of cvt.rna), the binding's rounding copy by its own kernel. Not emulated:
 the real TMA unit's corner and offset semantics (padding and non-square kernels are this model's reading of the
 driver's documentation, as CUTLASS uses them), the descriptors' bit layout, the products' asynchrony (and so the
 fragment sets' lifetimes), the proxy fences, setmaxnreg.
