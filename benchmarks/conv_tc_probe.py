@@ -4,7 +4,9 @@ kernelfuse.codegen.conv_wgmma) against cuDNN.
 For each problem file, its first convolution the dense kernel takes is built once per configuration and timed (CUDA
 events, median of 20, L2 flushed) bare (no epilogue) and with the epilogue inside, next to cuDNN alone in NCHW and
 channels-last (operands converted beforehand) and the NCHW -> channels-last copy of the input a channels-last
-configuration needs. Checked: ours against cuDNN under eager's flags (max abs difference).
+configuration needs (torch's). "tma-prerounded" times the TMA kernel's pre-rounded form on the binding's copy
+rounded to nearest TF32, made beforehand (its own time printed beside: the file's copy kernel, rounding). Checked:
+ours against cuDNN under eager's flags (max abs difference).
 
 Run on the GPU host from the repo root:
   PYTHONPATH=. python benchmarks/conv_tc_probe.py PROBLEM.py [PROBLEM.py ...] [--configs mma,wgmma,...]
@@ -16,6 +18,7 @@ import argparse
 import ctypes
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -41,7 +44,8 @@ from kernelfuse.rewrite import apply_rules
 # or TMA form in the file), "wgmma" ones run the wgmma form on a compute-capability 9.0 GPU where its tiles cover 3/4
 # of the SMs (kernelfuse.codegen.conv_wgmma), "tma" ones the TMA im2col form (kernelfuse.codegen.conv_tma, where
 # its tma_shape holds: dense_config's default there) on a channels-last input, operands rounded to nearest TF32 as
-# the mma.sync kernel's, or truncated (tma-trunc)
+# the mma.sync kernel's (A in the consumers' registers), or truncated (tma-trunc); tma-prerounded is tma's file, its
+# pre-rounded form (A by descriptor, as the binding's rounding copy made it) called on that copy (PREROUNDED)
 CONFIGS = {
     "mma": {},
     "mma-truncated": {"round_tf32": False},
@@ -61,7 +65,9 @@ CONFIGS = {
     "tma": {"tma": True},
     "tma-unroll4": {"tma": True, "tma_epilogue_unroll": 4},
     "tma-trunc": {"tma": True, "round_tf32": False},
+    "tma-prerounded": {"tma": True},
 }
+PREROUNDED = {"tma-prerounded"}
 
 
 def main() -> None:
@@ -125,25 +131,53 @@ def probe(path: Path, configs: list[str]) -> list[str]:
             # the layout the kernel that runs reads, so that no copy is timed: channels-last for the TMA kernel
             tma_runs = "_kernel_tma" in sources[name].cuda and ext._conv_tma_ready(x)
             xin = xc if cfg.a_nhwc or tma_runs else x
-            out = getattr(ext, step.kernel)(xin, wk, b, *operands)
+            fused, unfused, copy = getattr(ext, step.kernel), getattr(ext, bare.kernel), ""
+            if name in PREROUNDED:
+                if not tma_runs:
+                    lines.append(f"  {name:24s} the TMA kernel does not run here")
+                    continue
+                copy = " (rounding copy beforehand: " \
+                       f"{median_event_ms(lambda: ext.to_channels_last(x, round_tf32=True)):.3f} ms)"  # noqa: B023
+                xin = ext.to_channels_last(x, round_tf32=True)
+                fused = _prerounded(ext, step.kernel, torch.empty_like(fused(xin, wk, b, *operands)))
+                unfused = _prerounded(ext, bare.kernel, torch.empty_like(unfused(xin, wk, b)))
+            out = fused(xin, wk, b, *operands)
             diff = (out - ref).abs().max().item()
-            t_bare = median_event_ms(lambda: getattr(ext, bare.kernel)(xin, wk, b))  # noqa: B023
-            t_fused = median_event_ms(lambda: getattr(ext, step.kernel)(xin, wk, b, *operands))  # noqa: B023
+            t_bare = median_event_ms(lambda: unfused(xin, wk, b))  # noqa: B023
+            t_fused = median_event_ms(lambda: fused(xin, wk, b, *operands))  # noqa: B023
             form = "tma" if "_kernel_tma" in sources[name].cuda else "wgmma" if "_kernel_wg" in sources[name].cuda \
                 else "mma.sync"
-            if form == "tma":  # the launch counter says whether the TMA branch ran, not just was carried
-                form += f"(launches={_tma_launches(ext)})"
+            if form == "tma":  # the launch counters: whether the TMA branch ran (not just was carried), which form
+                launches, prerounded = _tma_launches(ext)
+                form += f"(launches={launches}, prerounded={prerounded})"
             lines.append(f"  {name:24s} bn={cfg.bn} {form} bare={t_bare:.3f} "
-                         f"fused={t_fused:.3f} ms  max|ours-cudnn|={diff:.1e}")
+                         f"fused={t_fused:.3f} ms{copy}  max|ours-cudnn|={diff:.1e}")
     return lines
 
 
-def _tma_launches(ext: object) -> int:
+def _prerounded(ext: object, kernel: str, out: torch.Tensor) -> Callable:
+    """`kernel`'s pre-rounded TMA form called straight on an input already rounded and channels-last (the binding's
+    method would route such an input to the rounding form: it runs the pre-rounded one only on a copy of its
+    own), writing `out` (allocated as the method allocates its output)."""
+    launcher = getattr(ext, f"_{kernel}_tma_prerounded")
+
+    def call(x, w, b, *operands):
+        bias = b.data_ptr() if b is not None else None
+        ext._launch(launcher, kernel, x, x.data_ptr(), w.data_ptr(), bias, out.data_ptr(),
+                    *(o.data_ptr() for o in operands))
+        return out
+
+    return call
+
+
+def _tma_launches(ext: object) -> tuple[int, int]:
+    """(TMA kernel launches, those of the pre-rounded form); -1 where the library has no TMA kernel."""
     lib = getattr(ext, "_lib", None)
     if lib is None or not hasattr(lib, "kf_conv_tma_launches"):
-        return -1
+        return -1, -1
     lib.kf_conv_tma_launches.restype = ctypes.c_longlong
-    return int(lib.kf_conv_tma_launches())
+    lib.kf_conv_tma_prerounded_launches.restype = ctypes.c_longlong
+    return int(lib.kf_conv_tma_launches()), int(lib.kf_conv_tma_prerounded_launches())
 
 
 if __name__ == "__main__":

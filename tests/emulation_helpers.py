@@ -61,13 +61,17 @@ def emulated(plan: Plan, tmp_path: Path) -> Emulated:
 
 
 def _binding(binding: str, lib: Path) -> object:
-    """The emitted `_Kernels` over the CPU library: the same checks, except that CPU tensors are allowed, and
-    launches without a device or stream."""
+    """The emitted `_Kernels` over the CPU library: the same checks, except that CPU tensors are allowed (by the
+    checks and by the binding's choice of its own copy kernels), and launches without a device or stream."""
     namespace = binding_off_the_gpu(binding)
 
     class EmulatedKernels(namespace["_Kernels"]):
         def _launch(self, function, kernel, tensor, *args):
             assert function(*args, None) == 0, kernel
+
+        @staticmethod
+        def _on_device(t):  # the emulated kernels read CPU tensors (the binding's own copies run here too)
+            return True
 
     return EmulatedKernels(str(lib))
 

@@ -122,7 +122,8 @@ def test_conv_nhwc_has_transpose_kernel_and_to_channels_last(example_sources):
     src = example_sources["conv2d_relu_biasadd"]["fused-nhwc"]
     assert src.functions == ("to_channels_last", "k0")
     assert "kf_nchw_to_nhwc_kernel" in src.cuda and "kf_nchw_to_nhwc_float32(" in src.cuda
-    assert "    def to_channels_last(self, x):" in src.binding
+    assert "    def to_channels_last(self, x, round_tf32=False):" in src.binding
+    assert "self._to_nhwc_tf32 = {}" in src.binding and "kf_nchw_to_nhwc_float32_rna" not in src.cuda  # no TMA conv
     assert 'torch.float32: self._function("kf_nchw_to_nhwc_float32"' in src.binding
     assert "constexpr int C = 128, HW = 15876;" in src.cuda
     assert "__shared__ float tile[" in src.cuda

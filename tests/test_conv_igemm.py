@@ -64,9 +64,14 @@ INPUTS = [(2, 3, 9, 11), (1, 8, 10, 13), (2, 6, 7, 5), (1, 32, 12, 13), (2, 2, 5
 
 def _tf32(t: torch.Tensor, round_: bool = True) -> torch.Tensor:
     """fp32 -> TF32: round the low 13 mantissa bits to nearest, ties away from zero, as cvt.rna does (or drop them,
-    as the tensor cores read an unrounded operand)."""
-    bits = t.float().contiguous().view(torch.int32)
-    return (((bits + 0x1000) if round_ else bits) & ~0x1FFF).view(torch.float32)
+    as the tensor cores read an unrounded operand). As ptxas compiles cvt.rna (kf_round_tf32): the half ulp added
+    to finite values only, the bits cleared from every value (so a finite value from 0x7f7ff000 up rounds to
+    infinity, and a NaN whose payload is all in those bits becomes one)."""
+    t = t.float().contiguous()
+    bits = t.view(torch.int32)
+    if round_:
+        bits = torch.where(t.isfinite(), bits + 0x1000, bits)
+    return (bits & ~0x1FFF).view(torch.float32)
 
 
 @pytest.fixture(scope="module")

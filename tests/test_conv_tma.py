@@ -4,10 +4,11 @@ On the CPU (tests/emulation_helpers.py) the kernel text runs with its producer t
 TMA unit would write them (the im2col box's walk, padding's zero fill, the 128-byte swizzle), mbarriers as
 counters with the hardware's phase rules, the rounding warps' pass over each slot's weight tile, and kf_wg's
 emulated wgmma (A from the consumers' rounded register fragments by emulated shuffles, or by descriptor where the
-form truncates): the ring's slots and phases across a block's several tiles, the descriptors' offsets, the
-fragments' layout and rounding, the accumulator's way to the shared epilogue code and both output layouts are
-checked against float64 on the operands rounded to nearest TF32 (truncated for round_tf32 off). What the real TMA
-unit does with the corners and offsets is the emulation's model of it: the GPU test checks it.
+form truncates or reads the binding's copy rounded to nearest TF32): the ring's slots and phases across a block's
+several tiles, the descriptors' offsets, the fragments' layout and rounding, the rounding copy, the accumulator's
+way to the shared epilogue code and both output layouts are checked against float64 on the operands rounded to
+nearest TF32 (truncated for round_tf32 off). What the real TMA unit does with the corners and offsets is the
+emulation's model of it: the GPU test checks it.
 """
 
 from __future__ import annotations
@@ -76,9 +77,17 @@ def model_and_graph():
     return model, inputs, capture_module(model, inputs)
 
 
-def _launches(lib) -> int:
+def _launches(lib) -> tuple[int, int]:
+    """(TMA kernel launches, those of them of the pre-rounded form)."""
     lib.kf_conv_tma_launches.restype = ctypes.c_longlong
-    return lib.kf_conv_tma_launches()
+    lib.kf_conv_tma_prerounded_launches.restype = ctypes.c_longlong
+    return lib.kf_conv_tma_launches(), lib.kf_conv_tma_prerounded_launches()
+
+
+def _counted(lib, before: tuple[int, int]) -> tuple[int, int]:
+    """The launches (_launches) since `before`."""
+    now = _launches(lib)
+    return now[0] - before[0], now[1] - before[1]
 
 
 def _launcher(source: str, name: str) -> str:
@@ -89,8 +98,9 @@ def _launcher(source: str, name: str) -> str:
 def test_tma_form_only_where_it_applies(model_and_graph, monkeypatch):
     """Carried where tma_shape holds: by default not at these sizes (fewer tiles than TMA_MIN_TILES), and with that
     limit lowered for the three stride-1 convolutions, not for stride 2, dilation 2 or 48 channels; rounding or
-    not; nothing where DenseConfig.tma is off. The TMA kernel has its own launcher ({k}_launch_tma), which the
-    binding calls with a channels-last input; the dense kernel's ({k}_launch) never launches it."""
+    not; nothing where DenseConfig.tma is off. The TMA kernel has its own launchers ({k}_launch_tma, and where it
+    rounds {k}_launch_tma_prerounded beside the copy that rounds, kf_nchw_to_nhwc_float32_rna), which the binding
+    chooses from with a channels-last input; the dense kernel's ({k}_launch) never launches either."""
     _, _, graph = model_and_graph
     plan = owned_tf32_plan(graph)
     assert not any(carries_tma(plan.graph, s) for s in plan.fused) and "_kernel_tma" not in generate(plan).cuda
@@ -100,18 +110,31 @@ def test_tma_form_only_where_it_applies(model_and_graph, monkeypatch):
     sources = generate(plan)
     source = sources.cuda
     assert source.count("_kernel_tma<<<") == 3 and source.count("KF_EXPORT long long kf_conv_tma_launches") == 1
+    assert source.count("_kernel_tma_prerounded<<<") == 3 and source.count("kf_tma::rounded_fragments(frag") == 3
     assert source.count("KF_EXPORT int kf_conv_tma_ready") == 1
+    assert source.count("KF_EXPORT cudaError_t kf_nchw_to_nhwc_float32_rna(") == 1
+    assert 'self._to_nhwc_tf32 = {torch.float32: self._function("kf_nchw_to_nhwc_float32_rna"' in sources.binding
     for step, tma in zip(plan.fused, TAKES_TMA, strict=True):
-        assert "_kernel_tma" not in _launcher(source, f"{step.kernel}_launch")
-        assert (f"{step.kernel}_launch_tma(" in source) == tma
-        method = sources.binding.split(f"def {step.kernel}(")[1].split("\n    def ")[0]
-        assert ("self._conv_tma_input(x, torch.contiguous_format)" in method) == tma, method
-        assert (f"self._{step.kernel}_tma if tma else self._{step.kernel}" in method) == tma, method
+        k = step.kernel
+        assert "_kernel_tma" not in _launcher(source, f"{k}_launch")
+        assert (f"{k}_launch_tma(" in source) == tma and (f"{k}_launch_tma_prerounded(" in source) == tma
+        if tma:
+            assert f"{k}_kernel_tma_prerounded<<<" in _launcher(source, f"{k}_launch_tma_prerounded")
+            assert "kf_conv_tma_prerounded_count" not in _launcher(source, f"{k}_launch_tma")
+        method = sources.binding.split(f"def {k}(")[1].split("\n    def ")[0]
+        assert (f"self._conv_tma_input(x, torch.contiguous_format, self._{k}, self._{k}_tma, "
+                f"self._{k}_tma_prerounded)" in method) == tma, method
+        assert ("self._launch(launcher," in method) == tma, method
     assert "kf_tma::rounded_fragments" in source and "kf_tma::round_in_place" in source
     _with_tma(monkeypatch, round_tf32=False)
     assert [carries_tma(plan.graph, s) for s in plan.fused] == TAKES_TMA
-    source = generate(plan).cuda
+    sources = generate(plan)
+    source = sources.cuda
     assert "kf_tma::rounded_fragments" not in source and "kf_tma::round_in_place" not in source
+    assert "_kernel_tma_prerounded" not in source and "kf_nchw_to_nhwc_float32_rna" not in source
+    assert "self._to_nhwc_tf32 = {}" in sources.binding
+    k = plan.fused[0].kernel
+    assert f"self._conv_tma_input(x, torch.contiguous_format, self._{k}, self._{k}_tma)" in sources.binding
     base = conv_igemm.dense_config
     monkeypatch.setattr(conv_igemm, "dense_config", lambda s: replace(base(s), tma=False))
     assert not any(carries_tma(plan.graph, s) for s in plan.fused)
@@ -120,11 +143,13 @@ def test_tma_form_only_where_it_applies(model_and_graph, monkeypatch):
 @pytest.mark.parametrize(("layout", "round_tf32"), [("nchw", True), ("nhwc", True), ("nchw", False)])
 def test_emulated_tma_form_matches_float64_on_tf32_operands(model_and_graph, tmp_path, monkeypatch, layout,
                                                             round_tf32):
-    """Every convolution through its binding (an NCHW input: the binding makes it channels-last for the TMA
-    kernel) with the loader's switch on: the TMA kernel runs for exactly the three it applies to, the others take
-    their old kernels; all match float64 on the operands rounded to nearest TF32 (truncated for round_tf32 off),
-    within 2e-5 (either operand left unrounded: 5e-4 off). A channels-last input runs the same. With the switch off
-    the dense kernel runs for the three, on the NCHW input, and matches too."""
+    """Every convolution through its binding with the loader's switch on: the TMA kernel runs for exactly the three
+    it applies to, the others take their old kernels. An NCHW input: the binding's copy makes it channels-last,
+    rounded to nearest TF32 where the form rounds, for the pre-rounded form (A read as it is); a channels-last
+    input: no copy, the rounding form (A rounded in registers), or the truncating one. All match float64 on the
+    operands rounded to nearest TF32 (truncated for round_tf32 off), within 2e-5 (either operand left unrounded:
+    5e-4 off), both forms alike. With the switch off the dense kernel runs for the three, on the NCHW input, and
+    matches too."""
     model, inputs, graph = model_and_graph
     _with_tma(monkeypatch, round_tf32)
     _with_out_layout(monkeypatch, layout)
@@ -139,24 +164,90 @@ def test_emulated_tma_form_matches_float64_on_tf32_operands(model_and_graph, tmp
             x, w = env[node.args[0].name].float(), env[node.args[1].name].float()
             b = env[node.args[2].name].float() if node.args[2] is not None else None
             operands = [env[o.ref.name].float() for o in step.epilogue.operands]
-            before = _launches(emu.lib)
-            out = getattr(emu.kernels, step.kernel)(x, w, b, *operands)
-            assert _launches(emu.lib) - before == int(tma and on), (step.kernel, on)
-            if layout == "nhwc" and out.dim() == 4:
-                assert out.is_contiguous(memory_format=torch.channels_last)
             ref_env = dict(env)
             exact = not dense_kernel(plan.graph, step)  # the general kernel: 3xTF32 or rounding, fp32-close
             ref_env[node.args[0].name] = (x if exact else _tf32(x, round_tf32)).double()
             ref_env[node.args[1].name] = (w if exact else _tf32(w, round_tf32)).double()
             ref = run_fused(plan.graph, step, ref_env)
             tol = 2e-3 if exact else 2e-5
-            torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol,
-                                       msg=lambda m: f"{step.kernel} on={on}: {m}")  # noqa: B023
-            if tma and layout == "nchw" and round_tf32:  # a channels-last input: the TMA kernel reads it as it is
-                x_cl = x.contiguous(memory_format=torch.channels_last)
-                again = getattr(emu.kernels, step.kernel)(x_cl, w, b, *operands)
-                assert _launches(emu.lib) - before == 2 * int(on), (step.kernel, on)
-                assert torch.equal(again, out), step.kernel
+            # an NCHW input (the binding's copy), then where the TMA kernel runs a channels-last one (none)
+            inputs_of = [x, x.contiguous(memory_format=torch.channels_last)] if tma and on else [x]
+            for x_in, expected in zip(inputs_of, [(1, int(round_tf32)), (1, 0)], strict=False):
+                before = _launches(emu.lib)
+                out = getattr(emu.kernels, step.kernel)(x_in, w, b, *operands)
+                assert _counted(emu.lib, before) == (expected if tma and on else (0, 0)), (step.kernel, on)
+                if layout == "nhwc" and out.dim() == 4:
+                    assert out.is_contiguous(memory_format=torch.channels_last)
+                torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol,
+                                           msg=lambda m: f"{step.kernel} on={on}: {m}")  # noqa: B023
+
+
+class OneConv(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(32, 64, 3)
+
+    def forward(self, x):
+        return torch.relu(self.conv(x))
+
+
+# fp32 bit patterns and what cvt.rna.tf32.f32 makes of them (ptxas's SASS: the half ulp 0x1000 added where finite,
+# then the low 13 bits cleared from every value): ties away from zero, the top of the range to infinity, NaNs
+# keep their sign and high payload bits
+RNA_CASES = [
+    (0x3F800000, 0x3F800000),  # 1.0: exact
+    (0x3F800FFF, 0x3F800000),  # below the tie: down
+    (0x3F801000, 0x3F802000),  # a tie: away from zero (to even would keep 0x3f800000)
+    (0x3F803000, 0x3F804000),  # a tie from an odd last bit: away (as to even)
+    (0x3F801FFF, 0x3F802000),  # above the tie: up
+    (0xBF801000, 0xBF802000),  # a negative tie: away from zero
+    (0xBF800FFF, 0xBF800000),
+    (0x3FFFF000, 0x40000000),  # the carry into the exponent
+    (0x00000000, 0x00000000), (0x80000000, 0x80000000),  # zeros
+    (0x00000FFF, 0x00000000), (0x00001000, 0x00002000), (0x807FF000, 0x80800000),  # subnormals, to the normals
+    (0x7F7FE000, 0x7F7FE000),  # the largest TF32 value
+    (0x7F7FEFFF, 0x7F7FE000),  # below its tie with infinity
+    (0x7F7FF000, 0x7F800000),  # the tie: infinity
+    (0x7F7FFFFF, 0x7F800000),  # the largest fp32 value: infinity
+    (0xFF7FFFFF, 0xFF800000),  # ... and its negative
+    (0x7F800000, 0x7F800000), (0xFF800000, 0xFF800000),  # infinities pass
+    (0x7FC00000, 0x7FC00000), (0xFFC00000, 0xFFC00000),  # quiet NaNs pass
+    (0x7FC01234, 0x7FC00000),  # a NaN's low payload bits cleared
+    (0x7F800001, 0x7F800000),  # a NaN whose payload is all low bits: an infinity
+]
+
+
+def _signed(bits: int) -> int:
+    """A 32-bit pattern as torch.int32 holds it."""
+    return bits - (1 << 32) if bits >= 1 << 31 else bits
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 4, 7), (1, 40, 9, 8), (2, 6, 3, 3)], ids=["v4", "v4-tiles", "scalar"])
+def test_emulated_rounding_copy_rounds_to_nearest_tf32(tmp_path, monkeypatch, shape):
+    """`to_channels_last(x, round_tf32=True)`, the copy that feeds the pre-rounded form, against the torch
+    reference of cvt.rna (test_conv_igemm._tf32) bit for bit, in its 16-byte form (channels and plane multiples of
+    4, one block or several) and its scalar one: ties, negatives, zeros and subnormals, the top of the range
+    (RNA_CASES) and random values, with ties made often. The plain copy keeps every bit (NaN payloads too)."""
+    _with_tma(monkeypatch)
+    plan = owned_tf32_plan(capture_module(OneConv().eval(), [torch.rand(1, 32, 5, 5)]))
+    assert carries_tma(plan.graph, plan.fused[0])
+    emu = emulated(plan, tmp_path)
+    torch.manual_seed(1)
+    bits = torch.randn(shape).view(torch.int32)
+    bits = torch.where(torch.rand(shape) < 0.25, (bits & ~0x1FFF) | 0x1000, bits).flatten()  # ties
+    cases = torch.tensor([_signed(c) for c, _ in RNA_CASES], dtype=torch.int32)
+    bits[:len(cases)] = cases
+    x = bits.view(shape).view(torch.float32)
+    rounded = emu.kernels.to_channels_last(x, round_tf32=True)
+    plain = emu.kernels.to_channels_last(x)
+    for y in (rounded, plain):
+        assert y.shape == x.shape and y.is_contiguous(memory_format=torch.channels_last)
+    got = rounded.contiguous().view(torch.int32).flatten()
+    assert got[:len(cases)].tolist() == [_signed(e) for _, e in RNA_CASES]
+    assert torch.equal(got, _tf32(x).view(torch.int32).flatten())
+    assert torch.equal(plain.contiguous().view(torch.int32), x.view(torch.int32))
+    with pytest.raises(ValueError, match=r"to_channels_last\(round_tf32=True\) needs"):
+        emu.kernels.to_channels_last(x.double(), round_tf32=True)
 
 
 class _Library(_KernelLibrary):
@@ -168,15 +259,31 @@ class _Library(_KernelLibrary):
 
 
 class _CopyingLibrary(_Library):
-    """... whose channels-last copies are counted."""
+    """... with the file's copy kernels (`rounding`: the one rounding to nearest TF32 too) as torch's copies, each
+    counted, a rounded one's result remembered."""
 
-    def __init__(self, ready: bool) -> None:
+    def __init__(self, ready: bool, rounding: bool = True) -> None:
         super().__init__(ready)
-        self.copies = 0
+        self._to_nhwc = {torch.float32: None}
+        self._to_nhwc_tf32 = {torch.float32: None} if rounding else {}
+        self.copies: list[bool] = []
+        self.rounded: list[torch.Tensor] = []
 
-    def _channels_last_copy(self, x: torch.Tensor) -> torch.Tensor:
-        self.copies += 1
-        return super()._channels_last_copy(x)
+    @staticmethod
+    def _on_device(t: torch.Tensor) -> bool:
+        return True
+
+    def to_channels_last(self, x: torch.Tensor, round_tf32: bool = False) -> torch.Tensor:
+        self.copies.append(round_tf32)
+        y = x.contiguous(memory_format=torch.channels_last)
+        if round_tf32:
+            y = _tf32(y).contiguous(memory_format=torch.channels_last)
+            self.rounded.append(y)
+        return y
+
+
+# the launchers _conv_tma_input chooses from, as the binding passes them
+LAUNCHERS = ("dense", "tma", "prerounded")
 
 
 def test_binding_gives_each_kernel_its_layout() -> None:
@@ -191,27 +298,52 @@ def test_binding_gives_each_kernel_its_layout() -> None:
     assert off_grain.is_contiguous(memory_format=torch.channels_last) and off_grain.data_ptr() % 16
     tma = _Library(True)
     for x in (nchw, cl, off_grain):
-        got, fmt, runs = tma._conv_tma_input(x, torch.contiguous_format)
-        assert runs and fmt is torch.channels_last and got.is_contiguous(memory_format=fmt)
+        got, fmt, launcher = tma._conv_tma_input(x, torch.contiguous_format, *LAUNCHERS)
+        assert launcher == "tma" and fmt is torch.channels_last and got.is_contiguous(memory_format=fmt)
         assert got.data_ptr() % 16 == 0 and torch.equal(got, nchw)
         assert (got.data_ptr() == x.data_ptr()) == (x is cl)
     assert tma._tma_ready == {-1: True}
-    copied = _CopyingLibrary(True)  # where the TMA kernel runs, the input goes through the binding's copy
-    for x in (nchw, cl):
-        got, fmt, runs = copied._conv_tma_input(x, torch.contiguous_format)
-        assert runs and got.is_contiguous(memory_format=fmt) and torch.equal(got, nchw)
-    assert copied.copies == 2 and _CopyingLibrary(False)._conv_tma_input(nchw, torch.contiguous_format)[2] is False
     dense = _Library(False)
     for other in (torch.contiguous_format, torch.channels_last):
-        got, fmt, runs = dense._conv_tma_input(cl, other)
-        assert not runs and fmt is other and got.is_contiguous(memory_format=other) and torch.equal(got, nchw)
+        got, fmt, launcher = dense._conv_tma_input(cl, other, *LAUNCHERS)
+        assert launcher == "dense" and fmt is other and got.is_contiguous(memory_format=other)
+        assert torch.equal(got, nchw)
+    assert dense._conv_tma_input(nchw[0], torch.contiguous_format, *LAUNCHERS)[2] == "dense"  # 3-d: as it is
+
+
+def test_binding_runs_the_prerounded_form_only_on_its_rounding_copy() -> None:
+    """Where the TMA kernel runs: a contiguous NCHW fp32 input goes through the file's copy rounded to nearest
+    TF32 and the pre-rounded form; every other input to the form that takes it as it is (rounding A in registers,
+    or truncating): a channels-last input (no copy), an input the copy kernel does not take (torch's copy, which
+    does not round), any input where the file has no pre-rounded form (a truncating file: the plain copy) or no
+    rounding copy. The pre-rounded launcher never sees an input the rounding copy did not make."""
+    nchw = torch.rand(2, 32, 5, 6) * 3
+    cl = nchw.contiguous(memory_format=torch.channels_last)
+    strided = torch.rand(2, 32, 5, 12)[..., ::2]  # neither NCHW- nor channels-last-dense: torch's copy
+    cases = [  # (library, input, prerounded launcher passed, launcher chosen, the copies made: rounded or not)
+        (_CopyingLibrary(True), nchw, True, "prerounded", [True]),
+        (_CopyingLibrary(True), cl, True, "tma", []),
+        (_CopyingLibrary(True), strided, True, "tma", []),
+        (_CopyingLibrary(True), nchw, False, "tma", [False]),  # a truncating file
+        (_CopyingLibrary(True, rounding=False), nchw, True, "tma", [False]),
+        (_CopyingLibrary(False), nchw, True, "dense", []),
+    ]
+    for i, (lib, x, has_prerounded, launcher, copies) in enumerate(cases):
+        launchers = LAUNCHERS if has_prerounded else LAUNCHERS[:2]
+        got, fmt, chosen = lib._conv_tma_input(x, torch.contiguous_format, *launchers)
+        assert chosen == launcher and lib.copies == copies, (i, chosen, lib.copies)
+        assert got.is_contiguous(memory_format=fmt) and got.data_ptr() % 16 == 0, i
+        if chosen == "prerounded":
+            assert lib.rounded and got is lib.rounded[-1] and torch.equal(got, _tf32(x)), i
+        else:
+            assert torch.equal(got, x), i
 
 
 def test_tma_form_compiles_for_sm_90a_and_sm_80(model_and_graph, tmp_path, monkeypatch):
-    """nvcc builds the file for sm_90a (the loader's Hopper target: ptxas takes the TMA kernels without spills or
-    serialized products, the PTX holds the im2col copies, m64n64/m64n128 products, A from rounded registers for
-    the two rounding kernels and by descriptor for the truncating one) and for sm_80 (the kernel body is a trap
-    there)."""
+    """nvcc builds the file for sm_90a (the loader's Hopper target: ptxas takes the TMA kernels, every form,
+    without spills or serialized products, the PTX holds the im2col copies, m64n64/m64n128 products, A from
+    rounded registers in the two rounding kernels, by descriptor in their pre-rounded forms (which round B) and in
+    the truncating kernel (which rounds nothing)) and for sm_80 (the kernel body is a trap there)."""
     import re
     import subprocess
 
@@ -228,7 +360,7 @@ def test_tma_form_compiles_for_sm_90a_and_sm_80(model_and_graph, tmp_path, monke
                              str(tmp_path / "tma.o")], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     tma_lines = [ln for ln in result.stderr.split("Compiling entry function") if "_kernel_tma" in ln.split("\n")[0]]
-    assert len(tma_lines) == 3, result.stderr[-3000:]
+    assert len(tma_lines) == 5, result.stderr[-3000:]
     for report in tma_lines:
         assert not re.search(r"[1-9]\d* bytes spill (stores|loads)", report), report
     assert "serialized" not in result.stderr
@@ -238,8 +370,9 @@ def test_tma_form_compiles_for_sm_90a_and_sm_80(model_and_graph, tmp_path, monke
     assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k8\.f32\.tf32\.tf32", ptx)) >= {"64", "128"}
     register_a = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k8\.f32\.tf32\.tf32\s*\{[^}]*\},\s*\{"
     forms = {m.group(1): ("cvt.rna.tf32.f32" in body, bool(re.search(register_a, body)))
-             for body in ptx.split(".entry ")[1:] if (m := re.match(r"_Z\d+(k\d+)_kernel_tma", body))}
-    assert forms == {"k0": (True, True), "k1": (True, True), "k2": (False, False)}, forms
+             for body in ptx.split(".entry ")[1:] if (m := re.match(r"_Z\d+(k\d+_kernel_tma(_prerounded)?)", body))}
+    assert forms == {"k0_kernel_tma": (True, True), "k1_kernel_tma": (True, True), "k2_kernel_tma": (False, False),
+                     "k0_kernel_tma_prerounded": (True, False), "k1_kernel_tma_prerounded": (True, False)}, forms
     result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_80", "-O3", "-c", str(cu), "-o", str(tmp_path / "a.o")],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -263,8 +396,9 @@ class BigConvs(torch.nn.Module):
 @pytest.mark.parametrize("layout", ["nchw", "nhwc"])
 def test_tma_form_runs_and_matches_eager_on_hopper(monkeypatch, layout) -> None:
     """On an H100/H200 (the loader builds sm_90a) the default plan carries the rounding TMA form for both
-    convolutions, each binding runs its TMA kernel (the launch counter) on a channels-last copy of the forward's
-    NCHW input, and the outputs pass the judge's rule against eager and float64."""
+    convolutions, each binding runs its pre-rounded form (the launch counters) on the copy of the forward's NCHW
+    input it makes channels-last and rounds, and the outputs pass the judge's rule against eager and float64. Each
+    kernel called on a channels-last input runs the rounding form (A rounded in registers) instead, and agrees."""
     from test_conv_igemm_gpu import _check
     from test_conv_igemm_gpu import _plan as _gpu_plan
 
@@ -283,5 +417,23 @@ def test_tma_form_runs_and_matches_eager_on_hopper(monkeypatch, layout) -> None:
     assert sources.cuda.count("kf_tma::rounded_fragments(") == 2
     fused = build_module(model, plan, sources)
     _check(model, fused, inputs, torch.channels_last if layout == "nhwc" else torch.contiguous_format)
-    kernels = load_kernels(sources, type(model).__name__.lower())  # the same library: its launch counter
-    assert _launches(kernels._lib) >= 2
+    kernels = load_kernels(sources, type(model).__name__.lower())  # the same library: its launch counters
+    total, prerounded = _launches(kernels._lib)
+    assert total >= 2 and prerounded == total, (total, prerounded)
+    state = {k: v.detach() for k, v in [*model.named_parameters(), *model.named_buffers()]}
+    with torch.no_grad():
+        env = run_env(plan, state, inputs)  # the tap-major weights the kernels read
+        for step in plan.fused:
+            if step.kernel not in tma:
+                continue
+            node = step.anchor.node
+            x, w = env[node.args[0].name], env[node.args[1].name]
+            b = env[node.args[2].name] if node.args[2] is not None else None
+            operands = [env[o.ref.name] for o in step.epilogue.operands]
+            before = _launches(kernels._lib)
+            pre = getattr(kernels, step.kernel)(x, w, b, *operands)
+            assert _counted(kernels._lib, before) == (1, 1), step.kernel
+            before = _launches(kernels._lib)
+            rounding = getattr(kernels, step.kernel)(x.contiguous(memory_format=torch.channels_last), w, b, *operands)
+            assert _counted(kernels._lib, before) == (1, 0), step.kernel
+            torch.testing.assert_close(rounding, pre, atol=1e-5, rtol=1e-5)

@@ -87,26 +87,43 @@ class _KernelLibrary:
             ready = self._tma_ready[index] = bool(self._lib.kf_conv_tma_ready())
         return ready
 
-    def _conv_tma_input(self, x, other):
-        """(x, its memory format, whether the TMA kernel runs) for a convolution whose file holds a TMA im2col
-        kernel: x becomes the layout of the kernel that runs, channels-last and 16-byte aligned for the TMA one
-        where it runs on x's device, else `other` (the dense kernel's); a copy only where x is not so already."""
-        tma = x.dim() == 4 and self._conv_tma_ready(x)
-        fmt = torch.channels_last if tma else other
-        if x.dim() == 4:  # (another rank fails the binding's shape check)
-            x = self._channels_last_copy(x) if tma else x.contiguous(memory_format=fmt)
-            if tma and x.data_ptr() % 16:  # a view off the 16-byte grain the TMA unit reads
-                x = x.clone(memory_format=fmt)
-        return x, fmt, tma
+    def _conv_tma_input(self, x, other, dense, tma, prerounded=None):
+        """(x, its memory format, the launcher to call) for a convolution whose file holds a TMA im2col kernel
+        (launchers: `dense`, the dense kernel's; `tma`, the TMA kernel's as it takes any input, rounding its
+        operands or truncating; `prerounded`, where the file has it, the rounding TMA kernel's form that reads x
+        as it is): where the TMA kernel runs on x's device, x channels-last and 16-byte aligned (a copy only where
+        it is not), the pre-rounded form where that copy is the file's own rounded to nearest TF32, else `tma`;
+        elsewhere x in `other`, the dense kernel's layout, and `dense`."""
+        if x.dim() != 4:  # (another rank fails the binding's shape check)
+            return x, other, dense
+        if not self._conv_tma_ready(x):
+            return x.contiguous(memory_format=other), other, dense
+        if prerounded is not None and self._copy_kernel_takes(x, round_tf32=True):
+            x, launcher = self.to_channels_last(x, round_tf32=True), prerounded
+        else:  # as it is, or torch's copy: not rounded
+            x, launcher = self._channels_last_copy(x), tma
+        if x.data_ptr() % 16:  # a view off the 16-byte grain the TMA unit reads
+            x = x.clone(memory_format=torch.channels_last)
+        return x, torch.channels_last, launcher
 
     def _channels_last_copy(self, x):
         """4-d x channels-last: through the file's copy kernel where it takes x (3.4 TB/s against torch's 1.8 on
         an H200, level-2 54's input), else torch's copy; no copy where x is channels-last already."""
-        to_nhwc = getattr(self, "to_channels_last", None)
-        if to_nhwc is not None and x.is_cuda and x.is_contiguous() and x.dtype in self._to_nhwc \
-                and x.size(0) <= 65535:
-            return to_nhwc(x)
+        if self._copy_kernel_takes(x):
+            return self.to_channels_last(x)
         return x.contiguous(memory_format=torch.channels_last)
+
+    def _copy_kernel_takes(self, x, round_tf32=False):
+        """Whether the file's NCHW -> channels-last copy (`to_channels_last`) takes 4-d x, rounding its values to
+        nearest TF32 where `round_tf32` (fp32, where the file carries the TMA convolution's pre-rounded form): a
+        contiguous tensor on the device, of a dtype it was built for, batch at most 65535 (the grid's z)."""
+        launchers = getattr(self, "_to_nhwc_tf32" if round_tf32 else "_to_nhwc", None) or {}
+        return self._on_device(x) and x.is_contiguous() and x.dtype in launchers and x.size(0) <= 65535
+
+    @staticmethod
+    def _on_device(t):
+        """Whether the library's kernels can read `t` (a CUDA tensor; the CPU emulation's tensors too)."""
+        return t.is_cuda
 
     def _function(self, symbol, argtypes):
         """The launcher `symbol`: `argtypes`, then the stream; it returns a cudaError_t."""

@@ -25,7 +25,7 @@ from kernelfuse.codegen.common import C_TYPES, INT32_LIMIT, apply_function, chan
 from kernelfuse.codegen.conv_depthwise import render_depthwise
 from kernelfuse.codegen.conv_geometry import BM, ConvShape, conv_shape, geometry, pixel_setup, tile_stores
 from kernelfuse.codegen.conv_tc import dense_config, render_dense
-from kernelfuse.codegen.conv_tma import render_dense_tma, tma_form, tma_launcher, tma_tile
+from kernelfuse.codegen.conv_tma import render_dense_tma, tma_form, tma_forms, tma_launcher, tma_suffix, tma_tile
 from kernelfuse.codegen.conv_wgmma import (
     WGC_MIN_TILES,
     WGC_ROW,
@@ -90,7 +90,7 @@ def render_conv(plan: Plan, step: FusedStep, out_layout: str = "nchw") -> tuple[
     launch_args = "".join(f", (const {ctype}*)in{i}" for i in ops)
     smem = 0  # dynamic shared memory bytes
     wgmma = ""  # the launcher's branch to the kernel's wgmma form
-    tma_entry = ""  # the TMA im2col kernel's own launcher (a channels-last input)
+    tma_entry = ""  # the TMA im2col kernel's own launchers, one a form (a channels-last input)
     if step.anchor.impl == "direct":  # planned for a depthwise convolution (kernelfuse.plan.fuse.depthwise)
         comment = f"// {k}: {step.chain(plan.graph)}  (direct depthwise convolution, epilogue inside, {out_layout} " \
                   "output)\n"
@@ -112,10 +112,11 @@ def render_conv(plan: Plan, step: FusedStep, out_layout: str = "nchw") -> tuple[
                   f"{f'; {k}_kernel_tma: its TMA im2col form on a channels-last input, for Hopper' if tma else ''}" \
                   f"{f'; {k}_kernel_wg: its wgmma form, for Hopper' if hopper else ''})\n"
         if tma:  # the consumer warpgroups' epilogue: tma_tile's CH columns at a time, 128 threads each
-            body += render_dense_tma(k, shape, cfg.round_tf32, operand_params, tile_stores(
-                k, shape, tma_tile(shape)[1], 128, index_t, ctype, has_bias, out_layout, operand_args,
-                cfg.tma_epilogue_unroll, first="t"))
-            tma_entry = tma_launcher(k, shape, launch_params, launch_args)
+            stores = tile_stores(k, shape, tma_tile(shape)[1], 128, index_t, ctype, has_bias, out_layout,
+                                 operand_args, cfg.tma_epilogue_unroll, first="t")
+            for form in tma_forms(cfg.round_tf32):
+                body += render_dense_tma(k, shape, form, operand_params, stores)
+                tma_entry += tma_launcher(k, shape, form, launch_params, launch_args)
         if hopper:
             body += render_dense_wgmma(
                 k, shape, geo, cfg, operand_params,
@@ -153,10 +154,16 @@ def dense_kernel(graph: Graph, step: FusedStep) -> bool:
 
 def carries_tma(graph: Graph, step: FusedStep) -> bool:
     """Whether the anchor's dense kernel has a TMA im2col form in the file (kernelfuse.codegen.conv_tma)."""
+    return bool(carried_tma_forms(graph, step))
+
+
+def carried_tma_forms(graph: Graph, step: FusedStep) -> tuple[str, ...]:
+    """The TMA im2col kernel's forms the file carries for the anchor (conv_tma.tma_forms; none where it has none)."""
     if not dense_kernel(graph, step):
-        return False
+        return ()
     shape = conv_shape(graph, step)
-    return tma_form(shape, dense_config(shape))
+    cfg = dense_config(shape)
+    return tma_forms(cfg.round_tf32) if tma_form(shape, cfg) else ()
 
 
 def _kernel(k: str, s: ConvShape, cfg: TileConfig, ctype: str, index_t: str, has_bias: bool, split: bool,
@@ -334,14 +341,17 @@ def _binding(plan: Plan, step: FusedStep, shape: ConvShape, out_layout: str) -> 
     x_meta = plan.graph[node.args[0]].meta
     dense = dense_kernel(plan.graph, step)
     cfg = dense_config(shape) if dense else None
-    tma = cfg is not None and tma_form(shape, cfg)  # the file holds {k}_launch_tma (codegen.conv_tma)
+    tma = cfg is not None and tma_form(shape, cfg)  # the file holds {k}_launch_tma (codegen.conv_tma) ...
+    forms = tma_forms(cfg.round_tf32) if tma else ()  # ... and {k}_launch_tma_prerounded where it rounds
     lines = [f"# {k}: {step.chain(plan.graph)}  (implicit-GEMM convolution, epilogue inside)",
              f"def {k}(self, x, w, b{params}):",
              f'    _check_dense(x, "{k} input", {py_tuple(x_meta.shape)}, {dtype})',
              f'    _check_dense(w, "{k} weight", {py_tuple(w_meta.shape)}, {dtype})']
-    if tma:  # the input in the layout of the kernel that runs: channels-last for the TMA one, else the dense one's
+    if tma:  # the input in the layout of the kernel that runs (channels-last for a TMA one, else the dense one's)
+        # and the launcher that runs (the pre-rounded form's only on the binding's own rounding copy)
         other = channels_last_format(x_meta) if cfg.a_nhwc else "torch.contiguous_format"
-        lines[2] = (f"    x, fmt, tma = self._conv_tma_input(x, {other})\n"
+        launchers = "".join(f", self._{k}_tma{tma_suffix(form)}" for form in forms)
+        lines[2] = (f"    x, fmt, launcher = self._conv_tma_input(x, {other}, self._{k}{launchers})\n"
                     f'    _check_dense(x, "{k} input", {py_tuple(x_meta.shape)}, {dtype}, fmt)')
     elif cfg is not None and cfg.a_nhwc:  # 16-byte copies of 4 input channels
         fmt = channels_last_format(x_meta)
@@ -366,12 +376,13 @@ def _binding(plan: Plan, step: FusedStep, shape: ConvShape, out_layout: str) -> 
         lines.append(f"    out = torch.empty({py_tuple(epi.out.shape)}, dtype={dtype}, device=x.device)")
     bias = "b.data_ptr()" if node.args[2] is not None else "None"
     ptrs = "".join(f", in{i}.data_ptr()" for i in ops)
-    launcher = f"self._{k}_tma if tma else self._{k}" if tma else f"self._{k}"
+    launcher = "launcher" if tma else f"self._{k}"
     lines.append(f'    self._launch({launcher}, "{k}", x, x.data_ptr(), w.data_ptr(), {bias}, out.data_ptr(){ptrs})')
     lines.append("    return out")
     init = f'self._{k} = self._function("{k}_launch", [ctypes.c_void_p] * {4 + len(epi.operands)})'
-    if tma:
-        init += f'\nself._{k}_tma = self._function("{k}_launch_tma", [ctypes.c_void_p] * {4 + len(epi.operands)})'
+    for form in forms:
+        init += (f'\nself._{k}_tma{tma_suffix(form)} = self._function("{k}_launch_tma{tma_suffix(form)}", '
+                 f"[ctypes.c_void_p] * {4 + len(epi.operands)})")
     return Binding(init, "\n".join(lines))
 
 

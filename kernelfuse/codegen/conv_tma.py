@@ -44,6 +44,16 @@ Shared memory read and written a k block (TBN 128): 128 KB (wgmma's B reads 64, 
 is addressed from the dynamic shared array by pointer arithmetic, so these are shared (LDS/STS), not generic,
 accesses.
 
+The pre-rounded form (`{k}_kernel_tma_prerounded`, carried beside the rounding one): A by descriptor as the
+truncating form reads it, B rounded by the warps as above. The tensor cores read an operand's top 19 bits, which
+is exact for a value already rounded to nearest TF32 (its low 13 mantissa bits zero): so where the binding makes
+the input's channels-last copy itself (an NCHW input, the common case: a model's input) its copy kernel rounds as
+it copies (kf_nchw_to_nhwc<float, TILE, true>: kf_round_tf32, three integer instructions a value in a pass bound
+by its memory traffic; its cost not yet measured) and this form multiplies the same TF32 values as the rounding
+form, without A's fragment loads, their rounding and the halves' extra wait (on an H200 the rounding form ran
+3-52% slower than the truncating one, bare: level-2 54 1.62 against 1.26 ms). A channels-last input is not
+copied, so the rounding form reads it.
+
 Where it runs: the file carries it where DenseConfig.tma, which dense_config sets where `tma_shape` holds: a 2-d
 forward convolution, stride 1, dilation 1, groups 1, input channels a multiple of 32, output channels a multiple
 of 64 (TBN = 128 where they divide by 128, else 64), kernel and padding at most 64 (the corners' range), and
@@ -52,14 +62,19 @@ the binding calls it, with the input made channels-last (a copy where it is not)
 library built for sm_90a on a compute-capability 9.0 device, the driver's tensor-map encoders found; asked once a
 device), else `{k}_launch`, the dense kernel reading its own layout (NCHW by default): on other GPUs nothing
 changes. `{k}_launch_tma` refuses (cudaErrorNotSupported) where it is not ready, the input is not 16-byte aligned
-or the maps do not encode, and never falls back to a kernel that would read the input in another layout. The maps
-are encoded on the host at every call (caching them per pointer is a measurement for later);
-kf_conv_tma_launches() counts its launches.
+or the maps do not encode, and never falls back to a kernel that would read the input in another layout. Where the
+form rounds, `{k}_launch_tma_prerounded` (the same checks) runs the pre-rounded form: the binding calls it only on
+the copy it has just made with `to_channels_last(x, round_tf32=True)` (a contiguous NCHW fp32 input on the
+device), and `{k}_launch_tma` on every other input (channels-last already, or copied by torch, which does not
+round). The maps are encoded on the host at every call (caching them per pointer is a measurement for later);
+kf_conv_tma_launches() counts the launches of either form, kf_conv_tma_prerounded_launches() the pre-rounded
+ones.
 
 The CPU emulation (KF_EMULATION) runs the same kernel text: the producer's copies are synchronous (what the
 hardware writes, by the box traversal and swizzle modelled here), the mbarriers are counters with the hardware's
 phase and tx-count rules that block by atomic waits, the named barriers std::barriers, the products kf_wg's
-emulated wgmma (the register-A form by emulated shuffles), the rounding kf_round_tf32's host form. Not emulated:
+emulated wgmma (the register-A form by emulated shuffles), the rounding kf_round_tf32's host form (the SASS ptxas
+makes of cvt.rna), the binding's rounding copy by its own kernel. Not emulated:
 the real TMA unit's corner and offset semantics (padding and non-square kernels are this model's reading of the
 driver's documentation, as CUTLASS uses them), the descriptors' bit layout, the products' asynchrony (and so the
 fragment sets' lifetimes), the proxy fences, setmaxnreg.
@@ -92,6 +107,24 @@ def tma_shape(s: ConvShape) -> bool:
             and s.dilation == (1, 1) and s.cin % 32 == 0 and s.cout % 64 == 0 and max(s.kernel) <= 64
             and max(s.padding) <= 64 and min(s.out_size) >= 1 and s.m + TMA_BM < 2**31
             and tma_tiles(s) >= TMA_MIN_TILES)
+
+
+# The kernel's forms, by how each operand reaches the tensor cores (the module's docstring): "rounding" rounds A in
+# its register fragments and B in place; "prerounded" reads A by descriptor, as it is, from an input the binding's
+# copy rounded, and rounds B in place; "truncating" reads both by descriptor (round_tf32 off)
+TMA_FORMS = ("rounding", "prerounded", "truncating")
+
+
+def tma_forms(round_tf32: bool) -> tuple[str, ...]:
+    """The forms a file carries for a TMA convolution: operands rounded to nearest TF32 (`round_tf32`), the rounding
+    form for an input as it comes and the pre-rounded one for the binding's rounding copy; else the truncating
+    one."""
+    return ("rounding", "prerounded") if round_tf32 else ("truncating",)
+
+
+def tma_suffix(form: str) -> str:
+    """The suffix of a form's kernel and launcher names: `{k}_kernel_tma{suffix}`, `{k}_launch_tma{suffix}`."""
+    return "_prerounded" if form == "prerounded" else ""
 
 
 def tma_form(s: ConvShape, cfg: DenseConfig) -> bool:
@@ -346,9 +379,10 @@ inline int blocks(int tiles) {
   return tiles < sms ? tiles : sms;
 }
 }  // namespace kf_tma
-// launches that took the TMA kernel (a test's proof that it ran)
-static long long kf_conv_tma_count = 0;
+// launches that took a TMA kernel, and those of them that took the pre-rounded form (a test's proof that it ran)
+static long long kf_conv_tma_count = 0, kf_conv_tma_prerounded_count = 0;
 KF_EXPORT long long kf_conv_tma_launches() { return kf_conv_tma_count; }
+KF_EXPORT long long kf_conv_tma_prerounded_launches() { return kf_conv_tma_prerounded_count; }
 // whether the TMA kernels run on the current device (the library built for sm_90a on a 9.0 device, the encoders
 // found): the binding then converts their convolutions' inputs to channels-last and calls {k}_launch_tma
 KF_EXPORT int kf_conv_tma_ready() { return kf_wg::sm90_sms() > 0 && kf_tma::encoders(); }
@@ -356,13 +390,15 @@ KF_EXPORT int kf_conv_tma_ready() { return kf_wg::sm90_sms() > 0 && kf_tma::enco
 """
 
 
-def render_dense_tma(k: str, s: ConvShape, round_tf32: bool, operand_params: str, stores: str) -> str:
-    """The text of `{k}_kernel_tma` for convolution `s` (tma_form holds), operands rounded to nearest TF32 where
-    `round_tf32` (else truncated by the tensor cores); `stores` is conv_geometry's tile_stores for tma_tile's CH
-    columns, 128 threads whose index is `t`."""
+def render_dense_tma(k: str, s: ConvShape, form: str, operand_params: str, stores: str) -> str:
+    """The text of `{k}_kernel_tma{tma_suffix(form)}` for convolution `s` (tma_form holds) in `form` (TMA_FORMS):
+    B rounded in place by the producer warpgroup's warps 1 and 2 unless truncating, A rounded in the consumers'
+    register fragments where rounding, else read by descriptor; `stores` is conv_geometry's tile_stores for
+    tma_tile's CH columns, 128 threads whose index is `t`."""
+    assert form in TMA_FORMS, form
     bn, ch = tma_tile(s)
     (r, sk), (ph, pw), (p, q) = s.kernel, s.padding, s.out_size
-    if round_tf32:  # the rounding warps, and the consumers' fragments
+    if form != "truncating":  # the rounding warps
         ready = f"\n      kf_tma::bar_init(&ready[i], {TMA_ROUNDERS});  // every rounding thread, its part in place"
         rounders = f"""
     }} else if (threadIdx.x >= 32 && threadIdx.x < 32 + {TMA_ROUNDERS}) {{  // warps 1 and 2: each slot's B rounded
@@ -375,9 +411,9 @@ def render_dense_tma(k: str, s: ConvShape, round_tf32: bool, operand_params: str
       }}"""
     else:
         ready, rounders = "", ""
-    frags = "\n      unsigned frag[2][4][4];  // A fragments of both 64-row halves (round_tf32)" if round_tf32 else ""
+    frags = "\n      unsigned frag[2][4][4];  // A fragments of both 64-row halves" if form == "rounding" else ""
     return f"""#if defined(__CUDACC__) || defined(KF_EMULATION)
-__global__ void __launch_bounds__({TMA_THREADS}, 1) {k}_kernel_tma(const __grid_constant__ CUtensorMap tmap_x, const __grid_constant__ CUtensorMap tmap_w, const float* __restrict__ bias, float* __restrict__ out{operand_params}) {{
+__global__ void __launch_bounds__({TMA_THREADS}, 1) {k}_kernel_tma{tma_suffix(form)}(const __grid_constant__ CUtensorMap tmap_x, const __grid_constant__ CUtensorMap tmap_w, const float* __restrict__ bias, float* __restrict__ out{operand_params}) {{
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(KF_EMULATION)
   constexpr int TBN = {bn}, CH = {ch}, LDC = {LDC}, COG = {s.cout}, STAGES = {TMA_STAGES}, BM = {TMA_BM}, WG_M = BM / 2;
   constexpr int KT = {r * sk * s.cin // 32}, CB = {s.cin // 32}, S = {sk}, Q = {q}, PQ = {p * q}, M = {s.m};
@@ -388,7 +424,7 @@ __global__ void __launch_bounds__({TMA_THREADS}, 1) {k}_kernel_tma(const __grid_
   unsigned char* const ring = reinterpret_cast<unsigned char*>(kf_tma_raw) + (-(uintptr_t)kf_tma_raw & 1023);
   uint64_t* const full = reinterpret_cast<uint64_t*>(ring + STAGES * STAGE_BYTES);
   uint64_t* const empty = full + STAGES;
-  [[maybe_unused]] uint64_t* const ready = empty + STAGES;  // the slot's B rounded (round_tf32)
+  [[maybe_unused]] uint64_t* const ready = empty + STAGES;  // the slot's B rounded (not where truncating)
   float* const staged = reinterpret_cast<float*>(ready + STAGES);  // each consumer warpgroup's CH columns
   __shared__ int img_t[2][WG_M], pix_t[2][WG_M];
   const int wg = threadIdx.x / 128, lane = threadIdx.x % 32;
@@ -439,7 +475,7 @@ __global__ void __launch_bounds__({TMA_THREADS}, 1) {k}_kernel_tma(const __grid_
         kf_tma::wait(&full[slot], (it / STAGES) & 1);  // the slot's copies landed
         const float* const a = reinterpret_cast<const float*>(ring + slot * STAGE_BYTES + cw * WG_M * 128);
         const float* const b = reinterpret_cast<const float*>(ring + slot * STAGE_BYTES + A_BYTES);
-{_products(bn, round_tf32)}
+{_products(bn, form)}
       }}
       kf_wg::wait<0>();
       __syncwarp();
@@ -474,21 +510,24 @@ __global__ void __launch_bounds__({TMA_THREADS}, 1) {k}_kernel_tma(const __grid_
     }}
   }}
 #else
-  __trap();  // never launched: {k}_launch_tma runs it only where the loader built sm_90a for a 9.0 device
+  __trap();  // never launched: {k}_launch_tma{tma_suffix(form)} runs it only where the loader built sm_90a for a 9.0 device
 #endif
 }}
 #endif
 """
 
 
-def _products(bn: int, round_tf32: bool) -> str:
+def _products(bn: int, form: str) -> str:
     """C lines: a consumer warpgroup's products of k block kb from its slot (a: its 128 rows of A, b: B), then the
-    previous slot handed back. Truncated: A by descriptor, the k block's eight products one wgmma group. Rounded:
-    once the slot's B is rounded, each 64-row half mi its group, A from fragment set mi, rounded; wgmma reads those
-    registers asynchronously, so set mi is loaded again only after the wait_group 1 that retires the group before
-    (the other half's), which has retired the previous k block's mi group too."""
-    if not round_tf32:
-        return f"""        kf_wg::fence();
+    previous slot handed back. B rounded (not where truncating): once the slot's `ready` barrier says so. A by
+    descriptor (truncating, prerounded): the k block's eight products one wgmma group. A rounded in registers:
+    each 64-row half mi its group, A from fragment set mi; wgmma reads those registers asynchronously, so set mi is
+    loaded again only after the wait_group 1 that retires the group before (the other half's), which has retired
+    the previous k block's mi group too."""
+    ready = "" if form == "truncating" else """        kf_tma::wait(&ready[slot], (it / STAGES) & 1);  // ... and its B rounded
+"""
+    if form != "rounding":
+        return ready + f"""        kf_wg::fence();
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
@@ -497,8 +536,7 @@ def _products(bn: int, round_tf32: bool) -> str:
         kf_wg::wait<1>();  // the previous k block's products are done: hand its slot back
         __syncwarp();  // (the emulation's lanes run apart; on the GPU the warp is converged here)
         if (kb > 0 && lane == 0) kf_tma::arrive(&empty[(it - 1) % STAGES]);"""
-    return f"""        kf_tma::wait(&ready[slot], (it / STAGES) & 1);  // ... and its B rounded
-#pragma unroll
+    return ready + f"""#pragma unroll
         for (int mi = 0; mi < 2; ++mi) {{
           kf_tma::rounded_fragments(frag[mi], a + mi * 64 * 32, row, tq);
           kf_wg::fence();
@@ -513,24 +551,29 @@ def _products(bn: int, round_tf32: bool) -> str:
         }}"""
 
 
-def tma_launcher(k: str, s: ConvShape, launch_params: str, launch_args: str) -> str:
-    """`{k}_launch_tma`: the TMA kernel of convolution `k` on a channels-last input, where it can run (else
-    cudaErrorNotSupported; the binding calls it only where kf_conv_tma_ready says it can)."""
+def tma_launcher(k: str, s: ConvShape, form: str, launch_params: str, launch_args: str) -> str:
+    """`{k}_launch_tma{tma_suffix(form)}`: the TMA kernel's `form` of convolution `k` on a channels-last input,
+    where it can run (else cudaErrorNotSupported; the binding calls it only where kf_conv_tma_ready says it can,
+    and the pre-rounded form only on its own copy rounded to nearest TF32)."""
     bn, ch = tma_tile(s)
     (r, sk), (ph, pw), (h, w) = s.kernel, s.padding, s.in_size
     smem = tma_smem_bytes(bn, ch)
+    name = f"{k}_kernel_tma{tma_suffix(form)}"
+    what = "x rounded to nearest TF32 by the binding's copy, read as it is" if form == "prerounded" else \
+        "never another kernel, which would read x as NCHW"
+    counted = "++kf_conv_tma_count;" + (" ++kf_conv_tma_prerounded_count;" if form == "prerounded" else "")
     return f"""#if defined(__CUDACC__) || defined(KF_EMULATION)
-// {k}'s TMA im2col kernel (codegen.conv_tma) on a channels-last x; never another kernel, which would read x as NCHW
-KF_EXPORT cudaError_t {k}_launch_tma(const void* x, const void* w, const void* bias, void* out{launch_params}, cudaStream_t stream) {{
+// {k}'s TMA im2col kernel, {form} form (codegen.conv_tma), on a channels-last x; {what}
+KF_EXPORT cudaError_t {k}_launch_tma{tma_suffix(form)}(const void* x, const void* w, const void* bias, void* out{launch_params}, cudaStream_t stream) {{
   CUtensorMap tx, tw;
   if (!kf_conv_tma_ready() || (uintptr_t)x % 16 != 0 ||
       !kf_tma::encode_input(&tx, (const float*)x, {s.batch}, {h}, {w}, {s.cin}, {r}, {sk}, {ph}, {pw}, {TMA_BM}) ||
       !kf_tma::encode_weight(&tw, (const float*)w, {s.cout}, {r * sk * s.cin}, {bn}))
     return cudaErrorNotSupported;
-  const cudaError_t opted = kf_opt_in<{k}_kernel_tma>({smem});
+  const cudaError_t opted = kf_opt_in<{name}>({smem});
   if (opted != cudaSuccess) return opted;
-  ++kf_conv_tma_count;
-  {k}_kernel_tma<<<dim3(kf_tma::blocks({tma_tiles(s)})), {TMA_THREADS}, {smem}, stream>>>(tx, tw, (const float*)bias, (float*)out{launch_args});
+  {counted}
+  {name}<<<dim3(kf_tma::blocks({tma_tiles(s)})), {TMA_THREADS}, {smem}, stream>>>(tx, tw, (const float*)bias, (float*)out{launch_args});
   return cudaGetLastError();
 }}
 #endif

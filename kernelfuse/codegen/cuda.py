@@ -21,7 +21,7 @@ from kernelfuse.codegen.attention_prelude import ATTENTION_PRELUDE
 from kernelfuse.codegen.attention_wgmma import ATTENTION_WGMMA_PRELUDE
 from kernelfuse.codegen.binding import Binding, kernels_class
 from kernelfuse.codegen.common import C_TYPES
-from kernelfuse.codegen.conv_igemm import carries_tma, dense_kernel, render_conv
+from kernelfuse.codegen.conv_igemm import carried_tma_forms, carries_tma, dense_kernel, render_conv
 from kernelfuse.codegen.conv_igemm_prelude import IGEMM_PRELUDE
 from kernelfuse.codegen.conv_tc import CONV_TC_PRELUDE
 from kernelfuse.codegen.conv_tma import CONV_TMA_PRELUDE
@@ -97,9 +97,16 @@ inline unsigned int kf_blocks(long long work, int threads) {
 """
 
 NCHW_TO_NHWC = r"""
+// A copied value: as it is, or (ROUND: fp32 for the TMA convolution's pre-rounded form, kernelfuse.codegen.conv_tma)
+// rounded to nearest TF32 by kf_round_tf32, which a file that instantiates ROUND carries before this
+template <bool ROUND, typename T> __device__ __forceinline__ T kf_copy_value(T v) {
+  if constexpr (ROUND) return kf_round_tf32(v);
+  else return v;
+}
+
 // Layout change for the channels-last convolution: x[n][c][hw] -> y[n][hw][c], one TILE x TILE tile per block
 // of TILE x (256 / TILE) threads, both sides coalesced through shared memory.
-template <typename T, typename index_t, int TILE>
+template <typename T, typename index_t, int TILE, bool ROUND>
 __global__ void __launch_bounds__(256) kf_nchw_to_nhwc_kernel(const T* __restrict__ x, T* __restrict__ y, int C, int HW) {
   __shared__ T tile[TILE][TILE + 1];
   const index_t base = (index_t)blockIdx.z * C * HW;
@@ -109,7 +116,7 @@ __global__ void __launch_bounds__(256) kf_nchw_to_nhwc_kernel(const T* __restric
 #pragma unroll
   for (int j = 0; j < TILE / ROWS; ++j) {
     const int k = threadIdx.y + j * ROWS, c = c0 + k, hw = hw0 + threadIdx.x;
-    if (c < C && hw < HW) tile[k][threadIdx.x] = x[base + (index_t)c * HW + hw];
+    if (c < C && hw < HW) tile[k][threadIdx.x] = kf_copy_value<ROUND>(x[base + (index_t)c * HW + hw]);
   }
   __syncthreads();
 #pragma unroll
@@ -121,7 +128,7 @@ __global__ void __launch_bounds__(256) kf_nchw_to_nhwc_kernel(const T* __restric
 
 // The same for fp32 with 16-byte accesses both ways (C and HW multiples of 4, both pointers 16-byte aligned): a
 // block is 32 channels x 64 positions; each thread reads 4 positions of a channel and writes 4 channels of a pixel.
-template <typename index_t>
+template <typename index_t, bool ROUND>
 __global__ void __launch_bounds__(256) kf_nchw_to_nhwc_v4(const float* __restrict__ x, float* __restrict__ y, int C, int HW) {
   __shared__ float tile[64][33];  // [position][channel]
   const index_t base = (index_t)blockIdx.z * C * HW;
@@ -131,10 +138,10 @@ __global__ void __launch_bounds__(256) kf_nchw_to_nhwc_v4(const float* __restric
     const int t = threadIdx.x + j * 256, r = t >> 4, h = (t & 15) * 4;
     if (c0 + r < C && hw0 + h < HW) {
       const float4 v = *reinterpret_cast<const float4*>(x + base + (index_t)(c0 + r) * HW + hw0 + h);
-      tile[h][r] = v.x;
-      tile[h + 1][r] = v.y;
-      tile[h + 2][r] = v.z;
-      tile[h + 3][r] = v.w;
+      tile[h][r] = kf_copy_value<ROUND>(v.x);
+      tile[h + 1][r] = kf_copy_value<ROUND>(v.y);
+      tile[h + 2][r] = kf_copy_value<ROUND>(v.z);
+      tile[h + 3][r] = kf_copy_value<ROUND>(v.w);
     }
   }
   __syncthreads();
@@ -152,21 +159,21 @@ __global__ void __launch_bounds__(256) kf_nchw_to_nhwc_v4(const float* __restric
   }
 }
 
-template <typename T, int TILE>
+template <typename T, int TILE, bool ROUND = false>
 cudaError_t kf_nchw_to_nhwc(const void* x, void* y, long long N, int C, int HW, cudaStream_t stream) {
   if (sizeof(T) == 4 && C % 4 == 0 && HW % 4 == 0 && (uintptr_t)x % 16 == 0 && (uintptr_t)y % 16 == 0) {
     dim3 grid4((HW + 63) / 64, (C + 31) / 32, (unsigned int)N);
     if (N * C * HW > 2147483647LL)
-      kf_nchw_to_nhwc_v4<long long><<<grid4, 256, 0, stream>>>((const float*)x, (float*)y, C, HW);
+      kf_nchw_to_nhwc_v4<long long, ROUND><<<grid4, 256, 0, stream>>>((const float*)x, (float*)y, C, HW);
     else
-      kf_nchw_to_nhwc_v4<int><<<grid4, 256, 0, stream>>>((const float*)x, (float*)y, C, HW);
+      kf_nchw_to_nhwc_v4<int, ROUND><<<grid4, 256, 0, stream>>>((const float*)x, (float*)y, C, HW);
     return cudaGetLastError();
   }
   dim3 grid((HW + TILE - 1) / TILE, (C + TILE - 1) / TILE, (unsigned int)N), block(TILE, 256 / TILE);
   if (N * C * HW > 2147483647LL)
-    kf_nchw_to_nhwc_kernel<T, long long, TILE><<<grid, block, 0, stream>>>((const T*)x, (T*)y, C, HW);
+    kf_nchw_to_nhwc_kernel<T, long long, TILE, ROUND><<<grid, block, 0, stream>>>((const T*)x, (T*)y, C, HW);
   else
-    kf_nchw_to_nhwc_kernel<T, int, TILE><<<grid, block, 0, stream>>>((const T*)x, (T*)y, C, HW);
+    kf_nchw_to_nhwc_kernel<T, int, TILE, ROUND><<<grid, block, 0, stream>>>((const T*)x, (T*)y, C, HW);
   return cudaGetLastError();
 }
 """
@@ -233,7 +240,13 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
             cuda.append(f"KF_EXPORT cudaError_t kf_nchw_to_nhwc_{_tag(dtype)}(const void* x, void* y, long long N, "
                         f"int C, int HW, cudaStream_t s) {{ return kf_nchw_to_nhwc<{C_TYPES[dtype]}, {options.tile}>"
                         f"(x, y, N, C, HW, s); }}")
-        bindings.append(_to_channels_last_binding(dtypes))
+        # the copy rounding to nearest TF32, for the TMA convolutions' pre-rounded form (codegen.conv_tma)
+        rounding = any("prerounded" in carried_tma_forms(plan.graph, s) for s in channels_last)
+        if rounding:
+            cuda.append("KF_EXPORT cudaError_t kf_nchw_to_nhwc_float32_rna(const void* x, void* y, long long N, int C, "
+                        f"int HW, cudaStream_t s) {{ return kf_nchw_to_nhwc<float, {options.tile}, true>"
+                        "(x, y, N, C, HW, s); }")
+        bindings.append(_to_channels_last_binding(dtypes, rounding))
         functions.append("to_channels_last")
     gemm_kernels: dict[str, str] = {}  # GEMM kernel texts (their name taken out) -> the kernel that has it
     for step in steps:
@@ -266,25 +279,31 @@ def _rows_used(plan: Plan) -> list:
             if st.op not in ("reshape", SELECT)]
 
 
-def _to_channels_last_binding(dtypes: list[torch.dtype]) -> Binding:
-    launchers = ", ".join(f'{d}: self._function("kf_nchw_to_nhwc_{_tag(d)}", [ctypes.c_void_p, ctypes.c_void_p, '
-                          "ctypes.c_longlong, ctypes.c_int, ctypes.c_int])" for d in dtypes)
-    method = '''def to_channels_last(self, x):
-    """NC(D)HW -> channels-last copy for the convolution input (one tiled pass; .contiguous() is slower)."""
-    if not (x.is_cuda and x.dim() in (4, 5) and x.is_contiguous() and x.dtype in self._to_nhwc):
-        raise ValueError(f"kernelfuse: to_channels_last needs a contiguous 4-d or 5-d CUDA tensor of "
-                         f"{sorted(map(str, self._to_nhwc))}, got {x.dtype} of shape {list(x.shape)}")
+def _to_channels_last_binding(dtypes: list[torch.dtype], rounding: bool) -> Binding:
+    """`to_channels_last`, and its launchers by dtype: the plain copy's, and (`rounding`) the fp32 one rounding to
+    nearest TF32."""
+    signature = "[ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_int]"
+    launchers = ", ".join(f'{d}: self._function("kf_nchw_to_nhwc_{_tag(d)}", {signature})' for d in dtypes)
+    rna = f'torch.float32: self._function("kf_nchw_to_nhwc_float32_rna", {signature})' if rounding else ""
+    method = '''def to_channels_last(self, x, round_tf32=False):
+    """NC(D)HW -> channels-last copy for the convolution input (one tiled pass; .contiguous() is slower); the values
+    rounded to nearest TF32 (cvt.rna: ties away from zero) where `round_tf32`, for the TMA convolution's
+    pre-rounded form (fp32, in a file that has it)."""
+    launchers = self._to_nhwc_tf32 if round_tf32 else self._to_nhwc
+    if not (self._on_device(x) and x.dim() in (4, 5) and x.is_contiguous() and x.dtype in launchers):
+        raise ValueError(f"kernelfuse: to_channels_last{'(round_tf32=True)' if round_tf32 else ''} needs a "
+                         f"contiguous 4-d or 5-d CUDA tensor of {sorted(map(str, launchers))}, got {x.dtype} of "
+                         f"shape {list(x.shape)}")
     if x.size(0) > 65535:
         raise ValueError(f"kernelfuse: to_channels_last: batch {x.size(0)} over 65535")
     fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
     y = torch.empty_like(x, memory_format=fmt)
     if x.numel():
         n, c = x.size(0), x.size(1)
-        self._launch(self._to_nhwc[x.dtype], "to_channels_last", x, x.data_ptr(), y.data_ptr(), n, c,
+        self._launch(launchers[x.dtype], "to_channels_last", x, x.data_ptr(), y.data_ptr(), n, c,
                      x.numel() // (n * c))
     return y'''
-    return Binding(f"self._to_nhwc = {{{launchers}}}", method)
-
+    return Binding(f"self._to_nhwc = {{{launchers}}}\nself._to_nhwc_tf32 = {{{rna}}}", method)
 
 
 def _tag(dtype: torch.dtype) -> str:

@@ -30,7 +30,10 @@ __device__ __forceinline__ void kf_tf32_split_values(float x, float& big, float&
 
 TENSORCORE_PRELUDE = TF32_SPLIT + r"""
 // Tensor-core helpers (kernelfuse.codegen.tensorcore).
-// TF32 rounding as the tensor cores' operand conversion does it: nearest, ties away from zero.
+// TF32 rounding as the tensor cores' operand conversion does it: nearest, ties away from zero. The host form is
+// what ptxas makes of cvt.rna.tf32.f32 (13.0, sm_80 and sm_90a SASS): half a TF32 ulp added where |x| < inf, then
+// the low 13 bits cleared, NaNs too (a NaN whose payload is all in those bits becomes an infinity); a finite value
+// from 0x7f7ff000 up rounds to infinity, as any value past the largest TF32 one by half its ulp or more.
 __device__ __forceinline__ float kf_round_tf32(float x) {
 #if defined(__CUDA_ARCH__)
   unsigned int r;
@@ -39,7 +42,8 @@ __device__ __forceinline__ float kf_round_tf32(float x) {
 #else
   unsigned int u;
   __builtin_memcpy(&u, &x, 4);
-  if ((u & 0x7f800000u) != 0x7f800000u) u = (u + 0x1000u) & 0xffffe000u;
+  if ((u & 0x7fffffffu) < 0x7f800000u) u += 0x1000u;
+  u &= 0xffffe000u;
   float r;
   __builtin_memcpy(&r, &u, 4);
   return r;
