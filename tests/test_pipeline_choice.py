@@ -112,7 +112,7 @@ def test_measured_plan_that_fails_falls_back_to_nchw(monkeypatch: pytest.MonkeyP
     result, text, judged = _run(monkeypatch, tmp_path, "conv2d_relu_biasadd", script,
                                 layouts={"convolution": (3.0, 2.0, True)})
     assert judged == ["fused-nhwc", "fused-nchw", "fused-igemm", "fused-nchw"] and result.shipped == "fused-nchw"
-    assert "to_channels_last" not in text
+    assert "ext.to_channels_last" not in text
 
 
 def test_norm_reading_a_channels_last_convolution_judges_both_layouts(monkeypatch: pytest.MonkeyPatch,
@@ -153,7 +153,7 @@ def test_failing_variant_is_dropped(monkeypatch: pytest.MonkeyPatch, tmp_path: P
               "unfused": _verdict(True, 4.0)}
     result, text, _ = _run(monkeypatch, tmp_path, "conv2d_relu_biasadd", script)
     assert result.shipped == "fused-nchw"
-    assert "to_channels_last" not in text and "cudnn_convolution_relu" in text
+    assert "ext.to_channels_last" not in text and "cudnn_convolution_relu" in text
 
 
 def test_no_verified_variant_ships_unfused(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
