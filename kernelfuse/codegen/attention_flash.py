@@ -252,18 +252,18 @@ __global__ void __launch_bounds__(WARPS * 32, BLOCKS)
 """ + FLASH_STORE + r"""
 // The wgmma flash kernel's launcher (kernelfuse.codegen.attention_wgmma, further down the file wherever bf16
 // attention is in it): true where it took the launch (`error` its result), false where the kernel does not apply
-template <int D, bool CAUSAL>
+template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN>
 bool kf_attention_wgmma(const kf_attn_params& p, int batch, cudaStream_t stream, cudaError_t& error);
 
 // WARPS > 0: the flash kernel (WARPS warps of 16 query rows, BK keys a tile, QREG, BLOCKS) where the bases are
 // aligned; before it, on Hopper (an sm_90a library on a 9.0 device), the wgmma kernel where it applies: its head
-// dims (attention_wgmma.WGA_CONFIG) without mask or ReLU here, the run-time conditions in kf_attention_wgmma
+// dims (attention_wgmma.WGA_CONFIG), any mask, no ReLU here, the run-time conditions in kf_attention_wgmma
 template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, int WARPS, int BK, bool QREG,
           int BLOCKS>
 cudaError_t kf_attention_tc(const kf_attn_params& p, int batch, cudaStream_t stream) {
-  if constexpr (WARPS > 0 && (WGMMA_DIMS) && MASK == 0 && !RELU) {
+  if constexpr (WARPS > 0 && (WGMMA_DIMS) && !RELU) {
     cudaError_t error = cudaSuccess;
-    if (kf_attention_wgmma<D, CAUSAL>(p, batch, stream, error)) return error;
+    if (kf_attention_wgmma<M, D, MASK, CAUSAL, EMPTY_NAN>(p, batch, stream, error)) return error;
   }
   if constexpr (WARPS > 0)  // the plan's strides suit the flash kernel: it runs where the bases are aligned too
     if (kf_attn_vectorised(p, 2, true))

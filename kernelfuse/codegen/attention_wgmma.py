@@ -7,8 +7,9 @@ Why: the mma.sync flash kernel measured 0.53-0.75x of cuDNN's SDPA at stops 43/4
 / ours) measured at head dim 64 (`pipe-2cta`) 1.070 on (8, 12, 1024, causal), 1.118 on (64, 12, 256), 0.810 on
 (8, 16, 2048, causal), 0.707 on (4, 16, 4096); at head dim 128 (`pipe-d128n`) 0.899 on (8, 12, 1024, causal), 0.851
 on (8, 16, 2048, causal), 0.699 on (4, 16, 4096): a gain on every shape measured. Through the planner (stop 56)
-GPT-2 1.18x and head dim 128 0.87x of SDPA's best, while minGPT's head dim 96 (0.55x) and UNet's 40 (0.58x) stayed
-on mma.sync: hence the other head dims here (not yet measured on a GPU).
+GPT-2 1.18x and head dim 128 0.87x of SDPA's best, while minGPT's head dim 96 (0.55x) and UNet's 40 (0.58x) and
+every model with a padding mask (BERT, BART, T5) stayed on mma.sync: hence the other head dims and the masks here
+(not yet measured on a GPU).
 
 The kernel (the probe's `attention_v2`, pipelined, FAST softmax): 128 query rows a block (two warpgroups of 64),
 S = Q Kᵀ by wgmma with both operands K-major from swizzled shared tiles, the online softmax on the accumulator
@@ -34,14 +35,23 @@ and a 3-deep ring (169 KB). 32 is one 64-byte atom and 40 is padded to 48 (three
 tiling; 80 is padded to 96 as 96's. Padded columns are zeros in Q and K (the copies' zero fill, src-size 0: shared
 memory is never read unwritten), and V's only feed O's columns past D, which are not stored.
 
+Explicit masks (MASK 1: bool, true attends; 2: bool, true masked; 3: additive in the query's dtype or fp32), read as
+the mma.sync kernels read them: through the plan's strides (broadcast dims' 0, BERT's (B, 1, 1, L) padding), for
+keys below L and rows below S (rows past S read row S - 1, never stored), the additive one added to the scaled
+scores (then exp2's factor is 1), and a row whose every key is masked NaN (EMPTY_NAN, the hand-written form) or
+zeros (SDPA) as the mma.sync kernels give it. Every tile is masked, and S and the last tile's P V are waited for
+together (the mask's registers beside P's and the accumulator spill at 128 a thread otherwise). A bool mask's bits
+are read once a tile, and the leading tiles that no query row of the block takes are skipped (only their copies go
+on): a causal mask given as a tensor (minGPT's masked_fill) or padding, whose masked keys are the last ones, run
+first. Keys must be contiguous in the mask (stride 1: the loads' offsets are then constants).
+
 Where it runs (else the mma.sync kernel): the library was built for sm_90a and the device is compute capability
-9.0 (kf_wg::sm90_sms, the loader's switch kf_wgmma_enable); bf16 with a head dim of WGA_CONFIG, no mask (MASK 0), no
-ReLU (compile-time: those instantiations only), and at run time no soft cap, no window mask, a positive finite scale
-(the softmax takes the raw scores' maximum), q, k and v contiguous along d with 16-byte-aligned rows and bases
-(kf_attn_vectorised). Any batch, head and row strides, S != L, grouped-query heads (kv head = head / group) and any
-output strides (two columns a store where they are adjacent and aligned) are the plan's, through kf_attn_params.
-Causal is top-left aligned (key <= query row), as the other kernels; without a mask every row has key 0, so no
-row is empty (EMPTY_NAN never applies).
+9.0 (kf_wg::sm90_sms, the loader's switch kf_wgmma_enable); bf16 with a head dim of WGA_CONFIG, any mask, no ReLU
+(compile-time: those instantiations only), and at run time no soft cap, no window mask, a positive finite scale (the
+softmax takes the raw scores' maximum), a mask's keys contiguous, q, k and v contiguous along d with 16-byte-aligned
+rows and bases (kf_attn_vectorised). Any batch, head and row strides, S != L, grouped-query heads (kv head = head /
+group) and any output strides (two columns a store where they are adjacent and aligned) are the plan's, through
+kf_attn_params. Causal is top-left aligned (key <= query row), as the other kernels.
 
 The tests' CPU emulation (KF_EMULATION) runs this kernel: kf_wg's bf16 descriptors carry the hardware's fields
 (desc_fields: layout type, leading and stride byte offsets) beside the tile's host address, and each thread computes
@@ -260,20 +270,36 @@ __device__ __forceinline__ void attn_rows(char* tile, const unsigned short* src,
   }
 }
 
-// One tile's online softmax on the S fragments (n8 block c: (row g, keys 8c + 2t, +1), (row g + 8, the same)): the
-// raw scores' maximum, exp2(s * scale_log2 - max * scale_log2) as one FFMA and ex2.approx; masks (keys past L, the
-// causal diagonal) only where MASK. The exponentials stay in s, O's factor goes to corr, row_sum holds this thread's
-// partial sums.
-template <int NS, bool MASK, bool CAUSAL>
+// S fragment element i of this thread (n8 block i / 4: row my_row + 8 ((i >> 1) & 1), key key0 + 8 (i / 4) + 2 t
+// + (i & 1)): its key, and whether it is a key below L on or before the causal diagonal
+template <bool CAUSAL>
+__device__ __forceinline__ bool attn_inside(int i, int key0, int my_row, int L, int& key) {
+  key = key0 + 8 * (i / 4) + 2 * (threadIdx.x % 4) + (i & 1);
+  return key < L && (!CAUSAL || key <= my_row + ((i >> 1) & 1) * 8);
+}
+
+// One tile's online softmax on the S fragments. Where MASKED, the masks first: keys past L, the causal diagonal, and
+// the explicit mask (MASK 1 and 2: bit i of `valid`, the kernel's; 3: the mask row's value at the key, added to the
+// scaled score). Then the row maximum, and exp2(s k - max k) as one FFMA and ex2.approx: k = scale_log2 on the raw
+// scores (MASK 0, 1, 2: where the scale is positive, the raw scores' maximum is the scaled ones'), or 1 on the scores
+// scaled with the additive mask (MASK 3: every tile is MASKED). The exponentials stay in s, O's factor goes to corr,
+// row_sum holds this thread's partial sums.
+template <int NS, bool MASKED, bool CAUSAL, int MASK, typename M>
 __device__ __forceinline__ void attn_softmax(float (&s)[NS], float (&row_max)[2], float (&row_sum)[2],
-                                             float (&corr)[2], int key0, int my_row, int L, float scale_log2) {
-  const int t = threadIdx.x % 4;
+                                             float (&corr)[2], int key0, int my_row, int L, unsigned long long valid,
+                                             const M* const (&mask_rows)[2], float scale_log2) {
+  constexpr float LOG2E = 1.4426950408889634f;
+  const float k = MASK == 3 ? 1.0f : scale_log2;
   float m[2] = {row_max[0], row_max[1]};
 #pragma unroll
   for (int i = 0; i < NS; ++i) {
-    if constexpr (MASK) {
-      const int key = key0 + 8 * (i / 4) + 2 * t + (i & 1), row = my_row + ((i >> 1) & 1) * 8;
-      if (key >= L || (CAUSAL && key > row)) s[i] = -INFINITY;
+    if constexpr (MASKED) {
+      int key;
+      bool ok = attn_inside<CAUSAL>(i, key0, my_row, L, key);
+      if constexpr (MASK == 1 || MASK == 2) ok = valid >> i & 1;
+      if constexpr (MASK == 3)
+        if (ok) s[i] = fmaf(s[i], scale_log2, kf_attn_mask_value(mask_rows[(i >> 1) & 1][key]) * LOG2E);
+      if (!ok) s[i] = -INFINITY;
     }
     m[(i >> 1) & 1] = fmaxf(m[(i >> 1) & 1], s[i]);
   }
@@ -282,14 +308,14 @@ __device__ __forceinline__ void attn_softmax(float (&s)[NS], float (&row_max)[2]
   for (int h = 0; h < 2; ++h) {
     m[h] = fmaxf(m[h], __shfl_xor_sync(0xffffffffu, m[h], 1));
     m[h] = fmaxf(m[h], __shfl_xor_sync(0xffffffffu, m[h], 2));
-    scaled[h] = m[h] == -INFINITY ? 0.0f : m[h] * scale_log2;  // a row masked so far: exponentials 0, no NaN
-    corr[h] = ex2(fmaf(row_max[h], scale_log2, -scaled[h]));    // old maximum -inf: 0 (O and the sum are 0)
+    scaled[h] = m[h] == -INFINITY ? 0.0f : m[h] * k;  // a row masked so far: exponentials 0, no NaN
+    corr[h] = ex2(fmaf(row_max[h], k, -scaled[h]));   // old maximum -inf: 0 (O and the sum are 0)
     row_max[h] = m[h];
     row_sum[h] *= corr[h];
   }
 #pragma unroll
   for (int i = 0; i < NS; ++i) {
-    s[i] = ex2(fmaf(s[i], scale_log2, -scaled[(i >> 1) & 1]));
+    s[i] = ex2(fmaf(s[i], k, -scaled[(i >> 1) & 1]));
     row_sum[(i >> 1) & 1] += s[i];
   }
 }
@@ -298,7 +324,7 @@ __device__ __forceinline__ void attn_softmax(float (&s)[NS], float (&row_max)[2]
 
 // A block: 128 query rows (two warpgroups) of one (batch, head) over the keys in tiles of BC (the launch's grid
 // and arguments are kf_attn_launch's; `pairs`: two output columns a store)
-template <int D, bool CAUSAL>
+template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN>
 __global__ void __launch_bounds__(256, kf_wg::attn_config<D>::BLOCKS)
     kf_attention_wgmma_kernel(const kf_attn_params p, int tiles, bool pairs) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(KF_EMULATION)
@@ -321,6 +347,7 @@ __global__ void __launch_bounds__(256, kf_wg::attn_config<D>::BLOCKS)
   const unsigned short* Q = (const unsigned short*)p.q + b * p.sq[0] + h * p.sq[1];
   const unsigned short* K = (const unsigned short*)p.k + b * p.sk[0] + hk * p.sk[1];
   const unsigned short* V = (const unsigned short*)p.v + b * p.sv[0] + hk * p.sv[1];
+  const M* mask = (const M*)p.mask + (MASK ? b * p.sm[0] + h * p.sm[1] : 0);
   // the warpgroup's index from lane 0: branches on it are then warp-uniform to the compiler (a divergent-looking
   // branch around in-flight wgmma makes ptxas serialize them)
   const int wg = __shfl_sync(0xffffffffu, (int)(threadIdx.x / 128), 0);
@@ -328,9 +355,12 @@ __global__ void __launch_bounds__(256, kf_wg::attn_config<D>::BLOCKS)
   const int L = p.L, kv_end = CAUSAL ? min(L, q0 + BR) : L, ktiles = (kv_end + BC - 1) / BC;
   const int my_row = q0 + wg * 64 + warp * 16 + g;  // and my_row + 8
   const float scale_log2 = p.scale * LOG2E;
+  // the mask's rows of my_row and my_row + 8; rows past S (never stored) read row S - 1's
+  const M* const mask_rows[2] = {mask + min(my_row, p.S - 1) * p.sm[2], mask + min(my_row + 8, p.S - 1) * p.sm[2]};
 
   // key tiles run last to first, so the ones that need masks (the partial last one; causal, those reaching past
-  // the block's first row) come first and the rest run in a loop without a branch; ring slots follow the iteration
+  // the block's first row; every one under an explicit mask) come first and the rest run in a loop without a
+  // branch; ring slots follow the iteration
   auto tile_of = [&](int it) { return ktiles - 1 - it; };
   const int masked = ktiles - min(ktiles, (CAUSAL ? min(L, q0 + 1) : L) / BC);
   auto issue_loads = [&](int it) {  // the copies of iteration it (negative: the prologue's)
@@ -379,38 +409,85 @@ __global__ void __launch_bounds__(256, kf_wg::attn_config<D>::BLOCKS)
       pf[c / 2][(c & 1) * 2 + 1] = kf_bf16x2(s[4 * c + 2], s[4 * c + 3]);
     }
   };
-  // one iteration; MASK and FIRST (no P V to overlap yet) are compile-time, so the body has no branch
-  auto iteration = [&](int it, auto mask, auto first) {
-    constexpr bool MASK = decltype(mask)::value, FIRST = decltype(first)::value;
-    // one barrier a tile: this iteration's K and the last one's V landed for every thread, and every warpgroup is
-    // past the last iteration, so the slots the copies below overwrite are free
+  // a bool mask's bits of a tile (MASK 1, 2): bit i, S element i takes part (read after the tile's barrier, their
+  // latency beside the products': before it, beside the last tile's P in registers, they spilled at head dim 64)
+  auto tile_bits = [&](int it) {
+    unsigned long long valid = 0;
+#pragma unroll
+    for (int i = 0; i < NS; ++i) {
+      int key;
+      const bool ok = attn_inside<CAUSAL>(i, tile_of(it) * BC, my_row, L, key) &&
+                      (mask_rows[(i >> 1) & 1][key] != 0) == (MASK == 1);
+      valid |= (unsigned long long)ok << i;
+    }
+    return valid;
+  };
+  // a tile's start: one barrier (this iteration's K and the last one's V landed for every thread, and every
+  // warpgroup is past the last iteration, so the slots the copies below overwrite are free), the next copies;
+  // with a bool mask the barrier ORs the threads' `taken`: does any query row of the block take a key of the tile
+  auto begin = [&](int it, bool taken) {
     kf_attn_cp_wait<STAGES - 2>();
     fence_async();
-    __syncthreads();
+    if constexpr (MASK == 1 || MASK == 2)  // lane 0's: warp-uniform to the compiler, as wg
+      taken = __shfl_sync(0xffffffffu, __syncthreads_or(taken), 0);
+    else
+      __syncthreads();
     issue_loads(it);
     kf_attn_cp_commit();
+    return taken;
+  };
+  // a tile's products and softmax after its begin; MASKED and FIRST (no P V to overlap yet) are compile-time, so
+  // the body has no branch. OVERLAP: S waited for alone, the softmax beside the last tile's P V; with a mask both
+  // are waited for together (the mask's registers beside P's and the accumulator would not fit 128 a thread)
+  auto iteration = [&](int it, auto masked_tile, auto first, unsigned long long valid) {
+    constexpr bool MASKED = decltype(masked_tile)::value, FIRST = decltype(first)::value, OVERLAP = MASK == 0;
     float corr[2];
     fence();
     issue_s(it);
     commit();
-    if constexpr (!FIRST) {  // the last tile's P V behind this S; wait for S only
+    if constexpr (!FIRST) {  // the last tile's P V behind this S
       issue_pv(it - 1);
       commit();
-      wait<1>();
+      wait<OVERLAP ? 1 : 0>();
     } else {
       wait<0>();
     }
     pin(s);
-    attn_softmax<NS, MASK, CAUSAL>(s, row_max, row_sum, corr, tile_of(it) * BC, my_row, L, scale_log2);
-    wait<0>();  // the softmax above ran while P V did
-    pin(acc);
-    pin(pf);
+    if constexpr (!OVERLAP) {
+      pin(acc);
+      pin(pf);
+    }
+    attn_softmax<NS, MASKED, CAUSAL, MASK>(s, row_max, row_sum, corr, tile_of(it) * BC, my_row, L, valid,
+                                           mask_rows, scale_log2);
+    if constexpr (OVERLAP) {
+      wait<0>();  // the softmax above ran while P V did
+      pin(acc);
+      pin(pf);
+    }
     rescale_and_pack(corr);
   };
-  if (masked > 0) iteration(0, flag<true>{}, flag<true>{});
-  else iteration(0, flag<false>{}, flag<true>{});
-  for (int it = 1; it < masked; ++it) iteration(it, flag<true>{}, flag<false>{});
-  for (int it = max(1, masked); it < ktiles; ++it) iteration(it, flag<false>{}, flag<false>{});
+  auto step = [&](int it, auto masked_tile, auto first) {
+    begin(it, true);
+    const unsigned long long valid = MASK == 1 || MASK == 2 ? tile_bits(it) : 0;
+    iteration(it, masked_tile, first, valid);
+  };
+  if constexpr (MASK == 0) {
+    if (masked > 0) step(0, flag<true>{}, flag<true>{});
+    else step(0, flag<false>{}, flag<true>{});
+    for (int it = 1; it < masked; ++it) step(it, flag<true>{}, flag<false>{});
+    for (int it = max(1, masked); it < ktiles; ++it) step(it, flag<false>{}, flag<false>{});
+  } else if constexpr (MASK == 3) {  // every tile reads the mask
+    step(0, flag<true>{}, flag<true>{});
+    for (int it = 1; it < ktiles; ++it) step(it, flag<true>{}, flag<false>{});
+  } else {
+    // the leading tiles that no query row of the block takes (a causal mask given as a tensor, padding: the last
+    // keys, which run first) are skipped, only their copies go on; the first one taken starts the loop
+    int it = 0;
+    unsigned long long valid = tile_bits(0);
+    while (!begin(it, valid != 0) && it + 1 < ktiles) valid = tile_bits(++it);
+    iteration(it, flag<true>{}, flag<true>{}, valid);  // no branch around wgmma: all untaken, the last one runs
+    for (++it; it < ktiles; ++it) step(it, flag<true>{}, flag<false>{});
+  }
   kf_attn_cp_wait<0>();
   fence_async();
   __syncthreads();
@@ -429,12 +506,15 @@ __global__ void __launch_bounds__(256, kf_wg::attn_config<D>::BLOCKS)
   for (int hh = 0; hh < 2; ++hh) {
     const int row = my_row + 8 * hh;
     if (row >= p.S) continue;
-    const float inv = 1.0f / row_sum[hh];  // no mask: every row has key 0
+    // a row whose every key is masked (sum 0): NaN (EMPTY_NAN, the hand-written form) or zeros (SDPA), as the
+    // mma.sync kernels give it; a NaN sum stays NaN
+    const bool empty = row_sum[hh] == 0.0f;
+    const float inv = 1.0f / row_sum[hh], fill = EMPTY_NAN ? NAN : 0.0f;
 #pragma unroll
     for (int c = 0; c < D / 8; ++c) {
       const int col = 8 * c + 2 * t;
-      kf_attn_store2(out + row * p.so[2] + col * p.so[3], acc[4 * c + 2 * hh] * inv, acc[4 * c + 2 * hh + 1] * inv,
-                     pairs, p.so[3]);
+      kf_attn_store2(out + row * p.so[2] + col * p.so[3], empty ? fill : acc[4 * c + 2 * hh] * inv,
+                     empty ? fill : acc[4 * c + 2 * hh + 1] * inv, pairs, p.so[3]);
     }
   }
 #else
@@ -446,16 +526,16 @@ __global__ void __launch_bounds__(256, kf_wg::attn_config<D>::BLOCKS)
 static long long kf_attention_wgmma_count = 0;
 KF_EXPORT long long kf_attention_wgmma_launches() { return kf_attention_wgmma_count; }
 
-// kf_attention_tc's Hopper branch (the head dims of kf_wg::attn_config, no mask, no ReLU: the instantiations it
-// makes): the wgmma kernel where the library holds it for this device and the step's parameters suit it; false: the
-// caller's kernel
-template <int D, bool CAUSAL>
+// kf_attention_tc's Hopper branch (the head dims of kf_wg::attn_config, no ReLU: the instantiations it makes): the
+// wgmma kernel where the library holds it for this device and the step's parameters suit it; false: the caller's
+// kernel
+template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN>
 bool kf_attention_wgmma(const kf_attn_params& p, int batch, cudaStream_t stream, cudaError_t& error) {
   if (kf_wg::sm90_sms() == 0 || p.cap_out != 0.0f || p.windows != 0 || !(p.scale > 0.0f && p.scale < INFINITY) ||
-      !kf_attn_vectorised(p, 2, true))
+      (MASK != 0 && p.sm[3] != 1) || !kf_attn_vectorised(p, 2, true))
     return false;
   ++kf_attention_wgmma_count;
-  error = kf_attn_launch<kf_attention_wgmma_kernel<D, CAUSAL>>(
+  error = kf_attn_launch<kf_attention_wgmma_kernel<M, D, MASK, CAUSAL, EMPTY_NAN>>(
       p, batch, 128, 256, kf_wg::attn_config<D>::SMEM, kf_attn_pairs(p, 2), stream);
   return true;
 }
