@@ -31,30 +31,51 @@ Every variant is first checked in a child process (the layout check and ragged r
 that a trap or a hang costs only that variant (a new child carries on after it); variants that came back are then
 timed beside SDPA.
 
+Then FORMS: attentions through the planner, so kernelfuse's own wgmma kernel (kernelfuse.codegen.attention_wgmma)
+with its head dims and masks beyond the probe's: minGPT's head dim 96 (SDPA's is_causal, and minGPT's own
+masked_fill by a causal mask tensor), 80, UNet's 40, 32 (Swin's window with its per-head bias, and a long one),
+BERT's 64 with a padding mask (additive, and bool). Each form's library is built once (the builds overlap), checked
+in a child like the variants (the wgmma kernel ran, by its launch counter; within 3x the mma.sync kernel's error
+against float64, which comes from the same plan with the wgmma switch off), then timed beside SDPA's backends on the
+same semantics (a causal mask tensor as is_causal) and beside the mma.sync kernel.
+
 Run on the GPU machine from the repo root (builds for sm_90a):
     PYTHONPATH=. python benchmarks/wgmma_attention_probe.py > $OUT/wgmma_attention_probe.md
-Compile only, printing ptxas's registers and spills per kernel (no GPU needed):
+Compile only, printing ptxas's registers and spills per kernel, the forms' generated files too (no GPU needed):
     PYTHONPATH=. python benchmarks/wgmma_attention_probe.py --compile-only
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
+from attention_probe import CASES as PLANNER_CASES
+from attention_probe import Case
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from variant_probe import build as build_variants
 from variant_probe import checked, ident, start, template_label
 from variant_probe import compile_only as report_ptxas
+
+from kernelfuse.capture import capture_module
+from kernelfuse.codegen import generate
+from kernelfuse.emit.module import load_kernels
+from kernelfuse.plan import make_plan
+from kernelfuse.plan.attention_views import attention_reference
+from kernelfuse.plan.ir import AttnStep, Plan
 
 # (batch, heads, sequence, causal): GPT-2 small's attention, a long non-causal one, a ViT-sized one, longer ones
 CASES = [(8, 12, 1024, True), (4, 16, 4096, False), (64, 12, 256, False), (2, 16, 8192, False),
          (8, 16, 2048, True)]
 CASES_D128 = [(8, 12, 1024, True), (4, 16, 4096, False), (8, 16, 2048, True)]
 NAME = "kf_wgmma_attention_probe2"
-CHILD_TIMEOUT_S = 60  # the checks of all variants take ~15 s; a hang (an mbarrier never completing) costs this
+CHILD_TIMEOUT_S = 240  # the variants' checks take ~15 s, the forms' (float64 at their full shapes) more; a hang
+# (an mbarrier never completing) costs this
 
 
 def _regs(first: int, count: int) -> str:
@@ -715,14 +736,96 @@ def sources() -> dict[str, str]:
     return files
 
 
-def build():  # noqa: ANN201 - torch's extension module
-    return build_variants(NAME, sources())
+def shape_of(name: str) -> Case:
+    """attention_probe's case `name` (its batch, heads, sequence, head dim and mask)."""
+    return next(case for case in PLANNER_CASES if case.name == name)
+
+
+# Attentions through the planner, as attention_probe's Case with more masks: "none"; "causal" (SDPA's is_causal);
+# "tril" (minGPT's masked_fill by a causal mask tensor, MASK 2); "add" (a per-head additive mask, Swin's); "pad-add"
+# and "pad-keep" (BERT's padding (B, 1, 1, L), additive 0 or bf16's lowest as transformers fills it, or bool; batch
+# b's keys valid up to S / 2 + b S / 2B). attention_probe's shapes where it has them, a long d32, a d80, BERT-base.
+FORMS = [
+    replace(shape_of("L3-44 minGPT"), name="minGPT d96 causal"),
+    replace(shape_of("L3-44 minGPT"), name="minGPT d96 masked_fill", mask="tril"),
+    Case("d80 causal", 8, 16, 1024, 80, "causal"),
+    replace(shape_of("UNet self-attn"), name="UNet d40"),
+    Case("d32", 8, 16, 1024, 32, "none"),
+    replace(shape_of("L3-30 Swin window"), name="Swin window d32 bias"),
+    Case("BERT d64 padding add", 16, 12, 512, 64, "pad-add"),
+    Case("BERT d64 padding bool", 16, 12, 512, 64, "pad-keep"),
+]
+
+
+def is_causal(form: Case) -> bool:
+    return form.mask in ("causal", "tril")
+
+
+class FormModel(torch.nn.Module):
+    """One form's attention (its source names scaled_dot_product_attention: capture keeps the call whole)."""
+
+    def __init__(self, mask: str) -> None:
+        super().__init__()
+        self.mask = mask
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *mask: torch.Tensor) -> torch.Tensor:
+        if self.mask == "tril":
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
+            return torch.softmax(att.masked_fill(mask[0], float("-inf")), dim=-1) @ v
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[0] if mask else None,
+                                              is_causal=self.mask == "causal")
+
+
+def form_inputs(form: Case, device: str) -> list[torch.Tensor]:
+    """q, k, v (bf16, (B, H, S, D)) and the form's mask on `device` ("meta": shapes and dtypes for the capture)."""
+    b, h, s, d = form.batch, form.heads, form.seq, form.dim
+    g = torch.Generator().manual_seed(0)
+
+    def make(shape: tuple[int, ...], dtype: torch.dtype, fill) -> torch.Tensor:  # noqa: ANN001 - a tensor maker
+        return torch.empty(shape, dtype=dtype, device="meta") if device == "meta" else fill().to(device, dtype)
+
+    tensors = [make((b, h, s, d), torch.bfloat16, lambda: torch.randn(b, h, s, d, generator=g)) for _ in range(3)]
+    valid = torch.arange(s) < (s // 2 + torch.arange(b) * s // (2 * b)).view(b, 1, 1, 1)
+    if form.mask == "tril":
+        tensors.append(make((s, s), torch.bool, lambda: torch.ones(s, s, dtype=torch.bool).triu(1)))
+    elif form.mask == "add":
+        tensors.append(make((h, s, s), torch.bfloat16, lambda: torch.randn(h, s, s, generator=g)))
+    elif form.mask == "pad-add":
+        low = torch.finfo(torch.bfloat16).min
+        tensors.append(make((b, 1, 1, s), torch.bfloat16, lambda: torch.zeros(b, 1, 1, s).masked_fill(~valid, low)))
+    elif form.mask == "pad-keep":
+        tensors.append(make((b, 1, 1, s), torch.bool, lambda: valid))
+    return tensors
+
+
+def form_plan(form: Case) -> Plan:
+    plan = make_plan(capture_module(FormModel(form.mask), form_inputs(form, "meta")))
+    assert len(plan.attention) == 1 and not plan.generated, plan.summary()
+    return plan
+
+
+def step_inputs(form: Case, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What the step's kernel takes: the graph's inputs, kᵀ for minGPT's form (its q @ kᵀ reads the transpose)."""
+    q, k, v, *mask = tensors
+    return [q, k.transpose(-2, -1) if form.mask == "tril" else k, v, *mask]
+
+
+def build():  # noqa: ANN201 - torch's extension module, the forms' libraries
+    """The variants' extension, and each form's (library, attention step), the forms' builds overlapping."""
+    plans = [form_plan(form) for form in FORMS]
+    with ThreadPoolExecutor(len(FORMS)) as pool:
+        libraries = list(pool.map(lambda i: load_kernels(generate(plans[i]), f"{NAME}_form{i}"), range(len(FORMS))))
+    return build_variants(NAME, sources()), [(lib, plan.attention[0]) for lib, plan in zip(libraries, plans,
+                                                                                           strict=True)]
 
 
 def compile_only() -> None:
-    report_ptxas(NAME, sources(), template_label(
-        r"Li(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELb(\d)ELb(\d)ELi(\d)ELb(\d)ELb(\d)ELb(\d)E",
-        r"<D\1 BR\2 BC\3 ST\4 pipe\5 fast\6 min\7 wide\8 mbar\9 causal\10>"))
+    files = {**sources(), **{f"form_{i}.cu": generate(form_plan(form)).cuda for i, form in enumerate(FORMS)}}
+    variant = template_label(r"Li(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELb(\d)ELb(\d)ELi(\d)ELb(\d)ELb(\d)ELb(\d)E",
+                             r"<D\1 BR\2 BC\3 ST\4 pipe\5 fast\6 min\7 wide\8 mbar\9 causal\10>")
+    wgmma = template_label(r"kf_attention_wgmma_kernelI(\w)Li(\d+)ELi(\d)ELb(\d)ELb(\d)E",
+                           r"kf_attention_wgmma_kernel<M \1, D \2, MASK \3, causal \4, empty_nan \5>")
+    report_ptxas(NAME, files, lambda mangled: wgmma(variant(mangled)))
 
 
 def reference(q, k, v, causal: bool) -> torch.Tensor:
@@ -786,14 +889,62 @@ def random_check(ext, variant: int, d: int) -> bool:
     return ok
 
 
+def wgmma_launches(lib) -> int:  # noqa: ANN001 - the form's loaded library
+    lib._lib.kf_attention_wgmma_launches.restype = ctypes.c_longlong
+    return lib._lib.kf_attention_wgmma_launches()
+
+
+def form_outputs(lib, step: AttnStep, args: list[torch.Tensor], wgmma: bool) -> torch.Tensor:  # noqa: ANN001
+    """The form's kernel on `args`, the wgmma switch as the loader set it (on where it built for sm_90a and the
+    device is 9.0) or off for the call; the launch counter says which kernel ran."""
+    if not wgmma:
+        lib._allow_wgmma(False)
+    try:
+        before = wgmma_launches(lib)
+        out = getattr(lib, step.kernel)(*args)
+        torch.cuda.synchronize()
+        if wgmma_launches(lib) - before != int(wgmma):
+            raise RuntimeError("the wgmma kernel did not run" if wgmma else "the wgmma kernel ran")
+        return out
+    finally:
+        if not wgmma:  # the loader's setting again: on, since the wgmma call came first and ran
+            lib._allow_wgmma(True)
+
+
+def form_check(lib, step: AttnStep, form: Case) -> bool:  # noqa: ANN001 - the form's loaded library
+    """The wgmma kernel ran and is within 3x the mma.sync kernel's error against float64, NaN where it is."""
+    args = step_inputs(form, form_inputs(form, "cuda"))
+    want = attention_reference(step, *(a.double() for a in args[:3]), args[3] if len(args) > 3 else None)
+    errors = []
+    for wgmma in (True, False):
+        try:
+            got = form_outputs(lib, step, args, wgmma).double()
+        except RuntimeError as e:
+            print(f"  {str(e).splitlines()[0][:160]}")
+            return False
+        if not torch.equal(got.isnan(), want.isnan()):
+            print(f"  {'wgmma' if wgmma else 'mma.sync'}: NaN where float64 has none, or the reverse")
+            return False
+        errors.append((got - want).abs().nan_to_num(0.0).max().item())
+    good = errors[0] <= 3 * errors[1] + 1e-3
+    print(f"  max abs err {errors[0]:.2e} (mma.sync {errors[1]:.2e}){'' if good else ' WRONG'}")
+    return good
+
+
 def child_check(first: int) -> None:
-    """The checks of variants first.. in order (safest first), each followed by the marker."""
-    ext = build()
-    for index in range(first, len(VARIANTS)):
-        name, d, _ = VARIANTS[index]
-        print(f"{name} (d {d}):", flush=True)
-        ok = layout_check(ext, index, d)
-        ok &= random_check(ext, index, d)
+    """The checks of variants first.. in order (safest first), then of the forms, each followed by the marker."""
+    ext, forms = build()
+    for index in range(first, len(VARIANTS) + len(FORMS)):
+        if index < len(VARIANTS):
+            name, d, _ = VARIANTS[index]
+            print(f"{name} (d {d}):", flush=True)
+            ok = layout_check(ext, index, d)
+            ok &= random_check(ext, index, d)
+        else:
+            form = FORMS[index - len(VARIANTS)]
+            name = f"form {form.name}"
+            print(f"{name} {(form.batch, form.heads, form.seq, form.dim)}:", flush=True)
+            ok = form_check(*forms[index - len(VARIANTS)], form)
         print(f"  {name}: {'passed' if ok else 'FAILED'}\n{checked(index)}", flush=True)
 
 
@@ -840,20 +991,67 @@ def probe_case(ext, alive: list[int], b: int, h: int, s: int, causal: bool, d: i
             print(f"| {case} | {method} | {variant} | n/a | | | {str(e).splitlines()[0][:80]} |", flush=True)
 
 
+def probe_form(lib, step: AttnStep, form: Case) -> None:  # noqa: ANN001 - the form's loaded library
+    """SDPA's backends on the form's semantics (a causal mask tensor as is_causal), then kernelfuse's kernel with and
+    without the wgmma switch; ratio = the fastest SDPA backend's ms / this ms."""
+    from kernelfuse.bench.timer import median_event_ms
+
+    q, k, v, *mask = tensors = form_inputs(form, "cuda")
+    args = step_inputs(form, tensors)
+    want = attention_reference(step, *(a.double() for a in args[:3]), args[3] if len(args) > 3 else None)
+    sdpa_mask = mask[0] if form.mask in ("add", "pad-add", "pad-keep") else None
+    rows = []
+    for name, backend in (("sdpa cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa flash", SDPBackend.FLASH_ATTENTION),
+                          ("sdpa efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        def call(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=sdpa_mask, is_causal=is_causal(form))
+        rows.append((name, call))
+    rows += [(label, lambda: getattr(lib, step.kernel)(*args)) for label in ("kernelfuse wgmma", "kernelfuse mma.sync")]
+    best = None
+    case = f"{form.name} ({form.batch}, {form.heads}, {form.seq}, {form.dim})"
+    for method, call in rows:
+        off = method == "kernelfuse mma.sync"  # the form's check showed the loader's switch on and each kernel run
+        if off:
+            lib._allow_wgmma(False)
+        try:
+            err = (call().double() - want).abs().nan_to_num(0.0).max().item()
+            ms = median_event_ms(call, 20)
+        except RuntimeError as e:
+            print(f"| {case} | {method} | n/a | | | {str(e).splitlines()[0][:80]} |", flush=True)
+            continue
+        finally:
+            if off:
+                lib._allow_wgmma(True)
+        if method.startswith("sdpa"):
+            best = ms if best is None else min(best, ms)
+        ratio = f"{best / ms:.3f}" if best else "-"
+        flops = tflops(form.batch, form.heads, form.seq, form.dim, is_causal(form), ms)
+        print(f"| {case} | {method} | {ms:.4f} | {flops:.0f} | {ratio} | {err:.2e} |", flush=True)
+
+
 def main() -> None:
-    started = start(__file__, [v[0] for v in VARIANTS], CHILD_TIMEOUT_S, build, compile_only, child_check)
+    names = [v[0] for v in VARIANTS] + [f"form {f.name}" for f in FORMS]
+    started = start(__file__, names, CHILD_TIMEOUT_S, build, compile_only, child_check)
     if started is None:
         return
-    _, ext, alive = started
+    _, (ext, forms), alive = started
     print(f"\nGPU: {torch.cuda.get_device_name()}, torch {torch.__version__}; bf16. ratio = cuDNN's ms / this ms "
           "(the goal: >= 0.9); TFLOP/s counts 4 B H S² D, halved for causal\n")
     print("| batch, heads, seq, causal, d | method | variant | ms | TFLOP/s | ratio | max abs err vs fp64 |\n"
           "|---|---|---|---|---|---|---|", flush=True)
     t0 = time.time()
+    variants = [i for i in alive if i < len(VARIANTS)]
     for b, h, s, causal in CASES:
-        probe_case(ext, alive, b, h, s, causal, 64)
+        probe_case(ext, variants, b, h, s, causal, 64)
     for b, h, s, causal in CASES_D128:
-        probe_case(ext, alive, b, h, s, causal, 128)
+        probe_case(ext, variants, b, h, s, causal, 128)
+    print("\nThrough the planner (kernelfuse.codegen.attention_wgmma); ratio = the fastest SDPA backend's ms / this ms;"
+          " TFLOP/s counts every key (padding too), halved for causal\n")
+    print("| form (B, H, S, D) | method | ms | TFLOP/s | ratio | max abs err vs fp64 |\n|---|---|---|---|---|---|")
+    for i, form in enumerate(FORMS):
+        if len(VARIANTS) + i in alive:
+            probe_form(*forms[i], form)
     print(f"\ntimed cases: {time.time() - t0:.1f} s")
 
 

@@ -15,9 +15,9 @@ k16 steps by 8 zero columns in shared memory, never read from or written to glob
 contiguous along d with 16-byte aligned rows, a FlashAttention-2-style kernel (its tiling a `FlashConfig`: blocks of
 4 or 8 warps of 16 query rows, `flash_warps`, 64-key tiles, the query tile in registers; key and value tiles
 double-buffered in shared memory by cp.async and read by ldmatrix, exp2 softmax, per-element masking only on mask,
-tail and diagonal tiles; on Hopper, at head dims 64 and 128 without a mask, the launcher takes the wgmma kernel of
-kernelfuse.codegen.attention_wgmma instead, at run time); elsewhere a simpler one (4 warps, K and V staged through
-registers, V transposed). fp32 runs
+tail and diagonal tiles; on Hopper, at head dims 32, 40, 64, 80, 96 and 128 (masks too), the launcher takes the wgmma
+kernel of kernelfuse.codegen.attention_wgmma instead, at run time); elsewhere a simpler one (4 warps, K and V staged
+through registers, V transposed). fp32 runs
 on tensor cores too where the step's arithmetic allows: TF32 under the tf32 policy, 3xTF32 (torch's own fp32 SDPA
 arithmetic) for SDPA nodes under the strict policy, in the same flash structure where the layout allows
 (`kf_attention_fa2_f32_kernel`: m16n8k8 fragments by plain shared-memory loads, operands split as loaded); hand-written

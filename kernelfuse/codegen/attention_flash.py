@@ -5,6 +5,7 @@ kernelfuse.codegen.attention_prelude whose parameter block, PTX wrappers and onl
 appends it after theirs)."""
 
 from kernelfuse.codegen.attention_prelude import FRESH_END, FRESH_START, ONLINE_SOFTMAX, SCORE_CHUNK_END, SCORE_CHUNKS
+from kernelfuse.codegen.attention_wgmma import WGA_CONFIG
 
 # the online softmax on scores already scaled by log2(e): exp2f is one instruction
 ONLINE_SOFTMAX_EXP2 = ONLINE_SOFTMAX.replace("expf(", "exp2f(")
@@ -251,18 +252,18 @@ __global__ void __launch_bounds__(WARPS * 32, BLOCKS)
 """ + FLASH_STORE + r"""
 // The wgmma flash kernel's launcher (kernelfuse.codegen.attention_wgmma, further down the file wherever bf16
 // attention is in it): true where it took the launch (`error` its result), false where the kernel does not apply
-template <int D, bool CAUSAL>
+template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN>
 bool kf_attention_wgmma(const kf_attn_params& p, int batch, cudaStream_t stream, cudaError_t& error);
 
 // WARPS > 0: the flash kernel (WARPS warps of 16 query rows, BK keys a tile, QREG, BLOCKS) where the bases are
-// aligned; before it, on Hopper (an sm_90a library on a 9.0 device), the wgmma kernel where it applies: head dims
-// 64 and 128 without mask or ReLU here, the run-time conditions in kf_attention_wgmma
+// aligned; before it, on Hopper (an sm_90a library on a 9.0 device), the wgmma kernel where it applies: its head
+// dims (attention_wgmma.WGA_CONFIG), any mask, no ReLU here, the run-time conditions in kf_attention_wgmma
 template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, int WARPS, int BK, bool QREG,
           int BLOCKS>
 cudaError_t kf_attention_tc(const kf_attn_params& p, int batch, cudaStream_t stream) {
-  if constexpr (WARPS > 0 && (D == 64 || D == 128) && MASK == 0 && !RELU) {
+  if constexpr (WARPS > 0 && (WGMMA_DIMS) && !RELU) {
     cudaError_t error = cudaSuccess;
-    if (kf_attention_wgmma<D, CAUSAL>(p, batch, stream, error)) return error;
+    if (kf_attention_wgmma<M, D, MASK, CAUSAL, EMPTY_NAN>(p, batch, stream, error)) return error;
   }
   if constexpr (WARPS > 0)  // the plan's strides suit the flash kernel: it runs where the bases are aligned too
     if (kf_attn_vectorised(p, 2, true))
@@ -393,3 +394,4 @@ cudaError_t kf_attention_f32tc(const kf_attn_params& p, int batch, cudaStream_t 
   return kf_attention_tf32<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, SPLIT>(p, batch, stream);
 }
 """
+FLASH_PRELUDE = FLASH_PRELUDE.replace("WGMMA_DIMS", " || ".join(f"D == {d}" for d in WGA_CONFIG))

@@ -6,48 +6,102 @@ Why: the mma.sync flash kernel measured 0.53-0.75x of cuDNN's SDPA at stops 43/4
 0.53x); these kernels (benchmarks/wgmma_attention_probe.py, verified and timed on an H200, bf16; ratio = cuDNN's ms
 / ours) measured at head dim 64 (`pipe-2cta`) 1.070 on (8, 12, 1024, causal), 1.118 on (64, 12, 256), 0.810 on
 (8, 16, 2048, causal), 0.707 on (4, 16, 4096); at head dim 128 (`pipe-d128n`) 0.899 on (8, 12, 1024, causal), 0.851
-on (8, 16, 2048, causal), 0.699 on (4, 16, 4096): a gain on every shape measured.
+on (8, 16, 2048, causal), 0.699 on (4, 16, 4096): a gain on every shape measured. Through the planner (stop 56)
+GPT-2 1.18x and head dim 128 0.87x of SDPA's best, while minGPT's head dim 96 (0.55x) and UNet's 40 (0.58x) and
+every model with a padding mask (BERT, BART, T5) stayed on mma.sync: hence the other head dims and the masks here
+(not yet measured on a GPU).
 
 The kernel (the probe's `attention_v2`, pipelined, FAST softmax): 128 query rows a block (two warpgroups of 64),
-S = Q Kᵀ by wgmma with both operands K-major from 128-byte-swizzled shared tiles (a 64-bf16 row is 128 bytes, its
-16-byte chunk c at c ^ (row % 8); head dim 128 is two such atoms), the online softmax on the accumulator fragments
-(scale folded into exp2's argument), P as bf16 A fragments in registers, O += P V by wgmma with V read MN-major
-(trans-b). Key tiles run last to first, so only the first iterations mask; tile j's S and tile j - 1's P V are in
-flight together (FA3's intra-warpgroup overlap). Head dim 64: 64-key tiles, a 3-deep K/V cp.async ring, two blocks
-an SM; head dim 128: 128-key tiles, a 2-deep ring, P V one m64n128k16 a k16 step over both atoms of V (the leading
-byte offset).
+S = Q Kᵀ by wgmma with both operands K-major from swizzled shared tiles, the online softmax on the accumulator
+fragments (scale folded into exp2's argument), P as bf16 A fragments in registers, O += P V by wgmma with V read
+MN-major (trans-b). Key tiles run last to first, so only the first iterations mask; tile j's S and tile j - 1's P V
+are in flight together (FA3's intra-warpgroup overlap). Per head dim (WGA_CONFIG): 64 as `pipe-2cta` (64-key tiles,
+a 3-deep K/V cp.async ring, two blocks an SM), 128 as `pipe-d128n` (128-key tiles, a 2-deep ring, P V one
+m64n128k16 a k16 step over both atoms of V through the leading byte offset).
+
+The shared layouts. A tile of DP head dims (WgaConfig.padded) is atoms of SW-byte rows, SW the widest swizzle mode
+that divides it (128, 64 or 32 bytes: 64, 32 or 16 columns), each atom the tile's rows SW bytes apart, 16-byte chunk
+c of row r at c ^ ((r SW / 128) % (SW / 16)) (PTX's Swizzle<log2(SW / 16), 4, 3>); the descriptors (kf_wg::
+desc_fields) carry the layout type and a stride byte offset of 8 SW. Q Kᵀ: k16 step ks is 32 bytes into atom
+ks / (SW / 32) of both operands; P V: N = DP over all of V's atoms, the leading byte offset between them. Head dim 96
+(192-byte rows, not whole 128-byte atoms) is three 64-byte-swizzled atoms for Q, K and V alike, so one copy routine
+and one descriptor form serve every tile, rather than a 128-byte atom beside a 64-byte one (two swizzle patterns in a
+tile, for nothing: the tensor cores read every canonical layout without bank conflicts) or V padded to 128 columns
+(an n128 product 25% of it zeros, an O accumulator of 64 floats a thread instead of 48 beside S's 64, a third more
+of V's shared memory and copies). The copies have no bank conflicts in any mode: eight threads in a row write one
+128-byte line's eight distinct chunks. The O accumulator is DP / 2 floats a thread: at 96 it does not fit two blocks
+an SM (ptxas: 20-36 bytes spilled at 128 registers with 64-key tiles), so 96 takes 128-key tiles, one block an SM
+and a 3-deep ring (169 KB). 32 is one 64-byte atom and 40 is padded to 48 (three 32-byte atoms), both as 64's
+tiling; 80 is padded to 96 as 96's. Padded columns are zeros in Q and K (the copies' zero fill, src-size 0: shared
+memory is never read unwritten), and V's only feed O's columns past D, which are not stored.
+
+Explicit masks (MASK 1: bool, true attends; 2: bool, true masked; 3: additive in the query's dtype or fp32), read as
+the mma.sync kernels read them: through the plan's strides (broadcast dims' 0, BERT's (B, 1, 1, L) padding), for
+keys below L and rows below S (rows past S read row S - 1, never stored), the additive one added to the scaled
+scores (then exp2's factor is 1), and a row whose every key is masked NaN (EMPTY_NAN, the hand-written form) or
+zeros (SDPA) as the mma.sync kernels give it. Every tile is masked, and S and the last tile's P V are waited for
+together (the mask's registers beside P's and the accumulator spill at 128 a thread otherwise). A bool mask's bits
+are read once a tile, and the leading tiles that no query row of the block takes are skipped (only their copies go
+on): a causal mask given as a tensor (minGPT's masked_fill) or padding, whose masked keys are the last ones, run
+first. Keys must be contiguous in the mask (stride 1: the loads' offsets are then constants).
 
 Where it runs (else the mma.sync kernel): the library was built for sm_90a and the device is compute capability
-9.0 (kf_wg::sm90_sms, the loader's switch kf_wgmma_enable); bf16 with head dim 64 or 128, no mask (MASK 0), no
-ReLU (compile-time: those instantiations only), and at run time no soft cap, no window mask, a positive finite
-scale (the softmax takes the raw scores' maximum), q, k and v contiguous along d with 16-byte-aligned rows and bases
-(kf_attn_vectorised). Any batch, head and row strides, S != L, grouped-query heads (kv head = head / group) and any
-output strides (two columns a store where they are adjacent and aligned) are the plan's, through kf_attn_params.
-Causal is top-left aligned (key <= query row), as the other kernels; without a mask every row has key 0, so no
-row is empty (EMPTY_NAN never applies).
+9.0 (kf_wg::sm90_sms, the loader's switch kf_wgmma_enable); bf16 with a head dim of WGA_CONFIG, any mask, no ReLU
+(compile-time: those instantiations only), and at run time no soft cap, no window mask, a positive finite scale (the
+softmax takes the raw scores' maximum), a mask's keys contiguous, q, k and v contiguous along d with 16-byte-aligned
+rows and bases (kf_attn_vectorised). Any batch, head and row strides, S != L, grouped-query heads (kv head = head /
+group) and any output strides (two columns a store where they are adjacent and aligned) are the plan's, through
+kf_attn_params. Causal is top-left aligned (key <= query row), as the other kernels.
 
-The tests' CPU emulation (KF_EMULATION) runs this kernel: kf_wg's bf16 descriptors carry the tile's address and
-leading byte offset, and each thread computes its own accumulator fragment, reading the swizzled tiles through the
-hardware's addressing (the 128-byte swizzle applied to address bits 4-6 from bits 7-9; K-major rows 128 bytes apart,
-8-row groups 1024 apart; MN-major: 8-key groups 1024 apart, 64-column atoms the leading byte offset apart) and A's
-register fragments gathered from its quad. kf_attention_wgmma_launches() counts the launches that took this kernel.
+The tests' CPU emulation (KF_EMULATION) runs this kernel: kf_wg's bf16 descriptors carry the hardware's fields
+(desc_fields: layout type, leading and stride byte offsets) beside the tile's host address, and each thread computes
+its own accumulator fragment, reading the swizzled tiles through the hardware's addressing as the PTX ISA defines
+it for each swizzle mode (the canonical K-major and MN-major layouts, then address bits 4.. XORed with bits 7..) and
+A's register fragments gathered from its quad. kf_attention_wgmma_launches() counts the launches that took this
+kernel.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from kernelfuse.codegen.gemm_wgmma import accumulator_operands
 
-# (query rows, keys a tile, ring depth, __launch_bounds__ blocks) per head dim: the probe's `pipe-2cta` and
-# `pipe-d128n`
-WGA_CONFIG = {64: (128, 64, 3, 2), 128: (128, 128, 2, 1)}
-WGA_THREADS = 256
+WGA_ROWS = 128  # query rows a block: two warpgroups of 64
 
 
-def wgmma_attention_smem_bytes(head_dim: int) -> int:
-    """Dynamic shared memory of a block: the query tile, the K and V rings, the 1024-byte alignment of the swizzled
-    tiles."""
-    rows, keys, stages, _ = WGA_CONFIG[head_dim]
-    return rows * head_dim * 2 + 2 * stages * keys * head_dim * 2 + 1024
+@dataclass(frozen=True)
+class WgaConfig:
+    """One head dim's tiling of the wgmma attention kernel (kf_wg::attn_config<D> in the CUDA)."""
+
+    padded: int  # the shared tiles' and products' head dim: the real one, or more (zero columns past it)
+    keys: int  # keys a tile: S is m64n{keys}, P V has keys / 16 k16 steps
+    stages: int  # depth of the K and V cp.async rings
+    blocks: int  # __launch_bounds__'s blocks an SM (2: at most 128 registers a thread)
+
+    @property
+    def swizzle(self) -> int:
+        """Bytes of a swizzle atom's row (the swizzle mode): 128 where the padded head dim is whole 64-column atoms,
+        else 64 (32 columns), else 32 (16 columns)."""
+        return 128 if self.padded % 64 == 0 else 64 if self.padded % 32 == 0 else 32
+
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of a block: the query tile, the K and V rings, the 1024-byte alignment of the
+        swizzled tiles."""
+        return WGA_ROWS * self.padded * 2 + 2 * self.stages * self.keys * self.padded * 2 + 1024
+
+
+# per head dim: 64 and 128 the probe's `pipe-2cta` and `pipe-d128n`; 32 and 40 (padded to 48) as 64 (their
+# accumulators fit two blocks an SM); 80 (padded to 96) and 96 with 128-key tiles, one block an SM and a 3-deep ring
+# (the module docstring says why)
+WGA_CONFIG = {
+    32: WgaConfig(32, 64, 3, 2),
+    40: WgaConfig(48, 64, 3, 2),
+    64: WgaConfig(64, 64, 3, 2),
+    80: WgaConfig(96, 128, 3, 1),
+    96: WgaConfig(96, 128, 3, 1),
+    128: WgaConfig(128, 128, 2, 1),
+}
 
 
 def _mma(n: int, a_regs: bool) -> str:
@@ -81,12 +135,25 @@ _KERNEL = r"""
 // ---- bf16 flash attention on wgmma, sm_90a (kernelfuse.codegen.attention_wgmma) ----
 #if defined(__CUDACC__) || defined(KF_EMULATION)
 namespace kf_wg {
+// per head dim D (kernelfuse.codegen.attention_wgmma.WGA_CONFIG): DP the tiles' head dim (zero columns from D on), SW
+// the bytes of a swizzle atom's row, BC keys a tile, STAGES the K and V rings' depth, BLOCKS __launch_bounds__'s
+// blocks an SM, SMEM the block's dynamic shared memory
+template <int D> struct attn_config;
+ATTN_CONFIGS
+// The descriptor's fields but the start address (PTX ISA, "Matrix Descriptor Format"), for tiles of SW-byte rows
+// swizzled in SW-byte mode: the leading byte offset (MN-major: between SW / 2-column atoms; K-major: unused), the
+// stride byte offset (8 rows, or 8 keys MN-major: 8 SW), the layout type (1: 128-byte swizzle, 2: 64, 3: 32); the
+// tiles start on the swizzle pattern's 8 SW-byte boundary, so the base offset is 0.
+template <int SW> __device__ __forceinline__ uint64_t desc_fields(int leading) {
+  static_assert(SW == 128 || SW == 64 || SW == 32, "a swizzled layout");
+  return (uint64_t(leading >> 4) << 16) | (uint64_t(8 * SW >> 4) << 32) |
+         (uint64_t(SW == 128 ? 1 : SW == 64 ? 2 : 3) << 62);
+}
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-// descriptor of a 128-byte-swizzled bf16 tile `offset` bytes in: 8-row (K-major) or 8-key (MN-major) groups 1024
-// bytes apart (stride byte offset); `leading`: the leading byte offset (MN-major: between 64-column atoms)
-__device__ __forceinline__ uint64_t desc_b16(const void* tile, int offset, int leading) {
+// descriptor of a swizzled bf16 tile `offset` bytes in
+template <int SW> __device__ __forceinline__ uint64_t desc_b16(const void* tile, int offset, int leading) {
   const uint64_t addr = (unsigned)__cvta_generic_to_shared(tile) + offset;
-  return ((addr & 0x3FFFF) >> 4) | (uint64_t(leading >> 4) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+  return ((addr & 0x3FFFF) >> 4) | desc_fields<SW>(leading);
 }
 MMA_FORMS
 // registers an in-flight wgmma reads or writes: the empty asm pins them, so their uses stay after the wait
@@ -106,26 +173,35 @@ __device__ __forceinline__ float ex2(float x) {
   return y;
 }
 #elif defined(KF_EMULATION)
-// The emulation's descriptor: the host address (48 bits) and the leading byte offset / 16 above it; the stride
-// byte offset is 1024, as every descriptor of the kernel sets it.
-inline uint64_t desc_b16(const void* tile, int offset, int leading) {
-  return (uint64_t)(uintptr_t)((const char*)tile + offset) | (uint64_t(leading >> 4) << 48);
+// The emulation's descriptor: the hardware's fields (desc_fields, decoded below as the tensor cores decode them) and
+// the host address in place of the 18-bit shared one.
+struct desc_t {
+  uint64_t fields;
+  const char* start;
+};
+template <int SW> inline desc_t desc_b16(const void* tile, int offset, int leading) {
+  return {desc_fields<SW>(leading), (const char*)tile + offset};
 }
-// element (k, mn) of the operand at descriptor d, as the tensor cores address it: K-major rows (the M or N index)
-// 128 bytes apart in groups of 8 rows 1024 apart, k along the row; MN-major: k's rows 128 bytes apart in groups of
-// 8 keys 1024 apart, 64 mn a row, 64-column atoms the leading byte offset apart; then the 128-byte swizzle on the
-// address (bits 4-6 ^= bits 7-9: the tiles are 1024-byte aligned)
-inline float b16_at(uint64_t d, int k, int mn, bool mn_major) {
-  uintptr_t a = (uintptr_t)(d & ((uint64_t(1) << 48) - 1));
+// element (k, mn) of the operand at descriptor d, as the tensor cores address it (PTX ISA, "Shared Memory Matrix
+// Layout": the canonical layouts, rows of sw = 128, 64 or 32 bytes by the layout type): K-major rows (the M or N
+// index) sw bytes apart in groups of 8 the stride byte offset apart, k along the row; MN-major: k's rows sw bytes
+// apart in groups of 8 the stride byte offset apart, sw / 2 mn a row, atoms of sw / 2 columns the leading byte
+// offset apart; then the swizzle on the address, Swizzle<log2(sw / 16), 4, 3>: bits 4.. ^= bits 7.. (the tiles
+// start on the pattern's boundary: base offset 0). Layout type 0 (no swizzle) is not one this kernel sets.
+inline float b16_at(const desc_t& d, int k, int mn, bool mn_major) {
+  const uintptr_t leading = (d.fields >> 16 & 0x3FFF) << 4, stride = (d.fields >> 32 & 0x3FFF) << 4;
+  const int sw = 256 >> (d.fields >> 62), aw = sw / 2;
+  uintptr_t a = (uintptr_t)d.start;
   if (mn_major)
-    a += (uintptr_t)(mn / 64) * (uintptr_t)((d >> 48) << 4) + (k / 8) * 1024 + (k % 8) * 128 + (mn % 64) * 2;
+    a += (mn / aw) * leading + (k / 8) * stride + (k % 8) * sw + (mn % aw) * 2;
   else
-    a += (mn / 8) * 1024 + (mn % 8) * 128 + k * 2;
-  a ^= ((a >> 7) & 7) << 4;
+    a += (mn / 8) * stride + (mn % 8) * sw + k * 2;
+  a ^= ((a >> 7) & (sw / 16 - 1)) << 4;
   return __uint_as_float((unsigned)*reinterpret_cast<const unsigned short*>(a) << 16);
 }
 // d (this thread's m64nN fragment: rows row and row + 8, columns 8j + 2t and + 1) += A's two rows' 16 k times B
-template <int N> inline void mma_b16_fragment(float (&d)[N / 2], const float (&rows)[2][16], uint64_t b, bool trans_b) {
+template <int N> inline void mma_b16_fragment(float (&d)[N / 2], const float (&rows)[2][16], const desc_t& b,
+                                              bool trans_b) {
   const int t = threadIdx.x % 4;
   for (int j = 0; j < N / 8; ++j)
     for (int e = 0; e < 4; ++e) {
@@ -136,7 +212,7 @@ template <int N> inline void mma_b16_fragment(float (&d)[N / 2], const float (&r
     }
 }
 inline int fragment_row() { return threadIdx.x % 128 / 32 * 16 + threadIdx.x % 32 / 4; }
-template <int NN> inline void mma_bf16_ss(float (&d)[NN], uint64_t a, uint64_t b, int accumulate) {
+template <int NN> inline void mma_bf16_ss(float (&d)[NN], const desc_t& a, const desc_t& b, int accumulate) {
   if (!accumulate)
     for (float& v : d) v = 0.0f;
   float rows[2][16];
@@ -147,7 +223,7 @@ template <int NN> inline void mma_bf16_ss(float (&d)[NN], uint64_t a, uint64_t b
 // A from registers: a[0] (row, k 2t..+1), a[1] (row + 8, the same), a[2] (row, k 2t + 8..+9), a[3] (row + 8, the
 // same), low half the lower k; the thread gathers its rows' 16 k from its quad
 static unsigned emu_words[1024][4];
-template <int NN> inline void mma_bf16_rs(float (&d)[NN], const unsigned (&a)[4], uint64_t b) {
+template <int NN> inline void mma_bf16_rs(float (&d)[NN], const unsigned (&a)[4], const desc_t& b) {
   for (int i = 0; i < 4; ++i) emu_words[threadIdx.x][i] = a[i];
   __syncwarp();
   const int quad = threadIdx.x / 4 * 4;
@@ -168,36 +244,62 @@ inline float ex2(float x) { return exp2f(x); }
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(KF_EMULATION)
 template <bool B> struct flag { static constexpr bool value = B; };
 
-// ROWS rows x D bf16 (row pitch `pitch` elements) into swizzled atoms: atom a (head dims 64a..64a+63) is ROWS rows
-// of 128 bytes, atoms ROWS * 128 bytes apart; rows from `valid` on are zeros (their copies read nothing). A thread
-// keeps one 16-byte column and steps RP rows (a multiple of 8: one swizzle phase) at a time: one address and one
-// stride, where an address per copy held 32 more registers at head dim 128.
-template <int ROWS, int D, int THREADS>
+// ROWS rows x D bf16 (row pitch `pitch` elements) into swizzled atoms of DP / (SW / 2) columns: atom a (head dims
+// a SW / 2 on) is ROWS rows of SW bytes, atoms ROWS * SW bytes apart; 16-byte chunk c of row r at chunk
+// c ^ ((r SW >> 7) % (SW / 16)) (the swizzle of bits 4.. by 7.. on the row's address). Rows from `valid` on and
+// columns from D on are zeros (their copies read nothing). A thread keeps one chunk column of the atoms and steps RP
+// rows (a multiple of 8: one swizzle phase) and AG atoms at a time: one address and one stride, where an address per
+// copy held 32 more registers at head dim 128. Eight threads in a row write one 128-byte line's eight distinct
+// chunks (a whole row of 128 bytes, two of 64, four of 32): no bank conflict.
+template <int ROWS, int D, int DP, int SW, int THREADS>
 __device__ __forceinline__ void attn_rows(char* tile, const unsigned short* src, long long pitch, int valid) {
-  constexpr int CPR = D / 8, RP = THREADS / CPR;  // 16-byte copies a row, rows a pass
-  static_assert(THREADS % CPR == 0 && RP % 8 == 0 && ROWS % RP == 0, "whole passes of whole swizzle phases");
-  const int r0 = threadIdx.x / CPR, cc = threadIdx.x % CPR;
-  const unsigned short* from = src + r0 * pitch + cc * 8;
-  char* dst = tile + (cc >> 3) * ROWS * 128 + r0 * 128 + (((cc & 7) ^ (r0 & 7)) << 4);
+  constexpr int CPA = SW / 16, AW = SW / 2, ATOMS = DP / AW;  // chunks an atom's row, columns an atom, atoms
+  constexpr int RP = THREADS / CPA < ROWS ? THREADS / CPA : ROWS, AG = THREADS / CPA / RP;  // rows, atoms a pass
+  static_assert(DP % AW == 0 && RP % 8 == 0 && ROWS % RP == 0 && THREADS % (CPA * RP) == 0, "whole passes");
+  const int c = threadIdx.x % CPA, r0 = threadIdx.x / CPA % RP, a0 = threadIdx.x / CPA / RP;
+  const unsigned short* from = src + r0 * pitch + a0 * AW + c * 8;
+  char* dst = tile + a0 * ROWS * SW + r0 * SW + ((c ^ (r0 * SW >> 7 & (CPA - 1))) << 4);
 #pragma unroll
-  for (int i = 0; i < ROWS / RP; ++i)
-    kf_cp_async16(dst + i * RP * 128, r0 + i * RP < valid ? from + i * RP * pitch : src, r0 + i * RP < valid);
+  for (int a = 0; a < ATOMS; a += AG) {
+    if (ATOMS % AG != 0 && a + a0 >= ATOMS) break;
+#pragma unroll
+    for (int i = 0; i < ROWS / RP; ++i) {
+      const bool in = r0 + i * RP < valid && (D == DP || (a + a0) * CPA + c < D / 8);
+      kf_cp_async16(dst + (a * ROWS + i * RP) * SW, in ? from + a * AW + i * RP * pitch : src, in);
+    }
+  }
 }
 
-// One tile's online softmax on the S fragments (n8 block c: (row g, keys 8c + 2t, +1), (row g + 8, the same)): the
-// raw scores' maximum, exp2(s * scale_log2 - max * scale_log2) as one FFMA and ex2.approx; masks (keys past L, the
-// causal diagonal) only where MASK. The exponentials stay in s, O's factor goes to corr, row_sum holds this thread's
-// partial sums.
-template <int NS, bool MASK, bool CAUSAL>
+// S fragment element i of this thread (n8 block i / 4: row my_row + 8 ((i >> 1) & 1), key key0 + 8 (i / 4) + 2 t
+// + (i & 1)): its key, and whether it is a key below L on or before the causal diagonal
+template <bool CAUSAL>
+__device__ __forceinline__ bool attn_inside(int i, int key0, int my_row, int L, int& key) {
+  key = key0 + 8 * (i / 4) + 2 * (threadIdx.x % 4) + (i & 1);
+  return key < L && (!CAUSAL || key <= my_row + ((i >> 1) & 1) * 8);
+}
+
+// One tile's online softmax on the S fragments. Where MASKED, the masks first: keys past L, the causal diagonal, and
+// the explicit mask (MASK 1 and 2: bit i of `valid`, the kernel's; 3: the mask row's value at the key, added to the
+// scaled score). Then the row maximum, and exp2(s k - max k) as one FFMA and ex2.approx: k = scale_log2 on the raw
+// scores (MASK 0, 1, 2: where the scale is positive, the raw scores' maximum is the scaled ones'), or 1 on the scores
+// scaled with the additive mask (MASK 3: every tile is MASKED). The exponentials stay in s, O's factor goes to corr,
+// row_sum holds this thread's partial sums.
+template <int NS, bool MASKED, bool CAUSAL, int MASK, typename M>
 __device__ __forceinline__ void attn_softmax(float (&s)[NS], float (&row_max)[2], float (&row_sum)[2],
-                                             float (&corr)[2], int key0, int my_row, int L, float scale_log2) {
-  const int t = threadIdx.x % 4;
+                                             float (&corr)[2], int key0, int my_row, int L, unsigned long long valid,
+                                             const M* const (&mask_rows)[2], float scale_log2) {
+  constexpr float LOG2E = 1.4426950408889634f;
+  const float k = MASK == 3 ? 1.0f : scale_log2;
   float m[2] = {row_max[0], row_max[1]};
 #pragma unroll
   for (int i = 0; i < NS; ++i) {
-    if constexpr (MASK) {
-      const int key = key0 + 8 * (i / 4) + 2 * t + (i & 1), row = my_row + ((i >> 1) & 1) * 8;
-      if (key >= L || (CAUSAL && key > row)) s[i] = -INFINITY;
+    if constexpr (MASKED) {
+      int key;
+      bool ok = attn_inside<CAUSAL>(i, key0, my_row, L, key);
+      if constexpr (MASK == 1 || MASK == 2) ok = valid >> i & 1;
+      if constexpr (MASK == 3)
+        if (ok) s[i] = fmaf(s[i], scale_log2, kf_attn_mask_value(mask_rows[(i >> 1) & 1][key]) * LOG2E);
+      if (!ok) s[i] = -INFINITY;
     }
     m[(i >> 1) & 1] = fmaxf(m[(i >> 1) & 1], s[i]);
   }
@@ -206,14 +308,14 @@ __device__ __forceinline__ void attn_softmax(float (&s)[NS], float (&row_max)[2]
   for (int h = 0; h < 2; ++h) {
     m[h] = fmaxf(m[h], __shfl_xor_sync(0xffffffffu, m[h], 1));
     m[h] = fmaxf(m[h], __shfl_xor_sync(0xffffffffu, m[h], 2));
-    scaled[h] = m[h] == -INFINITY ? 0.0f : m[h] * scale_log2;  // a row masked so far: exponentials 0, no NaN
-    corr[h] = ex2(fmaf(row_max[h], scale_log2, -scaled[h]));    // old maximum -inf: 0 (O and the sum are 0)
+    scaled[h] = m[h] == -INFINITY ? 0.0f : m[h] * k;  // a row masked so far: exponentials 0, no NaN
+    corr[h] = ex2(fmaf(row_max[h], k, -scaled[h]));   // old maximum -inf: 0 (O and the sum are 0)
     row_max[h] = m[h];
     row_sum[h] *= corr[h];
   }
 #pragma unroll
   for (int i = 0; i < NS; ++i) {
-    s[i] = ex2(fmaf(s[i], scale_log2, -scaled[(i >> 1) & 1]));
+    s[i] = ex2(fmaf(s[i], k, -scaled[(i >> 1) & 1]));
     row_sum[(i >> 1) & 1] += s[i];
   }
 }
@@ -222,21 +324,22 @@ __device__ __forceinline__ void attn_softmax(float (&s)[NS], float (&row_max)[2]
 
 // A block: 128 query rows (two warpgroups) of one (batch, head) over the keys in tiles of BC (the launch's grid
 // and arguments are kf_attn_launch's; `pairs`: two output columns a store)
-template <int D, bool CAUSAL>
-__global__ void __launch_bounds__(256, D == 64 ? 2 : 1)
+template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN>
+__global__ void __launch_bounds__(256, kf_wg::attn_config<D>::BLOCKS)
     kf_attention_wgmma_kernel(const kf_attn_params p, int tiles, bool pairs) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(KF_EMULATION)
   using namespace kf_wg;
-  constexpr int BR = 128, BC = D == 64 ? 64 : 128, STAGES = D == 64 ? 3 : 2, THREADS = 256;
-  constexpr int ATOMS = D / 64, NS = BC / 2, KSTEPS = BC / 16;
-  constexpr int Q_BYTES = BR * D * 2, KV_BYTES = BC * D * 2;
+  using C = attn_config<D>;
+  constexpr int BR = 128, BC = C::BC, STAGES = C::STAGES, THREADS = 256, DP = C::DP, SW = C::SW;
+  constexpr int KPA = SW / 32, NS = BC / 2, KSTEPS = BC / 16;  // k16 steps an atom (K-major), S's floats, P's steps
+  constexpr int Q_BYTES = BR * DP * 2, KV_BYTES = BC * DP * 2;
   // after iteration j's barrier come the copies of tile-iteration j + KAHEAD's K and j + VAHEAD's V, into slot
   // (iteration % STAGES); V is read one iteration after S (P V lags S by one), so it may be one less ahead
   constexpr int KAHEAD = STAGES - 1, VAHEAD = STAGES - 2;
   constexpr float LOG2E = 1.4426950408889634f;
   KF_DYNAMIC_SHARED(kf_wga_raw);
   char* smem = reinterpret_cast<char*>(((uintptr_t)kf_wga_raw + 1023) & ~(uintptr_t)1023);
-  char* q_tile = smem;                          // BR rows, ATOMS atoms BR * 128 bytes apart
+  char* q_tile = smem;                          // BR rows, atoms BR * SW bytes apart
   char* k_ring = smem + Q_BYTES;                // STAGES tiles of BC rows
   char* v_ring = k_ring + STAGES * KV_BYTES;    // STAGES tiles of BC rows
   const int bh = blockIdx.x / tiles, b = bh / p.heads, h = bh % p.heads, hk = h / p.group;
@@ -244,6 +347,7 @@ __global__ void __launch_bounds__(256, D == 64 ? 2 : 1)
   const unsigned short* Q = (const unsigned short*)p.q + b * p.sq[0] + h * p.sq[1];
   const unsigned short* K = (const unsigned short*)p.k + b * p.sk[0] + hk * p.sk[1];
   const unsigned short* V = (const unsigned short*)p.v + b * p.sv[0] + hk * p.sv[1];
+  const M* mask = (const M*)p.mask + (MASK ? b * p.sm[0] + h * p.sm[1] : 0);
   // the warpgroup's index from lane 0: branches on it are then warp-uniform to the compiler (a divergent-looking
   // branch around in-flight wgmma makes ptxas serialize them)
   const int wg = __shfl_sync(0xffffffffu, (int)(threadIdx.x / 128), 0);
@@ -251,51 +355,53 @@ __global__ void __launch_bounds__(256, D == 64 ? 2 : 1)
   const int L = p.L, kv_end = CAUSAL ? min(L, q0 + BR) : L, ktiles = (kv_end + BC - 1) / BC;
   const int my_row = q0 + wg * 64 + warp * 16 + g;  // and my_row + 8
   const float scale_log2 = p.scale * LOG2E;
+  // the mask's rows of my_row and my_row + 8; rows past S (never stored) read row S - 1's
+  const M* const mask_rows[2] = {mask + min(my_row, p.S - 1) * p.sm[2], mask + min(my_row + 8, p.S - 1) * p.sm[2]};
 
   // key tiles run last to first, so the ones that need masks (the partial last one; causal, those reaching past
-  // the block's first row) come first and the rest run in a loop without a branch; ring slots follow the iteration
+  // the block's first row; every one under an explicit mask) come first and the rest run in a loop without a
+  // branch; ring slots follow the iteration
   auto tile_of = [&](int it) { return ktiles - 1 - it; };
   const int masked = ktiles - min(ktiles, (CAUSAL ? min(L, q0 + 1) : L) / BC);
   auto issue_loads = [&](int it) {  // the copies of iteration it (negative: the prologue's)
     const int ki = it + KAHEAD, vi = it + VAHEAD;
     if (ki >= 0 && ki < ktiles) {
       const int k0 = tile_of(ki) * BC;
-      attn_rows<BC, D, THREADS>(k_ring + (ki % STAGES) * KV_BYTES, K + k0 * p.sk[2], p.sk[2], L - k0);
+      attn_rows<BC, D, DP, SW, THREADS>(k_ring + (ki % STAGES) * KV_BYTES, K + k0 * p.sk[2], p.sk[2], L - k0);
     }
     if (vi >= 0 && vi < ktiles) {
       const int k0 = tile_of(vi) * BC;
-      attn_rows<BC, D, THREADS>(v_ring + (vi % STAGES) * KV_BYTES, V + k0 * p.sv[2], p.sv[2], L - k0);
+      attn_rows<BC, D, DP, SW, THREADS>(v_ring + (vi % STAGES) * KV_BYTES, V + k0 * p.sv[2], p.sv[2], L - k0);
     }
   };
   // Q lands with the first K (one commit group)
-  attn_rows<BR, D, THREADS>(q_tile, Q + q0 * p.sq[2], p.sq[2], p.S - q0);
+  attn_rows<BR, D, DP, SW, THREADS>(q_tile, Q + q0 * p.sq[2], p.sq[2], p.S - q0);
 #pragma unroll
   for (int it = -KAHEAD; it < 0; ++it) {
     issue_loads(it);
     kf_attn_cp_commit();
   }
-  float acc[D / 2], s[NS];
+  float acc[DP / 2], s[NS];
   unsigned pf[KSTEPS][4];  // P's A fragments, one a k16 step over the tile's keys
 #pragma unroll
-  for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f;
+  for (int i = 0; i < DP / 2; ++i) acc[i] = 0.0f;
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
-  const char* qw = q_tile + wg * 64 * 128;
-  auto issue_s = [&](int it) {  // S = Q Kᵀ; k16 steps 4..7 (head dims 64..127) read each operand's second atom
+  const char* qw = q_tile + wg * 64 * SW;
+  auto issue_s = [&](int it) {  // S = Q Kᵀ, both K-major: k16 step ks is 32 bytes into atom ks / KPA of each
     const char* kt = k_ring + (it % STAGES) * KV_BYTES;
 #pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks)
-      mma_bf16_ss(s, desc_b16(qw + (ks / 4) * BR * 128, (ks % 4) * 32, 16),
-                  desc_b16(kt + (ks / 4) * BC * 128, (ks % 4) * 32, 16), ks > 0);
+    for (int ks = 0; ks < DP / 16; ++ks)
+      mma_bf16_ss(s, desc_b16<SW>(qw + (ks / KPA) * BR * SW, (ks % KPA) * 32, 16),
+                  desc_b16<SW>(kt + (ks / KPA) * BC * SW, (ks % KPA) * 32, 16), ks > 0);
   };
-  auto issue_pv = [&](int it) {  // O += P V: V MN-major, its 64-column atoms BC rows of 128 bytes apart (head dim 128)
+  auto issue_pv = [&](int it) {  // O += P V: V MN-major, N = DP over its atoms (BC rows of SW bytes apart)
     const char* vt = v_ring + (it % STAGES) * KV_BYTES;
 #pragma unroll
-    for (int kk = 0; kk < KSTEPS; ++kk)
-      mma_bf16_rs(acc, pf[kk], desc_b16(vt, kk * 16 * 128, ATOMS == 2 ? BC * 128 : 1024));
+    for (int kk = 0; kk < KSTEPS; ++kk) mma_bf16_rs(acc, pf[kk], desc_b16<SW>(vt, kk * 16 * SW, BC * SW));
   };
   auto rescale_and_pack = [&](const float (&corr)[2]) {
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) acc[i] *= corr[(i >> 1) & 1];
+    for (int i = 0; i < DP / 2; ++i) acc[i] *= corr[(i >> 1) & 1];
     // k16 step kk: n8 block 2 kk gives a0 (row g) and a1 (row g + 8); block 2 kk + 1 gives a2, a3
 #pragma unroll
     for (int c = 0; c < NS / 4; ++c) {
@@ -303,38 +409,85 @@ __global__ void __launch_bounds__(256, D == 64 ? 2 : 1)
       pf[c / 2][(c & 1) * 2 + 1] = kf_bf16x2(s[4 * c + 2], s[4 * c + 3]);
     }
   };
-  // one iteration; MASK and FIRST (no P V to overlap yet) are compile-time, so the body has no branch
-  auto iteration = [&](int it, auto mask, auto first) {
-    constexpr bool MASK = decltype(mask)::value, FIRST = decltype(first)::value;
-    // one barrier a tile: this iteration's K and the last one's V landed for every thread, and every warpgroup is
-    // past the last iteration, so the slots the copies below overwrite are free
+  // a bool mask's bits of a tile (MASK 1, 2): bit i, S element i takes part (read after the tile's barrier, their
+  // latency beside the products': before it, beside the last tile's P in registers, they spilled at head dim 64)
+  auto tile_bits = [&](int it) {
+    unsigned long long valid = 0;
+#pragma unroll
+    for (int i = 0; i < NS; ++i) {
+      int key;
+      const bool ok = attn_inside<CAUSAL>(i, tile_of(it) * BC, my_row, L, key) &&
+                      (mask_rows[(i >> 1) & 1][key] != 0) == (MASK == 1);
+      valid |= (unsigned long long)ok << i;
+    }
+    return valid;
+  };
+  // a tile's start: one barrier (this iteration's K and the last one's V landed for every thread, and every
+  // warpgroup is past the last iteration, so the slots the copies below overwrite are free), the next copies;
+  // with a bool mask the barrier ORs the threads' `taken`: does any query row of the block take a key of the tile
+  auto begin = [&](int it, bool taken) {
     kf_attn_cp_wait<STAGES - 2>();
     fence_async();
-    __syncthreads();
+    if constexpr (MASK == 1 || MASK == 2)  // lane 0's: warp-uniform to the compiler, as wg
+      taken = __shfl_sync(0xffffffffu, __syncthreads_or(taken), 0);
+    else
+      __syncthreads();
     issue_loads(it);
     kf_attn_cp_commit();
+    return taken;
+  };
+  // a tile's products and softmax after its begin; MASKED and FIRST (no P V to overlap yet) are compile-time, so
+  // the body has no branch. OVERLAP: S waited for alone, the softmax beside the last tile's P V; with a mask both
+  // are waited for together (the mask's registers beside P's and the accumulator would not fit 128 a thread)
+  auto iteration = [&](int it, auto masked_tile, auto first, unsigned long long valid) {
+    constexpr bool MASKED = decltype(masked_tile)::value, FIRST = decltype(first)::value, OVERLAP = MASK == 0;
     float corr[2];
     fence();
     issue_s(it);
     commit();
-    if constexpr (!FIRST) {  // the last tile's P V behind this S; wait for S only
+    if constexpr (!FIRST) {  // the last tile's P V behind this S
       issue_pv(it - 1);
       commit();
-      wait<1>();
+      wait<OVERLAP ? 1 : 0>();
     } else {
       wait<0>();
     }
     pin(s);
-    attn_softmax<NS, MASK, CAUSAL>(s, row_max, row_sum, corr, tile_of(it) * BC, my_row, L, scale_log2);
-    wait<0>();  // the softmax above ran while P V did
-    pin(acc);
-    pin(pf);
+    if constexpr (!OVERLAP) {
+      pin(acc);
+      pin(pf);
+    }
+    attn_softmax<NS, MASKED, CAUSAL, MASK>(s, row_max, row_sum, corr, tile_of(it) * BC, my_row, L, valid,
+                                           mask_rows, scale_log2);
+    if constexpr (OVERLAP) {
+      wait<0>();  // the softmax above ran while P V did
+      pin(acc);
+      pin(pf);
+    }
     rescale_and_pack(corr);
   };
-  if (masked > 0) iteration(0, flag<true>{}, flag<true>{});
-  else iteration(0, flag<false>{}, flag<true>{});
-  for (int it = 1; it < masked; ++it) iteration(it, flag<true>{}, flag<false>{});
-  for (int it = max(1, masked); it < ktiles; ++it) iteration(it, flag<false>{}, flag<false>{});
+  auto step = [&](int it, auto masked_tile, auto first) {
+    begin(it, true);
+    const unsigned long long valid = MASK == 1 || MASK == 2 ? tile_bits(it) : 0;
+    iteration(it, masked_tile, first, valid);
+  };
+  if constexpr (MASK == 0) {
+    if (masked > 0) step(0, flag<true>{}, flag<true>{});
+    else step(0, flag<false>{}, flag<true>{});
+    for (int it = 1; it < masked; ++it) step(it, flag<true>{}, flag<false>{});
+    for (int it = max(1, masked); it < ktiles; ++it) step(it, flag<false>{}, flag<false>{});
+  } else if constexpr (MASK == 3) {  // every tile reads the mask
+    step(0, flag<true>{}, flag<true>{});
+    for (int it = 1; it < ktiles; ++it) step(it, flag<true>{}, flag<false>{});
+  } else {
+    // the leading tiles that no query row of the block takes (a causal mask given as a tensor, padding: the last
+    // keys, which run first) are skipped, only their copies go on; the first one taken starts the loop
+    int it = 0;
+    unsigned long long valid = tile_bits(0);
+    while (!begin(it, valid != 0) && it + 1 < ktiles) valid = tile_bits(++it);
+    iteration(it, flag<true>{}, flag<true>{}, valid);  // no branch around wgmma: all untaken, the last one runs
+    for (++it; it < ktiles; ++it) step(it, flag<true>{}, flag<false>{});
+  }
   kf_attn_cp_wait<0>();
   fence_async();
   __syncthreads();
@@ -353,12 +506,15 @@ __global__ void __launch_bounds__(256, D == 64 ? 2 : 1)
   for (int hh = 0; hh < 2; ++hh) {
     const int row = my_row + 8 * hh;
     if (row >= p.S) continue;
-    const float inv = 1.0f / row_sum[hh];  // no mask: every row has key 0
+    // a row whose every key is masked (sum 0): NaN (EMPTY_NAN, the hand-written form) or zeros (SDPA), as the
+    // mma.sync kernels give it; a NaN sum stays NaN
+    const bool empty = row_sum[hh] == 0.0f;
+    const float inv = 1.0f / row_sum[hh], fill = EMPTY_NAN ? NAN : 0.0f;
 #pragma unroll
     for (int c = 0; c < D / 8; ++c) {
       const int col = 8 * c + 2 * t;
-      kf_attn_store2(out + row * p.so[2] + col * p.so[3], acc[4 * c + 2 * hh] * inv, acc[4 * c + 2 * hh + 1] * inv,
-                     pairs, p.so[3]);
+      kf_attn_store2(out + row * p.so[2] + col * p.so[3], empty ? fill : acc[4 * c + 2 * hh] * inv,
+                     empty ? fill : acc[4 * c + 2 * hh + 1] * inv, pairs, p.so[3]);
     }
   }
 #else
@@ -370,22 +526,30 @@ __global__ void __launch_bounds__(256, D == 64 ? 2 : 1)
 static long long kf_attention_wgmma_count = 0;
 KF_EXPORT long long kf_attention_wgmma_launches() { return kf_attention_wgmma_count; }
 
-// kf_attention_tc's Hopper branch (head dims 64 and 128, no mask, no ReLU: the instantiations it makes): the wgmma
-// kernel where the library holds it for this device and the step's parameters suit it; false: the caller's kernel
-template <int D, bool CAUSAL>
+// kf_attention_tc's Hopper branch (the head dims of kf_wg::attn_config, no ReLU: the instantiations it makes): the
+// wgmma kernel where the library holds it for this device and the step's parameters suit it; false: the caller's
+// kernel
+template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN>
 bool kf_attention_wgmma(const kf_attn_params& p, int batch, cudaStream_t stream, cudaError_t& error) {
-  static_assert(D == 64 || D == 128, "the wgmma attention kernel's head dims");
   if (kf_wg::sm90_sms() == 0 || p.cap_out != 0.0f || p.windows != 0 || !(p.scale > 0.0f && p.scale < INFINITY) ||
-      !kf_attn_vectorised(p, 2, true))
+      (MASK != 0 && p.sm[3] != 1) || !kf_attn_vectorised(p, 2, true))
     return false;
   ++kf_attention_wgmma_count;
-  error = kf_attn_launch<kf_attention_wgmma_kernel<D, CAUSAL>>(p, batch, 128, 256, D == 64 ? SMEM64 : SMEM128,
-                                                               kf_attn_pairs(p, 2), stream);
+  error = kf_attn_launch<kf_attention_wgmma_kernel<M, D, MASK, CAUSAL, EMPTY_NAN>>(
+      p, batch, 128, 256, kf_wg::attn_config<D>::SMEM, kf_attn_pairs(p, 2), stream);
   return true;
 }
 #endif  // __CUDACC__ || KF_EMULATION
 """
 
-ATTENTION_WGMMA_PRELUDE = _KERNEL.replace(
-    "MMA_FORMS", "".join(_mma(n, regs) for regs in (False, True) for n in (64, 128))).replace(
-    "SMEM64", str(wgmma_attention_smem_bytes(64))).replace("SMEM128", str(wgmma_attention_smem_bytes(128)))
+
+def _configs() -> str:
+    """kf_wg::attn_config's specializations, one a head dim of WGA_CONFIG."""
+    return "".join(f"template <> struct attn_config<{d}> {{\n  static constexpr int DP = {c.padded}, SW = {c.swizzle}, "
+                   f"BC = {c.keys}, STAGES = {c.stages}, BLOCKS = {c.blocks}, SMEM = {c.smem_bytes()};\n}};\n"
+                   for d, c in WGA_CONFIG.items())
+
+
+ATTENTION_WGMMA_PRELUDE = _KERNEL.replace("ATTN_CONFIGS\n", _configs()).replace(
+    "MMA_FORMS", "".join([_mma(n, False) for n in sorted({c.keys for c in WGA_CONFIG.values()})] +
+                         [_mma(n, True) for n in sorted({c.padded for c in WGA_CONFIG.values()})]))
