@@ -125,6 +125,7 @@ def test_tma_form_only_where_it_applies(model_and_graph, monkeypatch):
         assert (f"self._conv_tma_input(x, torch.contiguous_format, self._{k}, self._{k}_tma, "
                 f"self._{k}_tma_prerounded)" in method) == tma, method
         assert ("self._launch(launcher," in method) == tma, method
+        assert (f'if launcher is not self._{k}:\n            w = self._tf32_weight(w, "{k}")' in method) == tma, method
     assert "kf_tma::rounded_fragments" in source and "kf_tma::round_in_place" in source
     _with_tma(monkeypatch, round_tf32=False)
     assert [carries_tma(plan.graph, s) for s in plan.fused] == TAKES_TMA
@@ -135,6 +136,7 @@ def test_tma_form_only_where_it_applies(model_and_graph, monkeypatch):
     assert "self._to_nhwc_tf32 = {}" in sources.binding
     k = plan.fused[0].kernel
     assert f"self._conv_tma_input(x, torch.contiguous_format, self._{k}, self._{k}_tma)" in sources.binding
+    assert "_tf32_weight" not in sources.binding  # a truncating file reads the weight as it is
     base = conv_igemm.dense_config
     monkeypatch.setattr(conv_igemm, "dense_config", lambda s: replace(base(s), tma=False))
     assert not any(carries_tma(plan.graph, s) for s in plan.fused)
@@ -254,7 +256,7 @@ class _Library(_KernelLibrary):
     """The binding's run-time helpers over no library: kf_conv_tma_ready answers `ready`."""
 
     def __init__(self, ready: bool) -> None:
-        self._tma_ready = {}
+        self._tma_ready, self._tf32_weights = {}, {}
         self._lib = type("Lib", (), {"kf_conv_tma_ready": staticmethod(lambda: int(ready))})()
 
 
@@ -337,6 +339,42 @@ def test_binding_runs_the_prerounded_form_only_on_its_rounding_copy() -> None:
             assert lib.rounded and got is lib.rounded[-1] and torch.equal(got, _tf32(x)), i
         else:
             assert torch.equal(got, x), i
+
+
+def test_binding_rounds_the_weight_once_a_version() -> None:
+    """_tf32_weight: the weight the TMA forms read, rounded to nearest TF32 bit for bit as cvt.rna (RNA_CASES and
+    random values with ties, against test_conv_igemm._tf32) in the tap-major strides it came in; cached per
+    convolution: the same weight gives the same copy, an in-place update (w.add_) a new one, another weight (or
+    the same one for another convolution) its own; the weight itself untouched. An inference tensor (no version
+    counter) is rounded at every call."""
+    torch.manual_seed(2)
+    bits = torch.randn(64, 3, 3, 32).view(torch.int32)
+    bits = torch.where(torch.rand(bits.shape) < 0.25, (bits & ~0x1FFF) | 0x1000, bits).flatten()  # ties
+    cases = torch.tensor([_signed(c) for c, _ in RNA_CASES], dtype=torch.int32)
+    bits[:len(cases)] = cases
+    w = bits.view(64, 3, 3, 32).view(torch.float32).permute(0, 3, 1, 2)  # tap-major (K, C, R, S)
+    original = w.clone()
+    lib = _Library(True)
+    rounded = lib._tf32_weight(w, "k0")
+    assert rounded.stride() == w.stride() and rounded.data_ptr() % 16 == 0
+    got = rounded.permute(0, 2, 3, 1).reshape(-1).view(torch.int32)
+    assert got[:len(cases)].tolist() == [_signed(e) for _, e in RNA_CASES]
+    assert torch.equal(got, _tf32(w).permute(0, 2, 3, 1).reshape(-1).view(torch.int32))
+    assert torch.equal(w.view(torch.int32), original.view(torch.int32))  # not rounded in place
+    assert lib._tf32_weight(w, "k0") is rounded  # the same weight, the same version: the cached copy
+    w = torch.randn(64, 3, 3, 32).permute(0, 3, 1, 2)
+    first = lib._tf32_weight(w, "k0")
+    assert first is not rounded and lib._tf32_weight(w, "k0") is first
+    w.add_(1)  # in place: a new version
+    second = lib._tf32_weight(w, "k0")
+    assert second is not first and torch.equal(second, _tf32(w)) and not torch.equal(second, first)
+    assert lib._tf32_weight(w, "k0") is second
+    other = w.clone(memory_format=torch.preserve_format)  # the same values, another tensor
+    assert lib._tf32_weight(other, "k0") is not second and torch.equal(lib._tf32_weight(other, "k0"), second)
+    assert lib._tf32_weight(w, "k1") is not second  # each convolution its own entry
+    with torch.inference_mode():
+        frozen = torch.randn(64, 32, 3, 3)
+    assert torch.equal(lib._tf32_weight(frozen, "k2"), _tf32(frozen)) and "k2" not in lib._tf32_weights
 
 
 def test_tma_form_compiles_for_sm_90a_and_sm_80(model_and_graph, tmp_path, monkeypatch):
