@@ -29,6 +29,7 @@ import kernelfuse.codegen.cuda as codegen_cuda
 from kernelfuse.capture import capture_module
 from kernelfuse.codegen import generate
 from kernelfuse.codegen.binding import _KernelLibrary
+from kernelfuse.codegen.conv_geometry import conv_shape
 from kernelfuse.codegen.conv_igemm import carries_tma, dense_kernel
 from kernelfuse.plan.interpret import run_env, run_fused
 
@@ -126,7 +127,12 @@ def test_tma_form_only_where_it_applies(model_and_graph, monkeypatch):
                 f"self._{k}_tma_prerounded)" in method) == tma, method
         assert ("self._launch(launcher," in method) == tma, method
         assert (f'if launcher is not self._{k}:\n            w = self._tf32_weight(w, "{k}")' in method) == tma, method
-    assert "kf_tma::rounded_fragments" in source and "kf_tma::round_in_place" in source
+    assert "kf_tma::rounded_fragments" in source and "kf_tma::round_in_place" not in source  # B: the binding's
+    # the pre-rounded form is the truncating form's text (A and B by descriptor), under its own name
+    step = plan.fused[1]
+    shape = conv_shape(plan.graph, step)
+    texts = {form: conv_tma.render_dense_tma(step.kernel, shape, form, "", "") for form in conv_tma.TMA_FORMS}
+    assert texts["prerounded"].replace("_tma_prerounded", "_tma") == texts["truncating"] != texts["rounding"]
     _with_tma(monkeypatch, round_tf32=False)
     assert [carries_tma(plan.graph, s) for s in plan.fused] == TAKES_TMA
     sources = generate(plan)
@@ -380,8 +386,9 @@ def test_binding_rounds_the_weight_once_a_version() -> None:
 def test_tma_form_compiles_for_sm_90a_and_sm_80(model_and_graph, tmp_path, monkeypatch):
     """nvcc builds the file for sm_90a (the loader's Hopper target: ptxas takes the TMA kernels, every form,
     without spills or serialized products, the PTX holds the im2col copies, m64n64/m64n128 products, A from
-    rounded registers in the two rounding kernels, by descriptor in their pre-rounded forms (which round B) and in
-    the truncating kernel (which rounds nothing)) and for sm_80 (the kernel body is a trap there)."""
+    rounded registers in the two rounding kernels, by descriptor in their pre-rounded forms and in the truncating
+    kernel, which round nothing; B by descriptor in all, no kernel writing the ring: no proxy fence) and for sm_80
+    (the kernel body is a trap there)."""
     import re
     import subprocess
 
@@ -410,7 +417,9 @@ def test_tma_form_compiles_for_sm_90a_and_sm_80(model_and_graph, tmp_path, monke
     forms = {m.group(1): ("cvt.rna.tf32.f32" in body, bool(re.search(register_a, body)))
              for body in ptx.split(".entry ")[1:] if (m := re.match(r"_Z\d+(k\d+_kernel_tma(_prerounded)?)", body))}
     assert forms == {"k0_kernel_tma": (True, True), "k1_kernel_tma": (True, True), "k2_kernel_tma": (False, False),
-                     "k0_kernel_tma_prerounded": (True, False), "k1_kernel_tma_prerounded": (True, False)}, forms
+                     "k0_kernel_tma_prerounded": (False, False), "k1_kernel_tma_prerounded": (False, False)}, forms
+    for body in ptx.split(".entry ")[1:]:  # no generic-proxy writes of the ring (B is rounded by the binding)
+        assert "_kernel_tma" not in body.split("(")[0] or "fence.proxy.async" not in body, body.split("(")[0]
     result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_80", "-O3", "-c", str(cu), "-o", str(tmp_path / "a.o")],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
