@@ -352,7 +352,7 @@ def test_binding_rounds_the_weight_once_a_version() -> None:
     random values with ties, against test_conv_igemm._tf32) in the tap-major strides it came in; cached per
     convolution: the same weight gives the same copy, an in-place update (w.add_) a new one, another weight (or
     the same one for another convolution) its own; the weight itself untouched. An inference tensor (no version
-    counter) is rounded at every call."""
+    counter) is rounded at every call, and so is any weight inside a CUDA graph capture (the graph's own copy)."""
     torch.manual_seed(2)
     bits = torch.randn(64, 3, 3, 32).view(torch.int32)
     bits = torch.where(torch.rand(bits.shape) < 0.25, (bits & ~0x1FFF) | 0x1000, bits).flatten()  # ties
@@ -381,6 +381,9 @@ def test_binding_rounds_the_weight_once_a_version() -> None:
     with torch.inference_mode():
         frozen = torch.randn(64, 32, 3, 3)
     assert torch.equal(lib._tf32_weight(frozen, "k2"), _tf32(frozen)) and "k2" not in lib._tf32_weights
+    lib._capturing = lambda t: True  # a CUDA graph capture: the graph's own copy, no cache
+    assert torch.equal(lib._tf32_weight(w, "k3"), second) and lib._tf32_weight(w, "k3") is not second
+    assert "k3" not in lib._tf32_weights
 
 
 def test_tma_form_compiles_for_sm_90a_and_sm_80(model_and_graph, tmp_path, monkeypatch):

@@ -113,14 +113,21 @@ class _KernelLibrary:
         keyed by w's data pointer, shape, strides, version counter and device. The entry holds w itself, so no other
         tensor can take its address while the key stands; an in-place update (an optimizer step, copy_) bumps the
         version and makes a new copy. A write through `.data` bypasses the counter (as for the file's other weight
-        copies); an inference tensor has none: rounded at every call."""
-        if w.is_inference():
+        copies); an inference tensor has none: rounded at every call. Inside a CUDA graph capture the copy is the
+        graph's own (rounded at every replay, no cache): a graph must not read a cached copy that a later call with
+        another weight would free."""
+        if w.is_inference() or self._capturing(w):
             return self._round_tf32(w)
         key = (w.data_ptr(), w.shape, w.stride(), w._version, w.device)
         cached = self._tf32_weights.get(kernel)
         if cached is None or cached[0] != key:
             cached = self._tf32_weights[kernel] = (key, w, self._round_tf32(w))
         return cached[2]
+
+    @staticmethod
+    def _capturing(t):
+        """Whether `t`'s kernels are being captured into a CUDA graph (torch's current stream is capturing)."""
+        return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
     @staticmethod
     def _round_tf32(w):
