@@ -23,12 +23,13 @@ m], the dense kernel's layout) and runs tile_stores over them with its 128 threa
 fills the ring for the block's next tile.
 
 The rounding (cvt.rna.tf32.f32: nearest, ties away from zero), where round_tf32 (the default):
-- B, the slot's weight tile (TBN x 32 floats), in place by warps 1 and 2 of the producer's warpgroup, idle
-  otherwise: each waits for the slot's full barrier, rounds its float4s (a warp's 16-byte accesses consecutive:
-  conflict-free), fences its generic-proxy writes before wgmma's async-proxy reads (fence.proxy.async) and arrives
-  on the slot's `ready` barrier (64 arrivals), which the consumers wait for beside `full`. Not by the consumers:
-  that needs a barrier over both consumer warpgroups every k block, on the products' path; the rounding warps run
-  up to three slots ahead of them instead.
+- B, the weight, not in the kernel: the binding gives the launchers a copy of the tap-major weight rounded to
+  nearest TF32 (_KernelLibrary._tf32_weight: torch's integer ops on its bits, made once per weight version and
+  cached), which every form reads by descriptor as it is. Why: the weight depends on nothing else, so rounding it
+  once beats rounding each slot's tile in every block at every call. (Until stop 57 warps 1 and 2 of the
+  producer's warpgroup rounded each slot's tile in place behind a `ready` mbarrier the consumers waited on: on an
+  H200 the pre-rounded form, A by descriptor, still ran 11-27% slower than the truncating one with that pass, level-2
+  54 1.436 against 1.292 ms bare, level-1 56 2.058 against 1.617.)
 - A, the im2col tile (256 x 32), in registers: each consumer thread loads its fragments of wgmma's register-A form
   (kf_cw_mma_ra_n64/n128: rows row and row + 8 of a 64-row half, k columns tq and tq + 4 of each k8 step; 16
   floats a half and k block) from the swizzled slot and rounds them there. Rounding A in place instead would add
@@ -39,20 +40,19 @@ The rounding (cvt.rna.tf32.f32: nearest, ties away from zero), where round_tf32 
   which retired the previous k block's group of the same half. One half's products stay in flight while the next
   half's fragments load. A first form kept two whole k blocks' fragment sets (64 registers) and spilled 32-164
   bytes (sm_90a ptxas); the halves' sets (32) do not.
-Shared memory read and written a k block (TBN 128): 128 KB (wgmma's B reads 64, the fragments 32, the rounding
-32) against the truncating form's 96 KB (A by descriptor, no rounding warps), which round_tf32 off keeps. The ring
-is addressed from the dynamic shared array by pointer arithmetic, so these are shared (LDS/STS), not generic,
-accesses.
+Shared memory read a k block (TBN 128): 96 KB in every form (wgmma's B reads 64, A's 32 by its fragments' loads or
+by descriptor); nothing in the kernel writes the ring but the TMA unit. The ring is addressed from the dynamic
+shared array by pointer arithmetic, so these are shared (LDS), not generic, accesses.
 
-The pre-rounded form (`{k}_kernel_tma_prerounded`, carried beside the rounding one): A by descriptor as the
-truncating form reads it, B rounded by the warps as above. The tensor cores read an operand's top 19 bits, which
-is exact for a value already rounded to nearest TF32 (its low 13 mantissa bits zero): so where the binding makes
-the input's channels-last copy itself (an NCHW input, the common case: a model's input) its copy kernel rounds as
-it copies (kf_nchw_to_nhwc<float, TILE, true>: kf_round_tf32, three integer instructions a value in a pass bound
-by its memory traffic; its cost not yet measured) and this form multiplies the same TF32 values as the rounding
-form, without A's fragment loads, their rounding and the halves' extra wait (on an H200 the rounding form ran
-3-52% slower than the truncating one, bare: level-2 54 1.62 against 1.26 ms). A channels-last input is not
-copied, so the rounding form reads it.
+The pre-rounded form (`{k}_kernel_tma_prerounded`, carried beside the rounding one): A and B by descriptor, the
+truncating form's kernel text under its own name (a file carries one or the other for a convolution). The tensor
+cores read an operand's top 19 bits, which is exact for a value already rounded to nearest TF32 (its low 13
+mantissa bits zero): so where the binding makes the input's channels-last copy itself (an NCHW input, the common
+case: a model's input) its copy kernel rounds as it copies (kf_nchw_to_nhwc<float, TILE, true>: kf_round_tf32,
+three integer instructions a value in a pass bound by its memory traffic) and this form multiplies the same TF32
+values as the rounding form, without A's fragment loads, their rounding and the halves' extra wait (on an H200 the
+rounding form ran 3-52% slower than the truncating one, bare: level-2 54 1.62 against 1.26 ms). A channels-last
+input is not copied, so the rounding form reads it.
 
 Where it runs: the file carries it where DenseConfig.tma, which dense_config sets where `tma_shape` holds: a 2-d
 forward convolution, stride 1, dilation 1, groups 1, input channels a multiple of 32, output channels a multiple
@@ -495,7 +495,8 @@ __global__ void __launch_bounds__({TMA_THREADS}, 1) {k}_kernel_tma{tma_suffix(fo
 
 def _products(bn: int, form: str) -> str:
     """C lines: a consumer warpgroup's products of k block kb from its slot (a: its 128 rows of A, b: B), then the
-    previous slot handed back. B by descriptor in every form. A by descriptor (truncating, prerounded): the k block's eight products one wgmma group. A rounded in registers:
+    previous slot handed back. B by descriptor in every form. A by descriptor (truncating, prerounded): the k
+    block's eight products one wgmma group. A rounded in registers:
     each 64-row half mi its group, A from fragment set mi; wgmma reads those registers asynchronously, so set mi is
     loaded again only after the wait_group 1 that retires the group before (the other half's), which has retired
     the previous k block's mi group too."""
