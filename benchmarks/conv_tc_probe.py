@@ -44,8 +44,9 @@ from kernelfuse.rewrite import apply_rules
 # or TMA form in the file), "wgmma" ones run the wgmma form on a compute-capability 9.0 GPU where its tiles cover 3/4
 # of the SMs (kernelfuse.codegen.conv_wgmma), "tma" ones the TMA im2col form (kernelfuse.codegen.conv_tma, where
 # its tma_shape holds: dense_config's default there) on a channels-last input, operands rounded to nearest TF32 as
-# the mma.sync kernel's (A in the consumers' registers), or truncated (tma-trunc); tma-prerounded is tma's file, its
-# pre-rounded form (A by descriptor, as the binding's rounding copy made it) called on that copy (PREROUNDED)
+# the mma.sync kernel's (A in the consumers' registers, B by descriptor: the binding's copy of the weight rounded once),
+# or truncated (tma-trunc); tma-prerounded is tma's file, its pre-rounded form (A and B by descriptor, as the
+# binding's rounding copies made them) called on the input's copy (PREROUNDED)
 CONFIGS = {
     "mma": {},
     "mma-truncated": {"round_tf32": False},
@@ -158,10 +159,12 @@ def probe(path: Path, configs: list[str]) -> list[str]:
 def _prerounded(ext: object, kernel: str, out: torch.Tensor) -> Callable:
     """`kernel`'s pre-rounded TMA form called straight on an input already rounded and channels-last (the binding's
     method would route such an input to the rounding form: it runs the pre-rounded one only on a copy of its
-    own), writing `out` (allocated as the method allocates its output)."""
+    own), writing `out` (allocated as the method allocates its output); the weight rounded to nearest TF32 as the
+    method rounds it for the TMA forms (the binding's cache: made once, then looked up at each call, as there)."""
     launcher = getattr(ext, f"_{kernel}_tma_prerounded")
 
     def call(x, w, b, *operands):
+        w = ext._tf32_weight(w, kernel)
         bias = b.data_ptr() if b is not None else None
         ext._launch(launcher, kernel, x, x.data_ptr(), w.data_ptr(), bias, out.data_ptr(),
                     *(o.data_ptr() for o in operands))

@@ -29,6 +29,7 @@ import kernelfuse.codegen.cuda as codegen_cuda
 from kernelfuse.capture import capture_module
 from kernelfuse.codegen import generate
 from kernelfuse.codegen.binding import _KernelLibrary
+from kernelfuse.codegen.conv_geometry import conv_shape
 from kernelfuse.codegen.conv_igemm import carries_tma, dense_kernel
 from kernelfuse.plan.interpret import run_env, run_fused
 
@@ -125,7 +126,13 @@ def test_tma_form_only_where_it_applies(model_and_graph, monkeypatch):
         assert (f"self._conv_tma_input(x, torch.contiguous_format, self._{k}, self._{k}_tma, "
                 f"self._{k}_tma_prerounded)" in method) == tma, method
         assert ("self._launch(launcher," in method) == tma, method
-    assert "kf_tma::rounded_fragments" in source and "kf_tma::round_in_place" in source
+        assert (f'if launcher is not self._{k}:\n            w = self._tf32_weight(w, "{k}")' in method) == tma, method
+    assert "kf_tma::rounded_fragments" in source and "kf_tma::round_in_place" not in source  # B: the binding's
+    # the pre-rounded form is the truncating form's text (A and B by descriptor), under its own name
+    step = plan.fused[1]
+    shape = conv_shape(plan.graph, step)
+    texts = {form: conv_tma.render_dense_tma(step.kernel, shape, form, "", "") for form in conv_tma.TMA_FORMS}
+    assert texts["prerounded"].replace("_tma_prerounded", "_tma") == texts["truncating"] != texts["rounding"]
     _with_tma(monkeypatch, round_tf32=False)
     assert [carries_tma(plan.graph, s) for s in plan.fused] == TAKES_TMA
     sources = generate(plan)
@@ -135,6 +142,7 @@ def test_tma_form_only_where_it_applies(model_and_graph, monkeypatch):
     assert "self._to_nhwc_tf32 = {}" in sources.binding
     k = plan.fused[0].kernel
     assert f"self._conv_tma_input(x, torch.contiguous_format, self._{k}, self._{k}_tma)" in sources.binding
+    assert "_tf32_weight" not in sources.binding  # a truncating file reads the weight as it is
     base = conv_igemm.dense_config
     monkeypatch.setattr(conv_igemm, "dense_config", lambda s: replace(base(s), tma=False))
     assert not any(carries_tma(plan.graph, s) for s in plan.fused)
@@ -254,7 +262,7 @@ class _Library(_KernelLibrary):
     """The binding's run-time helpers over no library: kf_conv_tma_ready answers `ready`."""
 
     def __init__(self, ready: bool) -> None:
-        self._tma_ready = {}
+        self._tma_ready, self._tf32_weights = {}, {}
         self._lib = type("Lib", (), {"kf_conv_tma_ready": staticmethod(lambda: int(ready))})()
 
 
@@ -339,11 +347,51 @@ def test_binding_runs_the_prerounded_form_only_on_its_rounding_copy() -> None:
             assert torch.equal(got, x), i
 
 
+def test_binding_rounds_the_weight_once_a_version() -> None:
+    """_tf32_weight: the weight the TMA forms read, rounded to nearest TF32 bit for bit as cvt.rna (RNA_CASES and
+    random values with ties, against test_conv_igemm._tf32) in the tap-major strides it came in; cached per
+    convolution: the same weight gives the same copy, an in-place update (w.add_) a new one, another weight (or
+    the same one for another convolution) its own; the weight itself untouched. An inference tensor (no version
+    counter) is rounded at every call, and so is any weight inside a CUDA graph capture (the graph's own copy)."""
+    torch.manual_seed(2)
+    bits = torch.randn(64, 3, 3, 32).view(torch.int32)
+    bits = torch.where(torch.rand(bits.shape) < 0.25, (bits & ~0x1FFF) | 0x1000, bits).flatten()  # ties
+    cases = torch.tensor([_signed(c) for c, _ in RNA_CASES], dtype=torch.int32)
+    bits[:len(cases)] = cases
+    w = bits.view(64, 3, 3, 32).view(torch.float32).permute(0, 3, 1, 2)  # tap-major (K, C, R, S)
+    original = w.clone()
+    lib = _Library(True)
+    rounded = lib._tf32_weight(w, "k0")
+    assert rounded.stride() == w.stride() and rounded.data_ptr() % 16 == 0
+    got = rounded.permute(0, 2, 3, 1).reshape(-1).view(torch.int32)
+    assert got[:len(cases)].tolist() == [_signed(e) for _, e in RNA_CASES]
+    assert torch.equal(got, _tf32(w).permute(0, 2, 3, 1).reshape(-1).view(torch.int32))
+    assert torch.equal(w.view(torch.int32), original.view(torch.int32))  # not rounded in place
+    assert lib._tf32_weight(w, "k0") is rounded  # the same weight, the same version: the cached copy
+    w = torch.randn(64, 3, 3, 32).permute(0, 3, 1, 2)
+    first = lib._tf32_weight(w, "k0")
+    assert first is not rounded and lib._tf32_weight(w, "k0") is first
+    w.add_(1)  # in place: a new version
+    second = lib._tf32_weight(w, "k0")
+    assert second is not first and torch.equal(second, _tf32(w)) and not torch.equal(second, first)
+    assert lib._tf32_weight(w, "k0") is second
+    other = w.clone(memory_format=torch.preserve_format)  # the same values, another tensor
+    assert lib._tf32_weight(other, "k0") is not second and torch.equal(lib._tf32_weight(other, "k0"), second)
+    assert lib._tf32_weight(w, "k1") is not second  # each convolution its own entry
+    with torch.inference_mode():
+        frozen = torch.randn(64, 32, 3, 3)
+    assert torch.equal(lib._tf32_weight(frozen, "k2"), _tf32(frozen)) and "k2" not in lib._tf32_weights
+    lib._capturing = lambda t: True  # a CUDA graph capture: the graph's own copy, no cache
+    assert torch.equal(lib._tf32_weight(w, "k3"), second) and lib._tf32_weight(w, "k3") is not second
+    assert "k3" not in lib._tf32_weights
+
+
 def test_tma_form_compiles_for_sm_90a_and_sm_80(model_and_graph, tmp_path, monkeypatch):
     """nvcc builds the file for sm_90a (the loader's Hopper target: ptxas takes the TMA kernels, every form,
     without spills or serialized products, the PTX holds the im2col copies, m64n64/m64n128 products, A from
-    rounded registers in the two rounding kernels, by descriptor in their pre-rounded forms (which round B) and in
-    the truncating kernel (which rounds nothing)) and for sm_80 (the kernel body is a trap there)."""
+    rounded registers in the two rounding kernels, by descriptor in their pre-rounded forms and in the truncating
+    kernel, which round nothing; B by descriptor in all, no kernel writing the ring: no proxy fence) and for sm_80
+    (the kernel body is a trap there)."""
     import re
     import subprocess
 
@@ -372,7 +420,9 @@ def test_tma_form_compiles_for_sm_90a_and_sm_80(model_and_graph, tmp_path, monke
     forms = {m.group(1): ("cvt.rna.tf32.f32" in body, bool(re.search(register_a, body)))
              for body in ptx.split(".entry ")[1:] if (m := re.match(r"_Z\d+(k\d+_kernel_tma(_prerounded)?)", body))}
     assert forms == {"k0_kernel_tma": (True, True), "k1_kernel_tma": (True, True), "k2_kernel_tma": (False, False),
-                     "k0_kernel_tma_prerounded": (True, False), "k1_kernel_tma_prerounded": (True, False)}, forms
+                     "k0_kernel_tma_prerounded": (False, False), "k1_kernel_tma_prerounded": (False, False)}, forms
+    for body in ptx.split(".entry ")[1:]:  # no generic-proxy writes of the ring (B is rounded by the binding)
+        assert "_kernel_tma" not in body.split("(")[0] or "fence.proxy.async" not in body, body.split("(")[0]
     result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_80", "-O3", "-c", str(cu), "-o", str(tmp_path / "a.o")],
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]

@@ -66,6 +66,7 @@ class _KernelLibrary:
         self._lib.kf_error_string.argtypes = [ctypes.c_int]
         self._lib.kf_error_string.restype = ctypes.c_char_p
         self._tma_ready = {}  # device index -> whether the convolutions' TMA kernels run there
+        self._tf32_weights = {}  # convolution -> (key, weight, its copy rounded to nearest TF32): _tf32_weight
 
     def _allow_wgmma(self, built_for_sm90a):
         """Tell the GEMM, convolution and attention launchers whether this library holds the sm_90a (wgmma) kernels:
@@ -105,6 +106,44 @@ class _KernelLibrary:
         if x.data_ptr() % 16:  # a view off the 16-byte grain the TMA unit reads
             x = x.clone(memory_format=torch.channels_last)
         return x, torch.channels_last, launcher
+
+    def _tf32_weight(self, w, kernel):
+        """`w` rounded to nearest TF32 for convolution `kernel`'s TMA kernels, which read the weight by descriptor as
+        it is (the tensor cores truncate it): made once per weight version (one a convolution, the last it was given),
+        keyed by w's data pointer, shape, strides, version counter and device. The entry holds w itself, so no other
+        tensor can take its address while the key stands; an in-place update (an optimizer step, copy_) bumps the
+        version and makes a new copy. A write through `.data` bypasses the counter (as for the file's other weight
+        copies); an inference tensor has none: rounded at every call. Inside a CUDA graph capture the copy is the
+        graph's own (rounded at every replay, no cache): a graph must not read a cached copy that a later call with
+        another weight would free."""
+        if w.is_inference() or self._capturing(w):
+            return self._round_tf32(w)
+        key = (w.data_ptr(), w.shape, w.stride(), w._version, w.device)
+        cached = self._tf32_weights.get(kernel)
+        if cached is None or cached[0] != key:
+            cached = self._tf32_weights[kernel] = (key, w, self._round_tf32(w))
+        return cached[2]
+
+    @staticmethod
+    def _capturing(t):
+        """Whether `t`'s kernels are being captured into a CUDA graph (torch's current stream is capturing)."""
+        return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+    @staticmethod
+    def _round_tf32(w):
+        """fp32 `w` rounded to nearest TF32 as ptxas compiles cvt.rna.tf32.f32 (kf_round_tf32): half an ulp (0x1000)
+        added to the bits of finite values, then the low 13 bits cleared from every value, on w's device and in its
+        strides. int32 arithmetic on the bits: a finite value's bits plus 0x1000 stay below the infinities' (no
+        carry out of the exponent, sign-magnitude negatives alike), so no wrap-around. Torch's element-wise ops (a
+        few passes over a weight, once per version) rather than a kernel of the file's: nothing to build or
+        emulate."""
+        with torch.no_grad():
+            bits = w.detach().view(torch.int32)
+            rounded = torch.empty_like(w)  # w's strides (the tap-major layout the kernels read)
+            out = rounded.view(torch.int32)
+            torch.where(w.isfinite(), bits + 0x1000, bits, out=out)
+            out &= -0x2000  # 0xffffe000
+        return rounded
 
     def _channels_last_copy(self, x):
         """4-d x channels-last: through the file's copy kernel where it takes x (3.4 TB/s against torch's 1.8 on

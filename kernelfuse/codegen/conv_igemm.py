@@ -363,6 +363,8 @@ def _binding(plan: Plan, step: FusedStep, shape: ConvShape, out_layout: str) -> 
                      f'{dtype})')
         lines.append("    if w.data_ptr() % 16:")
         lines.append(f'        raise ValueError("kernelfuse: {k} weight must be 16-byte aligned")')
+    if "prerounded" in forms:  # the TMA forms read the weight by descriptor as it is: rounded here, once a version
+        lines.append(f"    if launcher is not self._{k}:\n        w = self._tf32_weight(w, \"{k}\")")
     if node.args[2] is not None:
         lines.append(f'    _check_dense(b, "{k} bias", {py_tuple((shape.cout,))}, {dtype})')
     for i, operand in enumerate(epi.operands):

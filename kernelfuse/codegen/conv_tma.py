@@ -23,12 +23,13 @@ m], the dense kernel's layout) and runs tile_stores over them with its 128 threa
 fills the ring for the block's next tile.
 
 The rounding (cvt.rna.tf32.f32: nearest, ties away from zero), where round_tf32 (the default):
-- B, the slot's weight tile (TBN x 32 floats), in place by warps 1 and 2 of the producer's warpgroup, idle
-  otherwise: each waits for the slot's full barrier, rounds its float4s (a warp's 16-byte accesses consecutive:
-  conflict-free), fences its generic-proxy writes before wgmma's async-proxy reads (fence.proxy.async) and arrives
-  on the slot's `ready` barrier (64 arrivals), which the consumers wait for beside `full`. Not by the consumers:
-  that needs a barrier over both consumer warpgroups every k block, on the products' path; the rounding warps run
-  up to three slots ahead of them instead.
+- B, the weight, not in the kernel: the binding gives the launchers a copy of the tap-major weight rounded to
+  nearest TF32 (_KernelLibrary._tf32_weight: torch's integer ops on its bits, made once per weight version and
+  cached), which every form reads by descriptor as it is. Why: the weight depends on nothing else, so rounding it
+  once beats rounding each slot's tile in every block at every call. (Until stop 57 warps 1 and 2 of the
+  producer's warpgroup rounded each slot's tile in place behind a `ready` mbarrier the consumers waited on: on an
+  H200 the pre-rounded form, A by descriptor, still ran 11-27% slower than the truncating one with that pass, level-2
+  54 1.436 against 1.292 ms bare, level-1 56 2.058 against 1.617.)
 - A, the im2col tile (256 x 32), in registers: each consumer thread loads its fragments of wgmma's register-A form
   (kf_cw_mma_ra_n64/n128: rows row and row + 8 of a 64-row half, k columns tq and tq + 4 of each k8 step; 16
   floats a half and k block) from the swizzled slot and rounds them there. Rounding A in place instead would add
@@ -39,20 +40,19 @@ The rounding (cvt.rna.tf32.f32: nearest, ties away from zero), where round_tf32 
   which retired the previous k block's group of the same half. One half's products stay in flight while the next
   half's fragments load. A first form kept two whole k blocks' fragment sets (64 registers) and spilled 32-164
   bytes (sm_90a ptxas); the halves' sets (32) do not.
-Shared memory read and written a k block (TBN 128): 128 KB (wgmma's B reads 64, the fragments 32, the rounding
-32) against the truncating form's 96 KB (A by descriptor, no rounding warps), which round_tf32 off keeps. The ring
-is addressed from the dynamic shared array by pointer arithmetic, so these are shared (LDS/STS), not generic,
-accesses.
+Shared memory read a k block (TBN 128): 96 KB in every form (wgmma's B reads 64, A's 32 by its fragments' loads or
+by descriptor); nothing in the kernel writes the ring but the TMA unit. The ring is addressed from the dynamic
+shared array by pointer arithmetic, so these are shared (LDS), not generic, accesses.
 
-The pre-rounded form (`{k}_kernel_tma_prerounded`, carried beside the rounding one): A by descriptor as the
-truncating form reads it, B rounded by the warps as above. The tensor cores read an operand's top 19 bits, which
-is exact for a value already rounded to nearest TF32 (its low 13 mantissa bits zero): so where the binding makes
-the input's channels-last copy itself (an NCHW input, the common case: a model's input) its copy kernel rounds as
-it copies (kf_nchw_to_nhwc<float, TILE, true>: kf_round_tf32, three integer instructions a value in a pass bound
-by its memory traffic; its cost not yet measured) and this form multiplies the same TF32 values as the rounding
-form, without A's fragment loads, their rounding and the halves' extra wait (on an H200 the rounding form ran
-3-52% slower than the truncating one, bare: level-2 54 1.62 against 1.26 ms). A channels-last input is not
-copied, so the rounding form reads it.
+The pre-rounded form (`{k}_kernel_tma_prerounded`, carried beside the rounding one): A and B by descriptor, the
+truncating form's kernel text under its own name (a file carries one or the other for a convolution). The tensor
+cores read an operand's top 19 bits, which is exact for a value already rounded to nearest TF32 (its low 13
+mantissa bits zero): so where the binding makes the input's channels-last copy itself (an NCHW input, the common
+case: a model's input) its copy kernel rounds as it copies (kf_nchw_to_nhwc<float, TILE, true>: kf_round_tf32,
+three integer instructions a value in a pass bound by its memory traffic) and this form multiplies the same TF32
+values as the rounding form, without A's fragment loads, their rounding and the halves' extra wait (on an H200 the
+rounding form ran 3-52% slower than the truncating one, bare: level-2 54 1.62 against 1.26 ms). A channels-last
+input is not copied, so the rounding form reads it.
 
 Where it runs: the file carries it where DenseConfig.tma, which dense_config sets where `tma_shape` holds: a 2-d
 forward convolution, stride 1, dilation 1, groups 1, input channels a multiple of 32, output channels a multiple
@@ -92,7 +92,6 @@ if TYPE_CHECKING:
 TMA_THREADS = 384  # the producer's warpgroup and two consumer warpgroups
 TMA_BM = 256  # output pixels a block tile (one im2col box), 128 a consumer warpgroup
 TMA_STAGES = 4
-TMA_ROUNDERS = 64  # the producer warpgroup's threads that round each slot's weight tile (warps 1 and 2)
 # Fewer tiles than this stay on the dense kernel: twice an H100's or H200's 132 SMs, so that every persistent block
 # takes two tiles or more (its ring runs on across its epilogues) and no SM idles for want of a 256-pixel tile where
 # the dense kernel's 128-pixel ones would spread (chosen, not measured; smaller convolutions' files are smaller too)
@@ -109,9 +108,11 @@ def tma_shape(s: ConvShape) -> bool:
             and tma_tiles(s) >= TMA_MIN_TILES)
 
 
-# The kernel's forms, by how each operand reaches the tensor cores (the module's docstring): "rounding" rounds A in
-# its register fragments and B in place; "prerounded" reads A by descriptor, as it is, from an input the binding's
-# copy rounded, and rounds B in place; "truncating" reads both by descriptor (round_tf32 off)
+# The kernel's forms, by how A reaches the tensor cores (the module's docstring): "rounding" rounds it in its
+# register fragments; "prerounded" reads it by descriptor, as it is, from an input the binding's copy rounded;
+# "truncating" (round_tf32 off) reads it by descriptor too: the same kernel text as "prerounded" (a file carries one
+# or the other for a convolution, never both). B is read by descriptor in every form: the binding rounds the
+# weight once a version where the file rounds (_KernelLibrary._tf32_weight)
 TMA_FORMS = ("rounding", "prerounded", "truncating")
 
 
@@ -147,9 +148,8 @@ def tma_tiles(s: ConvShape) -> int:
 
 def tma_smem_bytes(bn: int, ch: int) -> int:
     """Dynamic shared memory: the ring's slots (256 pixels + bn weight rows of 128 bytes each), the 1024-byte
-    alignment of the swizzled tiles, the mbarriers (full, empty, ready), and each consumer warpgroup's staged
-    columns."""
-    return TMA_STAGES * (TMA_BM + bn) * 128 + 1024 + 3 * TMA_STAGES * 8 + 2 * ch * LDC * 4
+    alignment of the swizzled tiles, the mbarriers (full, empty), and each consumer warpgroup's staged columns."""
+    return TMA_STAGES * (TMA_BM + bn) * 128 + 1024 + 2 * TMA_STAGES * 8 + 2 * ch * LDC * 4
 
 
 CONV_TMA_PRELUDE = r"""
@@ -274,18 +274,8 @@ inline void warpgroup_sync(int cw) {
 }
 #endif
 
-// The rounding to nearest TF32 (cvt.rna, as the dense kernel's operands; round_tf32): a weight tile of FLOAT4S
-// float4s in place, by THREADS threads of which this is thread t (consecutive threads, consecutive 16 bytes)
-template <int FLOAT4S, int THREADS>
-__device__ __forceinline__ void round_in_place(unsigned char* tile, int t) {
-  float4* const v4 = reinterpret_cast<float4*>(tile);
-#pragma unroll 4
-  for (int i = 0; i < FLOAT4S / THREADS; ++i) {
-    const float4 v = v4[t + i * THREADS];
-    v4[t + i * THREADS] = float4{kf_round_tf32(v.x), kf_round_tf32(v.y), kf_round_tf32(v.z), kf_round_tf32(v.w)};
-  }
-}
-// ... and a consumer thread's register fragments of 64 rows of a slot's im2col tile (from `rows`, 1024-byte aligned)
+// The rounding to nearest TF32 (cvt.rna, as the dense kernel's operands; round_tf32) of A in the rounding form: a
+// consumer thread's register fragments of 64 rows of a slot's im2col tile (from `rows`, 1024-byte aligned)
 // for wgmma's RS form (kf_cw_mma_ra_nN), the four k8 steps ks: rows row and row + 8, k columns tq and tq + 4 of the
 // step (PTX's m64k8 TF32 A fragment), read from the 128-byte swizzle, rounded. A warp's load of one register reads
 // eight rows (row % 8 = lane / 4) at one 16-byte chunk, stored at chunk c ^ (row % 8), four lanes each: 32 banks.
@@ -392,25 +382,12 @@ KF_EXPORT int kf_conv_tma_ready() { return kf_wg::sm90_sms() > 0 && kf_tma::enco
 
 def render_dense_tma(k: str, s: ConvShape, form: str, operand_params: str, stores: str) -> str:
     """The text of `{k}_kernel_tma{tma_suffix(form)}` for convolution `s` (tma_form holds) in `form` (TMA_FORMS):
-    B rounded in place by the producer warpgroup's warps 1 and 2 unless truncating, A rounded in the consumers'
-    register fragments where rounding, else read by descriptor; `stores` is conv_geometry's tile_stores for
-    tma_tile's CH columns, 128 threads whose index is `t`."""
+    A rounded in the consumers' register fragments where rounding, else read by descriptor (prerounded and
+    truncating: the same text); B by descriptor, as the launcher is given it; `stores` is conv_geometry's
+    tile_stores for tma_tile's CH columns, 128 threads whose index is `t`."""
     assert form in TMA_FORMS, form
     bn, ch = tma_tile(s)
     (r, sk), (ph, pw), (p, q) = s.kernel, s.padding, s.out_size
-    if form != "truncating":  # the rounding warps
-        ready = f"\n      kf_tma::bar_init(&ready[i], {TMA_ROUNDERS});  // every rounding thread, its part in place"
-        rounders = f"""
-    }} else if (threadIdx.x >= 32 && threadIdx.x < 32 + {TMA_ROUNDERS}) {{  // warps 1 and 2: each slot's B rounded
-      for (unsigned it = 0; it < (unsigned)my_tiles * KT; ++it) {{
-        const int slot = it % STAGES;
-        kf_tma::wait(&full[slot], (it / STAGES) & 1);
-        kf_tma::round_in_place<TBN * 8, {TMA_ROUNDERS}>(ring + slot * STAGE_BYTES + A_BYTES, threadIdx.x - 32);
-        kf_wg::fence_async();  // these generic-proxy writes, then the consumers' wgmma (async-proxy) reads
-        kf_tma::arrive(&ready[slot]);
-      }}"""
-    else:
-        ready, rounders = "", ""
     frags = "\n      unsigned frag[2][4][4];  // A fragments of both 64-row halves" if form == "rounding" else ""
     return f"""#if defined(__CUDACC__) || defined(KF_EMULATION)
 __global__ void __launch_bounds__({TMA_THREADS}, 1) {k}_kernel_tma{tma_suffix(form)}(const __grid_constant__ CUtensorMap tmap_x, const __grid_constant__ CUtensorMap tmap_w, const float* __restrict__ bias, float* __restrict__ out{operand_params}) {{
@@ -424,14 +401,13 @@ __global__ void __launch_bounds__({TMA_THREADS}, 1) {k}_kernel_tma{tma_suffix(fo
   unsigned char* const ring = reinterpret_cast<unsigned char*>(kf_tma_raw) + (-(uintptr_t)kf_tma_raw & 1023);
   uint64_t* const full = reinterpret_cast<uint64_t*>(ring + STAGES * STAGE_BYTES);
   uint64_t* const empty = full + STAGES;
-  [[maybe_unused]] uint64_t* const ready = empty + STAGES;  // the slot's B rounded (not where truncating)
-  float* const staged = reinterpret_cast<float*>(ready + STAGES);  // each consumer warpgroup's CH columns
+  float* const staged = reinterpret_cast<float*>(empty + STAGES);  // each consumer warpgroup's CH columns
   __shared__ int img_t[2][WG_M], pix_t[2][WG_M];
   const int wg = threadIdx.x / 128, lane = threadIdx.x % 32;
   if (threadIdx.x == 0) {{
     for (int i = 0; i < STAGES; ++i) {{
       kf_tma::bar_init(&full[i], 1);
-      kf_tma::bar_init(&empty[i], 8);  // every consumer warp arrives once its products reading the slot are done{ready}
+      kf_tma::bar_init(&empty[i], 8);  // every consumer warp arrives once its products reading the slot are done
     }}
     kf_tma::fence_init();
   }}
@@ -452,7 +428,7 @@ __global__ void __launch_bounds__({TMA_THREADS}, 1) {k}_kernel_tma{tma_suffix(fo
           kf_tma::im2col(a, &tmap_x, &full[slot], cb * 32, q - PAD_W, p - PAD_H, img, rs % S, rs / S);
           kf_tma::tile2d(a + A_BYTES, &tmap_w, &full[slot], kb * 32, tn * TBN);
         }}
-      }}{rounders}
+      }}
     }}
   }} else {{  // consumer warpgroup cw: rows cw * 128.. of each tile
     kf_tma::consumer_registers();
@@ -519,15 +495,13 @@ __global__ void __launch_bounds__({TMA_THREADS}, 1) {k}_kernel_tma{tma_suffix(fo
 
 def _products(bn: int, form: str) -> str:
     """C lines: a consumer warpgroup's products of k block kb from its slot (a: its 128 rows of A, b: B), then the
-    previous slot handed back. B rounded (not where truncating): once the slot's `ready` barrier says so. A by
-    descriptor (truncating, prerounded): the k block's eight products one wgmma group. A rounded in registers:
+    previous slot handed back. B by descriptor in every form. A by descriptor (truncating, prerounded): the k
+    block's eight products one wgmma group. A rounded in registers:
     each 64-row half mi its group, A from fragment set mi; wgmma reads those registers asynchronously, so set mi is
     loaded again only after the wait_group 1 that retires the group before (the other half's), which has retired
     the previous k block's mi group too."""
-    ready = "" if form == "truncating" else """        kf_tma::wait(&ready[slot], (it / STAGES) & 1);  // ... and its B rounded
-"""
     if form != "rounding":
-        return ready + f"""        kf_wg::fence();
+        return f"""        kf_wg::fence();
 #pragma unroll
         for (int ks = 0; ks < 4; ++ks)
 #pragma unroll
@@ -536,7 +510,7 @@ def _products(bn: int, form: str) -> str:
         kf_wg::wait<1>();  // the previous k block's products are done: hand its slot back
         __syncwarp();  // (the emulation's lanes run apart; on the GPU the warp is converged here)
         if (kb > 0 && lane == 0) kf_tma::arrive(&empty[(it - 1) % STAGES]);"""
-    return ready + f"""#pragma unroll
+    return f"""#pragma unroll
         for (int mi = 0; mi < 2; ++mi) {{
           kf_tma::rounded_fragments(frag[mi], a + mi * 64 * 32, row, tq);
           kf_wg::fence();
@@ -561,6 +535,7 @@ def tma_launcher(k: str, s: ConvShape, form: str, launch_params: str, launch_arg
     name = f"{k}_kernel_tma{tma_suffix(form)}"
     what = "x rounded to nearest TF32 by the binding's copy, read as it is" if form == "prerounded" else \
         "never another kernel, which would read x as NCHW"
+    what += "; w as it is (the binding's copy rounded to nearest TF32 once a version, where the form rounds)"
     counted = "++kf_conv_tma_count;" + (" ++kf_conv_tma_prerounded_count;" if form == "prerounded" else "")
     return f"""#if defined(__CUDACC__) || defined(KF_EMULATION)
 // {k}'s TMA im2col kernel, {form} form (codegen.conv_tma), on a channels-last x; {what}
