@@ -196,8 +196,8 @@ def _binding(plan: Plan, step: AttnStep) -> Binding:
     if guarded:
         rows, cols = step.dims[3:5]
         lines.append(f'    if self._causal_mask("{k}", mask, sources, "{step.mask_kind}", {rows}, {cols}):')
-        lines.append("        # the mask checked causal: the causal kernel, which reads no mask and skips the key tiles "
-                     "past the diagonal")
+        lines.append("        # the mask checked causal: the causal kernel (reads no mask, skips the key tiles past "
+                     "the diagonal)")
         causal = ", ".join(f"{n}.data_ptr()" for n in ["q", "k", "v", "out"])
         lines.append(f'        self._launch(self._{k}_causal, "{k}", q, {causal})')
         lines.append("        return out")

@@ -226,8 +226,8 @@ def _attention_lines(graph, step: AttnStep, names: dict[str, str]) -> list[str]:
         args = ", ".join(names[i.ref.name] for i in step.inputs)
         lines = [f"    # {step.kernel}: {step.chain(graph)}  (flash-attention kernel, {step.origin})"]
         if step.causal_guard is not None:  # the buffers the mask is made from: the binding's check is per version
-            sources = "".join(f"{names[n]}, " for n in step.causal_guard)
-            args += f", ({sources.removesuffix(' ') if len(step.causal_guard) == 1 else sources.removesuffix(', ')})"
+            sources = [names[n] for n in step.causal_guard]
+            args += f", ({', '.join(sources)}{',' if len(sources) == 1 else ''})"
             lines.append("    # causal where its binding finds the mask causal (checked once per version of these "
                          "buffers), else masked")
         return [*lines, f"    v_{step.out} = ext.{step.kernel}({args})"]

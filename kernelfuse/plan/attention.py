@@ -25,8 +25,8 @@ from dataclasses import replace
 import torch
 
 from kernelfuse.capture import Graph, Node, Ref, schema_args
-from kernelfuse.plan.attention_inputs import FLAT_RESHAPES, past_copies, private, repeated_heads, repeated_source
 from kernelfuse.plan.aliasing import weight_only
+from kernelfuse.plan.attention_inputs import FLAT_RESHAPES, past_copies, private, repeated_heads, repeated_source
 from kernelfuse.plan.attention_views import causal_mask_matches, mask_view, strides_of, window_view
 from kernelfuse.plan.interpret import call_aten
 from kernelfuse.plan.ir import AttnInput, AttnStep
