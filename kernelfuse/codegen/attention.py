@@ -22,6 +22,9 @@ on tensor cores too where the step's arithmetic allows: TF32 under the tf32 poli
 arithmetic) for SDPA nodes under the strict policy, in the same flash structure where the layout allows
 (`kf_attention_fa2_f32_kernel`: m16n8k8 fragments by plain shared-memory loads, operands split as loaded); hand-written
 fp32 attention under the strict policy keeps exact FMA (its `-3xtf32` twin is judged).
+A step whose constant mask the planner found causal (AttnStep.causal_guard) gets a second launcher, causal without
+the mask; its binding runs it where `_KernelLibrary._causal_mask` finds the forward's mask causal, the masked
+launcher otherwise: one mechanism for every dtype and kernel, since the step's `causal` flag drives them all.
 """
 
 from __future__ import annotations

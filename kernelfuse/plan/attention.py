@@ -15,6 +15,8 @@ dropout between softmax and the bmm does not match: eager's random stream cannot
 that attention stays unfused.
 Rows whose every key is masked: NaN in the hand-written form (softmax of all -inf), zeros in SDPA (torch >= 2.5);
 the step records which.
+A mask computed from buffers and literals alone whose value (from the buffers the capture read) is causal gets a
+causal guard (`_causal_guard`): the kernel runs as causal once its binding has checked the mask at run time.
 """
 
 from __future__ import annotations
