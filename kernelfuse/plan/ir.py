@@ -268,10 +268,10 @@ class AttnStep:
     # tanh, times cap; (the multiplier inside, the one outside), or None
     softcap: tuple[float, float] | None = None
     # the mask is causal (kernelfuse.plan.attention_views.causal_mask_matches) for the values the planner saw, and
-    # is computed from these parameters and buffers (and literals) alone: the kernel step runs as causal, reading
-    # no mask and skipping the key tiles past the diagonal, once its binding has checked the mask the forward
-    # computes (once per version of these tensors); where the check fails, with the mask as planned (`causal` stays
-    # False here: the step's own fields are the masked attention). None: no such guard
+    # is computed from these buffers (and literals) alone: the kernel step runs as causal, reading no mask and
+    # skipping the key tiles past the diagonal, once its binding has checked the mask the forward computes (once
+    # per version of these buffers); where the check fails, with the mask as planned (`causal` stays False here:
+    # the step's own fields are the masked attention). None: no such guard
     causal_guard: tuple[str, ...] | None = None
 
     @property
