@@ -742,12 +742,15 @@ def shape_of(name: str) -> Case:
 
 
 # Attentions through the planner, as attention_probe's Case with more masks: "none"; "causal" (SDPA's is_causal);
-# "tril" (minGPT's masked_fill by a causal mask tensor, MASK 2); "add" (a per-head additive mask, Swin's); "pad-add"
+# "tril" (minGPT's masked_fill by its lower-triangular buffer, `bias[:, :, :S, :S] == 0`: the planner's causal guard
+# runs it as causal once the binding has checked the mask); "tril-input" (the same mask handed in as an input: the
+# masked kernel, MASK 2, as every minGPT form ran before the guard); "add" (a per-head additive mask, Swin's); "pad-add"
 # and "pad-keep" (BERT's padding (B, 1, 1, L), additive 0 or bf16's lowest as transformers fills it, or bool; batch
 # b's keys valid up to S / 2 + b S / 2B). attention_probe's shapes where it has them, a long d32, a d80, BERT-base.
 FORMS = [
     replace(shape_of("L3-44 minGPT"), name="minGPT d96 causal"),
     replace(shape_of("L3-44 minGPT"), name="minGPT d96 masked_fill", mask="tril"),
+    replace(shape_of("L3-44 minGPT"), name="minGPT d96 masked_fill input mask", mask="tril-input"),
     Case("d80 causal", 8, 16, 1024, 80, "causal"),
     replace(shape_of("UNet self-attn"), name="UNet d40"),
     Case("d32", 8, 16, 1024, 32, "none"),
@@ -758,22 +761,31 @@ FORMS = [
 
 
 def is_causal(form: Case) -> bool:
-    return form.mask in ("causal", "tril")
+    return form.mask in ("causal", "tril", "tril-input")
 
 
 class FormModel(torch.nn.Module):
     """One form's attention (its source names scaled_dot_product_attention: capture keeps the call whole)."""
 
-    def __init__(self, mask: str) -> None:
+    def __init__(self, mask: str, seq: int = 0) -> None:
         super().__init__()
         self.mask = mask
+        if mask == "tril":  # minGPT's buffer
+            self.register_buffer("bias", causal_buffer(seq, "cpu"))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *mask: torch.Tensor) -> torch.Tensor:
-        if self.mask == "tril":
+        if self.mask in ("tril", "tril-input"):
             att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))
-            return torch.softmax(att.masked_fill(mask[0], float("-inf")), dim=-1) @ v
+            s = q.shape[-2]
+            drop = self.bias[:, :, :s, :s] == 0 if self.mask == "tril" else mask[0]
+            return torch.softmax(att.masked_fill(drop, float("-inf")), dim=-1) @ v
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[0] if mask else None,
                                               is_causal=self.mask == "causal")
+
+
+def causal_buffer(seq: int, device: str) -> torch.Tensor:
+    """minGPT's `bias` buffer: lower-triangular ones, (1, 1, seq, seq)."""
+    return torch.tril(torch.ones(seq, seq, device=device)).view(1, 1, seq, seq)
 
 
 def form_inputs(form: Case, device: str) -> list[torch.Tensor]:
@@ -786,7 +798,7 @@ def form_inputs(form: Case, device: str) -> list[torch.Tensor]:
 
     tensors = [make((b, h, s, d), torch.bfloat16, lambda: torch.randn(b, h, s, d, generator=g)) for _ in range(3)]
     valid = torch.arange(s) < (s // 2 + torch.arange(b) * s // (2 * b)).view(b, 1, 1, 1)
-    if form.mask == "tril":
+    if form.mask == "tril-input":
         tensors.append(make((s, s), torch.bool, lambda: torch.ones(s, s, dtype=torch.bool).triu(1)))
     elif form.mask == "add":
         tensors.append(make((h, s, s), torch.bfloat16, lambda: torch.randn(h, s, s, generator=g)))
@@ -799,15 +811,22 @@ def form_inputs(form: Case, device: str) -> list[torch.Tensor]:
 
 
 def form_plan(form: Case) -> Plan:
-    plan = make_plan(capture_module(FormModel(form.mask), form_inputs(form, "meta")))
+    plan = make_plan(capture_module(FormModel(form.mask, form.seq), form_inputs(form, "meta")))
     assert len(plan.attention) == 1 and not plan.generated, plan.summary()
+    assert (plan.attention[0].causal_guard is not None) == (form.mask == "tril"), plan.summary()
     return plan
 
 
-def step_inputs(form: Case, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """What the step's kernel takes: the graph's inputs, kᵀ for minGPT's form (its q @ kᵀ reads the transpose)."""
+def step_inputs(form: Case, tensors: list[torch.Tensor]) -> list:
+    """What the step's kernel takes: the graph's inputs, kᵀ for minGPT's forms (its q @ kᵀ reads the transpose);
+    for "tril" the mask its forward computes from the buffer, and the buffer (the binding checks the mask causal
+    once per version of it, then runs the causal kernel)."""
     q, k, v, *mask = tensors
-    return [q, k.transpose(-2, -1) if form.mask == "tril" else k, v, *mask]
+    if form.mask == "tril":
+        bias = causal_buffer(form.seq, q.device.type)
+        s = form.seq
+        return [q, k.transpose(-2, -1), v, bias[:, :, :s, :s] == 0, (bias,)]
+    return [q, k.transpose(-2, -1) if form.mask == "tril-input" else k, v, *mask]
 
 
 def build():  # noqa: ANN201 - torch's extension module, the forms' libraries
@@ -928,6 +947,10 @@ def form_check(lib, step: AttnStep, form: Case) -> bool:  # noqa: ANN001 - the f
         errors.append((got - want).abs().nan_to_num(0.0).max().item())
     good = errors[0] <= 3 * errors[1] + 1e-3
     print(f"  max abs err {errors[0]:.2e} (mma.sync {errors[1]:.2e}){'' if good else ' WRONG'}")
+    if step.causal_guard is not None:  # the binding's cached verdict: the causal kernel ran
+        causal = [entry[2] for key, entry in lib._causal_masks.items() if key[0] == step.kernel]
+        print(f"  the mask checked causal: {causal == [True]}")
+        good &= causal == [True]
     return good
 
 

@@ -9,6 +9,7 @@ earlier nodes; everything else in `args` is a Python constant. Graph inputs are 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cache, cached_property
 
@@ -118,6 +119,10 @@ class Graph:
     call: CallSpec | None = field(default=None, compare=False, hash=False, repr=False)
     # the dtype of CUDA autocast the forward was traced under (the bf16 policy; its casts are nodes), or None
     autocast: torch.dtype | None = None
+    # the module's buffers at capture time by attribute path (the live tensors, not copies), so that the planner may
+    # read a constant's value (kernelfuse.plan.attention: a mask that is causal); None where not known (a graph built
+    # by hand). The emitted file never relies on them without checking them again at run time
+    state_values: Mapping[str, torch.Tensor] | None = field(default=None, compare=False, hash=False, repr=False)
     _index: dict[str, Node] = field(default_factory=dict, compare=False, repr=False)
     _users: dict[str, list[Node]] = field(default_factory=dict, compare=False, repr=False)
     _first: dict[tuple, Node] = field(default_factory=dict, compare=False, repr=False)

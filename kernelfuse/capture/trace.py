@@ -158,6 +158,9 @@ def _capture_call(model: torch.nn.Module, params: tuple[Param, ...], tensors: li
         raise capture_error(err, what) from None
     modes = "".join("1" if m.training else "0" for m in model.modules())
     graph = _to_graph(gm, names, kinds, model.training, CallSpec(params, returned[-1]), modes)
+    # the buffers' values for the planner (references: the live tensors), where they hold data (not meta tensors)
+    buffers = {n: t for (n, t), kind in zip(state, kinds, strict=True) if kind == "buffer" and not t.is_meta}
+    graph = replace(graph, state_values=buffers)
     if autocast is None:
         return graph
     # traced on a fake CUDA device: the graph's devices say "cpu", as a CPU trace's do (the emitted forward uses its

@@ -22,6 +22,9 @@ on tensor cores too where the step's arithmetic allows: TF32 under the tf32 poli
 arithmetic) for SDPA nodes under the strict policy, in the same flash structure where the layout allows
 (`kf_attention_fa2_f32_kernel`: m16n8k8 fragments by plain shared-memory loads, operands split as loaded); hand-written
 fp32 attention under the strict policy keeps exact FMA (its `-3xtf32` twin is judged).
+A step whose constant mask the planner found causal (AttnStep.causal_guard) gets a second launcher, causal without
+the mask; its binding runs it where `_KernelLibrary._causal_mask` finds the forward's mask causal, the masked
+launcher otherwise: one mechanism for every dtype and kernel, since the step's `causal` flag drives them all.
 """
 
 from __future__ import annotations
@@ -128,7 +131,17 @@ def input_strides(step: AttnStep) -> dict[str, tuple[int, ...]]:
 
 
 def render_attention(plan: Plan, step: AttnStep) -> tuple[str, Binding]:
-    """(the step's launcher, its Python binding); the kernels are kernelfuse.codegen.attention_prelude's templates."""
+    """(the step's launcher, its Python binding); the kernels are kernelfuse.codegen.attention_prelude's templates.
+    A step with a causal guard has two launchers: `{kernel}_launch` with its mask, and `{kernel}_causal_launch`,
+    causal without it, which the binding calls once it has checked that the mask is causal."""
+    source = _launcher(plan, step, step.kernel)
+    if step.causal_guard is not None:
+        source += _launcher(plan, step.as_causal(), f"{step.kernel}_causal")
+    return source, _binding(plan, step)
+
+
+def _launcher(plan: Plan, step: AttnStep, name: str) -> str:
+    """The C launcher `{name}_launch` of the step's kernel."""
     b, h, hk, s, length, d = step.dims
     ctype = C_TYPES[step.out_meta.dtype]
     tensor_cores = uses_tensor_cores(step)
@@ -156,20 +169,25 @@ def render_attention(plan: Plan, step: AttnStep) -> tuple[str, Binding]:
         launch = f"kf_attention_tc<{mask_type}, {d}, {kind}, {flags}, {flash_config(step, strides).template_args(d)}>"
     else:
         launch = f"kf_attention<{ctype}, {mask_type}, {d}, {bq}, {bk}, {kind}, {flags}>"
-    source = f"""// {step.kernel}: {step.chain(plan.graph)}  (B={b} H={h} KV heads={hk} S={s} L={length} D={d})
-KF_EXPORT cudaError_t {step.kernel}_launch({args}void* out, cudaStream_t stream) {{
+    what = ", causal: its mask checked causal" if step.causal and name != step.kernel else ""
+    return f"""// {step.kernel}: {step.chain(plan.graph)}  (B={b} H={h} KV heads={hk} S={s} L={length} D={d}{what})
+KF_EXPORT cudaError_t {name}_launch({args}void* out, cudaStream_t stream) {{
   const kf_attn_params p = {{q, k, v, {mask}, out, {h}, {h // hk}, {s}, {length}, {arrays},
                             {float_literal(step.scale)}, {windows}, {softcap}}};
   return {launch}(p, {b}, stream);
 }}
 """
-    return source, _binding(plan, step)
 
 
 def _binding(plan: Plan, step: AttnStep) -> Binding:
+    """The method `{kernel}(q, k, v[, mask][, windows])`. With a causal guard it also takes `sources`, the
+    parameters and buffers the forward computed the mask from, and runs the causal launcher where
+    `_KernelLibrary._causal_mask` finds the mask causal (None: a mask of unknown origin, checked at every call)."""
     k = step.kernel
     names = ["q", "k", "v"] + (["mask"] if step.mask else []) + (["windows"] if step.windows else [])
-    lines = [f"# {k}: {step.chain(plan.graph)}  (flash attention)", f"def {k}(self, {', '.join(names)}):"]
+    guarded = step.causal_guard is not None
+    params = ", ".join(names) + (", sources=None" if guarded else "")
+    lines = [f"# {k}: {step.chain(plan.graph)}  (flash attention)", f"def {k}(self, {params}):"]
     for name, inp in zip(names, step.inputs, strict=True):
         meta = inp.meta
         lines.append(f'    _check({name}, "{k} {name} (%{inp.ref.name})", {py_tuple(meta.shape)}, '
@@ -177,6 +195,16 @@ def _binding(plan: Plan, step: AttnStep) -> Binding:
     lines.append(f"    out = q.new_empty_strided({py_tuple(step.out_meta.shape)}, {py_tuple(step.out_meta.stride)}, "
                  f"dtype={step.out_meta.dtype})")
     ptrs = ", ".join(f"{n}.data_ptr()" for n in [*names, "out"])
+    init = pointer_launcher(k, len(names) + 1)
+    if guarded:
+        rows, cols = step.dims[3:5]
+        lines.append(f'    if self._causal_mask("{k}", mask, sources, "{step.mask_kind}", {rows}, {cols}):')
+        lines.append("        # the mask checked causal: the causal kernel (reads no mask, skips the key tiles past "
+                     "the diagonal)")
+        causal = ", ".join(f"{n}.data_ptr()" for n in ["q", "k", "v", "out"])
+        lines.append(f'        self._launch(self._{k}_causal, "{k}", q, {causal})')
+        lines.append("        return out")
+        init += "\n" + pointer_launcher(f"{k}_causal", 4)
     lines.append(f'    self._launch(self._{k}, "{k}", q, {ptrs})')
     lines.append("    return out")
-    return Binding(pointer_launcher(k, len(names) + 1), "\n".join(lines))
+    return Binding(init, "\n".join(lines))

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kernelfuse.plan.attention_views import causal_mask_matches
+
 
 def _layout_error(t, what, shape, strides, dtype):
     """The message of a failed check: what differs from the layout the kernel was built for."""
@@ -67,6 +69,7 @@ class _KernelLibrary:
         self._lib.kf_error_string.restype = ctypes.c_char_p
         self._tma_ready = {}  # device index -> whether the convolutions' TMA kernels run there
         self._tf32_weights = {}  # convolution -> (key, weight, its copy rounded to nearest TF32): _tf32_weight
+        self._causal_masks = {}  # (attention, its mask's sources) -> (key, sources, verdict): _causal_mask
 
     def _allow_wgmma(self, built_for_sm90a):
         """Tell the GEMM, convolution and attention launchers whether this library holds the sm_90a (wgmma) kernels:
@@ -122,6 +125,31 @@ class _KernelLibrary:
         cached = self._tf32_weights.get(kernel)
         if cached is None or cached[0] != key:
             cached = self._tf32_weights[kernel] = (key, w, self._round_tf32(w))
+        return cached[2]
+
+    def _causal_mask(self, kernel, mask, sources, kind, rows, cols):
+        """Whether attention `kernel`'s mask is causal over its (rows, cols) scores (causal_mask_matches), so that
+        its causal launcher, which reads no mask and skips the key tiles past the diagonal, computes what the mask
+        does. The planner found it so for the buffers it saw, but a user may change them (load_state_dict, an
+        in-place edit): it is checked here on the mask the forward computed, once per version of `sources` (the
+        parameters and buffers the mask is computed from, with literals only: keyed by identity, data pointer,
+        version counter, device, dtype, shape and strides; the entry holds them, so no other tensor takes their
+        address while it stands; a write through `.data` bypasses the counter: then `_causal_masks.clear()`).
+        Never inside a CUDA graph capture (the check waits for the device): there the verdict found before it
+        stands, where there is one (the warm-up call before a capture finds it), else the masked launcher runs.
+        `sources` None (a mask of unknown origin) or one without a version counter (an inference tensor): checked
+        at every call outside a capture."""
+        if sources is None or any(s.is_inference() for s in sources):
+            return not self._capturing(mask) and causal_mask_matches(mask, kind, rows, cols)
+        key = [(id(s), s.data_ptr(), s._version, s.device, s.dtype, s.shape, s.stride()) for s in sources]
+        slot = (kernel, *(id(s) for s in sources))
+        cached = self._causal_masks.get(slot)
+        if cached is None or cached[0] != key:
+            if self._capturing(mask):
+                return False
+            if len(self._causal_masks) >= 16:  # modules of their own (one library serves them all): the oldest goes
+                self._causal_masks.pop(next(iter(self._causal_masks)))
+            cached = self._causal_masks[slot] = (key, tuple(sources), causal_mask_matches(mask, kind, rows, cols))
         return cached[2]
 
     @staticmethod
@@ -222,7 +250,7 @@ class _Kernels(_KernelLibrary):
 def runtime_source() -> str:
     """The helpers above as the emitted file's text."""
     return "\n\n".join(inspect.getsource(obj).strip("\n") + "\n"
-                       for obj in (_layout_error, _check, _check_dense, _KernelLibrary))
+                       for obj in (_layout_error, _check, _check_dense, causal_mask_matches, _KernelLibrary))
 
 
 def _indent(text: str, prefix: str) -> str:

@@ -93,6 +93,9 @@ def _dry_kernels(binding: str) -> object:
         def _conv_tma_ready(self, tensor: torch.Tensor) -> bool:  # no library: no TMA kernel runs
             return False
 
+        def _causal_mask(self, *args: object) -> bool:  # meta tensors hold no values: the masked launcher's path
+            return False
+
     return DryKernels()
 
 

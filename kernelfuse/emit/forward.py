@@ -224,8 +224,13 @@ def _attention_lines(graph, step: AttnStep, names: dict[str, str]) -> list[str]:
     names[step.out] = f"v_{step.out}"
     if step.impl == "kernel":
         args = ", ".join(names[i.ref.name] for i in step.inputs)
-        return [f"    # {step.kernel}: {step.chain(graph)}  (flash-attention kernel, {step.origin})",
-                f"    v_{step.out} = ext.{step.kernel}({args})"]
+        lines = [f"    # {step.kernel}: {step.chain(graph)}  (flash-attention kernel, {step.origin})"]
+        if step.causal_guard is not None:  # the buffers the mask is made from: the binding's check is per version
+            sources = [names[n] for n in step.causal_guard]
+            args += f", ({', '.join(sources)}{',' if len(sources) == 1 else ''})"
+            lines.append("    # causal where its binding finds the mask causal (checked once per version of these "
+                         "buffers), else masked")
+        return [*lines, f"    v_{step.out} = ext.{step.kernel}({args})"]
     batch = step.dims[0]
     q, k, v = (names[i.ref.name] + (".transpose(-2, -1)" if i.swap else "") +
                (f".unflatten(0, ({batch}, -1))" if len(i.meta.shape) == 3 else "") for i in step.inputs[:3])

@@ -15,6 +15,8 @@ dropout between softmax and the bmm does not match: eager's random stream cannot
 that attention stays unfused.
 Rows whose every key is masked: NaN in the hand-written form (softmax of all -inf), zeros in SDPA (torch >= 2.5);
 the step records which.
+A mask computed from buffers and literals alone whose value (from the buffers the capture read) is causal gets a
+causal guard (`_causal_guard`): the kernel runs as causal once its binding has checked the mask at run time.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ from dataclasses import replace
 import torch
 
 from kernelfuse.capture import Graph, Node, Ref, schema_args
+from kernelfuse.plan.aliasing import weight_only
 from kernelfuse.plan.attention_inputs import FLAT_RESHAPES, past_copies, private, repeated_heads, repeated_source
-from kernelfuse.plan.attention_views import mask_view, strides_of, window_view
+from kernelfuse.plan.attention_views import causal_mask_matches, mask_view, strides_of, window_view
+from kernelfuse.plan.interpret import call_aten
 from kernelfuse.plan.ir import AttnInput, AttnStep
 from kernelfuse.plan.schedule import FLOAT_DTYPES
 
@@ -47,6 +51,7 @@ def attention_steps(graph: Graph, first_kernel: int, library: bool = False, tf32
     steps: list[AttnStep] = []
     reasons: dict[str, str] = {}
     taken: set[str] = set()
+    constant: frozenset[str] | None = None  # the graph's weight-only values, found where a step has a mask
     for node in graph.nodes:
         if node.name in taken:
             continue
@@ -68,6 +73,10 @@ def attention_steps(graph: Graph, first_kernel: int, library: bool = False, tf32
         # window mask and no soft cap: such a step keeps the kernel in the library variant too
         as_call = library and found.activation == "softmax" and found.windows is None and found.softcap is None \
             and (found.mask is None or found.mask.meta.dtype in (torch.bool, found.out_meta.dtype))
+        if not as_call:
+            if constant is None:
+                constant = weight_only(graph)
+            found = _causal_guard(graph, found, constant)
         steps.append(replace(found, impl="library") if as_call else found)
         taken.update(found.replaces)
     return steps, reasons
@@ -219,6 +228,48 @@ def _from_handwritten(graph: Graph, pv: Node, kernel: str) -> AttnStep | str:
     except RuntimeError:
         return "window mask does not broadcast to (windows, heads, S, L)"
     return replace(step, windows=window, window_count=window_count)
+
+
+def _causal_guard(graph: Graph, step: AttnStep, constant: frozenset[str]) -> AttnStep:
+    """The step with a causal guard (AttnStep.causal_guard) where its mask is a constant whose value is causal:
+    minGPT's `masked_fill(self.bias[:, :, :T, :T] == 0, -inf)` over a lower-triangular buffer, an SDPA bool or
+    additive mask made so. The mask must depend on buffers and literals alone, through pure ops (no input, no
+    parameter, nothing written: kernelfuse.plan.aliasing.weight_only), and its value, computed here from the
+    buffers the capture read (Graph.state_values), must be exactly causal over the step's (S, L) scores. The step
+    is returned as it is otherwise; the emitted binding checks the mask again at run time either way."""
+    if step.mask is None or step.causal or step.windows is not None or graph.state_values is None \
+            or step.mask.ref.name not in constant:
+        return step
+    needed, todo = set(), [step.mask.ref.name]
+    while todo:
+        name = todo.pop()
+        if name not in needed:
+            needed.add(name)
+            todo.extend(r.name for r in graph[name].refs)
+    env: dict[str, object] = {}
+    try:
+        for node in graph.nodes:
+            if node.name not in needed:
+                continue
+            if node.op == "buffer":
+                value = graph.state_values.get(str(node.target))
+                if not isinstance(value, torch.Tensor) or value.is_meta:
+                    return step
+                env[node.name] = value
+            elif node.op == "param":
+                return step  # a trained value: no causal guard
+            else:
+                with torch.no_grad():
+                    env[node.name] = call_aten(node, env)
+        mask = env[step.mask.ref.name]
+        if not isinstance(mask, torch.Tensor) or mask.dtype != step.mask.meta.dtype \
+                or tuple(mask.shape) != step.mask.meta.shape \
+                or not causal_mask_matches(mask, step.mask_kind, step.dims[3], step.dims[4]):
+            return step
+    except Exception:  # noqa: BLE001 - a value the planner cannot compute (a fake tensor): no guard, the mask as it is
+        return step
+    sources = tuple(n.name for n in graph.nodes if n.name in needed and n.op == "buffer")
+    return replace(step, causal_guard=sources)
 
 
 def _step(graph: Graph, kernel: str, inputs: list[AttnInput], mask: AttnInput | None, kind: str, causal: bool,

@@ -36,6 +36,22 @@ def window_view(t: torch.Tensor, dims: tuple[int, ...], count: int) -> torch.Ten
     return t[0].expand(count, h, s, length)
 
 
+def causal_mask_matches(mask: torch.Tensor, kind: str, rows: int, cols: int) -> bool:
+    """Whether `mask`, broadcast over (..., rows, cols) scores, masks exactly the keys after each query's position
+    (top-left aligned, SDPA's is_causal: query i attends key j where j <= i): a "drop" mask (masked_fill's) True
+    exactly there, a "keep" mask (SDPA's bool mask) True exactly elsewhere, an additive mask -inf there and 0
+    elsewhere. One comparison on the mask's device and a sync for its verdict. Copied into the emitted file (its
+    attention bindings check a mask so before running it as causal: kernelfuse.codegen.binding)."""
+    keep = torch.ones(rows, cols, dtype=torch.bool, device=mask.device).tril()
+    if kind == "drop":
+        expected = ~keep
+    elif kind == "keep":
+        expected = keep
+    else:
+        expected = torch.zeros(rows, cols, dtype=mask.dtype, device=mask.device).masked_fill(~keep, float("-inf"))
+    return bool((mask == expected).all())
+
+
 def strides_of(meta: TensorMeta, view: Callable[[torch.Tensor], torch.Tensor]) -> tuple[int, ...]:
     """The element strides `view` gives a tensor laid out as `meta` (computed on a meta tensor)."""
     fake = torch.empty_strided(meta.shape, meta.stride, dtype=meta.dtype, device="meta")

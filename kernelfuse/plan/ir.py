@@ -267,10 +267,20 @@ class AttnStep:
     # Gemma 2's soft cap of the scaled scores, cap * tanh(x / cap), as eager computes it: x times the float 1 / cap,
     # tanh, times cap; (the multiplier inside, the one outside), or None
     softcap: tuple[float, float] | None = None
+    # the mask is causal (kernelfuse.plan.attention_views.causal_mask_matches) for the values the planner saw, and
+    # is computed from these buffers (and literals) alone: the kernel step runs as causal, reading no mask and
+    # skipping the key tiles past the diagonal, once its binding has checked the mask the forward computes (once
+    # per version of these buffers); where the check fails, with the mask as planned (`causal` stays False here:
+    # the step's own fields are the masked attention). None: no such guard
+    causal_guard: tuple[str, ...] | None = None
 
     @property
     def family(self) -> str:
         return "attention"
+
+    def as_causal(self) -> AttnStep:
+        """The step its guard runs where the mask checks causal: causal, no mask."""
+        return replace(self, mask=None, mask_kind="none", causal=True, causal_guard=None)
 
     def chain(self, graph: Graph) -> str:
         ops = [graph[n].op.split(".")[0] for n in self.replaces]
@@ -362,7 +372,9 @@ class Plan:
         for g in self.generated:
             lines.append(f"  generated {g.kernel}: {g.chain(self.graph)}  ({g.family} kernel)")
         for a in self.attention:  # no batch size: the CPU check compares this with a small-batch twin's summary
-            extra = (", causal" if a.causal else "") + (f", {a.mask_kind} mask" if a.mask is not None else "") + \
+            mask = f", causal ({a.mask_kind} mask verified causal at run time)" if a.causal_guard is not None else \
+                f", {a.mask_kind} mask" if a.mask is not None else ""
+            extra = (", causal" if a.causal else "") + mask + \
                 (f", {a.window_count}-window mask" if a.windows is not None else "") + \
                 (", grouped-query" if a.dims[2] != a.dims[1] else "") + (", relu" if a.activation == "relu" else "") + \
                 (f", soft cap {a.softcap[1]:g}" if a.softcap else "") + \
