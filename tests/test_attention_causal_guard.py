@@ -170,13 +170,17 @@ def test_the_verdict_is_cached_per_version_of_the_sources_and_never_found_in_a_c
     other = torch.ones(1, 1, 8, 8).tril()  # another module's buffer: an entry of its own
     assert lib._causal_mask("a0", other[:, :, :6, :6] == 0, (other,), "drop", 6, 6) and len(checks) == 4
     assert verdict() and len(checks) == 4
+    # a slice of another size of the same buffer version is another mask: checked, and cached beside the first
+    assert lib._causal_mask("a0", bias[:, :, :4, :4] == 0, (bias,), "drop", 4, 4) and len(checks) == 5
+    assert verdict() and len(checks) == 5
+    checks.clear()
     # a mask of unknown origin, or made from an inference tensor: checked at every call, never in a capture
-    assert lib._causal_mask("a0", bias[:, :, :6, :6] == 0, None, "drop", 6, 6) and len(checks) == 5
+    assert lib._causal_mask("a0", bias[:, :, :6, :6] == 0, None, "drop", 6, 6) and len(checks) == 1
     with torch.inference_mode():
         frozen = torch.ones(1, 1, 8, 8).tril()
-    assert lib._causal_mask("a0", frozen[:, :, :6, :6] == 0, (frozen,), "drop", 6, 6) and len(checks) == 6
+    assert lib._causal_mask("a0", frozen[:, :, :6, :6] == 0, (frozen,), "drop", 6, 6) and len(checks) == 2
     lib.capturing = True
-    assert not lib._causal_mask("a0", frozen[:, :, :6, :6] == 0, (frozen,), "drop", 6, 6) and len(checks) == 6
+    assert not lib._causal_mask("a0", frozen[:, :, :6, :6] == 0, (frozen,), "drop", 6, 6) and len(checks) == 2
 
 
 # ---- the emitted file, its kernels emulated on the CPU ----------------------------------------------------------

@@ -133,8 +133,9 @@ class _KernelLibrary:
         does. The planner found it so for the buffers it saw, but a user may change them (load_state_dict, an
         in-place edit): it is checked here on the mask the forward computed, once per version of `sources` (the
         parameters and buffers the mask is computed from, with literals only: keyed by identity, data pointer,
-        version counter, device, dtype, shape and strides; the entry holds them, so no other tensor takes their
-        address while it stands; a write through `.data` bypasses the counter: then `_causal_masks.clear()`).
+        version counter, device, dtype, shape and strides, and the mask's shape and strides, since a slice of
+        another size is another mask; the entry holds them, so no other tensor takes their address while it
+        stands; a write through `.data` bypasses the counter: then `_causal_masks.clear()`).
         Never inside a CUDA graph capture (the check waits for the device): there the verdict found before it
         stands, where there is one (the warm-up call before a capture finds it), else the masked launcher runs.
         `sources` None (a mask of unknown origin) or one without a version counter (an inference tensor): checked
@@ -142,7 +143,8 @@ class _KernelLibrary:
         if sources is None or any(s.is_inference() for s in sources):
             return not self._capturing(mask) and causal_mask_matches(mask, kind, rows, cols)
         key = [(id(s), s.data_ptr(), s._version, s.device, s.dtype, s.shape, s.stride()) for s in sources]
-        slot = (kernel, *(id(s) for s in sources))
+        key.append((mask.shape, mask.stride()))  # a slice of the buffers of another size: checked again
+        slot = (kernel, tuple(mask.shape), *(id(s) for s in sources))  # a size a slot: dynamic shapes
         cached = self._causal_masks.get(slot)
         if cached is None or cached[0] != key:
             if self._capturing(mask):
