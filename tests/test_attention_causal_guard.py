@@ -98,6 +98,23 @@ def test_a_constant_mask_that_is_not_causal_stays_a_mask(how):
     assert "verified causal" not in plan.summary()
 
 
+class PositionMask(nn.Module):
+    """A causal keep mask built in forward from positions made on the input's device (transformers' Llama builds
+    its SDPA mask so): no buffer at all, only literals and the input's shape."""
+
+    def forward(self, x):
+        b, h, t, d = x.shape
+        pos = torch.arange(t, device=x.device)
+        keep = pos[None, :] <= pos[:, None]
+        return F.scaled_dot_product_attention(x, x, x, attn_mask=keep.expand(b, 1, t, t))
+
+
+def test_a_causal_mask_made_from_positions_gets_the_guard_with_no_sources():
+    plan = make_plan(rewrite(capture_module(PositionMask(), [torch.randn(2, 2, 13, 16)])))
+    (step,) = plan.attention
+    assert step.mask_kind == "keep" and step.causal_guard == ()  # the binding's verdict: one per mask size
+
+
 def test_a_mask_that_depends_on_an_input_stays_a_mask():
     _, _, _, plan = _plan("causal", gate=True)
     (step,) = plan.attention

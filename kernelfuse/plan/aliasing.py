@@ -15,13 +15,15 @@ from kernelfuse.ops import VIEW_OPS
 STATE_OPS = ("param", "buffer")
 
 
-def weight_only(graph: Graph) -> frozenset[str]:
+def weight_only(graph: Graph, device_args: bool = False) -> frozenset[str]:
     """Nodes whose values depend only on parameters, buffers and constants, the same in every call.
 
     Excluded: forward inputs and everything computed from them; impure ops (random draws, uninitialised memory,
     in-place ops, batch norm, whose running statistics change in training mode); every tensor an op writes, with
     the values sharing its storage (a buffer the forward updates differs before and after the update); ops with
-    a device argument (a constant made on the inputs' device, which the cache key does not see).
+    a device argument (a constant made on the inputs' device, which the cache key does not see), unless
+    `device_args` (a caller that checks the values where they are: the attention's causal guard, for masks that
+    library code builds with `arange(..., device=...)`, as transformers' Llama does).
     """
     written = alias_closure(graph, (r.name for n in graph.nodes if n.op not in (*STATE_OPS, "input")
                                     and not pure(n) for r in written_args(n)))
@@ -29,7 +31,7 @@ def weight_only(graph: Graph) -> frozenset[str]:
     for node in graph.nodes:
         if node.name in written or node.op == "input":
             continue
-        if node.op in STATE_OPS or (pure(node) and not _has_device(node.args)
+        if node.op in STATE_OPS or (pure(node) and (device_args or not _has_device(node.args))
                                     and all(r.name in constant for r in node.refs)):
             constant.add(node.name)
     return frozenset(constant)

@@ -75,7 +75,7 @@ def attention_steps(graph: Graph, first_kernel: int, library: bool = False, tf32
             and (found.mask is None or found.mask.meta.dtype in (torch.bool, found.out_meta.dtype))
         if not as_call:
             if constant is None:
-                constant = weight_only(graph)
+                constant = weight_only(graph, device_args=True)
             found = _causal_guard(graph, found, constant)
         steps.append(replace(found, impl="library") if as_call else found)
         taken.update(found.replaces)
@@ -233,8 +233,9 @@ def _from_handwritten(graph: Graph, pv: Node, kernel: str) -> AttnStep | str:
 def _causal_guard(graph: Graph, step: AttnStep, constant: frozenset[str]) -> AttnStep:
     """The step with a causal guard (AttnStep.causal_guard) where its mask is a constant whose value is causal:
     minGPT's `masked_fill(self.bias[:, :, :T, :T] == 0, -inf)` over a lower-triangular buffer, an SDPA bool or
-    additive mask made so. The mask must depend on buffers and literals alone, through pure ops (no input, no
-    parameter, nothing written: kernelfuse.plan.aliasing.weight_only), and its value, computed here from the
+    additive mask made so, or one built from positions (`arange(T, device=...)`, transformers' Llama). The mask
+    must depend on buffers and literals alone, through pure ops (no input, no parameter, nothing written:
+    kernelfuse.plan.aliasing.weight_only, device arguments allowed), and its value, computed here from the
     buffers the capture read (Graph.state_values), must be exactly causal over the step's (S, L) scores. The step
     is returned as it is otherwise; the emitted binding checks the mask again at run time either way."""
     if step.mask is None or step.causal or step.windows is not None or graph.state_values is None \
