@@ -267,3 +267,36 @@ def test_new_forms_run_and_match_eager_on_hopper() -> None:
             assert _counted(kernels._lib, before) == (1, 0), step.kernel
             torch.testing.assert_close(rounding, pre, atol=1e-5, rtol=1e-5)
 
+
+class Line(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv1d(32, 64, 3)
+        self.plane = torch.nn.Conv2d(64, 64, 3)
+
+    def forward(self, x):
+        return self.plane(self.conv(x).unsqueeze(2).expand(-1, -1, 4, -1))
+
+
+def test_layout_timing_measures_1d_convolutions_nchw_only():
+    """kernelfuse.bench.layout times a 1-d convolution NCHW only (its choice NCHW, no channels-last call) for the
+    TF32 question: measured, the owned-anchor plan may give it the TMA kernel."""
+    from kernelfuse.bench.layout import LayoutTiming, _conv1d
+
+    graph = capture_module(Line().eval(), [torch.rand(2, 32, 20)])
+    convs = [n for n in graph.nodes if n.op == "convolution.default"]
+    assert [_conv1d(graph, n) for n in convs] == [True, False]
+    timing = LayoutTiming(convs[0].name, 1.0, float("inf"))
+    assert timing.choice == "nchw" and "1-d: no channels-last" in timing.describe() and "TF32" in timing.describe()
+    assert "full fp32" in LayoutTiming(convs[0].name, 1.0, float("inf"), True).describe()
+
+
+@pytest.mark.gpu
+def test_layout_timing_measures_a_1d_convolution_on_the_gpu() -> None:
+    """On a GPU both convolutions of Line are measured: the 1-d one NCHW only."""
+    from kernelfuse.bench.layout import measure_conv_layouts
+
+    graph = capture_module(Line().cuda().eval(), [torch.rand(2, 32, 20, device="cuda")])
+    timings = measure_conv_layouts(graph)
+    assert timings is not None and len(timings) == 2
+    assert timings[0].nhwc_ms == float("inf") and timings[0].choice == "nchw" and timings[1].nhwc_ms < float("inf")
