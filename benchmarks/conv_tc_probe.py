@@ -4,9 +4,10 @@ kernelfuse.codegen.conv_wgmma) against cuDNN.
 For each problem file, its first convolution the dense kernel takes is built once per configuration and timed (CUDA
 events, median of 20, L2 flushed) bare (no epilogue) and with the epilogue inside, next to cuDNN alone in NCHW and
 channels-last (operands converted beforehand) and the NCHW -> channels-last copy of the input a channels-last
-configuration needs (torch's). "tma-prerounded" times the TMA kernel's pre-rounded form on the binding's copy
-rounded to nearest TF32, made beforehand (its own time printed beside: the file's copy kernel, rounding). Checked:
-ours against cuDNN under eager's flags (max abs difference).
+configuration needs (torch's). A 1-d convolution (which the TMA kernel takes as 2-d of H = 1) has no cuDNN
+channels-last call (cudnn_cl n/a); its channels-last input is the (N, C, 1, L) view's. "tma-prerounded" times the
+TMA kernel's pre-rounded form on the binding's copy rounded to nearest TF32, made beforehand (its own time printed
+beside: the file's copy kernel, rounding). Checked: ours against cuDNN under eager's flags (max abs difference).
 
 Run on the GPU host from the repo root:
   PYTHONPATH=. python benchmarks/conv_tc_probe.py PROBLEM.py [PROBLEM.py ...] [--configs mma,wgmma,...]
@@ -107,16 +108,22 @@ def probe(path: Path, configs: list[str]) -> list[str]:
     w, b = wk.contiguous(), env[node.args[2].name] if node.args[2] is not None else None
     operands = [env[o.ref.name] for o in step.epilogue.operands]
     conv_args = node.args[3:9]
-    fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
-    xc, wc = x.contiguous(memory_format=fmt), w.contiguous(memory_format=fmt)
+    fmt = torch.channels_last if x.dim() <= 4 else torch.channels_last_3d
+    x4 = x.unsqueeze(2) if x.dim() == 3 else x  # a 1-d convolution's input as the TMA kernel's binding views it
+    xc = x4.contiguous(memory_format=fmt)
+    wc = w.contiguous(memory_format=fmt) if x.dim() > 3 else None
     with torch.no_grad():
         ref = run_fused(plan.graph, step, env)
         shape = conv_shape(plan.graph, step)
+        cudnn_cl = "n/a" if wc is None else \
+            f"{median_event_ms(lambda: torch.convolution(xc, wc, b, *conv_args)):.3f}"
         lines = [f"{path.stem[:30]} {step.kernel} M={shape.m} N={shape.cog} K={shape.kg} | cudnn_nchw="
-                 f"{median_event_ms(lambda: torch.convolution(x, w, b, *conv_args)):.3f} cudnn_cl="
-                 f"{median_event_ms(lambda: torch.convolution(xc, wc, b, *conv_args)):.3f} to_cl="
-                 f"{median_event_ms(lambda: x.contiguous(memory_format=fmt)):.3f} ms"]
+                 f"{median_event_ms(lambda: torch.convolution(x, w, b, *conv_args)):.3f} cudnn_cl={cudnn_cl} to_cl="
+                 f"{median_event_ms(lambda: x4.contiguous(memory_format=fmt)):.3f} ms"]
         bare = replace(bare, kernel=f"{step.kernel}b")
+        if x.dim() == 3 and any(CONFIGS[n].get("a_nhwc") for n in configs):  # the dense kernel reads 1-d as NCL
+            lines.append("  (the channels-last dense configurations skipped: a 1-d convolution)")
+            configs = [n for n in configs if not CONFIGS[n].get("a_nhwc")]
         cfgs = {name: replace(dense_config(shape), **{"tma": False, **CONFIGS[name]}) for name in configs}
         sources = {}
         for name, cfg in cfgs.items():
@@ -138,8 +145,8 @@ def probe(path: Path, configs: list[str]) -> list[str]:
                     lines.append(f"  {name:24s} the TMA kernel does not run here")
                     continue
                 copy = " (rounding copy beforehand: " \
-                       f"{median_event_ms(lambda: ext.to_channels_last(x, round_tf32=True)):.3f} ms)"  # noqa: B023
-                xin = ext.to_channels_last(x, round_tf32=True)
+                       f"{median_event_ms(lambda: ext.to_channels_last(x4, round_tf32=True)):.3f} ms)"  # noqa: B023
+                xin = ext.to_channels_last(x4, round_tf32=True)
                 fused = _prerounded(ext, step.kernel, torch.empty_like(fused(xin, wk, b, *operands)))
                 unfused = _prerounded(ext, bare.kernel, torch.empty_like(unfused(xin, wk, b)))
             out = fused(xin, wk, b, *operands)

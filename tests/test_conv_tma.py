@@ -35,8 +35,9 @@ from kernelfuse.plan.interpret import run_env, run_fused
 
 
 class TmaConvs(torch.nn.Module):
-    """Three convolutions the TMA form takes (epilogues of the dense tests' kind) and three it leaves to the dense
-    kernel (stride 2, dilation 2) or to the general one (48 input channels)."""
+    """Five convolutions the TMA form takes (epilogues of the dense tests' kind; stride 2 and dilation 2 since the
+    TMA kernel's strides and dilation, tests/test_conv_tma_forms.py has the other new forms) and one it leaves to
+    the general kernel (48 input channels)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -53,7 +54,7 @@ class TmaConvs(torch.nn.Module):
 
 
 INPUTS = [(2, 32, 13, 11), (4, 64, 14, 12), (2, 32, 9, 20), (1, 64, 9, 9), (1, 32, 12, 11), (1, 48, 7, 6)]
-TAKES_TMA = [True, True, True, False, False, False]
+TAKES_TMA = [True, True, True, True, True, False]
 
 
 def _with_tma(monkeypatch, round_tf32: bool = True) -> None:
@@ -98,8 +99,8 @@ def _launcher(source: str, name: str) -> str:
 
 def test_tma_form_only_where_it_applies(model_and_graph, monkeypatch):
     """Carried where tma_shape holds: by default not at these sizes (fewer tiles than TMA_MIN_TILES), and with that
-    limit lowered for the three stride-1 convolutions, not for stride 2, dilation 2 or 48 channels; rounding or
-    not; nothing where DenseConfig.tma is off. The TMA kernel has its own launchers ({k}_launch_tma, and where it
+    limit lowered for the five with 32-multiple channels (stride 2 and dilation 2 too), not for 48 channels; rounding
+    or not; nothing where DenseConfig.tma is off. The TMA kernel has its own launchers ({k}_launch_tma, and where it
     rounds {k}_launch_tma_prerounded beside the copy that rounds, kf_nchw_to_nhwc_float32_rna), which the binding
     chooses from with a channels-last input; the dense kernel's ({k}_launch) never launches either."""
     _, _, graph = model_and_graph
@@ -110,8 +111,8 @@ def test_tma_form_only_where_it_applies(model_and_graph, monkeypatch):
     assert [dense_kernel(plan.graph, s) for s in plan.fused] == [True] * 5 + [False]
     sources = generate(plan)
     source = sources.cuda
-    assert source.count("_kernel_tma<<<") == 3 and source.count("KF_EXPORT long long kf_conv_tma_launches") == 1
-    assert source.count("_kernel_tma_prerounded<<<") == 3 and source.count("kf_tma::rounded_fragments(frag") == 3
+    assert source.count("_kernel_tma<<<") == 5 and source.count("KF_EXPORT long long kf_conv_tma_launches") == 1
+    assert source.count("_kernel_tma_prerounded<<<") == 5 and source.count("kf_tma::rounded_fragments(frag") == 5
     assert source.count("KF_EXPORT int kf_conv_tma_ready") == 1
     assert source.count("KF_EXPORT cudaError_t kf_nchw_to_nhwc_float32_rna(") == 1
     assert 'self._to_nhwc_tf32 = {torch.float32: self._function("kf_nchw_to_nhwc_float32_rna"' in sources.binding
@@ -151,12 +152,12 @@ def test_tma_form_only_where_it_applies(model_and_graph, monkeypatch):
 @pytest.mark.parametrize(("layout", "round_tf32"), [("nchw", True), ("nhwc", True), ("nchw", False)])
 def test_emulated_tma_form_matches_float64_on_tf32_operands(model_and_graph, tmp_path, monkeypatch, layout,
                                                             round_tf32):
-    """Every convolution through its binding with the loader's switch on: the TMA kernel runs for exactly the three
-    it applies to, the others take their old kernels. An NCHW input: the binding's copy makes it channels-last,
+    """Every convolution through its binding with the loader's switch on: the TMA kernel runs for exactly the five
+    it applies to, the other takes its old kernel. An NCHW input: the binding's copy makes it channels-last,
     rounded to nearest TF32 where the form rounds, for the pre-rounded form (A read as it is); a channels-last
     input: no copy, the rounding form (A rounded in registers), or the truncating one. All match float64 on the
     operands rounded to nearest TF32 (truncated for round_tf32 off), within 2e-5 (either operand left unrounded:
-    5e-4 off), both forms alike. With the switch off the dense kernel runs for the three, on the NCHW input, and
+    5e-4 off), both forms alike. With the switch off the dense kernel runs for the five, on the NCHW input, and
     matches too."""
     model, inputs, graph = model_and_graph
     _with_tma(monkeypatch, round_tf32)
@@ -408,7 +409,7 @@ def test_tma_form_compiles_for_sm_90a_and_sm_80(model_and_graph, tmp_path, monke
                              str(tmp_path / "tma.o")], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     tma_lines = [ln for ln in result.stderr.split("Compiling entry function") if "_kernel_tma" in ln.split("\n")[0]]
-    assert len(tma_lines) == 5, result.stderr[-3000:]
+    assert len(tma_lines) == 9, result.stderr[-3000:]
     for report in tma_lines:
         assert not re.search(r"[1-9]\d* bytes spill (stores|loads)", report), report
     assert "serialized" not in result.stderr
@@ -420,7 +421,9 @@ def test_tma_form_compiles_for_sm_90a_and_sm_80(model_and_graph, tmp_path, monke
     forms = {m.group(1): ("cvt.rna.tf32.f32" in body, bool(re.search(register_a, body)))
              for body in ptx.split(".entry ")[1:] if (m := re.match(r"_Z\d+(k\d+_kernel_tma(_prerounded)?)", body))}
     assert forms == {"k0_kernel_tma": (True, True), "k1_kernel_tma": (True, True), "k2_kernel_tma": (False, False),
-                     "k0_kernel_tma_prerounded": (False, False), "k1_kernel_tma_prerounded": (False, False)}, forms
+                     "k3_kernel_tma": (True, True), "k4_kernel_tma": (True, True),
+                     "k0_kernel_tma_prerounded": (False, False), "k1_kernel_tma_prerounded": (False, False),
+                     "k3_kernel_tma_prerounded": (False, False), "k4_kernel_tma_prerounded": (False, False)}, forms
     for body in ptx.split(".entry ")[1:]:  # no generic-proxy writes of the ring (B is rounded by the binding)
         assert "_kernel_tma" not in body.split("(")[0] or "fence.proxy.async" not in body, body.split("(")[0]
     result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_80", "-O3", "-c", str(cu), "-o", str(tmp_path / "a.o")],

@@ -5,6 +5,11 @@ GPU; torch.compile switches convolutions to channels-last wholesale. Here each o
 data of its captured shapes, the channels-last side paying for its operand conversions as the emitted forward
 does, and channels-last is kept only when it is clearly faster. This runs in the optimizer's GPU process, one
 timing at a time, before the plan is made; the judge then verifies and times the whole plan as usual.
+
+A 1-d convolution has no channels-last layout in torch: it is timed NCHW only (its choice stays NCHW), for what the
+timing also measures: whether eager's cuDNN call computes in TF32. Unmeasured, the owned-anchor plan keeps it fp32
+(3xTF32, kernelfuse.plan.fuse.owned_anchor_variants); measured TF32, it may take the dense kernel's TMA im2col form
+(kernelfuse.codegen.conv_tma: 1-d as 2-d of H = 1), as the 2-d ones do.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ MAX_BYTES = 8 << 30  # operands and both outputs; larger convolutions are not me
 class LayoutTiming:
     node: str
     nchw_ms: float
-    nhwc_ms: float
+    nhwc_ms: float  # inf: a 1-d convolution, NCHW only
     fp32: bool = False  # eager's NCHW call computes in full fp32 here: the channels-last one must too (no TF32)
 
     @property
@@ -35,13 +40,17 @@ class LayoutTiming:
         return "nhwc" if self.nhwc_ms < (1.0 - MARGIN) * self.nchw_ms else "nchw"
 
     def describe(self) -> str:
+        if self.nhwc_ms == float("inf"):
+            return f"{self.node}: NCHW {self.nchw_ms:.3f} ms (1-d: no channels-last), " \
+                   f"{'full fp32' if self.fp32 else 'TF32'} as eager's call -> nchw"
         fp32 = " (cuDNN TF32 off, as eager's call)" if self.fp32 else ""
         return f"{self.node}: NCHW {self.nchw_ms:.3f} ms, channels-last{fp32} {self.nhwc_ms:.3f} ms -> {self.choice}"
 
 
 def measure_conv_layouts(graph: Graph, strict: bool = True, reps: int = 10) -> list[LayoutTiming] | None:
-    """Both layouts' times of every 2-d/3-d convolution in `graph` on the current CUDA device, or None when one
-    cannot be measured (too large, an argument that is not a tensor): the caller then judges both plans.
+    """Both layouts' times of every 2-d/3-d convolution in `graph` on the current CUDA device (the NCHW one alone
+    of a 1-d convolution), or None when one cannot be measured (too large, an argument that is not a tensor): the
+    caller then judges both plans.
 
     cuDNN may use TF32 for one layout's algorithm and not for the other's. Under a `strict` policy the channels-
     last call may be no less accurate than eager's: where eager's NCHW result equals the TF32-free one to fp32
@@ -51,7 +60,8 @@ def measure_conv_layouts(graph: Graph, strict: bool = True, reps: int = 10) -> l
 
     timings = []
     for node in graph.nodes:
-        if not channels_last_ok(graph, node):
+        line = _conv1d(graph, node)
+        if not channels_last_ok(graph, node) and not line:
             continue
         calls = _conv_calls(graph, node)
         if calls is None:
@@ -59,10 +69,19 @@ def measure_conv_layouts(graph: Graph, strict: bool = True, reps: int = 10) -> l
         nchw, nhwc = calls
         fp32 = strict and _computes_in_fp32(nchw)
         nhwc_timed = partial(_without_tf32, nhwc) if fp32 else nhwc
-        timings.append(LayoutTiming(node.name, median_event_ms(nchw, reps), median_event_ms(nhwc_timed, reps), fp32))
+        timings.append(LayoutTiming(node.name, median_event_ms(nchw, reps),
+                                    float("inf") if line else median_event_ms(nhwc_timed, reps), fp32))
         del calls, nchw, nhwc, nhwc_timed  # the operands live in the calls' closures: free them for the next one
         torch.cuda.empty_cache()
     return timings
+
+
+def _conv1d(graph: Graph, node: Node) -> bool:
+    """A 1-d convolution (its weight 3-d), transposed or not."""
+    if node.op != "convolution.default" or not isinstance(node.args[1], Ref):
+        return False
+    weight = graph[node.args[1]].meta
+    return weight is not None and len(weight.shape) == 3
 
 
 def _computes_in_fp32(call: Callable[[], torch.Tensor]) -> bool:
@@ -82,17 +101,21 @@ def _conv_calls(graph: Graph, node: Node) -> tuple[Callable[[], object], Callabl
     if any(m is None for m in metas) or metas[0].dtype != node.meta.dtype:
         return None
     nbytes = sum(m.numel * m.dtype.itemsize for m in metas) + 2 * node.meta.numel * node.meta.dtype.itemsize
-    nbytes += 2 * metas[0].numel * metas[0].dtype.itemsize  # the channels-last input and its copy
+    line = len(node.meta.shape) == 3  # 1-d: no channels-last call
+    nbytes += 0 if line else 2 * metas[0].numel * metas[0].dtype.itemsize  # the channels-last input and its copy
     if nbytes > MAX_BYTES:
         return None
     x, w, *b = (torch.randn(m.shape, dtype=m.dtype, device="cuda") for m in metas)
     bias = b[0] if b else None
     args = node.args[3:9]
-    fmt = torch.channels_last_3d if len(node.meta.shape) == 5 else torch.channels_last
-    xc, wc = x.contiguous(memory_format=fmt), w.contiguous(memory_format=fmt)
 
     def nchw() -> object:
         return torch.convolution(x, w, bias, *args)
+
+    if line:
+        return nchw, nchw
+    fmt = torch.channels_last_3d if len(node.meta.shape) == 5 else torch.channels_last
+    xc, wc = x.contiguous(memory_format=fmt), w.contiguous(memory_format=fmt)
 
     def nhwc() -> object:
         # the plan converts the input with its own tiled kernel (kf_nchw_to_nhwc), which moves the bytes at about

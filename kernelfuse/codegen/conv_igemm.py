@@ -348,11 +348,15 @@ def _binding(plan: Plan, step: FusedStep, shape: ConvShape, out_layout: str) -> 
              f'    _check_dense(x, "{k} input", {py_tuple(x_meta.shape)}, {dtype})',
              f'    _check_dense(w, "{k} weight", {py_tuple(w_meta.shape)}, {dtype})']
     if tma:  # the input in the layout of the kernel that runs (channels-last for a TMA one, else the dense one's)
-        # and the launcher that runs (the pre-rounded form's only on the binding's own rounding copy)
+        # and the launcher that runs (the pre-rounded form's only on the binding's own rounding copy); a 1-d
+        # convolution's input viewed (N, C, 1, L) (no copy: the TMA kernel's H = 1, the dense kernel reads the same
+        # bytes as NCL)
         other = channels_last_format(x_meta) if cfg.a_nhwc else "torch.contiguous_format"
         launchers = "".join(f", self._{k}_tma{tma_suffix(form)}" for form in forms)
-        lines[2] = (f"    x, fmt, launcher = self._conv_tma_input(x, {other}, self._{k}{launchers})\n"
-                    f'    _check_dense(x, "{k} input", {py_tuple(x_meta.shape)}, {dtype}, fmt)')
+        x_in, x_shape = ("x", x_meta.shape) if len(x_meta.shape) == 4 else \
+            ("x.unsqueeze(2) if x.dim() == 3 else x", (*x_meta.shape[:2], 1, x_meta.shape[2]))
+        lines[2] = (f"    x, fmt, launcher = self._conv_tma_input({x_in}, {other}, self._{k}{launchers})\n"
+                    f'    _check_dense(x, "{k} input", {py_tuple(x_shape)}, {dtype}, fmt)')
     elif cfg is not None and cfg.a_nhwc:  # 16-byte copies of 4 input channels
         fmt = channels_last_format(x_meta)
         lines[2] = (f'    _check_dense(x, "{k} input (channels-last)", {py_tuple(x_meta.shape)}, {dtype}, {fmt})')

@@ -80,10 +80,10 @@ def dense_config(s: ConvShape) -> DenseConfig:
     """The tiling for convolution `s`: 64 output channels a block for up to 64 a group, else 128; the epilogue
     unrolled by 4 (its libm calls interleave: Mish twice 14.0 -> 11.1 ms on level-2 problem 4, H200). Measured
     against the other DenseConfig choices in benchmarks/results/session42_h200x2.md (calls 1-2). The file carries
-    the TMA im2col form for Hopper where the shape allows it (conv_tma.tma_shape: a 2-d stride-1 convolution whose
-    tiles fill an H200 twice; its truncating form ran level-2 problem 54's convolution bare in 1.34 ms against this
-    kernel's 3.11 on an H200); its launcher runs only on a compute-capability 9.0 device, so other GPUs run this
-    kernel as before."""
+    the TMA im2col form for Hopper where the shape allows it (conv_tma.tma_shape: a 1-d or 2-d convolution, dilated,
+    strided or transposed of stride 1, whose tiles fill an H200 twice; its truncating form ran level-2 problem 54's
+    convolution bare in 1.34 ms against this kernel's 3.11 on an H200); its launcher runs only on a
+    compute-capability 9.0 device, so other GPUs run this kernel as before."""
     return DenseConfig(bn=64 if s.cog <= 64 else 128, epilogue_unroll=4, tma=tma_shape(s))
 
 

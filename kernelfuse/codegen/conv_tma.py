@@ -12,12 +12,14 @@ tensor cores read an operand's top 19 bits (truncation) and eager rounds to near
 
 The kernel: persistent blocks (one an SM), 384 threads. Warpgroup 0's first thread is the producer: per k block (32
 channels of one tap r, s) one TMA im2col load of 256 output pixels x 32 channels of the NHWC input (coordinates
-{c, w, h, n} of the tile's first pixel less the padding, offsets {s, r}; the box's corners {-pad_w, -pad_h} and
-{pad_w - (S - 1), pad_h - (R - 1)}, W first; zero fill out of bounds) and one tiled TMA load of TBN weight rows x 32
-of the planner's tap-major weight copy (K, R S C), both 128-byte swizzled, into a ring of four slots with full
-(expect_tx + complete_tx) and empty (one arrive a consumer warp) mbarriers. Two consumer warpgroups take 128
-pixels each on wgmma.m64nTBNk8 TF32, a k block's products in flight while the next is issued (wait_group 1; half
-a k block's where the operands are rounded, below).
+{c, w, h, n}: the window origin of the tile's first output pixel (p, q), q * stride_w + lower_w and p * stride_h +
+lower_h; offsets {s * dil_w, r * dil_h}; the box's corners `lower` = -padding and `upper` = padding - (k - 1) *
+dilation, W first, and its traversal strides the convolution's, so the box walks the output pixels' window origins
+across rows and images as CUTLASS's im2col maps do; zero fill out of bounds: TmaConv) and one tiled TMA load of TBN
+weight rows x 32 of the planner's tap-major weight copy (K, R S C), both 128-byte swizzled, into a ring of four
+slots with full (expect_tx + complete_tx) and empty (one arrive a consumer warp) mbarriers. Two consumer warpgroups
+take 128 pixels each on wgmma.m64nTBNk8 TF32 (TBN 128, 64 or 32), a k block's products in flight while the next is
+issued (wait_group 1; half a k block's where the operands are rounded, below).
 Each warpgroup's epilogue stages CH columns of its accumulators at a time in its own shared tile (smem[n * LDC +
 m], the dense kernel's layout) and runs tile_stores over them with its 128 threads, while the producer already
 fills the ring for the block's next tile.
@@ -54,34 +56,43 @@ values as the rounding form, without A's fragment loads, their rounding and the 
 rounding form ran 3-52% slower than the truncating one, bare: level-2 54 1.62 against 1.26 ms). A channels-last
 input is not copied, so the rounding form reads it.
 
-Where it runs: the file carries it where DenseConfig.tma, which dense_config sets where `tma_shape` holds: a 2-d
-forward convolution, stride 1, dilation 1, groups 1, input channels a multiple of 32, output channels a multiple
-of 64 (TBN = 128 where they divide by 128, else 64), kernel and padding at most 64 (the corners' range), and
-TMA_MIN_TILES tiles at least. Its launcher `{k}_launch_tma` takes a channels-last input and runs this kernel only:
-the binding calls it, with the input made channels-last (a copy where it is not), where kf_conv_tma_ready() (the
-library built for sm_90a on a compute-capability 9.0 device, the driver's tensor-map encoders found; asked once a
-device), else `{k}_launch`, the dense kernel reading its own layout (NCHW by default): on other GPUs nothing
-changes. `{k}_launch_tma` refuses (cudaErrorNotSupported) where it is not ready, the input is not 16-byte aligned
-or the maps do not encode, and never falls back to a kernel that would read the input in another layout. Where the
-form rounds, `{k}_launch_tma_prerounded` (the same checks) runs the pre-rounded form: the binding calls it only on
-the copy it has just made with `to_channels_last(x, round_tf32=True)` (a contiguous NCHW fp32 input on the
-device), and `{k}_launch_tma` on every other input (channels-last already, or copied by torch, which does not
-round). The maps are encoded on the host at every call (caching them per pointer is a measurement for later);
-kf_conv_tma_launches() counts the launches of either form, kf_conv_tma_prerounded_launches() the pre-rounded
-ones.
+Where it runs: the file carries it where DenseConfig.tma, which dense_config sets where `tma_shape` holds: a 1-d or
+2-d convolution of groups 1, input and output channels multiples of 32 (TBN = 128, 64 or 32, the largest that
+divides them), any padding and dilation whose corners a 4-d im2col map holds ([-128, 127]), strides up to 8 (the
+map's traversal strides), transposed ones of stride 1 only, and TMA_MIN_TILES tiles at least. Why these: a 1-d
+convolution is the 2-d one of H = 1 (the binding views its (N, C, L) input as (N, C, 1, L): no copy beyond the
+channels-last one every input takes); a transposed convolution of stride 1 is a forward one with its taps reversed
+and the padding (k - 1) * dilation - padding (TmaConv), read by reversing the tap coordinate of the weight's TMA
+load, so the weight needs no flipped copy; a transposed one of stride s > 1 is s^2 phases of different tap sets (the
+dense kernel's Phase), which one im2col map does not walk. On an H200 cuDNN's NCHW call ran level-1 64, 74, 76, 78
+and 80 (transposed 1-d, dilated 1-d, strided dilated 1-d, transposed 2-d with 32 output channels, dilated 2-d)
+2.7-5x above their memory floors: these are the shapes the generalisation is for.
+Its launcher `{k}_launch_tma` takes a channels-last input and runs this kernel only: the binding calls it, with the
+input made channels-last (a copy where it is not), where kf_conv_tma_ready() (the library built for sm_90a on a
+compute-capability 9.0 device, the driver's tensor-map encoders found; asked once a device), else `{k}_launch`, the
+dense kernel reading its own layout (NCHW by default): on other GPUs nothing changes. `{k}_launch_tma` refuses
+(cudaErrorNotSupported) where it is not ready, the input is not 16-byte aligned or the maps do not encode, and never
+falls back to a kernel that would read the input in another layout. Where the form rounds,
+`{k}_launch_tma_prerounded` (the same checks) runs the pre-rounded form: the binding calls it only on the copy it
+has just made with `to_channels_last(x, round_tf32=True)` (a contiguous NCHW fp32 input on the device), and
+`{k}_launch_tma` on every other input (channels-last already, or copied by torch, which does not round). The maps
+are encoded on the host at every call (caching them per pointer is a measurement for later); kf_conv_tma_launches()
+counts the launches of either form, kf_conv_tma_prerounded_launches() the pre-rounded ones.
 
 The CPU emulation (KF_EMULATION) runs the same kernel text: the producer's copies are synchronous (what the
 hardware writes, by the box traversal and swizzle modelled here), the mbarriers are counters with the hardware's
 phase and tx-count rules that block by atomic waits, the named barriers std::barriers, the products kf_wg's
 emulated wgmma (the register-A form by emulated shuffles), the rounding kf_round_tf32's host form (the SASS ptxas
 makes of cvt.rna), the binding's rounding copy by its own kernel. Not emulated:
-the real TMA unit's corner and offset semantics (padding and non-square kernels are this model's reading of the
-driver's documentation, as CUTLASS uses them), the descriptors' bit layout, the products' asynchrony (and so the
-fragment sets' lifetimes), the proxy fences, setmaxnreg.
+the real TMA unit's corner, offset and traversal-stride semantics (padding, dilation, strides and non-square
+kernels are this model's reading of the driver's documentation and of CUTLASS's use of it: the GPU tests check
+them), the descriptors' bit layout, the products' asynchrony (and so the fragment sets' lifetimes), the proxy
+fences, setmaxnreg.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kernelfuse.codegen.conv_geometry import LDC, ConvShape
@@ -100,12 +111,60 @@ SMEM_LIMIT = 227 * 1024  # a block's shared memory on Hopper
 STATIC_SMEM = 2 * 2 * 128 * 4  # the warpgroups' pixel tables (img_t, pix_t)
 
 
+CORNER = 128  # a 4-d im2col map's corners lie in [-CORNER, CORNER - 1] (cuTensorMapEncodeIm2col)
+MAX_TRAVERSAL = 8  # its traversal strides (elementStrides), at most
+
+
+@dataclass(frozen=True)
+class TmaConv:
+    """Convolution `s` as the TMA kernel computes it: a forward 2-d convolution over the channels-last input
+    (N, H, W, C), (h, w) pairs, H first. A 1-d convolution is the 2-d one of H = 1 (its input viewed (N, C, 1, L), no
+    copy). A transposed convolution of stride 1 is the forward one whose taps are reversed (`flip`) with padding
+    (k - 1) * dilation - padding below: out[o] = sum_q x[o + padding - q * dilation] w[ci, co, q] reads x at
+    o - pad' + q' * dilation for q' = k - 1 - q. Its weight rows (the planner's tap-major copy, [co][tap][ci]) are
+    then read at tap KV - 1 - rs for the kernel's tap rs (reversing every dimension's order reverses the flat index),
+    so no flipped copy of the weight is made. The im2col box's corners: `lower` = -padding below (the first output
+    pixel's window starts there), `upper` such that the box's last traversed position is the last output pixel's:
+    padding - (k - 1) * dilation for a forward convolution (CUTLASS's, with any stride), out - in - pad' for a
+    transposed one (output_padding included). Offsets: tap (r, s) at (r * dil_h, s * dil_w)."""
+
+    h: int
+    w: int
+    r: int
+    s: int
+    p: int
+    q: int
+    lower: tuple[int, int]
+    upper: tuple[int, int]
+    dilation: tuple[int, int]
+    stride: tuple[int, int]
+    flip: bool
+
+
+def tma_conv(s: ConvShape) -> TmaConv:
+    """The TMA kernel's view of 1-d or 2-d convolution `s` (see TmaConv; tma_shape says whether it runs it)."""
+    lead = 2 - len(s.kernel)  # a 1-d convolution: H = 1, one tap, no padding, stride and dilation 1 there
+    in_size, out_size, kernel = (1,) * lead + s.in_size, (1,) * lead + s.out_size, (1,) * lead + s.kernel
+    padding, dilation, stride = (0,) * lead + s.padding, (1,) * lead + s.dilation, (1,) * lead + s.stride
+    if s.transposed:  # stride 1 (tma_shape): the forward convolution of the reversed taps
+        below = tuple((k - 1) * d - p for k, d, p in zip(kernel, dilation, padding, strict=True))
+        lower = tuple(-b for b in below)
+        upper = tuple(o - i - b for o, i, b in zip(out_size, in_size, below, strict=True))
+    else:
+        lower = tuple(-p for p in padding)
+        upper = tuple(p - (k - 1) * d for p, k, d in zip(padding, kernel, dilation, strict=True))
+    return TmaConv(in_size[0], in_size[1], kernel[0], kernel[1], out_size[0], out_size[1], lower, upper, dilation,
+                   stride, s.transposed)
+
+
 def tma_shape(s: ConvShape) -> bool:
     """Whether convolution `s` suits the TMA kernel (see the module's docstring): dense_config turns it on there."""
-    return (not s.transposed and len(s.kernel) == 2 and s.groups == 1 and s.stride == (1, 1)
-            and s.dilation == (1, 1) and s.cin % 32 == 0 and s.cout % 64 == 0 and max(s.kernel) <= 64
-            and max(s.padding) <= 64 and min(s.out_size) >= 1 and s.m + TMA_BM < 2**31
-            and tma_tiles(s) >= TMA_MIN_TILES)
+    if len(s.kernel) not in (1, 2) or s.groups != 1 or s.cin % 32 or s.cout % 32 or min(s.out_size) < 1 \
+            or s.m + TMA_BM >= 2**31 or (s.transposed and set(s.stride) != {1}):
+        return False
+    g = tma_conv(s)
+    return (all(-CORNER <= c < CORNER for c in (*g.lower, *g.upper)) and max(g.stride) <= MAX_TRAVERSAL
+            and max((g.r - 1) * g.dilation[0], (g.s - 1) * g.dilation[1]) < 2**15 and tma_tiles(s) >= TMA_MIN_TILES)
 
 
 # The kernel's forms, by how A reaches the tensor cores (the module's docstring): "rounding" rounds it in its
@@ -134,9 +193,10 @@ def tma_form(s: ConvShape, cfg: DenseConfig) -> bool:
 
 
 def tma_tile(s: ConvShape) -> tuple[int, int]:
-    """(TBN, CH): output channels a block tile, and columns a warpgroup's epilogue stages at once (as many as the
-    shared memory beside the four ring slots holds: 16 at TBN 128, 32 at 64)."""
-    bn = 128 if s.cout % 128 == 0 else 64
+    """(TBN, CH): output channels a block tile (128, 64 or 32: the largest that divides them, so that no product
+    column is wasted), and columns a warpgroup's epilogue stages at once (as many as the shared memory beside the
+    four ring slots holds: 16 at TBN 128, 32 at 64 and 32)."""
+    bn = next(b for b in (128, 64, 32) if s.cout % b == 0)
     ch = next(c for c in (bn, 64, 32, 16) if c <= bn and tma_smem_bytes(bn, c) + STATIC_SMEM <= SMEM_LIMIT)
     return bn, ch
 
@@ -165,6 +225,7 @@ struct CUtensorMap {
   long long dims[4];
   int lower[2], upper[2];  // the im2col box's corners, W first
   int rows;                // the box's pixels (im2col) or rows (tiled); each is 32 floats
+  int traversal[2];        // the im2col box's traversal strides (the convolution's), W first
 };
 #define __grid_constant__
 #endif
@@ -243,15 +304,19 @@ inline void wait(uint64_t* bar, int parity) {
   for (unsigned long long v = w.load(); (int)(v >> 63) == parity; v = w.load()) w.wait(v);
 }
 // The copies, done at once by the producer: what the TMA unit writes (rows of 32 floats in the 128-byte swizzle,
-// zeros out of bounds), then their bytes completed on the barrier. The im2col box walks the pixels of the
-// bounding box [lower, size - 1 + upper] of W, then H, then the images, from the coordinates' pixel.
+// zeros out of bounds), then their bytes completed on the barrier. The im2col box walks the positions lower,
+// lower + stride, ... up to size - 1 + upper of W (the traversal stride's), then of H, then the images, from the
+// coordinates' position: (size - 1 + upper - lower) / stride + 1 of them a row, as CUTLASS counts the output pixels.
 inline void im2col(void* dst, const CUtensorMap* map, uint64_t* bar, int c, int w, int h, int n, int dw, int dh) {
   float* out = static_cast<float*>(dst);
   const long long C = map->dims[0], W = map->dims[1], H = map->dims[2], N = map->dims[3];
-  const long long wc = W - map->lower[0] + map->upper[0], hc = H - map->lower[1] + map->upper[1];
-  long long at = ((long long)n * hc + (h - map->lower[1])) * wc + (w - map->lower[0]);
+  const long long sw = map->traversal[0], sh = map->traversal[1];
+  const long long wc = (W - 1 - map->lower[0] + map->upper[0]) / sw + 1;
+  const long long hc = (H - 1 - map->lower[1] + map->upper[1]) / sh + 1;
+  if ((w - map->lower[0]) % sw || (h - map->lower[1]) % sh) __builtin_trap();  // off the traversal's grid
+  long long at = ((long long)n * hc + (h - map->lower[1]) / sh) * wc + (w - map->lower[0]) / sw;
   for (int i = 0; i < map->rows; ++i, ++at) {
-    const long long pw = map->lower[0] + at % wc, ph = map->lower[1] + at / wc % hc, pn = at / wc / hc;
+    const long long pw = map->lower[0] + at % wc * sw, ph = map->lower[1] + at / wc % hc * sh, pn = at / wc / hc;
     const long long iw = pw + dw, ih = ph + dh;
     const bool in = pn < N && ih >= 0 && ih < H && iw >= 0 && iw < W;
     for (int k = 0; k < 32; ++k)
@@ -324,21 +389,22 @@ inline bool encoders() {
   return im2col_encoder() != nullptr && tiled_encoder() != nullptr;
 #endif
 }
-// x: NHWC (N, H, W, C); a box of `rows` output pixels, each 32 channels, over the output's pixels: W from -pad_w to
-// W - 1 + pad_w - (S - 1), H likewise (inclusive), corners W first; zeros out of bounds. False: not encoded.
-inline bool encode_input(CUtensorMap* map, const float* x, int N, int H, int W, int C, int R, int S, int pad_h,
-                         int pad_w, int rows) {
-  const int lower[2] = {-pad_w, -pad_h}, upper[2] = {pad_w - (S - 1), pad_h - (R - 1)};
+// x: NHWC (N, H, W, C); a box of `rows` output pixels, each 32 channels, over the output's pixels: W from lower_w
+// to W - 1 + upper_w (inclusive) in steps of stride_w, H likewise (codegen.conv_tma.TmaConv), corners and strides W
+// first; zeros out of bounds. False: not encoded.
+inline bool encode_input(CUtensorMap* map, const float* x, int N, int H, int W, int C, int lower_h, int lower_w,
+                         int upper_h, int upper_w, int stride_h, int stride_w, int rows) {
+  const int lower[2] = {lower_w, lower_h}, upper[2] = {upper_w, upper_h};
 #if defined(KF_EMULATION)
-  *map = CUtensorMap{x, {C, W, H, N}, {lower[0], lower[1]}, {upper[0], upper[1]}, rows};
+  *map = CUtensorMap{x, {C, W, H, N}, {lower[0], lower[1]}, {upper[0], upper[1]}, rows, {stride_w, stride_h}};
   return true;
 #else
   const EncodeIm2col encode = im2col_encoder();
   if (encode == nullptr) return false;
   const cuuint64_t dims[4] = {(cuuint64_t)C, (cuuint64_t)W, (cuuint64_t)H, (cuuint64_t)N};
   const cuuint64_t strides[3] = {(cuuint64_t)C * 4, (cuuint64_t)W * C * 4, (cuuint64_t)H * W * C * 4};
-  const cuuint32_t ones[4] = {1, 1, 1, 1};
-  return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, (void*)x, dims, strides, lower, upper, 32, rows, ones,
+  const cuuint32_t traversal[4] = {1, (cuuint32_t)stride_w, (cuuint32_t)stride_h, 1};
+  return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, (void*)x, dims, strides, lower, upper, 32, rows, traversal,
                 CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 #endif
@@ -346,7 +412,7 @@ inline bool encode_input(CUtensorMap* map, const float* x, int N, int H, int W, 
 // w: the tap-major weight (K rows of RSC floats); boxes of `rows` rows x 32 floats
 inline bool encode_weight(CUtensorMap* map, const float* w, int K, int RSC, int rows) {
 #if defined(KF_EMULATION)
-  *map = CUtensorMap{w, {RSC, K, 1, 1}, {0, 0}, {0, 0}, rows};
+  *map = CUtensorMap{w, {RSC, K, 1, 1}, {0, 0}, {0, 0}, rows, {1, 1}};
   return true;
 #else
   const EncodeTiled encode = tiled_encoder();
@@ -387,14 +453,17 @@ def render_dense_tma(k: str, s: ConvShape, form: str, operand_params: str, store
     tile_stores for tma_tile's CH columns, 128 threads whose index is `t`."""
     assert form in TMA_FORMS, form
     bn, ch = tma_tile(s)
-    (r, sk), (ph, pw), (p, q) = s.kernel, s.padding, s.out_size
+    g = tma_conv(s)
+    # the weight's k block of kernel k block kb: tap rs's (or, the taps reversed, tap KV - 1 - rs's) channel block cb
+    w_kb = "((KT / CB - 1 - rs) * CB + cb)" if g.flip else "kb"
     frags = "\n      unsigned frag[2][4][4];  // A fragments of both 64-row halves" if form == "rounding" else ""
     return f"""#if defined(__CUDACC__) || defined(KF_EMULATION)
 __global__ void __launch_bounds__({TMA_THREADS}, 1) {k}_kernel_tma{tma_suffix(form)}(const __grid_constant__ CUtensorMap tmap_x, const __grid_constant__ CUtensorMap tmap_w, const float* __restrict__ bias, float* __restrict__ out{operand_params}) {{
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(KF_EMULATION)
   constexpr int TBN = {bn}, CH = {ch}, LDC = {LDC}, COG = {s.cout}, STAGES = {TMA_STAGES}, BM = {TMA_BM}, WG_M = BM / 2;
-  constexpr int KT = {r * sk * s.cin // 32}, CB = {s.cin // 32}, S = {sk}, Q = {q}, PQ = {p * q}, M = {s.m};
-  constexpr int PAD_H = {ph}, PAD_W = {pw}, TILES_N = {s.cout // bn}, TILES = {tma_tiles(s)};
+  constexpr int KT = {g.r * g.s * s.cin // 32}, CB = {s.cin // 32}, S = {g.s}, Q = {g.q}, PQ = {g.p * g.q}, M = {s.m};
+  constexpr int LOW_H = {g.lower[0]}, LOW_W = {g.lower[1]}, STR_H = {g.stride[0]}, STR_W = {g.stride[1]};
+  constexpr int DIL_H = {g.dilation[0]}, DIL_W = {g.dilation[1]}, TILES_N = {s.cout // bn}, TILES = {tma_tiles(s)};
   constexpr int A_BYTES = BM * 128, STAGE_BYTES = (BM + TBN) * 128;
   KF_DYNAMIC_SHARED(kf_tma_raw);
   // the ring on the swizzle's 1024-byte atom, by pointer arithmetic: the compiler still knows it is shared memory
@@ -425,8 +494,11 @@ __global__ void __launch_bounds__({TMA_THREADS}, 1) {k}_kernel_tma{tma_suffix(fo
           kf_tma::wait(&empty[slot], ((it / STAGES) & 1) ^ 1);
           unsigned char* const a = ring + slot * STAGE_BYTES;
           kf_tma::arrive_expect_tx(&full[slot], STAGE_BYTES);
-          kf_tma::im2col(a, &tmap_x, &full[slot], cb * 32, q - PAD_W, p - PAD_H, img, rs % S, rs / S);
-          kf_tma::tile2d(a + A_BYTES, &tmap_w, &full[slot], kb * 32, tn * TBN);
+          // the window of output pixel (p, q) starts at (p * STR_H + LOW_H, q * STR_W + LOW_W); tap (r, s) is offset
+          // (r * DIL_H, s * DIL_W) from it{"; the weight's taps reversed (a transposed convolution)" if g.flip else ""}
+          kf_tma::im2col(a, &tmap_x, &full[slot], cb * 32, q * STR_W + LOW_W, p * STR_H + LOW_H, img, rs % S * DIL_W,
+                         rs / S * DIL_H);
+          kf_tma::tile2d(a + A_BYTES, &tmap_w, &full[slot], {w_kb} * 32, tn * TBN);
         }}
       }}
     }}
@@ -530,7 +602,7 @@ def tma_launcher(k: str, s: ConvShape, form: str, launch_params: str, launch_arg
     where it can run (else cudaErrorNotSupported; the binding calls it only where kf_conv_tma_ready says it can,
     and the pre-rounded form only on its own copy rounded to nearest TF32)."""
     bn, ch = tma_tile(s)
-    (r, sk), (ph, pw), (h, w) = s.kernel, s.padding, s.in_size
+    g = tma_conv(s)
     smem = tma_smem_bytes(bn, ch)
     name = f"{k}_kernel_tma{tma_suffix(form)}"
     what = "x rounded to nearest TF32 by the binding's copy, read as it is" if form == "prerounded" else \
@@ -542,8 +614,9 @@ def tma_launcher(k: str, s: ConvShape, form: str, launch_params: str, launch_arg
 KF_EXPORT cudaError_t {k}_launch_tma{tma_suffix(form)}(const void* x, const void* w, const void* bias, void* out{launch_params}, cudaStream_t stream) {{
   CUtensorMap tx, tw;
   if (!kf_conv_tma_ready() || (uintptr_t)x % 16 != 0 ||
-      !kf_tma::encode_input(&tx, (const float*)x, {s.batch}, {h}, {w}, {s.cin}, {r}, {sk}, {ph}, {pw}, {TMA_BM}) ||
-      !kf_tma::encode_weight(&tw, (const float*)w, {s.cout}, {r * sk * s.cin}, {bn}))
+      !kf_tma::encode_input(&tx, (const float*)x, {s.batch}, {g.h}, {g.w}, {s.cin}, {g.lower[0]}, {g.lower[1]},
+                            {g.upper[0]}, {g.upper[1]}, {g.stride[0]}, {g.stride[1]}, {TMA_BM}) ||
+      !kf_tma::encode_weight(&tw, (const float*)w, {s.cout}, {g.r * g.s * s.cin}, {bn}))
     return cudaErrorNotSupported;
   const cudaError_t opted = kf_opt_in<{name}>({smem});
   if (opted != cudaSuccess) return opted;

@@ -98,9 +98,11 @@ def _mma(n: int, a_regs: bool) -> str:
 
 
 CONV_WGMMA_PRELUDE = f"""
-// ---- the dense convolution's main loop on wgmma, sm_90a (kernelfuse.codegen.conv_wgmma) ----
+// ---- the dense convolution's main loop on wgmma, sm_90a (kernelfuse.codegen.conv_wgmma; n32: the TMA kernel's) ----
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-{"".join(_mma(n, regs) for regs in (False, True) for n in (64, 128))}#elif defined(KF_EMULATION)
+{"".join(_mma(n, regs) for regs in (False, True) for n in (32, 64, 128))}#elif defined(KF_EMULATION)
+inline void kf_cw_mma_n32(float (&d)[16], uint64_t a, uint64_t b) {{ kf_wg::mma_emulated<32>(d, a, b); }}
+inline void kf_cw_mma_ra_n32(float (&d)[16], const unsigned (&a)[4], uint64_t b) {{ kf_wg::mma_emulated_ra<32>(d, a, b); }}
 inline void kf_cw_mma_n64(float (&d)[32], uint64_t a, uint64_t b) {{ kf_wg::mma_emulated<64>(d, a, b); }}
 inline void kf_cw_mma_n128(float (&d)[64], uint64_t a, uint64_t b) {{ kf_wg::mma_emulated<128>(d, a, b); }}
 inline void kf_cw_mma_ra_n64(float (&d)[32], const unsigned (&a)[4], uint64_t b) {{ kf_wg::mma_emulated_ra<64>(d, a, b); }}

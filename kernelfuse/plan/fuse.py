@@ -182,8 +182,9 @@ def owned_anchor_variants(graph: Graph, precision: str = "strict", max_fusions: 
     """The plan whose eligible convolutions run kernelfuse's implicit GEMM with the epilogue inside (a variant the
     judge measures against the library plans of `plan_variants`), or none where no convolution is eligible.
     `measured`: convolutions whose cuDNN arithmetic was measured on this GPU; `fp32_convs`: those of them eager
-    computes in full fp32. TF32 only where eager was measured to use it: an unmeasured convolution (1-d, or no GPU
-    timing) gets fp32 accuracy (3xTF32), as cuDNN often computes small ones exactly."""
+    computes in full fp32. TF32 only where eager was measured to use it: an unmeasured convolution (no GPU timing;
+    kernelfuse.bench.layout times 1-d ones too, NCHW only) gets fp32 accuracy (3xTF32), as cuDNN often computes
+    small ones exactly."""
     convs = [node for node in graph.nodes if node.op in ANCHOR_OPS and ANCHOR_OPS[node.op] == "conv"]
     if not any(not igemm_refusal(graph, node) and node.name not in keep for node in convs):
         return []
