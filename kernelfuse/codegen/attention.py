@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernelfuse.codegen.attention_short import ShortRows, short_rows
 from kernelfuse.codegen.binding import Binding, pointer_launcher, py_tuple
 from kernelfuse.codegen.common import C_TYPES
 from kernelfuse.ops import float_literal
@@ -116,6 +117,11 @@ def flash_f32_keys(head_dim: int, keys: int) -> int:
     return min(64 if head_dim <= 64 else 32, -(-keys // 16) * 16)
 
 
+def short_rows_tiling(step: AttnStep) -> ShortRows | None:
+    """The short-rows form's tiling where it takes the step (kernelfuse.codegen.attention_short; off by default)."""
+    return short_rows(step, flash_warps(step, input_strides(step))) if uses_tensor_cores(step) else None
+
+
 def input_strides(step: AttnStep) -> dict[str, tuple[int, ...]]:
     """Element strides over (batch, head, row, col) of q, k, v and the mask, as the kernel reads them."""
     batch = step.dims[0]
@@ -150,8 +156,11 @@ def render_attention(plan: Plan, step: AttnStep) -> tuple[str, Binding]:
     flags = f"{str(step.causal).lower()}, {str(step.empty_nan).lower()}, {str(step.activation == 'relu').lower()}"
     kind = MASK_KINDS[step.mask_kind]
     if tensor_cores and step.out_meta.dtype == torch.float32:
-        launch = f"kf_attention_f32tc<{mask_type}, {d}, {kind}, {flags}, {str(step.math == '3xtf32').lower()}, " \
-            f"{flash_warps(step, strides)}, {flash_f32_keys(d, length)}>"
+        short = short_rows_tiling(step)
+        launch = f"kf_attention_{'f32_short' if short else 'f32tc'}<{mask_type}, {d}, {kind}, {flags}, " \
+            f"{str(step.math == '3xtf32').lower()}, {flash_warps(step, strides)}, {flash_f32_keys(d, length)}"
+        # the short-rows form: key groups of 8, 16-row tiles, then its tiling (attention_short.ShortRows)
+        launch += f", {-(-length // 8)}, {-(-s // 16)}, {short.template_args()}>" if short else ">"
     elif tensor_cores:
         launch = f"kf_attention_tc<{mask_type}, {d}, {kind}, {flags}, {flash_config(step, strides).template_args(d)}>"
     else:
