@@ -167,7 +167,8 @@ def test_emulated_misaligned_base_falls_back_to_the_flash_kernel(tmp_path, monke
 
 def test_the_switch_is_off_by_default_and_the_rule():
     """SHORT_ROWS is None (the flash kernel for every fp32 step until the form is measured); set, the form takes
-    fp32 tensor-core steps with S and L up to 64 at head dims 32 and 64, and nothing else."""
+    fp32 tensor-core steps with S and L up to 64 at head dims 32 and 64 whose blocks fit an H100's shared memory,
+    and nothing else."""
     assert attention_short.SHORT_ROWS is None
     _, plan = _planned("swin_bias_d32")
     step = plan.attention[0]
@@ -181,6 +182,13 @@ def test_the_switch_is_off_by_default_and_the_rule():
                replace(step, out_meta=replace(step.out_meta, dtype=torch.bfloat16))]
     assert [attention_short.short_rows(x, 4, on) for x in refused] == [None] * len(refused)
     assert attention_short.short_rows(step, 0, on) is None  # not the flash kernel's layout
+    # shared memory: 8 windows of Swin's d32 (168 KB with the bias) fit an H100's block, 8 of ViT's d64 (265 KB) not
+    assert ShortRows(8, 1).shared_bytes(step) == 4 * (8 * 56 * 84 + 64 * 72)
+    assert attention_short.short_rows(step, 4, ShortRows(8, 1)) == ShortRows(8, 1)
+    vit = replace(step, dims=(b, h, hk, 50, 50, 64), mask=None, mask_kind="none")
+    assert ShortRows(8, 1).shared_bytes(vit) == 4 * 8 * 56 * 148 > attention_short.MAX_SHARED
+    assert attention_short.short_rows(vit, 4, ShortRows(8, 1)) is None
+    assert attention_short.short_rows(vit, 4, ShortRows(4, 1)) == ShortRows(4, 1)
 
 
 def _build(plan, tmp_path, arch: str) -> str:

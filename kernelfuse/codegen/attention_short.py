@@ -29,6 +29,7 @@ from kernelfuse.plan.ir import AttnStep
 
 MAX_ROWS = 64  # queries and keys a window at most (four 16-row tiles; eight 8-key groups)
 HEAD_DIMS = (32, 64)  # the float4 operand orders need d in steps of 32; above 64 the registers would not hold
+MAX_SHARED = 227 * 1024  # a block's shared memory on an H100 / H200 (an A100's 163 KB: the launcher falls back)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,14 @@ class ShortRows:
     windows: int = 2  # (batch, head) windows a block, of one head
     row_tiles: int = 1  # 16-row query tiles a warp (2: a key or value fragment serves two mma row tiles)
     min_blocks: int = 0  # __launch_bounds__'s blocks an SM (caps the registers), 0: none
+
+    def shared_bytes(self, step: AttnStep) -> int:
+        """kf_short_tile::FLOATS in bytes: each window's keys and values, rows of D + 16 and D + 4 floats, and an
+        additive mask's rows of LP floats (the keys rounded up to 8 mod 32)."""
+        _, _, _, s, length, d = step.dims
+        keys = -(-length // 8) * 8
+        mask = -(-s // 16) * 16 * ((keys + 23) // 32 * 32 + 8) if step.mask_kind == "add" else 0
+        return 4 * (self.windows * keys * (2 * d + 20) + mask)
 
     def template_args(self) -> str:
         """kf_attention_f32_short's RW, WPB and BLOCKS."""
@@ -51,14 +60,14 @@ SHORT_ROWS: ShortRows | None = None
 def short_rows(step: AttnStep, flash_warps: int, config: ShortRows | None = None) -> ShortRows | None:
     """The tiling of the short-rows form for an fp32 tensor-core step, None where it does not apply: the switch off
     (`config`, else SHORT_ROWS), not the fp32 flash kernel's layout (`flash_warps` 0), S or L over MAX_ROWS, a head
-    dim not in HEAD_DIMS, ReLU attention or a soft cap (the form has neither)."""
+    dim not in HEAD_DIMS, ReLU attention or a soft cap (the form has neither), more shared memory than MAX_SHARED."""
     config = config or SHORT_ROWS
     _, _, _, s, length, d = step.dims
     if config is None or not flash_warps or step.out_meta.dtype != torch.float32 or step.math == "fma":
         return None
     if s > MAX_ROWS or length > MAX_ROWS or d not in HEAD_DIMS or step.activation != "softmax" or step.softcap:
         return None
-    return config
+    return config if config.shared_bytes(step) <= MAX_SHARED else None
 
 
 SHORT_PRELUDE = r"""
@@ -306,8 +315,10 @@ cudaError_t kf_attention_f32_short(const kf_attn_params& p, int batch, cudaStrea
   constexpr auto kernel = kf_attention_short_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, SPLIT, NT, RT, RW, WPB, BLOCKS>;
   constexpr int threads = WPB * ((RT + RW - 1) / RW) * 32;
   constexpr int bytes = kf_short_tile<D, NT, RT>::FLOATS(WPB, MASK == 3) * (int)sizeof(float);
-  const cudaError_t opted = kf_opt_in<kernel>(bytes);
-  if (opted != cudaSuccess) return opted;
+  if (kf_opt_in<kernel>(bytes) != cudaSuccess) {  // more shared memory than the device gives a block (an A100)
+    cudaGetLastError();
+    return kf_attention_f32tc<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, SPLIT, WARPS, BK>(p, batch, stream);
+  }
   const bool vec_out = p.so[3] == 1 && p.so[0] % 4 == 0 && p.so[1] % 4 == 0 && p.so[2] % 4 == 0 &&
                        (uintptr_t)p.out % 16 == 0;
   ++kf_attention_short_count;
