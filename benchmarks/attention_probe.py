@@ -11,7 +11,8 @@ reference (max abs error) and timed by CUDA events with L2 flushed (median of 20
 (torch.compile's builds are most of it; --no-compile skips them). --flash-configs builds the bf16 flash kernel once
 per named tiling (FLASH_CONFIGS; their builds overlap) and times each as its own "kernelfuse NAME" row.
 --short-rows builds fp32's short-rows form (kernelfuse.codegen.attention_short, off by default) once per named tiling
-(SHORT_ROWS_CONFIGS), in 3xTF32 and TF32, and times it as "kernelfuse 3xtf32 short NAME" rows on the cases it takes
+(SHORT_ROWS_CONFIGS), in 3xTF32 and TF32 ("kernelfuse 3xtf32 short NAME", "kernelfuse tf32 short NAME" rows), or in
+exact FMA for the tilings named ...fma ("kernelfuse fma short NAME"), and times it on the cases it takes
 (S and L up to 64, head dims 32 and 64: Swin's windows, ViT-B's short rows). --cases keeps the cases whose names
 contain one of the given words.
 """
@@ -76,10 +77,11 @@ FLASH_CONFIGS = {
     "w4_b3": {"warps": 4, "min_blocks": 3},
 }
 # --short-rows: tilings of fp32's short-rows form, attention_short.ShortRows(windows a block, 16-row tiles a warp,
-# __launch_bounds__'s blocks an SM). Registers (ptxas 13, sm_90a, 3xTF32, Swin's d32 with its bias / ViT's d64):
-# one row tile a warp 72-79 / 101-103, two 141 / 174; b3 and b4 cap 256-thread blocks at 85 and 64 registers (d32's
-# 64 spills 40 bytes; d64's spills more). Shared memory a block: 16 KB a d32 window (keys and values) + 18 KB for a
-# bias shared by the block's windows; 27 KB a d64 window.
+# __launch_bounds__'s blocks an SM, exact FMAs). Registers (ptxas 13, sm_90a, Swin's d32 with its bias / ViT's d64),
+# 3xTF32: one row tile a warp 72-79 / 101-103, two 141 / 174; b3 and b4 cap 256-thread blocks at 85 and 64 registers
+# (d32's 64 spills 40 bytes; d64's more). FMA: one row tile 90-108 / 96-116, two 163 / 168. Shared memory a block:
+# 16 KB a d32 window (keys and values; FMA 12 KB and 9 KB of queries) + 18 KB for a bias shared by the block's
+# windows; 27 KB a d64 window. "w8r1" does not fit a d64 block: those cases keep the flash kernel.
 SHORT_ROWS_CONFIGS = {
     "w1r1": ShortRows(1, 1),
     "w2r1": ShortRows(2, 1),
@@ -89,6 +91,10 @@ SHORT_ROWS_CONFIGS = {
     "w4r2": ShortRows(4, 2),
     "w2r1b3": ShortRows(2, 1, 3),
     "w2r1b4": ShortRows(2, 1, 4),
+    "w1r1fma": ShortRows(1, 1, fma=True),
+    "w2r1fma": ShortRows(2, 1, fma=True),
+    "w4r1fma": ShortRows(4, 1, fma=True),
+    "w2r2fma": ShortRows(2, 2, fma=True),
 }
 BACKENDS = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
@@ -140,8 +146,8 @@ def sdpa(case: Case):
 
 
 def short_rows_forms(names: list[str]) -> dict[str, tuple[object, list[str | None]]]:
-    """fp32's short-rows form once per SHORT_ROWS_CONFIGS tiling, in 3xTF32 and TF32 (the builds overlap): each
-    label's kernels, None for the cases the form does not take."""
+    """fp32's short-rows form once per SHORT_ROWS_CONFIGS tiling, in 3xTF32 and TF32, or in FMA (the builds
+    overlap): each label's kernels, None for the cases the form does not take."""
     example = [t for case in CASES for t in inputs_of(case, torch.float32, "meta")]
     plan = make_plan(capture_module(Attentions(), example))
     maths = ("3xtf32", "tf32")
@@ -156,7 +162,8 @@ def short_rows_forms(names: list[str]) -> dict[str, tuple[object, list[str | Non
     with ThreadPoolExecutor(8) as pool:
         built = list(pool.map(lambda n: load_kernels(sources[n], f"attention_probe_short_{n}"), names))
     return {f"kernelfuse {m} short {name}": (ext, taken[name][i * len(CASES):(i + 1) * len(CASES)])
-            for name, ext in zip(names, built, strict=True) for i, m in enumerate(maths)}
+            for name, ext in zip(names, built, strict=True)
+            for i, m in enumerate(("fma",) if SHORT_ROWS_CONFIGS[name].fma else maths)}
 
 
 def our_kernels(dtype: torch.dtype, flash_configs: list[str],

@@ -30,8 +30,10 @@ from kernelfuse.plan.ir import AttnStep
 from kernelfuse.rewrite import rewrite
 
 # windows a block, row tiles a warp: one window of 4 warps, several windows a block, two row tiles a warp (two warps
-# a 49-row window; three windows for ragged batches), a register cap
-TILINGS = [ShortRows(1, 1), ShortRows(2, 1), ShortRows(4, 1), ShortRows(2, 2), ShortRows(3, 2), ShortRows(2, 1, 3)]
+# a 49-row window; three windows for ragged batches), a register cap; exact FMAs in the same tilings
+TILINGS = [ShortRows(1, 1), ShortRows(2, 1), ShortRows(4, 1), ShortRows(2, 2), ShortRows(3, 2), ShortRows(2, 1, 3),
+           ShortRows(3, 1, fma=True), ShortRows(3, 2, fma=True)]
+OTHERS = [ShortRows(2, 1), ShortRows(3, 2), ShortRows(2, 2, fma=True)]  # the other cases' tilings
 
 
 _SEEDED = torch.Generator().manual_seed(0)  # the cases' values, the same at every run
@@ -80,7 +82,7 @@ def _tiled(plan, tilings: list[ShortRows], monkeypatch):
     give each kernel its tiling); (the plan, kernel name -> tiling)."""
     (step,) = plan.attention
     by_kernel = {f"{step.kernel}_t{i}": tiling for i, tiling in enumerate(tilings)}
-    monkeypatch.setattr(attention, "short_rows", lambda s, warps, config=None: by_kernel[s.kernel] if warps else None)
+    monkeypatch.setattr(attention, "short_rows", lambda s, vector, config=None: by_kernel[s.kernel] if vector else None)
     return replace(plan, steps=tuple(replace(step, kernel=k) for k in by_kernel)), by_kernel
 
 
@@ -104,18 +106,18 @@ def _reference(step: AttnStep, args: list[torch.Tensor]) -> torch.Tensor:
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_emulated_short_rows_match_float64_in_every_tiling(name, tmp_path, monkeypatch, poisoned_shared):  # noqa: F811
     """The short-rows kernel within the strict rule of float64 (the tf32 policy within TF32's) in every tiling on
-    Swin's case, in two (blocks of 2 windows of one row tile a warp, of 3 windows of two) on the others; the kernel
-    taken at every call (its launch counter), rows whose every key is masked zeros as SDPA gives them."""
+    Swin's case, in OTHERS on the others; the kernel taken at every call (its launch counter), rows whose every key
+    is masked zeros as SDPA gives them. The FMA tilings within the strict rule at any policy."""
     args, plan = _planned(name)
-    chosen = TILINGS if name == "swin_bias_d32" else [ShortRows(2, 1), ShortRows(3, 2)]  # each within minutes
+    chosen = TILINGS if name == "swin_bias_d32" else OTHERS  # each case within a minute
     tiled, tilings = _tiled(plan, chosen, monkeypatch)
     source = generate(tiled).cuda
     for tiling in chosen:
-        assert f", {tiling.template_args()}>(p, " in source, tiling
+        assert f", {tiling.template_args()}>(p, " in source and "kf_attention_f32tc<" in source, tiling
     emu = emulated(tiled, tmp_path)
     reference = _reference(plan.attention[0], args)
-    tol = 1e-2 if plan.attention[0].math == "tf32" else 2e-5
     for step in tiled.attention:
+        tol = 1e-2 if plan.attention[0].math == "tf32" and not tilings[step.kernel].fma else 2e-5
         before = _launches(emu.lib)
         got = getattr(emu.kernels, step.kernel)(*args)
         assert _launches(emu.lib) - before == 1, tilings[step.kernel]
@@ -124,21 +126,25 @@ def test_emulated_short_rows_match_float64_in_every_tiling(name, tmp_path, monke
         assert not got.isnan().any()
 
 
-def test_emulated_swin_shifted_windows_take_the_short_rows_form(tmp_path, monkeypatch, poisoned_shared):  # noqa: F811
+@pytest.mark.parametrize("option, tiling, math", [("split", ShortRows(3, 1), "3xtf32"),
+                                                  ("kernel", ShortRows(3, 1, fma=True), "fma")])
+def test_emulated_swin_shifted_windows_take_the_short_rows_form(option, tiling, math, tmp_path, monkeypatch,
+                                                                 poisoned_shared):  # noqa: F811
     """Swin's shifted-window attention as torchvision writes it (a per-head bias, then the window mask added through
-    the (images, windows, heads, S, L) view), planned under the 3xTF32 variant: one step with the window mask (the
-    planner's _window_mask), the short-rows kernel in blocks of 3 windows over 8 batch indices (a ragged last
-    block; the windows of a block read different window masks) against float64 and eager."""
+    the (images, windows, heads, S, L) view), planned under the 3xTF32 variant and under the strict default (exact
+    fp32: the FMA tiling): one step with the window mask (the planner's _window_mask), the short-rows kernel in
+    blocks of 3 windows over 8 batch indices (a ragged last block; the windows of a block read different window
+    masks) against float64 and eager."""
     torch.manual_seed(0)
     qkv = [torch.randn(8, 2, 49, 32) for _ in range(3)]
     windows = torch.where(torch.rand(4, 49, 49) > 0.3, 0.0, -100.0)
     inputs = [*qkv, torch.randn(2, 49, 49), windows]
     graph = rewrite(capture_module(Fn(_shifted_windows), inputs))
-    monkeypatch.setattr(attention_short, "SHORT_ROWS", ShortRows(3, 1))
-    plan = make_plan(graph, PlanOptions(attention="split"))
+    monkeypatch.setattr(attention_short, "SHORT_ROWS", tiling)
+    plan = make_plan(graph, PlanOptions(attention=option))
     (step,) = plan.attention
-    assert (step.window_count, step.mask_kind, step.math) == (4, "add", "3xtf32")
-    assert "kf_attention_f32_short<" in generate(plan).cuda
+    assert (step.window_count, step.mask_kind, step.math) == (4, "add", math)
+    assert f"kf_attention_short<float, 32, 3, false, true, {tiling.math(step)}, 7, 4, 1, 3, 0>" in generate(plan).cuda
     with torch.no_grad():
         env = node_values(graph, Fn(_shifted_windows), inputs)
         expected = Fn(_shifted_windows)(*inputs)
@@ -150,10 +156,13 @@ def test_emulated_swin_shifted_windows_take_the_short_rows_form(tmp_path, monkey
     torch.testing.assert_close(got, expected, rtol=3e-5, atol=3e-5)
 
 
-def test_emulated_misaligned_base_falls_back_to_the_flash_kernel(tmp_path, monkeypatch):
-    """q 4 bytes past 16-byte alignment: the launcher takes the flash kernel (no short-rows launch), correctly."""
+@pytest.mark.parametrize("fma", [False, True])
+def test_emulated_misaligned_base_falls_back_to_the_flash_kernel(fma, tmp_path, monkeypatch):
+    """q 4 bytes past 16-byte alignment: the launcher takes the step's own kernel (the flash kernel), correctly, and
+    the short-rows kernel again for aligned inputs."""
     args, plan = _planned("swin_bias_d32")
-    monkeypatch.setattr(attention_short, "SHORT_ROWS", ShortRows(2, 1))
+    monkeypatch.setattr(attention_short, "SHORT_ROWS", ShortRows(2, 1, fma=fma))
+    assert "kf_attention_f32tc<" in generate(plan).cuda
     emu = emulated(plan, tmp_path)
     step = plan.attention[0]
     shifted = torch.empty(args[0].numel() + 1)[1:].view(args[0].shape).copy_(args[0])
@@ -172,23 +181,27 @@ def test_the_switch_is_off_by_default_and_the_rule():
     assert attention_short.SHORT_ROWS is None
     _, plan = _planned("swin_bias_d32")
     step = plan.attention[0]
-    assert attention.short_rows_tiling(step) is None and "kf_attention_f32_short" not in generate(plan).cuda
+    assert attention.short_rows_tiling(step) is None and "kf_attention_short" not in generate(plan).cuda
     on = ShortRows(2, 1)
-    assert attention_short.short_rows(step, 4, on) == on
+    assert attention_short.short_rows(step, True, on) == on
     b, h, hk, s, length, d = step.dims
     refused = [replace(step, dims=(b, h, hk, 65, length, d)), replace(step, dims=(b, h, hk, s, 65, d)),
                replace(step, dims=(b, h, hk, s, length, 40)), replace(step, activation="relu"),
-               replace(step, math="fma"), replace(step, softcap=(0.5, 2.0)),
+               replace(step, softcap=(0.5, 2.0)),
                replace(step, out_meta=replace(step.out_meta, dtype=torch.bfloat16))]
-    assert [attention_short.short_rows(x, 4, on) for x in refused] == [None] * len(refused)
-    assert attention_short.short_rows(step, 0, on) is None  # not the flash kernel's layout
+    assert [attention_short.short_rows(x, True, on) for x in refused] == [None] * len(refused)
+    assert attention_short.short_rows(step, False, on) is None  # q, k or v not in 16-byte rows along d
+    exact = replace(step, math="fma")  # hand-written fp32 under the strict policy: the FMA tilings only
+    assert attention_short.short_rows(exact, True, on) is None
+    assert attention_short.short_rows(exact, True, ShortRows(2, 1, fma=True)) == ShortRows(2, 1, fma=True)
+    assert [ShortRows(fma=True).math(exact), on.math(step), on.math(replace(step, math="tf32"))] == [2, 1, 0]
     # shared memory: 8 windows of Swin's d32 (168 KB with the bias) fit an H100's block, 8 of ViT's d64 (265 KB) not
     assert ShortRows(8, 1).shared_bytes(step) == 4 * (8 * 56 * 84 + 64 * 72)
-    assert attention_short.short_rows(step, 4, ShortRows(8, 1)) == ShortRows(8, 1)
+    assert attention_short.short_rows(step, True, ShortRows(8, 1)) == ShortRows(8, 1)
     vit = replace(step, dims=(b, h, hk, 50, 50, 64), mask=None, mask_kind="none")
     assert ShortRows(8, 1).shared_bytes(vit) == 4 * 8 * 56 * 148 > attention_short.MAX_SHARED
-    assert attention_short.short_rows(vit, 4, ShortRows(8, 1)) is None
-    assert attention_short.short_rows(vit, 4, ShortRows(4, 1)) == ShortRows(4, 1)
+    assert attention_short.short_rows(vit, True, ShortRows(8, 1)) is None
+    assert attention_short.short_rows(vit, True, ShortRows(4, 1)) == ShortRows(4, 1)
 
 
 def _build(plan, tmp_path, arch: str) -> str:
@@ -207,16 +220,18 @@ def _build(plan, tmp_path, arch: str) -> str:
     return result.stderr
 
 
-# (step of the build plan, tiling): every form in the probe's tilings 2 and 4 windows a block of one row tile a warp;
-# two row tiles a warp at head dim 32 (at 64 they need 168-174 registers, and with a bool mask ptxas spilled 4 bytes)
-BUILDS = [(i, t) for i in range(4) for t in (ShortRows(2, 1), ShortRows(4, 1))] + \
-    [(i, ShortRows(2, 2)) for i in range(2)] + [(4, ShortRows(2, 1)), (5, ShortRows(2, 1))]
+# (step of the build plan, tiling): every form in the probe's tilings of 2 and 4 windows a block of one row tile a
+# warp, in 3xTF32 and FMA; two row tiles a warp at head dim 32 (at 64 they need 168-174 registers, and with a bool
+# mask ptxas spilled 4 bytes); TF32
+BUILDS = [(i, t) for i in range(4) for t in (ShortRows(2, 1), ShortRows(4, 1), ShortRows(2, 1, fma=True))] + \
+    [(i, t) for i in range(2) for t in (ShortRows(2, 2), ShortRows(2, 2, fma=True))] + \
+    [(4, ShortRows(2, 1)), (5, ShortRows(2, 1))]
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
 def test_short_rows_build_without_spills(arch, tmp_path, monkeypatch):
-    """Head dim 32 (Swin's bias; the window mask) and 64 (a bool mask; causal) in 3xTF32, two of them in TF32, in
-    the tilings of BUILDS: no spills for sm_90a or sm_80 (registers: the ShortRows docs)."""
+    """Head dim 32 (Swin's bias; the window mask) and 64 (a bool mask; causal) in 3xTF32 and FMA, two of them in
+    TF32, in the tilings of BUILDS: no spills for sm_90a or sm_80 (registers: the probe's SHORT_ROWS_CONFIGS)."""
     def forms(m, *xs):
         return (F.scaled_dot_product_attention(*xs[0:4]), _shifted_windows(m, *xs[4:9]),
                 F.scaled_dot_product_attention(*xs[9:13]), F.scaled_dot_product_attention(*xs[13:16], is_causal=True))
@@ -230,7 +245,7 @@ def test_short_rows_build_without_spills(arch, tmp_path, monkeypatch):
     steps = [*split.attention, *(replace(a, kernel=f"{a.kernel}_tf32") for a in tf32.attention[:2])]
     assert [a.math for a in steps] == ["3xtf32"] * 4 + ["tf32"] * 2
     tilings = {f"{steps[i].kernel}_t{n}": (steps[i], t) for n, (i, t) in enumerate(BUILDS)}
-    monkeypatch.setattr(attention, "short_rows", lambda s, warps, config=None: tilings[s.kernel][1])
+    monkeypatch.setattr(attention, "short_rows", lambda s, vector, config=None: tilings[s.kernel][1])
     plan = replace(split, steps=tuple(replace(a, kernel=k) for k, (a, _) in tilings.items()))
     log = _build(plan, tmp_path, arch)
     assert len(set(re.findall(r"kf_attention_short_kernel\w+", log))) == len(tilings)

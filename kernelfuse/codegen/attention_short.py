@@ -1,5 +1,6 @@
-"""The short-rows form of the fp32 tensor-core attention (TF32 or 3xTF32): many small (batch, head) windows, S and L
-at most 64 (Swin's 7 x 7 windows, 49 queries and keys; ViT-like short sequences), head dims 32 and 64.
+"""The short-rows form of fp32 attention: many small (batch, head) windows, S and L at most 64 (Swin's 7 x 7 windows,
+49 queries and keys; ViT-like short sequences), head dims 32 and 64, on tensor cores (TF32 or 3xTF32) or in exact
+fp32 FMAs.
 
 The flash kernel (kernelfuse.codegen.attention_flash) gives such a window a block of 4 warps and one key tile:
 its double-buffered K and V tiles half unused, its online softmax rescaling nothing, and its few warps a block all
@@ -10,13 +11,16 @@ relative-position bias, (1, H, S, L)) is copied to shared memory once a block be
 from global memory into registers, and each warp runs one plain softmax over all its keys (no running statistics).
 Fragments move 16 bytes at a time: the sums over d and over the keys are taken in orders that let a lane's operands
 be neighbours (`kf_attention_short_kernel`'s comments), so the keys, values and queries are read, and the output
-written, as float4. The arithmetic is the flash kernel's (kf_tf32_parts, kf_mma_parts: 3xTF32 under the strict
-policy, TF32 under the tf32 one), one key tile's products accumulated as there.
+written, as float4. The tensor-core arithmetic is the flash kernel's (kf_tf32_parts, kf_mma_parts: 3xTF32 under the
+strict policy, TF32 under the tf32 one), one key tile's products accumulated as there. `ShortRows.fma` computes the
+same fragments with exact fp32 FMAs instead (the queries in shared memory too, each key's probabilities shuffled
+across its quad): the strict policy's hand-written form (math "fma": torchvision's Swin) takes only that.
 
-OFF by default: `SHORT_ROWS` is None until this form is measured on the GPU against the flash kernel
-(`PYTHONPATH=. python benchmarks/attention_probe.py --fp32-only --short-rows w2r1,w4r1,...`); set it to a
-`ShortRows` to take the form wherever `short_rows` allows it. The launcher falls back to the flash kernel where the
-bases are not 16-byte aligned at run time; kf_attention_short_launches() counts the launches that took this form.
+OFF by default: `SHORT_ROWS` is None until this form is measured on the GPU against the flash kernel and the FMA
+kernel (`PYTHONPATH=. python benchmarks/attention_probe.py --fp32-only --short-rows w2r1,w4r1,w2r1fma,...`); set it
+to a `ShortRows` to take the form wherever `short_rows` allows it. The step's launcher calls kf_attention_short
+first, which declines where a base is not 16-byte aligned or the device's shared memory is short for the block (the
+step's own kernel then runs); kf_attention_short_launches() counts the launches that took this form.
 """
 
 from __future__ import annotations
@@ -39,6 +43,13 @@ class ShortRows:
     windows: int = 2  # (batch, head) windows a block, of one head
     row_tiles: int = 1  # 16-row query tiles a warp (2: a key or value fragment serves two mma row tiles)
     min_blocks: int = 0  # __launch_bounds__'s blocks an SM (caps the registers), 0: none
+    # exact fp32 FMAs in the mma fragments' places (the queries in shared memory too): for every fp32 step, the
+    # hand-written form under the strict policy (math "fma") included, which takes no other short-rows tiling
+    fma: bool = False
+
+    def math(self, step: AttnStep) -> int:
+        """kf_attention_short's MATH: 0 TF32, 1 3xTF32, 2 FMA."""
+        return 2 if self.fma else 1 if step.math == "3xtf32" else 0
 
     def shared_bytes(self, step: AttnStep) -> int:
         """kf_short_tile::FLOATS in bytes: each window's keys and values, rows of D + 16 and D + 4 floats, and an
@@ -46,10 +57,11 @@ class ShortRows:
         _, _, _, s, length, d = step.dims
         keys = -(-length // 8) * 8
         mask = -(-s // 16) * 16 * ((keys + 23) // 32 * 32 + 8) if step.mask_kind == "add" else 0
-        return 4 * (self.windows * keys * (2 * d + 20) + mask)
+        queries = -(-s // 16) * 16 * (d + 4) if self.fma else 0
+        return 4 * (self.windows * (keys * (2 * d + (8 if self.fma else 20)) + queries) + mask)
 
     def template_args(self) -> str:
-        """kf_attention_f32_short's RW, WPB and BLOCKS."""
+        """kf_attention_short's RW, WPB and BLOCKS."""
         return f"{self.row_tiles}, {self.windows}, {self.min_blocks}"
 
 
@@ -57,13 +69,15 @@ class ShortRows:
 SHORT_ROWS: ShortRows | None = None
 
 
-def short_rows(step: AttnStep, flash_warps: int, config: ShortRows | None = None) -> ShortRows | None:
-    """The tiling of the short-rows form for an fp32 tensor-core step, None where it does not apply: the switch off
-    (`config`, else SHORT_ROWS), not the fp32 flash kernel's layout (`flash_warps` 0), S or L over MAX_ROWS, a head
-    dim not in HEAD_DIMS, ReLU attention or a soft cap (the form has neither), more shared memory than MAX_SHARED."""
+def short_rows(step: AttnStep, vector_rows: bool, config: ShortRows | None = None) -> ShortRows | None:
+    """The tiling of the short-rows form for an fp32 step, None where it does not apply: the switch off (`config`,
+    else SHORT_ROWS), q, k or v not contiguous along d in 16-byte rows (`vector_rows` false), exact fp32 asked
+    (math "fma") of a tensor-core tiling, S or L over MAX_ROWS, a head dim not in HEAD_DIMS, ReLU attention or a
+    soft cap (the form has neither), more shared memory than MAX_SHARED."""
     config = config or SHORT_ROWS
     _, _, _, s, length, d = step.dims
-    if config is None or not flash_warps or step.out_meta.dtype != torch.float32 or step.math == "fma":
+    if config is None or not vector_rows or step.out_meta.dtype != torch.float32 or \
+            (step.math == "fma" and not config.fma):
         return None
     if s > MAX_ROWS or length > MAX_ROWS or d not in HEAD_DIMS or step.activation != "softmax" or step.softcap:
         return None
@@ -83,25 +97,31 @@ __device__ __forceinline__ void kf_cp_async4(void* dst, const void* src) {
 #endif
 
 // Row pitches in floats: keys D + 16 (a quarter warp's float4 reads, rows g and g + 1 at columns 4 t, fall in 32
-// distinct banks), values D + 4 (rows 2 t at columns 4 g: likewise), the mask the keys rounded up to 8 mod 32 (a
-// half warp's float2 reads, rows g at columns 2 t)
-template <int D, int NT, int RT>
+// distinct banks; FMA: D + 4, rows 2 t), values and the queries (FMA) D + 4 (rows 2 t at columns 4 g: likewise), the
+// mask the keys rounded up to 8 mod 32 (a half warp's float2 reads, rows g at columns 2 t)
+template <int D, int NT, int RT, bool FMA>
 struct kf_short_tile {
-  static constexpr int BK = NT * 8, KP = D + 16, VP = D + 4, LP = (BK + 23) / 32 * 32 + 8;
-  static constexpr int FLOATS(int windows, bool mask) { return windows * BK * (KP + VP) + (mask ? RT * 16 * LP : 0); }
+  static constexpr int BK = NT * 8, KP = FMA ? D + 4 : D + 16, VP = D + 4, QP = D + 4, BQ = RT * 16,
+                       LP = (BK + 23) / 32 * 32 + 8;
+  static constexpr int FLOATS(int windows, bool mask) {
+    return windows * (BK * (KP + VP) + (FMA ? BQ * QP : 0)) + (mask ? BQ * LP : 0);
+  }
 };
 
-template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool SPLIT, int NT, int RT, int RW, int WPB,
+// MATH: 0 TF32, 1 3xTF32 (SPLIT), 2 exact fp32 FMAs (the scores and the output as the mma fragments lay them out)
+template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, int MATH, int NT, int RT, int RW, int WPB,
           int BLOCKS>
 __global__ void __launch_bounds__(WPB * ((RT + RW - 1) / RW) * 32, BLOCKS)
     kf_attention_short_kernel(const kf_attn_params p, int batch, bool vec_out) {
-  typedef kf_short_tile<D, NT, RT> Tile;
+  constexpr bool SPLIT = MATH == 1, FMA = MATH == 2;
+  typedef kf_short_tile<D, NT, RT, FMA> Tile;
   constexpr int WW = (RT + RW - 1) / RW, THREADS = WPB * WW * 32, BK = Tile::BK, KP = Tile::KP, VP = Tile::VP,
-                LP = Tile::LP, DT = D / 8;
+                QP = Tile::QP, BQ = Tile::BQ, LP = Tile::LP, DT = D / 8;
   KF_DYNAMIC_SHARED(kf_attn_smem);
-  float* ks = kf_attn_smem;              // [WPB][BK][KP]
-  float* vs = ks + WPB * BK * KP;        // [WPB][BK][VP]
-  float* bias = vs + WPB * BK * VP;      // [RT * 16][LP]: MASK 3 broadcast over the batch
+  float* ks = kf_attn_smem;                     // [WPB][BK][KP]
+  float* vs = ks + WPB * BK * KP;               // [WPB][BK][VP]
+  float* qs = vs + WPB * BK * VP;               // [WPB][BQ][QP]: FMA's queries
+  float* bias = qs + (FMA ? WPB * BQ * QP : 0);  // [BQ][LP]: MASK 3 broadcast over the batch
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   const int chunk = blockIdx.x / p.heads, h = blockIdx.x % p.heads, hk = h / p.group;
   const int w = warp / WW, b = chunk * WPB + w, r0 = warp % WW * RW * 16;
@@ -112,6 +132,9 @@ __global__ void __launch_bounds__(WPB * ((RT + RW - 1) / RW) * 32, BLOCKS)
                                           p.sk[2], p.L);
     kf_attn_copy_rows<BK, D, VP, THREADS>(vs + i * BK * VP, (const float*)p.v + bi * p.sv[0] + hk * p.sv[1],
                                           p.sv[2], p.L);
+    if constexpr (FMA)
+      kf_attn_copy_rows<BQ, D, QP, THREADS>(qs + i * BQ * QP, (const float*)p.q + bi * p.sq[0] + h * p.sq[1],
+                                            p.sq[2], p.S);
   }
   const bool shared_mask = MASK == 3 && sizeof(M) == 4 && p.sm[0] == 0;  // one head's mask serves every window
   if (shared_mask) {
@@ -127,16 +150,17 @@ __global__ void __launch_bounds__(WPB * ((RT + RW - 1) / RW) * 32, BLOCKS)
   // 2 c takes columns 16 c + 4 t (as operand column t) and + 1 (as t + 4), k-step 2 c + 1 columns + 2 and + 3; the
   // keys' B fragments follow the same order, one float4 of a key row for both k-steps.
   const float* Q = (const float*)p.q + b * p.sq[0] + h * p.sq[1];
-  float4 qv[RW][2][D / 16];
+  float4 qv[RW][2][FMA ? 1 : D / 16];
 #pragma unroll
-  for (int r = 0; r < RW; ++r)
+  for (int r = 0; r < (FMA ? 0 : RW); ++r)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = r0 + r * 16 + g + half * 8;
 #pragma unroll
       for (int c = 0; c < D / 16; ++c)
-        qv[r][half][c] = live && row < p.S ? *reinterpret_cast<const float4*>(Q + row * p.sq[2] + 16 * c + 4 * t)
-                                           : float4{0.0f, 0.0f, 0.0f, 0.0f};
+        qv[r][half][FMA ? 0 : c] = live && row < p.S
+                                       ? *reinterpret_cast<const float4*>(Q + row * p.sq[2] + 16 * c + 4 * t)
+                                       : float4{0.0f, 0.0f, 0.0f, 0.0f};
     }
   kf_attn_cp_wait<0>();
   __syncthreads();  // every window's keys and values, and the mask, in shared memory
@@ -148,6 +172,31 @@ __global__ void __launch_bounds__(WPB * ((RT + RW - 1) / RW) * 32, BLOCKS)
   for (int r = 0; r < RW; ++r)
 #pragma unroll
     for (int j = 0; j < NT; ++j) s[r][j][0] = s[r][j][1] = s[r][j][2] = s[r][j][3] = 0.0f;
+  if constexpr (FMA) {  // lane (g, t): rows g and g + 8, keys 8 j + 2 t and + 1, four columns of d at a time
+    const float* qt = qs + w * BQ * QP + (r0 + g) * QP;
+    const float* kf = ks + w * BK * KP + 2 * t * KP;
+#pragma unroll 2
+    for (int c = 0; c < D / 4; ++c) {
+      float4 q[RW][2];
+#pragma unroll
+      for (int r = 0; r < RW; ++r) {
+        q[r][0] = *reinterpret_cast<const float4*>(qt + r * 16 * QP + 4 * c);
+        q[r][1] = *reinterpret_cast<const float4*>(qt + (r * 16 + 8) * QP + 4 * c);
+      }
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const float4 k0 = *reinterpret_cast<const float4*>(kf + j * 8 * KP + 4 * c);
+        const float4 k1 = *reinterpret_cast<const float4*>(kf + j * 8 * KP + KP + 4 * c);
+#pragma unroll
+        for (int r = 0; r < RW; ++r)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float4 &a = q[r][e >> 1], &k = e & 1 ? k1 : k0;
+            s[r][j][e] = fmaf(a.w, k.w, fmaf(a.z, k.z, fmaf(a.y, k.y, fmaf(a.x, k.x, s[r][j][e]))));
+          }
+      }
+    }
+  } else {
 #pragma unroll
   for (int c = 0; c < D / 16; ++c) {
     unsigned int qb[RW][2][4], qsm[RW][2][4];  // k-steps 2 c and 2 c + 1
@@ -177,6 +226,7 @@ __global__ void __launch_bounds__(WPB * ((RT + RW - 1) / RW) * 32, BLOCKS)
         kf_mma_parts<SPLIT>(s[r][j], qb[r][1], qsm[r][1], kb[2], kb[3], ksm[2], ksm[3]);
       }
     }
+  }
   }
   // scale, soft cap, masks; then one plain softmax a row (its 4 lanes share the maximum and the sum)
   const M* mask = (const M*)p.mask + (MASK ? b * p.sm[0] + h * p.sm[1] : 0);
@@ -244,6 +294,34 @@ __global__ void __launch_bounds__(WPB * ((RT + RW - 1) / RW) * 32, BLOCKS)
   for (int r = 0; r < RW; ++r)
 #pragma unroll
     for (int j = 0; j < DT; ++j) o[r][j][0] = o[r][j][1] = o[r][j][2] = o[r][j][3] = 0.0f;
+  if constexpr (FMA) {  // each key's probabilities of rows g and g + 8 from the quad's lane that holds them
+    const float* vf = vs + w * BK * VP + 8 * t;  // columns 32 c + 8 t ..
+#pragma unroll
+    for (int kk = 0; kk < NT; ++kk)
+#pragma unroll
+      for (int key = 0; key < 8; ++key) {
+        const int from = (lane & ~3) | key / 2;
+        float pr[RW][2];
+#pragma unroll
+        for (int r = 0; r < RW; ++r) {
+          pr[r][0] = __shfl_sync(0xffffffffu, s[r][kk][key % 2], from);
+          pr[r][1] = __shfl_sync(0xffffffffu, s[r][kk][2 + key % 2], from);
+        }
+#pragma unroll
+        for (int c = 0; c < D / 32; ++c) {
+          const float4 v0 = *reinterpret_cast<const float4*>(vf + (kk * 8 + key) * VP + 32 * c);
+          const float4 v1 = *reinterpret_cast<const float4*>(vf + (kk * 8 + key) * VP + 32 * c + 4);
+          const float vv[2][4] = {{v0.x, v0.y, v0.z, v0.w}, {v1.x, v1.y, v1.z, v1.w}};
+#pragma unroll
+          for (int r = 0; r < RW; ++r)
+#pragma unroll
+            for (int jj = 0; jj < 4; ++jj)
+#pragma unroll
+              for (int e = 0; e < 4; ++e)  // row g + 8 (e >> 1), column 32 c + 8 t + 4 (e & 1) + jj
+                o[r][4 * c + jj][e] = fmaf(pr[r][e >> 1], vv[e & 1][jj], o[r][4 * c + jj][e]);
+        }
+      }
+  } else {
 #pragma unroll
   for (int kk = 0; kk < NT; ++kk) {
     unsigned int pb[RW][4], psm[RW][4];
@@ -268,6 +346,7 @@ __global__ void __launch_bounds__(WPB * ((RT + RW - 1) / RW) * 32, BLOCKS)
         for (int r = 0; r < RW; ++r) kf_mma_parts<SPLIT>(o[r][4 * c + jj], pb[r], psm[r], bb0, bb1, bs0, bs1);
       }
     }
+  }
   }
   // each row's output divided by its sum (every key masked: NaN for the hand-written form, zeros for SDPA; a NaN
   // sum stays NaN): columns 32 c + 8 t .. + 7 of row g (+ 8), o[r][4 c + jj][half * 2 + e] at + 4 e + jj
@@ -304,25 +383,26 @@ __global__ void __launch_bounds__(WPB * ((RT + RW - 1) / RW) * 32, BLOCKS)
 static long long kf_attention_short_count = 0;
 KF_EXPORT long long kf_attention_short_launches() { return kf_attention_short_count; }
 
-// The short-rows kernel (NT key groups, RT row tiles, RW tiles a warp, WPB windows a block, BLOCKS) where q, k and
-// v are 16-byte aligned (the plan's strides already suit it); else the fp32 flash kernel of the same step
-template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, bool RELU, bool SPLIT, int WARPS, int BK, int NT,
-          int RT, int RW, int WPB, int BLOCKS>
-cudaError_t kf_attention_f32_short(const kf_attn_params& p, int batch, cudaStream_t stream) {
-  static_assert(!RELU && D % 32 == 0 && NT <= 8 && RT <= 4, "the short-rows form: softmax, D 32 or 64, S, L <= 64");
-  if (!kf_attn_vectorised(p, 4, true))
-    return kf_attention_f32tc<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, SPLIT, WARPS, BK>(p, batch, stream);
-  constexpr auto kernel = kf_attention_short_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, SPLIT, NT, RT, RW, WPB, BLOCKS>;
+// The short-rows kernel (MATH, NT key groups, RT row tiles, RW tiles a warp, WPB windows a block, BLOCKS): true
+// where it took the launch (`error` its result); false where q, k or v is not 16-byte aligned or the device gives a
+// block less shared memory than it needs (an A100): the step's own kernel then
+template <typename M, int D, int MASK, bool CAUSAL, bool EMPTY_NAN, int MATH, int NT, int RT, int RW, int WPB,
+          int BLOCKS>
+bool kf_attention_short(const kf_attn_params& p, int batch, cudaStream_t stream, cudaError_t& error) {
+  static_assert(D % 32 == 0 && NT <= 8 && RT <= 4, "the short-rows form: D 32 or 64, S and L up to 64");
+  constexpr auto kernel = kf_attention_short_kernel<M, D, MASK, CAUSAL, EMPTY_NAN, MATH, NT, RT, RW, WPB, BLOCKS>;
   constexpr int threads = WPB * ((RT + RW - 1) / RW) * 32;
-  constexpr int bytes = kf_short_tile<D, NT, RT>::FLOATS(WPB, MASK == 3) * (int)sizeof(float);
-  if (kf_opt_in<kernel>(bytes) != cudaSuccess) {  // more shared memory than the device gives a block (an A100)
+  constexpr int bytes = kf_short_tile<D, NT, RT, MATH == 2>::FLOATS(WPB, MASK == 3) * (int)sizeof(float);
+  if (!kf_attn_vectorised(p, 4, true)) return false;
+  if (kf_opt_in<kernel>(bytes) != cudaSuccess) {
     cudaGetLastError();
-    return kf_attention_f32tc<M, D, MASK, CAUSAL, EMPTY_NAN, RELU, SPLIT, WARPS, BK>(p, batch, stream);
+    return false;
   }
   const bool vec_out = p.so[3] == 1 && p.so[0] % 4 == 0 && p.so[1] % 4 == 0 && p.so[2] % 4 == 0 &&
                        (uintptr_t)p.out % 16 == 0;
   ++kf_attention_short_count;
   kernel<<<(unsigned int)((batch + WPB - 1) / WPB * (long long)p.heads), threads, bytes, stream>>>(p, batch, vec_out);
-  return cudaGetLastError();
+  error = cudaGetLastError();
+  return true;
 }
 """
