@@ -254,7 +254,8 @@ def test_short_rows_build_without_spills(arch, tmp_path, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape, mask", [((640, 3, 49, 32), True), ((64, 12, 50, 64), False),
                                          ((7, 4, 49, 32), True)])
-@pytest.mark.parametrize("tiling", [ShortRows(1, 1), ShortRows(2, 1), ShortRows(4, 1), ShortRows(2, 2)])
+@pytest.mark.parametrize("tiling", [ShortRows(1, 1), ShortRows(2, 1), ShortRows(4, 1), ShortRows(2, 2),
+                                    ShortRows(2, 1, fma=True), ShortRows(2, 2, fma=True)])
 def test_gpu_short_rows_match_float64_and_torch_sdpa(shape, mask, tiling, monkeypatch):
     """On the GPU through the loader: the short-rows kernel ran (its launch counter), as close to float64 as torch's
     own fp32 SDPA (twice its largest error at most) and within the strict rule of it."""
@@ -267,7 +268,7 @@ def test_gpu_short_rows_match_float64_and_torch_sdpa(shape, mask, tiling, monkey
     plan = make_plan(rewrite(capture_module(Fn(sdpa_fn()), inputs)))
     (step,) = plan.attention
     kernels = load_kernels(generate(plan), f"attention_short_{b}_{h}_{s}_{d}_{int(mask)}_{tiling.windows}"
-                           f"_{tiling.row_tiles}")
+                           f"_{tiling.row_tiles}_{int(tiling.fma)}")
     inputs = [t.cuda() for t in inputs]
     before = _launches(kernels._lib)
     got = getattr(kernels, step.kernel)(*inputs)
@@ -278,3 +279,29 @@ def test_gpu_short_rows_match_float64_and_torch_sdpa(shape, mask, tiling, monkey
     ours, theirs = float((got.double() - exact).abs().max()), float((torchs.double() - exact).abs().max())
     assert ours <= 2 * theirs, (ours, theirs)
     torch.testing.assert_close(got, torchs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("option, tiling", [("split", ShortRows(2, 1)), ("kernel", ShortRows(2, 1, fma=True))])
+def test_gpu_swin_shifted_windows_take_the_short_rows_form(option, tiling, monkeypatch):
+    """torchvision's shifted-window attention at Swin-T's first stage (64 windows an image, 3 heads), under the
+    3xTF32 variant and the strict default (FMA): the short-rows kernel ran, within the strict rule of float64."""
+    from kernelfuse.emit.module import load_kernels
+
+    torch.manual_seed(0)
+    inputs = [*_qkv(128, 3, 49, 49, 32), torch.randn(3, 49, 49), torch.where(torch.rand(64, 49, 49) > 0.3, 0.0, -100.0)]
+    monkeypatch.setattr(attention_short, "SHORT_ROWS", tiling)
+    graph = rewrite(capture_module(Fn(_shifted_windows), inputs))
+    plan = make_plan(graph, PlanOptions(attention=option))
+    (step,) = plan.attention
+    assert step.window_count == 64
+    kernels = load_kernels(generate(plan), f"attention_short_swin_{option}")
+    with torch.no_grad():
+        env = node_values(graph, Fn(_shifted_windows).cuda(), [t.cuda() for t in inputs])
+    args = [env[i.ref.name] for i in step.inputs]
+    before = _launches(kernels._lib)
+    got = getattr(kernels, step.kernel)(*args)
+    torch.cuda.synchronize()
+    assert _launches(kernels._lib) - before == 1
+    torch.testing.assert_close(got.double(), _reference(step, args), rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(got, env[step.out], rtol=1e-4, atol=1e-4)
