@@ -79,9 +79,10 @@ FLASH_CONFIGS = {
 # --short-rows: tilings of fp32's short-rows form, attention_short.ShortRows(windows a block, 16-row tiles a warp,
 # __launch_bounds__'s blocks an SM, exact FMAs). Registers (ptxas 13, sm_90a, Swin's d32 with its bias / ViT's d64),
 # 3xTF32: one row tile a warp 72-79 / 101-103, two 141 / 174; b3 and b4 cap 256-thread blocks at 85 and 64 registers
-# (d32's 64 spills 40 bytes; d64's more). FMA: one row tile 90-108 / 96-116, two 163 / 168. Shared memory a block:
-# 16 KB a d32 window (keys and values; FMA 12 KB and 9 KB of queries) + 18 KB for a bias shared by the block's
-# windows; 27 KB a d64 window. "w8r1" does not fit a d64 block: those cases keep the flash kernel.
+# (d32's 64 spills 40 bytes; d64's 528), w4r1b2 and w1r1b8 cap at 64 likewise. At 72-79 registers an SM holds 28
+# warps of w1r1, 24 of w2r1 but only 16 of w4r1 (one 512-thread block). FMA: one row tile 90-108 / 96-116, two
+# 163 / 168. Shared memory a block: 16 KB a d32 window (keys and values; FMA 12 KB and 9 KB of queries) + 18 KB for
+# a bias shared by the block's windows; 27 KB a d64 window. "w8r1" does not fit a d64 block: it keeps the flash kernel.
 SHORT_ROWS_CONFIGS = {
     "w1r1": ShortRows(1, 1),
     "w2r1": ShortRows(2, 1),
@@ -91,6 +92,8 @@ SHORT_ROWS_CONFIGS = {
     "w4r2": ShortRows(4, 2),
     "w2r1b3": ShortRows(2, 1, 3),
     "w2r1b4": ShortRows(2, 1, 4),
+    "w4r1b2": ShortRows(4, 1, 2),
+    "w1r1b8": ShortRows(1, 1, 8),
     "w1r1fma": ShortRows(1, 1, fma=True),
     "w2r1fma": ShortRows(2, 1, fma=True),
     "w4r1fma": ShortRows(4, 1, fma=True),
