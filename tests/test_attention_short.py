@@ -251,33 +251,55 @@ def test_short_rows_build_without_spills(arch, tmp_path, monkeypatch):
     assert len(set(re.findall(r"kf_attention_short_kernel\w+", log))) == len(tilings)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape, mask", [((640, 3, 49, 32), True), ((64, 12, 50, 64), False),
-                                         ((7, 4, 49, 32), True)])
-@pytest.mark.parametrize("tiling", [ShortRows(1, 1), ShortRows(2, 1), ShortRows(4, 1), ShortRows(2, 2),
-                                    ShortRows(2, 1, fma=True), ShortRows(2, 2, fma=True)])
-def test_gpu_short_rows_match_float64_and_torch_sdpa(shape, mask, tiling, monkeypatch):
-    """On the GPU through the loader: the short-rows kernel ran (its launch counter), as close to float64 as torch's
-    own fp32 SDPA (twice its largest error at most) and within the strict rule of it."""
+GPU_SHAPES = [((640, 3, 49, 32), True), ((64, 12, 50, 64), False), ((7, 4, 49, 32), True)]  # Swin, ViT-B, ragged
+GPU_TILINGS = [ShortRows(1, 1), ShortRows(2, 1), ShortRows(4, 1), ShortRows(2, 2), ShortRows(2, 1, fma=True),
+               ShortRows(2, 2, fma=True)]
+
+
+@pytest.fixture(scope="module")
+def gpu_short_rows():
+    """(kernels, {(shape index, tiling index): step}, each shape's CUDA inputs): every GPU_SHAPES case in every
+    GPU_TILINGS tiling, one library (one nvcc build)."""
     from kernelfuse.emit.module import load_kernels
 
-    b, h, s, d = shape
     torch.manual_seed(0)
-    inputs = [*_qkv(b, h, s, s, d), *([torch.randn(h, s, s)] if mask else [])]
-    monkeypatch.setattr(attention_short, "SHORT_ROWS", tiling)
-    plan = make_plan(rewrite(capture_module(Fn(sdpa_fn()), inputs)))
-    (step,) = plan.attention
-    kernels = load_kernels(generate(plan), f"attention_short_{b}_{h}_{s}_{d}_{int(mask)}_{tiling.windows}"
-                           f"_{tiling.row_tiles}_{int(tiling.fma)}")
-    inputs = [t.cuda() for t in inputs]
+    inputs = [[*_qkv(b, h, s, s, d), *([torch.randn(h, s, s)] if mask else [])] for (b, h, s, d), mask in GPU_SHAPES]
+
+    def forms(m, *xs):
+        out, at = [], 0
+        for case in inputs:
+            out.append(F.scaled_dot_product_attention(*xs[at:at + len(case)]))
+            at += len(case)
+        return tuple(out)
+
+    plan = make_plan(rewrite(capture_module(Fn(forms), [t for case in inputs for t in case])))
+    steps, by_kernel = {}, {}
+    for i, step in enumerate(plan.attention):
+        for n, tiling in enumerate(GPU_TILINGS):
+            steps[(i, n)] = replace(step, kernel=f"{step.kernel}_t{n}")
+            by_kernel[steps[(i, n)].kernel] = tiling
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setattr(attention, "short_rows", lambda s, vector, config=None: by_kernel[s.kernel])
+        kernels = load_kernels(generate(replace(plan, steps=tuple(steps.values()))), "attention_short_gpu")
+    return kernels, steps, [[t.cuda() for t in case] for case in inputs]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", range(len(GPU_SHAPES)))
+@pytest.mark.parametrize("tiling", range(len(GPU_TILINGS)))
+def test_gpu_short_rows_match_float64_and_torch_sdpa(shape, tiling, gpu_short_rows):
+    """On the GPU through the loader: the short-rows kernel ran (its launch counter), as close to float64 as torch's
+    own fp32 SDPA (twice its largest error at most) and within the strict rule of it."""
+    kernels, steps, inputs = gpu_short_rows
+    case = inputs[shape]
     before = _launches(kernels._lib)
-    got = getattr(kernels, step.kernel)(*inputs)
+    got = getattr(kernels, steps[(shape, tiling)].kernel)(*case)
     torch.cuda.synchronize()
-    assert _launches(kernels._lib) - before == 1
-    exact = F.scaled_dot_product_attention(*(t.double() for t in inputs))
-    torchs = F.scaled_dot_product_attention(*inputs)
+    assert _launches(kernels._lib) - before == 1, GPU_TILINGS[tiling]
+    exact = F.scaled_dot_product_attention(*(t.double() for t in case))
+    torchs = F.scaled_dot_product_attention(*case)
     ours, theirs = float((got.double() - exact).abs().max()), float((torchs.double() - exact).abs().max())
-    assert ours <= 2 * theirs, (ours, theirs)
+    assert ours <= 2 * theirs, (GPU_TILINGS[tiling], ours, theirs)
     torch.testing.assert_close(got, torchs, rtol=1e-4, atol=1e-4)
 
 
