@@ -261,7 +261,7 @@ __global__ void __launch_bounds__(WPB * ((RT + RW - 1) / RW) * 32, BLOCKS)
           bool ok = col + e < p.L && (!CAUSAL || col + e <= row);  // rows past S are never written
           if constexpr (MASK == 1 || MASK == 2)
             if (ok && row < p.S) ok = (mask[row * p.sm[2] + (col + e) * p.sm[3]] != 0) == (MASK == 1);
-          const float x = kf_attn_softcap(p, s[r][j][half * 2 + e] * p.scale) + add[e];
+          const float x = s[r][j][half * 2 + e] * p.scale + add[e];  // no soft cap here (short_rows)
           s[r][j][half * 2 + e] = ok ? x : -INFINITY;
           mx[half] = fmaxf(mx[half], s[r][j][half * 2 + e]);
         }
