@@ -1,7 +1,7 @@
 """The flash-attention kernel against what a user would run instead, on level-3-like shapes, fp32 and bf16.
 
     PYTHONPATH=. python benchmarks/attention_probe.py [OUT.md] [--no-compile] [--bf16-only | --fp32-only]
-        [--flash-configs default,warps4,...]
+        [--flash-configs default,warps4,...] [--short-rows w2r1,w4r1,...] [--cases Swin,ViT-B]
 
 Per shape and dtype: our kernel (kernelfuse.codegen.attention, built through the planner from an SDPA call; fp32
 in each arithmetic: exact FMA, 3xTF32, TF32),
@@ -10,6 +10,11 @@ case (math, efficient, flash, cuDNN) and torch.compile of the unfused form. Each
 reference (max abs error) and timed by CUDA events with L2 flushed (median of 20). Under 3 minutes on one H100
 (torch.compile's builds are most of it; --no-compile skips them). --flash-configs builds the bf16 flash kernel once
 per named tiling (FLASH_CONFIGS; their builds overlap) and times each as its own "kernelfuse NAME" row.
+--short-rows builds fp32's short-rows form (kernelfuse.codegen.attention_short, off by default) once per named tiling
+(SHORT_ROWS_CONFIGS), in 3xTF32 and TF32 ("kernelfuse 3xtf32 short NAME", "kernelfuse tf32 short NAME" rows), or in
+exact FMA for the tilings named ...fma ("kernelfuse fma short NAME"), and times it on the cases it takes
+(S and L up to 64, head dims 32 and 64: Swin's windows, ViT-B's short rows). --cases keeps the cases whose names
+contain one of the given words.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from kernelfuse.bench.timer import median_event_ms
 from kernelfuse.capture import capture_module
-from kernelfuse.codegen import attention, generate
+from kernelfuse.codegen import attention, attention_short, generate
+from kernelfuse.codegen.attention_short import ShortRows
 from kernelfuse.emit.module import load_kernels
 from kernelfuse.plan import make_plan
 from kernelfuse.plan.ir import Plan
@@ -47,6 +53,7 @@ CASES = (
     Case("L3-44 minGPT", 128, 8, 512, 96, "causal"),
     Case("L3-28 ViT", 197, 8, 2, 64, "none"),
     Case("L3-30 Swin window", 640, 3, 49, 32, "add"),
+    Case("ViT-B short rows", 64, 12, 50, 64, "none"),
     Case("GPT-2 small", 8, 12, 1024, 64, "causal"),
     Case("UNet self-attn", 4, 8, 4096, 40, "none"),
     Case("Llama-style head dim 128", 4, 32, 1024, 128, "causal"),
@@ -69,6 +76,32 @@ FLASH_CONFIGS = {
     "w4_k32_b4": {"warps": 4, "keys": 32, "min_blocks": 4},
     "w4_b3": {"warps": 4, "min_blocks": 3},
 }
+# --short-rows: tilings of fp32's short-rows form, attention_short.ShortRows(windows a block, 16-row tiles a warp,
+# __launch_bounds__'s blocks an SM, exact FMAs). Registers (ptxas 13, sm_90a, Swin's d32 with its bias / ViT's d64),
+# 3xTF32: one row tile a warp 72-79 / 101-103, two 141 / 174; b3 and b4 cap 256-thread blocks at 85 and 64 registers
+# (d32's 64 spills 40 bytes; d64's 528), w4r1b2 and w1r1b8 cap at 64 likewise. At 72-79 registers an SM holds 28
+# warps of w1r1, 24 of w2r1 but only 16 of w4r1 (one 512-thread block). FMA: one row tile 90-108 / 96-116, two
+# 163 / 168. Shared memory a block: 16 KB a d32 window (keys and values; FMA 12 KB and 9 KB of queries) + 18 KB for
+# a bias shared by the block's windows; 27 KB a d64 window. "w8r1" does not fit a d64 block: it keeps the flash kernel.
+SHORT_ROWS_CONFIGS = {
+    "w1r1": ShortRows(1, 1),
+    "w2r1": ShortRows(2, 1),
+    "w4r1": ShortRows(4, 1),
+    "w8r1": ShortRows(8, 1),
+    "w2r2": ShortRows(2, 2),
+    "w4r2": ShortRows(4, 2),
+    "w2r1b3": ShortRows(2, 1, 3),
+    "w2r1b4": ShortRows(2, 1, 4),
+    "w4r1b2": ShortRows(4, 1, 2),
+    "w1r1b8": ShortRows(1, 1, 8),
+    "w1r1fma": ShortRows(1, 1, fma=True),
+    "w2r1fma": ShortRows(2, 1, fma=True),
+    "w4r1fma": ShortRows(4, 1, fma=True),
+    "w2r2fma": ShortRows(2, 2, fma=True),
+}
+# The probe's "kernelfuse fma / 3xtf32 / tf32" rows are the flash and FMA kernels: the short-rows form (on by default
+# in the planner since stop 58) runs only as the --short-rows rows, each tiling patched in
+attention_short.SHORT_ROWS = attention_short.SHORT_ROWS_FMA = None
 BACKENDS = {"math": SDPBackend.MATH, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
 
@@ -116,6 +149,27 @@ def sdpa(case: Case):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[0] if mask else None,
                                               is_causal=case.mask == "causal")
     return run
+
+
+def short_rows_forms(names: list[str]) -> dict[str, tuple[object, list[str | None]]]:
+    """fp32's short-rows form once per SHORT_ROWS_CONFIGS tiling, in 3xTF32 and TF32, or in FMA (the builds
+    overlap): each label's kernels, None for the cases the form does not take."""
+    example = [t for case in CASES for t in inputs_of(case, torch.float32, "meta")]
+    plan = make_plan(capture_module(Attentions(), example))
+    maths = ("3xtf32", "tf32")
+    steps = [replace(a, kernel=f"a{i * len(CASES) + j}", math=m) for i, m in enumerate(maths)
+             for j, a in enumerate(plan.attention)]
+    plan = replace(plan, steps=tuple(steps))
+    sources, taken = {}, {}
+    for name in names:
+        with patch.object(attention_short, "SHORT_ROWS", SHORT_ROWS_CONFIGS[name]):
+            sources[name] = generate(plan)
+            taken[name] = [s.kernel if attention.short_rows_tiling(s) else None for s in steps]
+    with ThreadPoolExecutor(8) as pool:
+        built = list(pool.map(lambda n: load_kernels(sources[n], f"attention_probe_short_{n}"), names))
+    return {f"kernelfuse {m} short {name}": (ext, taken[name][i * len(CASES):(i + 1) * len(CASES)])
+            for name, ext in zip(names, built, strict=True)
+            for i, m in enumerate(("fma",) if SHORT_ROWS_CONFIGS[name].fma else maths)}
 
 
 def our_kernels(dtype: torch.dtype, flash_configs: list[str],
@@ -186,21 +240,34 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--fp32-only", action="store_true", help="skip the bf16 cases")
     parser.add_argument("--split-forms", action="store_true", help="fp32: time the 3xTF32 kernel's other splits")
     parser.add_argument("--flash-configs", default="", help=f"bf16 flash tilings to time, of {','.join(FLASH_CONFIGS)}")
+    parser.add_argument("--short-rows", default="",
+                        help=f"fp32 short-rows tilings to time, of {','.join(SHORT_ROWS_CONFIGS)}")
+    parser.add_argument("--cases", default="", help="comma-separated words: only the cases whose names hold one")
     opts = parser.parse_args(argv)
     flash_configs = [n for n in opts.flash_configs.split(",") if n]
     if unknown := set(flash_configs) - set(FLASH_CONFIGS):
         parser.error(f"unknown flash configs {sorted(unknown)}, not in {list(FLASH_CONFIGS)}")
+    short_configs = [n for n in opts.short_rows.split(",") if n]
+    if unknown := set(short_configs) - set(SHORT_ROWS_CONFIGS):
+        parser.error(f"unknown short-rows configs {sorted(unknown)}, not in {list(SHORT_ROWS_CONFIGS)}")
+    if opts.cases:
+        global CASES
+        CASES = tuple(c for c in CASES if any(w.strip() and w.strip() in c.name for w in opts.cases.split(",")))
+        if not CASES:
+            parser.error(f"no case name holds any of {opts.cases!r}")
     rows = ["| case | dtype | method | ms | max abs err vs fp64 | ours: speedup |", "|---|---|---|---|---|---|"]
     dtypes = (torch.bfloat16,) if opts.bf16_only else (torch.float32,) if opts.fp32_only else \
         (torch.float32, torch.bfloat16)
     for dtype in dtypes:
         built = our_kernels(dtype, flash_configs, opts.split_forms)
+        if dtype == torch.float32 and short_configs:
+            built.update(short_rows_forms(short_configs))
         for i, case in enumerate(CASES):
             args = inputs_of(case, dtype, "cuda")
             with torch.no_grad():
                 reference = unfused(case)(*(t.double() for t in args))
             methods = {label: lambda a=args, f=getattr(kernels, names[i]): f(*a)  # noqa: B008 - bound per case
-                       for label, (kernels, names) in built.items()}
+                       for label, (kernels, names) in built.items() if names[i] is not None}
             methods["eager unfused"] = lambda a=args, c=case: unfused(c)(*a)
             for backend, enum in BACKENDS.items():
                 methods[f"sdpa {backend}"] = lambda a=args, c=case, e=enum: _with_backend(e, sdpa(c), a)
@@ -226,7 +293,7 @@ def main(argv: list[str]) -> int:
                 if sdpas and label in times:
                     rows.append(f"| {case.name} | {str(dtype)[6:]} | **best SDPA / {label}** | | | "
                                 f"**{min(sdpas) / times[label]:.2f}x** |")
-            print("\n".join(rows[-len(methods) - len(built):]), flush=True)
+            print("\n".join(rows[-len(methods) - len([b for b in built if b in times]):]), flush=True)
             del args, reference
             torch.cuda.empty_cache()
     text = "\n".join(rows) + "\n"

@@ -21,7 +21,8 @@ through registers, V transposed). fp32 runs
 on tensor cores too where the step's arithmetic allows: TF32 under the tf32 policy, 3xTF32 (torch's own fp32 SDPA
 arithmetic) for SDPA nodes under the strict policy, in the same flash structure where the layout allows
 (`kf_attention_fa2_f32_kernel`: m16n8k8 fragments by plain shared-memory loads, operands split as loaded); hand-written
-fp32 attention under the strict policy keeps exact FMA (its `-3xtf32` twin is judged).
+fp32 attention under the strict policy keeps exact FMA (its `-3xtf32` twin is judged). Short rows (S and L up to
+64 at head dims 32 and 64: Swin's windows) have a form of their own, kernelfuse.codegen.attention_short.
 A step whose constant mask the planner found causal (AttnStep.causal_guard) gets a second launcher, causal without
 the mask; its binding runs it where `_KernelLibrary._causal_mask` finds the forward's mask causal, the masked
 launcher otherwise: one mechanism for every dtype and kernel, since the step's `causal` flag drives them all.
@@ -33,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernelfuse.codegen.attention_short import ShortRows, short_rows
 from kernelfuse.codegen.binding import Binding, pointer_launcher, py_tuple
 from kernelfuse.codegen.common import C_TYPES
 from kernelfuse.ops import float_literal
@@ -59,6 +61,12 @@ def uses_tensor_cores(step: AttnStep) -> bool:
     return step.math != "fma" if dtype == torch.float32 else dtype == torch.bfloat16
 
 
+def vector_rows(step: AttnStep, strides: dict[str, tuple[int, ...]]) -> bool:
+    """q, k and v contiguous along d with rows a multiple of 16 bytes apart (the launchers check the bases)."""
+    per_16_bytes = 16 // step.out_meta.dtype.itemsize
+    return not any(strides[n][3] != 1 or any(x % per_16_bytes for x in strides[n][:3]) for n in ("q", "k", "v"))
+
+
 def flash_warps(step: AttnStep, strides: dict[str, tuple[int, ...]]) -> int:
     """Warps (16 query rows each) per block of the flash kernels, 0 where they do not apply: q, k or v not
     contiguous along d, or rows not a multiple of 16 bytes apart (the launcher checks the bases' alignment at run
@@ -68,10 +76,7 @@ def flash_warps(step: AttnStep, strides: dict[str, tuple[int, ...]]) -> int:
     every SM one (a query tile's keys and values are read once for twice the queries); 4 (64 queries) otherwise, so
     that short sequences or few heads spread over more SMs."""
     b, h, _, s, _, _ = step.dims
-    if not uses_tensor_cores(step):
-        return 0
-    per_16_bytes = 16 // step.out_meta.dtype.itemsize
-    if any(strides[n][3] != 1 or any(x % per_16_bytes for x in strides[n][:3]) for n in ("q", "k", "v")):
+    if not uses_tensor_cores(step) or not vector_rows(step, strides):
         return 0
     if step.out_meta.dtype == torch.float32:  # as many warps as the queries fill, up to 4
         return min(4, -(-s // 16))
@@ -117,6 +122,11 @@ def flash_f32_keys(head_dim: int, keys: int) -> int:
     floats beside the query tile's 64 rows, stay near 100 KB at D = 128: two blocks an SM); fewer, in steps of 16,
     where the sequence has fewer keys, so that short sequences (a few tokens per batch row) keep small blocks."""
     return min(64 if head_dim <= 64 else 32, -(-keys // 16) * 16)
+
+
+def short_rows_tiling(step: AttnStep) -> ShortRows | None:
+    """The short-rows form's tiling where it takes the step (kernelfuse.codegen.attention_short; off by default)."""
+    return short_rows(step, vector_rows(step, input_strides(step)))
 
 
 def input_strides(step: AttnStep) -> dict[str, tuple[int, ...]]:
@@ -174,8 +184,22 @@ def _launcher(plan: Plan, step: AttnStep, name: str) -> str:
 KF_EXPORT cudaError_t {name}_launch({args}void* out, cudaStream_t stream) {{
   const kf_attn_params p = {{q, k, v, {mask}, out, {h}, {h // hk}, {s}, {length}, {arrays},
                             {float_literal(step.scale)}, {windows}, {softcap}}};
-  return {launch}(p, {b}, stream);
+{_short_rows_launch(step, mask_type, kind)}  return {launch}(p, {b}, stream);
 }}
+"""
+
+
+def _short_rows_launch(step: AttnStep, mask_type: str, kind: int) -> str:
+    """The short-rows form's launch before the step's own kernel, where it takes the step (it returns false where
+    the bases are not 16-byte aligned or the device's shared memory is short: the step's kernel runs)."""
+    short = short_rows_tiling(step)
+    if short is None:
+        return ""
+    b, _, _, s, length, d = step.dims
+    args = f"{mask_type}, {d}, {kind}, {str(step.causal).lower()}, {str(step.empty_nan).lower()}, " \
+        f"{short.math(step)}, {-(-length // 8)}, {-(-s // 16)}, {short.template_args()}"
+    return f"""  cudaError_t error = cudaSuccess;  // the short-rows form (kernelfuse.codegen.attention_short)
+  if (kf_attention_short<{args}>(p, {b}, stream, error)) return error;
 """
 
 

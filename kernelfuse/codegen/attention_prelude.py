@@ -98,14 +98,19 @@ __device__ __forceinline__ float kf_attn_mask_value(unsigned short x) { return _
 __device__ __forceinline__ float kf_attn_mask_value(__half x) { return kf_load(x); }
 __device__ __forceinline__ float kf_attn_mask_value(__nv_bfloat16 x) { return kf_load(x); }
 
+// The window mask's term of (row, col) for batch b (only where p.windows)
+template <typename M>
+__device__ __forceinline__ float kf_attn_window(const kf_attn_params& p, int b, int h, int row, int col) {
+  return kf_attn_mask_value(((const M*)p.wmask)[(b % p.windows) * p.sw[0] + h * p.sw[1] + row * p.sw[2] +
+                                                col * p.sw[3]]);
+}
+
 // The additive terms of (row, col): the mask's (`mask` at the batch's and head's base), and the window mask's
 template <typename M>
 __device__ __forceinline__ float kf_attn_additive(const kf_attn_params& p, const M* mask, int b, int h, int row,
                                                   int col) {
   float x = kf_attn_mask_value(mask[row * p.sm[2] + col * p.sm[3]]);
-  if (p.windows)
-    x += kf_attn_mask_value(((const M*)p.wmask)[(b % p.windows) * p.sw[0] + h * p.sw[1] + row * p.sw[2] +
-                                                col * p.sw[3]]);
+  if (p.windows) x += kf_attn_window<M>(p, b, h, row, col);
   return x;
 }
 

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from kernelfuse.codegen.arg_reduce import ARG_PRELUDE, INDEX_KINDS
-from kernelfuse.codegen.attention import render_attention, uses_tensor_cores
+from kernelfuse.codegen.attention import render_attention, short_rows_tiling, uses_tensor_cores
 from kernelfuse.codegen.attention_flash import FLASH_PRELUDE
 from kernelfuse.codegen.attention_mma import MMA_ATTENTION_PRELUDE
 from kernelfuse.codegen.attention_prelude import ATTENTION_PRELUDE
+from kernelfuse.codegen.attention_short import SHORT_PRELUDE
 from kernelfuse.codegen.attention_wgmma import ATTENTION_WGMMA_PRELUDE
 from kernelfuse.codegen.binding import Binding, kernels_class
 from kernelfuse.codegen.common import C_TYPES
@@ -212,6 +213,8 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
         cuda.append(ONCHIP_PRELUDE)
     if attention:
         cuda += [ATTENTION_PRELUDE, MMA_ATTENTION_PRELUDE, FLASH_PRELUDE]
+        if any(a.out_meta.dtype == torch.float32 and short_rows_tiling(a) for a in attention):
+            cuda.append(SHORT_PRELUDE)  # fp32's short-rows form (off unless attention_short.SHORT_ROWS is set)
     if any(s.anchor.epilogue_inside for s in steps):
         cuda += [TENSORCORE_PRELUDE, IGEMM_PRELUDE]  # the TF32 rounding, cp.async and mma helpers; the igemm step
     gemm = any(s.anchor.epilogue_inside and s.anchor.family == "matmul" for s in steps)
