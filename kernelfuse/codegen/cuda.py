@@ -32,6 +32,7 @@ from kernelfuse.codegen.gemm_wgmma import WGMMA_COMMON, WGMMA_PRELUDE
 from kernelfuse.codegen.generated import REDUCE_PRELUDE, keeps_rows_on_chip, render_generated
 from kernelfuse.codegen.onchip import ONCHIP_PRELUDE
 from kernelfuse.codegen.tensorcore import TENSORCORE_PRELUDE
+from kernelfuse.codegen.tma_prelude import TMA_PRELUDE
 from kernelfuse.ops import POINTWISE_BY_ATEN, prelude_for
 from kernelfuse.plan.catselect import SELECT
 from kernelfuse.plan.ir import Plan
@@ -227,7 +228,7 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
     if dense:
         cuda += [CONV_TC_PRELUDE, CONV_WGMMA_PRELUDE]
     if any(s.anchor.epilogue_inside and s.anchor.family == "conv" and carries_tma(plan.graph, s) for s in steps):
-        cuda.append(CONV_TMA_PRELUDE)
+        cuda += [TMA_PRELUDE, CONV_TMA_PRELUDE]
     bindings: list[Binding] = []
     functions: list[str] = []
     # with or without an epilogue kernel; and the convolutions whose TMA kernel reads a channels-last copy
