@@ -58,7 +58,11 @@ The tests' CPU emulation (KF_EMULATION) runs this kernel: kf_wg's bf16 descripto
 its own accumulator fragment, reading the swizzled tiles through the hardware's addressing as the PTX ISA defines
 it for each swizzle mode (the canonical K-major and MN-major layouts, then address bits 4.. XORed with bits 7..) and
 A's register fragments gathered from its quad. kf_attention_wgmma_launches() counts the launches that took this
-kernel.
+kernel or its warp-specialized form.
+
+The warp-specialized form (kernelfuse.codegen.attention_wgmma_ws: FlashAttention-3's TMA producer warpgroup and
+setmaxnreg'd consumers, optionally ping-pong) is tried first by kf_attention_wgmma where the file carries it: its
+gate (WS_MIN_KEYS) is off until measured, so by default nothing here changes.
 """
 
 from __future__ import annotations
@@ -522,7 +526,7 @@ __global__ void __launch_bounds__(256, kf_wg::attn_config<D>::BLOCKS)
 #endif
 }
 
-// launches that took the wgmma kernel (a test's proof that it ran)
+// launches that took the wgmma kernel or its warp-specialized form (attention_wgmma_ws; a test's proof that one ran)
 static long long kf_attention_wgmma_count = 0;
 KF_EXPORT long long kf_attention_wgmma_launches() { return kf_attention_wgmma_count; }
 
@@ -535,6 +539,9 @@ bool kf_attention_wgmma(const kf_attn_params& p, int batch, cudaStream_t stream,
       (MASK != 0 && p.sm[3] != 1) || !kf_attn_vectorised(p, 2, true))
     return false;
   ++kf_attention_wgmma_count;
+#if defined(KF_ATTENTION_WS)  // the warp-specialized form first, where the file carries it and it applies
+  if (kf_attention_ws<M, D, MASK, CAUSAL, EMPTY_NAN>(p, batch, stream, error)) return true;
+#endif
   error = kf_attn_launch<kf_attention_wgmma_kernel<M, D, MASK, CAUSAL, EMPTY_NAN>>(
       p, batch, 128, 256, kf_wg::attn_config<D>::SMEM, kf_attn_pairs(p, 2), stream);
   return true;
