@@ -3,9 +3,9 @@ on wgmma, full and empty mbarriers) with its gate switched on (WS_MIN_KEYS; off 
 (tests/fixtures/cuda_emulation.h: the TMA copies, mbarriers and named barriers emulated by tma_prelude, shared memory
 NaN-poisoned) against float64 and against the wgmma kernel (its run-time switch off, same library), at head dims 64
 and 128, causal and not, ragged S and L (not multiples of the tiles), S != L, grouped-query heads, strided heads and
-rows, ping-pong on and off; the gate (off: the file does not carry the form; a threshold: only steps reaching it,
-masked steps never); nvcc builds for sm_90a (no spills, no serialized wgmma) and sm_80; on an H100/H200 the form runs
-(its launch counter) and matches float64 and SDPA."""
+rows, ping-pong on and off, persistent blocks; the gate (off: the file does not carry the form; a threshold: only
+steps reaching it, masked steps never); nvcc builds for sm_90a (no spills, no serialized wgmma) and sm_80; on an
+H100/H200 the form runs (its launch counter) and matches float64 and SDPA."""
 
 from __future__ import annotations
 
@@ -94,14 +94,15 @@ def test_emulated_ws_attention_matches_float64_and_the_wgmma_kernel(name, tmp_pa
 
 @pytest.mark.parametrize("d", sorted(WS_CONFIG))
 def test_emulated_ws_attention_pingpong_toggled(d, tmp_path, poisoned_shared, ws_on, monkeypatch):  # noqa: F811
-    """Each head dim's config with ping-pong flipped (and three consumer warpgroups at 128): the named barriers'
-    turns neither hang nor change the result."""
+    """Each head dim's config with ping-pong flipped (and three consumer warpgroups of 64-key tiles at 128), and
+    persistent (two blocks here, each over several work tiles: the ring's and the query tile's barrier phases and
+    the ping-pong turns run on across them): neither hangs nor changes the result."""
     config = WS_CONFIG[d]
-    other = replace(config, pingpong=not config.pingpong)
+    other = replace(config, pingpong=not config.pingpong, persistent=True)
     if d == 128:
         other = replace(other, consumers=3, consumer_regs=160, stages=2, keys=64)
     monkeypatch.setitem(WS_CONFIG, d, other)
-    fn, tensors = _inputs((1, 2, 1, 200, 330, d, True, False, False, False, None))
+    fn, tensors = _inputs((2, 2, 1, 200, 330, d, True, False, False, False, None))
     inputs, plan = _plan(fn, tensors)
     _check(emulated(plan, tmp_path), plan.attention[0], inputs)
 

@@ -24,7 +24,11 @@ previous tile, P V of it behind S (FA3's intra-warpgroup overlap: the softmax of
 each warp hands K's slot back (one arrive a warp on k_empty) once wait_group 1 has retired S, V's once wait_group 0
 has retired P V. With PINGPONG the consumer warpgroups take turns to issue their products (named barriers 1..NC,
 FA3's inter-warpgroup schedule: one warpgroup's softmax beside the other's products); the turns are balanced (the
-last warpgroup skips its final hand-over), so no barrier is left with arrivals at the block's end.
+last warpgroup skips its final hand-over), so no barrier is left with arrivals at the block's end. With PERSISTENT
+the grid is one block an SM and each block takes work tiles blockIdx.x, + gridDim.x, ... (in the wgmma kernel's
+order: a (batch, head)'s query tiles together, causal longest first), its ring and barrier phases running on across
+them: the query tile has its own empty barrier (each consumer warp arrives once the tile's last S is retired), so
+the producer loads the next tile's Q and first K and V while the consumers finish the last P V and store.
 
 What it takes (kf_attention_ws; else false and the wgmma kernel runs): head dims of WS_CONFIG (64, 128: whole
 128-byte atoms), no explicit mask (MASK 0; causal is top-left as the other kernels), L at least the head dim's
@@ -58,6 +62,7 @@ class WsConfig:
     producer_regs: int  # setmaxnreg of the producer's warpgroup
     consumer_regs: int  # setmaxnreg of the consumers' (PREG x 128 + CREG x 128 NC <= 64K)
     pingpong: bool = False  # the consumers take turns to issue their products (named barriers)
+    persistent: bool = False  # one block an SM, each over several work tiles (its ring running on across them)
 
     @property
     def rows(self) -> int:
@@ -68,8 +73,9 @@ class WsConfig:
         return 128 * (self.consumers + 1)
 
     def smem_bytes(self, d: int) -> int:
-        """The query tile, the K and V rings, the 1024-byte alignment, the mbarriers (q; full and empty of K, V)."""
-        return self.rows * d * 2 + 2 * self.stages * self.keys * d * 2 + 1024 + (1 + 4 * self.stages) * 8
+        """The query tile, the K and V rings, the 1024-byte alignment, the mbarriers (q's full and empty; K's and
+        V's full and empty a slot)."""
+        return self.rows * d * 2 + 2 * self.stages * self.keys * d * 2 + 1024 + (2 + 4 * self.stages) * 8
 
     def check(self, d: int) -> None:
         assert d % 64 == 0 and self.keys % 16 == 0 and 16 <= self.keys <= 256 and self.stages >= 2, (d, self)
@@ -125,12 +131,14 @@ template <int D> struct config {
 WS_CONFIGS
 }  // namespace kf_ws
 
-// A block: NC x 64 query rows of one (batch, head); warpgroup 0 the producer, 1..NC the consumers (the launch's
-// grid as kf_attn_launch's; `pairs`: two output columns a store)
+// A block: work tiles of NC x 64 query rows of one (batch, head), tile_id = blockIdx.x + n gridDim.x for n = 0, 1..
+// below `total` (tiles x batch x heads; one a block, or PERSISTENT: one block an SM, its ring and barriers running on
+// across its tiles); warpgroup 0 the producer, 1..NC the consumers (`pairs`: two output columns a store)
 template <int D, bool CAUSAL, bool EMPTY_NAN>
 __global__ void __launch_bounds__(kf_ws::config<D>::THREADS, 1)
     kf_attention_ws_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
-                           const __grid_constant__ CUtensorMap tv, const kf_attn_params p, int tiles, bool pairs) {
+                           const __grid_constant__ CUtensorMap tv, const kf_attn_params p, int tiles, int total,
+                           bool pairs) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(KF_EMULATION)
   using namespace kf_wg;
   using C = kf_ws::config<D>;
@@ -143,17 +151,31 @@ __global__ void __launch_bounds__(kf_ws::config<D>::THREADS, 1)
   char* k_ring = smem + Q_BYTES;              // STAGES tiles of ATOMS atoms of BC rows
   char* v_ring = k_ring + STAGES * KV_BYTES;  // the same
   uint64_t* q_full = reinterpret_cast<uint64_t*>(v_ring + STAGES * KV_BYTES);
-  uint64_t* k_full = q_full + 1;
+  uint64_t* q_empty = q_full + 1;
+  uint64_t* k_full = q_empty + 1;
   uint64_t* v_full = k_full + STAGES;
   uint64_t* k_empty = v_full + STAGES;
   uint64_t* v_empty = k_empty + STAGES;
-  const int bh = blockIdx.x / tiles, b = bh / p.heads, h = bh % p.heads, hk = h / p.group;
-  const int tile = blockIdx.x % tiles, q0 = (CAUSAL ? tiles - 1 - tile : tile) * BR;  // causal: longest first
-  const int L = p.L, kv_end = CAUSAL ? min(L, q0 + BR) : L, ktiles = (kv_end + BC - 1) / BC;
+  const int L = p.L;
+  // a work tile's (batch, head, kv head, first query row, key tiles): causal query tiles longest first
+  struct work_t {
+    int b, h, hk, q0, ktiles;
+  };
+  auto work = [&](int id) {
+    work_t w;
+    const int bh = id / tiles, tile = id % tiles;
+    w.b = bh / p.heads;
+    w.h = bh % p.heads;
+    w.hk = w.h / p.group;
+    w.q0 = (CAUSAL ? tiles - 1 - tile : tile) * BR;
+    w.ktiles = ((CAUSAL ? min(L, w.q0 + BR) : L) + BC - 1) / BC;
+    return w;
+  };
   // the warpgroup's index from lane 0: warp-uniform to the compiler
   const int wg = __shfl_sync(0xffffffffu, (int)(threadIdx.x / 128), 0);
   if (threadIdx.x == 0) {
     kf_tma::bar_init(q_full, 1);
+    kf_tma::bar_init(q_empty, 4 * NC);  // every consumer warp, once the tile's last S is retired
     for (int i = 0; i < STAGES; ++i) {
       kf_tma::bar_init(&k_full[i], 1);
       kf_tma::bar_init(&v_full[i], 1);
@@ -163,51 +185,54 @@ __global__ void __launch_bounds__(kf_ws::config<D>::THREADS, 1)
     kf_tma::fence_init();
   }
   __syncthreads();
-  // key tiles run last to first (the masked ones first); ring slots follow the iteration
-  auto tile_of = [&](int it) { return ktiles - 1 - it; };
-  if (wg == 0) {  // the producer: one thread issues every copy
+  if (wg == 0) {  // the producer: one thread issues every copy; ring slot and parity follow n, the block's count
     kf_tma::producer_registers<C::PREG>();
     if (threadIdx.x == 0) {
-      kf_tma::arrive_expect_tx(q_full, Q_BYTES);
+      int n = 0, local = 0;
+      for (int id = blockIdx.x; id < total; id += gridDim.x, ++local) {
+        const work_t w = work(id);
+        kf_tma::wait(q_empty, (local & 1) ^ 1);  // the last tile's S are all retired (fresh: at once)
+        kf_tma::arrive_expect_tx(q_full, Q_BYTES);
 #pragma unroll
-      for (int a = 0; a < ATOMS; ++a) kf_tma::tile4d(q_tile + a * BR * SW, &tq, q_full, a * 64, q0, h, b);
-      for (int it = 0; it < ktiles; ++it) {
-        const int slot = it % STAGES, parity = ((it / STAGES) & 1) ^ 1, k0 = tile_of(it) * BC;
-        char* const kt = k_ring + slot * KV_BYTES;
-        char* const vt = v_ring + slot * KV_BYTES;
-        kf_tma::wait(&k_empty[slot], parity);  // the consumers are done with the slot's last tile (fresh: at once)
-        kf_tma::arrive_expect_tx(&k_full[slot], KV_BYTES);
+        for (int a = 0; a < ATOMS; ++a) kf_tma::tile4d(q_tile + a * BR * SW, &tq, q_full, a * 64, w.q0, w.h, w.b);
+        // key tiles last to first (the masked ones first), as the consumers take them
+        for (int it = 0; it < w.ktiles; ++it, ++n) {
+          const int slot = n % STAGES, parity = ((n / STAGES) & 1) ^ 1, k0 = (w.ktiles - 1 - it) * BC;
+          char* const kt = k_ring + slot * KV_BYTES;
+          char* const vt = v_ring + slot * KV_BYTES;
+          kf_tma::wait(&k_empty[slot], parity);  // the consumers are done with the slot's last tile (fresh: at once)
+          kf_tma::arrive_expect_tx(&k_full[slot], KV_BYTES);
 #pragma unroll
-        for (int a = 0; a < ATOMS; ++a) kf_tma::tile4d(kt + a * BC * SW, &tk, &k_full[slot], a * 64, k0, hk, b);
-        kf_tma::wait(&v_empty[slot], parity);
-        kf_tma::arrive_expect_tx(&v_full[slot], KV_BYTES);
+          for (int a = 0; a < ATOMS; ++a)
+            kf_tma::tile4d(kt + a * BC * SW, &tk, &k_full[slot], a * 64, k0, w.hk, w.b);
+          kf_tma::wait(&v_empty[slot], parity);
+          kf_tma::arrive_expect_tx(&v_full[slot], KV_BYTES);
 #pragma unroll
-        for (int a = 0; a < ATOMS; ++a) kf_tma::tile4d(vt + a * BC * SW, &tv, &v_full[slot], a * 64, k0, hk, b);
+          for (int a = 0; a < ATOMS; ++a)
+            kf_tma::tile4d(vt + a * BC * SW, &tv, &v_full[slot], a * 64, k0, w.hk, w.b);
+        }
       }
     }
     return;
   }
   kf_tma::consumer_registers<C::CREG>();
   const int cw = wg - 1, warp = (threadIdx.x % 128) / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int my_row = q0 + cw * 64 + warp * 16 + g;  // and my_row + 8
   const float scale_log2 = p.scale * LOG2E;
   const unsigned char* const no_mask[2] = {nullptr, nullptr};
-  const int masked = ktiles - min(ktiles, (CAUSAL ? min(L, q0 + 1) : L) / BC);
+  const char* qw = q_tile + cw * 64 * SW;
   float acc[D / 2], s[NS];
   unsigned pf[KSTEPS][4];  // P's A fragments, one a k16 step over the tile's keys
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f;
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
-  const char* qw = q_tile + cw * 64 * SW;
-  auto issue_s = [&](int it) {  // S = Q Kᵀ, both K-major: k16 step ks is 32 bytes into atom ks / KPA of each
-    const char* kt = k_ring + (it % STAGES) * KV_BYTES;
+  float row_max[2], row_sum[2];
+  int n = 0;  // the ring's count (the block's key tiles so far), as the producer's
+  auto issue_s = [&](int r) {  // S = Q Kᵀ, both K-major: k16 step ks is 32 bytes into atom ks / KPA of each
+    const char* kt = k_ring + (r % STAGES) * KV_BYTES;
 #pragma unroll
     for (int ks = 0; ks < D / 16; ++ks)
       mma_bf16_ss(s, desc_b16<SW>(qw + (ks / KPA) * BR * SW, (ks % KPA) * 32, 16),
                   desc_b16<SW>(kt + (ks / KPA) * BC * SW, (ks % KPA) * 32, 16), ks > 0);
   };
-  auto issue_pv = [&](int it) {  // O += P V: V MN-major, N = D over its atoms (BC rows of SW bytes apart)
-    const char* vt = v_ring + (it % STAGES) * KV_BYTES;
+  auto issue_pv = [&](int r) {  // O += P V: V MN-major, N = D over its atoms (BC rows of SW bytes apart)
+    const char* vt = v_ring + (r % STAGES) * KV_BYTES;
 #pragma unroll
     for (int kk = 0; kk < KSTEPS; ++kk) mma_bf16_rs(acc, pf[kk], desc_b16<SW>(vt, kk * 16 * SW, BC * SW));
   };
@@ -216,7 +241,8 @@ __global__ void __launch_bounds__(kf_ws::config<D>::THREADS, 1)
     if (lane == 0) kf_tma::arrive(bar);
   };
   // PINGPONG: consumer cw issues its products on its turn (named barrier cw + 1, its 128 threads and the previous
-  // warpgroup's arrival), then hands the turn to the next; the last warpgroup starts the round
+  // warpgroup's arrival), then hands the turn to the next; the last warpgroup starts the round and skips its very
+  // last hand-over, so every barrier's arrivals are matched
   constexpr bool PP = C::PINGPONG && NC > 1;
   auto my_turn = [&]() {
     if constexpr (PP) kf_tma::named_sync(cw + 1, 256);
@@ -227,77 +253,94 @@ __global__ void __launch_bounds__(kf_ws::config<D>::THREADS, 1)
   };
   if constexpr (PP)
     if (cw == NC - 1) kf_tma::named_arrive(1, 256);
-  // a tile's products and softmax; MASKED and FIRST (no P V to overlap yet) are compile-time
-  auto step = [&](int it, auto masked_tile, auto first) {
-    constexpr bool MASKED = decltype(masked_tile)::value, FIRST = decltype(first)::value;
-    float corr[2];
-    my_turn();
-    // both operands' tiles first (the producer issued V of the last tile before K of this one): a wait between the
-    // products would make ptxas fence them again (C7519)
-    if constexpr (!FIRST) kf_tma::wait(&v_full[(it - 1) % STAGES], ((it - 1) / STAGES) & 1);
-    kf_tma::wait(&k_full[it % STAGES], (it / STAGES) & 1);
-    fence();
-    issue_s(it);
-    commit();
-    if constexpr (!FIRST) {  // the last tile's P V behind this S
-      issue_pv(it - 1);
+  int local = 0;
+  for (int id = blockIdx.x; id < total; id += gridDim.x, ++local) {
+    const work_t w = work(id);
+    const int ktiles = w.ktiles, my_row = w.q0 + cw * 64 + warp * 16 + g;  // and my_row + 8
+    const int masked = ktiles - min(ktiles, (CAUSAL ? min(L, w.q0 + 1) : L) / BC);
+    auto tile_of = [&](int it) { return ktiles - 1 - it; };  // key tiles last to first: the masked ones first
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) acc[i] = 0.0f;
+    row_max[0] = row_max[1] = -INFINITY;
+    row_sum[0] = row_sum[1] = 0.0f;
+    // a key tile's products and softmax (ring position n + it); MASKED and FIRST (no P V to overlap yet) are
+    // compile-time
+    auto step = [&](int it, auto masked_tile, auto first) {
+      constexpr bool MASKED = decltype(masked_tile)::value, FIRST = decltype(first)::value;
+      const int r = n + it;
+      float corr[2];
+      my_turn();
+      // both operands' tiles first (the producer issued V of the last tile before K of this one): a wait between
+      // the products would make ptxas fence them again (C7519)
+      if constexpr (!FIRST) kf_tma::wait(&v_full[(r - 1) % STAGES], ((r - 1) / STAGES) & 1);
+      kf_tma::wait(&k_full[r % STAGES], (r / STAGES) & 1);
+      fence();
+      issue_s(r);
       commit();
-      next_turn(false);
-      wait<1>();
-    } else {
-      next_turn(false);
-      wait<0>();
+      if constexpr (!FIRST) {  // the last tile's P V behind this S
+        issue_pv(r - 1);
+        commit();
+        next_turn(false);
+        wait<1>();
+      } else {
+        next_turn(false);
+        wait<0>();
+      }
+      pin(s);
+      release(&k_empty[r % STAGES]);
+      attn_softmax<NS, MASKED, CAUSAL, 0>(s, row_max, row_sum, corr, tile_of(it) * BC, my_row, L, 0, no_mask,
+                                          scale_log2);
+      if constexpr (!FIRST) {
+        wait<0>();  // the softmax above ran while P V did
+        pin(acc);
+        pin(pf);
+        release(&v_empty[(r - 1) % STAGES]);
+      }
+#pragma unroll
+      for (int i = 0; i < D / 2; ++i) acc[i] *= corr[(i >> 1) & 1];
+      // k16 step kk: n8 block 2 kk gives a0 (row g) and a1 (row g + 8); block 2 kk + 1 gives a2, a3
+#pragma unroll
+      for (int c = 0; c < NS / 4; ++c) {
+        pf[c / 2][(c & 1) * 2 + 0] = kf_bf16x2(s[4 * c + 0], s[4 * c + 1]);
+        pf[c / 2][(c & 1) * 2 + 1] = kf_bf16x2(s[4 * c + 2], s[4 * c + 3]);
+      }
+    };
+    kf_tma::wait(q_full, local & 1);
+    if (masked > 0) step(0, flag<true>{}, flag<true>{});
+    else step(0, flag<false>{}, flag<true>{});
+    for (int it = 1; it < masked; ++it) step(it, flag<true>{}, flag<false>{});
+    for (int it = max(1, masked); it < ktiles; ++it) step(it, flag<false>{}, flag<false>{});
+    release(q_empty);  // every S of the tile is retired: the producer may load the next tile's Q
+    const int r = n + ktiles - 1;
+    my_turn();
+    kf_tma::wait(&v_full[r % STAGES], (r / STAGES) & 1);
+    fence();
+    issue_pv(r);
+    commit();
+    next_turn(id + (int)gridDim.x >= total);
+    wait<0>();
+    pin(acc);
+    release(&v_empty[r % STAGES]);  // (the next tile's ring runs on from here)
+    n += ktiles;
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      row_sum[hh] += __shfl_xor_sync(0xffffffffu, row_sum[hh], 1);
+      row_sum[hh] += __shfl_xor_sync(0xffffffffu, row_sum[hh], 2);
     }
-    pin(s);
-    release(&k_empty[it % STAGES]);
-    attn_softmax<NS, MASKED, CAUSAL, 0>(s, row_max, row_sum, corr, tile_of(it) * BC, my_row, L, 0, no_mask,
-                                        scale_log2);
-    if constexpr (!FIRST) {
-      wait<0>();  // the softmax above ran while P V did
-      pin(acc);
-      pin(pf);
-      release(&v_empty[(it - 1) % STAGES]);
-    }
+    unsigned short* out = (unsigned short*)p.out + w.b * p.so[0] + w.h * p.so[1];
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) acc[i] *= corr[(i >> 1) & 1];
-    // k16 step kk: n8 block 2 kk gives a0 (row g) and a1 (row g + 8); block 2 kk + 1 gives a2, a3
+    for (int hh = 0; hh < 2; ++hh) {
+      const int row = my_row + 8 * hh;
+      if (row >= p.S) continue;
+      // a row whose every key is masked (sum 0: none here but L = 0, which never launches): as the wgmma kernel
+      const bool empty = row_sum[hh] == 0.0f;
+      const float inv = 1.0f / row_sum[hh], fill = EMPTY_NAN ? NAN : 0.0f;
 #pragma unroll
-    for (int c = 0; c < NS / 4; ++c) {
-      pf[c / 2][(c & 1) * 2 + 0] = kf_bf16x2(s[4 * c + 0], s[4 * c + 1]);
-      pf[c / 2][(c & 1) * 2 + 1] = kf_bf16x2(s[4 * c + 2], s[4 * c + 3]);
-    }
-  };
-  kf_tma::wait(q_full, 0);
-  if (masked > 0) step(0, flag<true>{}, flag<true>{});
-  else step(0, flag<false>{}, flag<true>{});
-  for (int it = 1; it < masked; ++it) step(it, flag<true>{}, flag<false>{});
-  for (int it = max(1, masked); it < ktiles; ++it) step(it, flag<false>{}, flag<false>{});
-  my_turn();
-  kf_tma::wait(&v_full[(ktiles - 1) % STAGES], ((ktiles - 1) / STAGES) & 1);
-  fence();
-  issue_pv(ktiles - 1);
-  commit();
-  next_turn(true);
-  wait<0>();
-  pin(acc);
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    row_sum[hh] += __shfl_xor_sync(0xffffffffu, row_sum[hh], 1);
-    row_sum[hh] += __shfl_xor_sync(0xffffffffu, row_sum[hh], 2);
-  }
-  unsigned short* out = (unsigned short*)p.out + b * p.so[0] + h * p.so[1];
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int row = my_row + 8 * hh;
-    if (row >= p.S) continue;
-    // a row whose every key is masked (sum 0: none here but L = 0, which never launches): as the wgmma kernel
-    const bool empty = row_sum[hh] == 0.0f;
-    const float inv = 1.0f / row_sum[hh], fill = EMPTY_NAN ? NAN : 0.0f;
-#pragma unroll
-    for (int c = 0; c < D / 8; ++c) {
-      const int col = 8 * c + 2 * t;
-      kf_attn_store2(out + row * p.so[2] + col * p.so[3], empty ? fill : acc[4 * c + 2 * hh] * inv,
-                     empty ? fill : acc[4 * c + 2 * hh + 1] * inv, pairs, p.so[3]);
+      for (int c = 0; c < D / 8; ++c) {
+        const int col = 8 * c + 2 * t;
+        kf_attn_store2(out + row * p.so[2] + col * p.so[3], empty ? fill : acc[4 * c + 2 * hh] * inv,
+                       empty ? fill : acc[4 * c + 2 * hh + 1] * inv, pairs, p.so[3]);
+      }
     }
   }
 #else
@@ -332,11 +375,19 @@ bool kf_attention_ws(const kf_attn_params& p, int batch, cudaStream_t stream, cu
       error = opted;
       return true;
     }
-    ++kf_attention_ws_count;
     const int tiles = (p.S + 64 * C::NC - 1) / (64 * C::NC), threads = C::THREADS, smem = C::SMEM;
-    const unsigned int grid = (unsigned int)(tiles * (long long)batch * p.heads);
+    const long long work = tiles * (long long)batch * p.heads;
+    if (work >= (1LL << 31)) return false;
+#if defined(KF_EMULATION)
+    const int sms = 2;  // the emulation's persistent blocks: two, so each runs its ring across several tiles
+#else
+    const int sms = kf_wg::sm90_sms();
+#endif
+    const unsigned int grid = (unsigned int)(C::PERSISTENT && work > sms ? sms : work);
+    const int total = (int)work;
     const bool pairs = kf_attn_pairs(p, 2);
-    kf_attention_ws_kernel<D, CAUSAL, EMPTY_NAN><<<grid, threads, smem, stream>>>(tq, tk, tv, p, tiles, pairs);
+    ++kf_attention_ws_count;
+    kf_attention_ws_kernel<D, CAUSAL, EMPTY_NAN><<<grid, threads, smem, stream>>>(tq, tk, tv, p, tiles, total, pairs);
     error = cudaGetLastError();
     return true;
   }
@@ -354,10 +405,11 @@ def _configs() -> str:
         gate = WS_MIN_KEYS.get(d)
         if gate is None:
             continue
-        out.append(f"template <> struct config<{d}> {{\n  static constexpr bool OK = true, PINGPONG = "
-                   f"{'true' if c.pingpong else 'false'};\n  static constexpr int NC = {c.consumers}, BC = {c.keys}, "
-                   f"STAGES = {c.stages}, PREG = {c.producer_regs}, CREG = {c.consumer_regs}, THREADS = {c.threads}, "
-                   f"SMEM = {c.smem_bytes(d)}, MIN_KEYS = {gate};\n}};\n")
+        flags = f"PINGPONG = {str(c.pingpong).lower()}, PERSISTENT = {str(c.persistent).lower()}"
+        ints = (f"NC = {c.consumers}, BC = {c.keys}, STAGES = {c.stages}, PREG = {c.producer_regs}, "
+                f"CREG = {c.consumer_regs}, THREADS = {c.threads}, SMEM = {c.smem_bytes(d)}, MIN_KEYS = {gate}")
+        out.append(f"template <> struct config<{d}> {{\n  static constexpr bool OK = true, {flags};\n"
+                   f"  static constexpr int {ints};\n}};\n")
     return "".join(out)
 
 
