@@ -166,20 +166,26 @@ def test_ws_attention_builds_with_nvcc_for_sm90a_and_sm80(tmp_path, ws_on):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape, causal, gqa", [((2, 4, 300, 64), True, False), ((2, 8, 1100, 128), False, False),
-                                                ((2, 8, 700, 64), False, True), ((1, 8, 520, 128), True, True),
-                                                ((1, 4, 2048, 64), True, False), ((1, 4, 2048, 128), False, False)])
-def test_gpu_ws_attention_matches_torch_sdpa(shape, causal, gqa, ws_on):
+@pytest.mark.parametrize("shape, causal, gqa, flipped", [
+    ((2, 4, 300, 64), True, False, False), ((2, 8, 1100, 128), False, False, False),
+    ((2, 8, 700, 64), False, True, False), ((1, 8, 520, 128), True, True, False),
+    ((1, 4, 2048, 64), True, False, False), ((1, 4, 2048, 128), False, False, False),
+    ((4, 8, 1100, 64), True, False, True), ((4, 8, 1100, 128), False, True, True)])
+def test_gpu_ws_attention_matches_torch_sdpa(shape, causal, gqa, flipped, ws_on, monkeypatch):
     """On a GPU through the loader (an sm_90a build on a 9.0 device): the form ran (its launch counter), within bf16
-    tolerance of float64, of torch's SDPA and of the wgmma kernel (the form's switch off)."""
+    tolerance of float64, of torch's SDPA and of the wgmma kernel (the form's switch off). `flipped`: the head dim's
+    config with ping-pong flipped and persistent blocks (more work tiles than SMs: 4 x 8 x 9 or 6 tiles)."""
     b, h, s, d = shape
+    if flipped:
+        config = WS_CONFIG[d]
+        monkeypatch.setitem(WS_CONFIG, d, replace(config, pingpong=not config.pingpong, persistent=True))
     hk = h // 4 if gqa else h
     torch.manual_seed(0)
     q = torch.randn(b, h, s, d)
     k, v = torch.randn(b, hk, s, d), torch.randn(b, hk, s, d)
     inputs, plan = _plan(_sdpa(causal, enable_gqa=gqa), [q, k, v], "cuda")
     step = plan.attention[0]
-    kernels, hopper = _gpu_kernels(plan, f"attention_ws_{d}_{s}_{int(causal)}_{int(gqa)}")
+    kernels, hopper = _gpu_kernels(plan, f"attention_ws_{d}_{s}_{int(causal)}_{int(gqa)}_{int(flipped)}")
     lib = kernels._lib
     before = _counter(lib, "kf_attention_ws_launches")
     got = getattr(kernels, step.kernel)(*inputs)
