@@ -21,7 +21,7 @@ from test_attention_flash import poisoned_shared  # noqa: F401 (a fixture)
 from test_attention_wgmma import _build, _gpu_kernels, _plan, _reference, _sdpa
 
 from kernelfuse.codegen import attention_wgmma_ws, generate
-from kernelfuse.codegen.attention_wgmma_ws import WS_CONFIG
+from kernelfuse.codegen.attention_wgmma_ws import WS_CONFIG, WsConfig
 from kernelfuse.plan.ir import AttnStep
 
 
@@ -103,6 +103,18 @@ def test_emulated_ws_attention_pingpong_toggled(d, tmp_path, poisoned_shared, ws
         other = replace(other, consumers=3, consumer_regs=160, stages=2, keys=64)
     monkeypatch.setitem(WS_CONFIG, d, other)
     fn, tensors = _inputs((2, 2, 1, 200, 330, d, True, False, False, False, None))
+    inputs, plan = _plan(fn, tensors)
+    _check(emulated(plan, tmp_path), plan.attention[0], inputs)
+
+
+@pytest.mark.parametrize("d, config", [
+    (64, WsConfig(consumers=2, keys=128, stages=3, producer_regs=24, consumer_regs=240, pingpong=True)),
+    (128, WsConfig(consumers=2, keys=176, stages=2, producer_regs=24, consumer_regs=240, pingpong=True))])
+def test_emulated_ws_attention_probe_tilings(d, config, tmp_path, poisoned_shared, ws_on, monkeypatch):  # noqa: F811
+    """Tilings the probe times beside the defaults (benchmarks/ws_attention_probe.py): two consumer warpgroups at 64,
+    176-key tiles at 128 (an m64n176 S, 11 k16 steps of P V; L not a multiple of 176)."""
+    monkeypatch.setitem(WS_CONFIG, d, config)
+    fn, tensors = _inputs((1, 2, 2, 150, 390, d, False, False, False, False, None))
     inputs, plan = _plan(fn, tensors)
     _check(emulated(plan, tmp_path), plan.attention[0], inputs)
 
