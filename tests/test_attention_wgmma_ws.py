@@ -10,6 +10,7 @@ H100/H200 the form runs (its launch counter) and matches float64 and SDPA."""
 from __future__ import annotations
 
 import ctypes
+import re
 from dataclasses import replace
 
 import pytest
@@ -172,6 +173,11 @@ def test_ws_attention_builds_with_nvcc_for_sm90a_and_sm80(tmp_path, ws_on):
     for entry in log.split("Compiling entry function")[1:]:
         if "ws_kernel" in entry.split("\n")[0]:  # the entry's name; its ptxas lines follow
             assert " 0 bytes spill stores" in entry and " 0 bytes spill loads" in entry, entry
+            # the launch's registers a thread: the whole 64K over the block (the pool setmaxnreg redistributes: fewer
+            # and the consumers' increase would wait forever)
+            d = int(re.search(r"ws_kernelILi(\d+)E", entry)[1])
+            threads = WS_CONFIG[d].threads
+            assert f"Used {65536 // threads // 8 * 8} registers" in entry, entry
     flagged = [line for line in log.splitlines() if "(C75" in line and "ws_kernel" in line]
     assert not flagged, flagged  # no wgmma serialized, no arrive (fence) the compiler had to add
     _build(plan, tmp_path, "sm_80")

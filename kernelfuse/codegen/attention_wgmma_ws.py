@@ -78,8 +78,14 @@ class WsConfig:
         return self.rows * d * 2 + 2 * self.stages * self.keys * d * 2 + 1024 + (2 + 4 * self.stages) * 8
 
     def check(self, d: int) -> None:
+        """The tiling is one the kernel takes: whole k16 steps, an n of wgmma, two slots at least, the shared memory
+        of a block, and setmaxnreg within the block's registers at launch (__launch_bounds__(threads, 1): ptxas
+        gives each thread 64K / threads, a multiple of 8; a consumers' increase past that pool would wait forever)."""
         assert d % 64 == 0 and self.keys % 16 == 0 and 16 <= self.keys <= 256 and self.stages >= 2, (d, self)
-        assert self.producer_regs * 128 + self.consumer_regs * 128 * self.consumers <= 65536, self
+        regs = [self.producer_regs, self.consumer_regs]
+        assert all(r % 8 == 0 and 24 <= r <= 256 for r in regs), self
+        pool = 65536 // self.threads // 8 * 8 * self.threads
+        assert self.producer_regs * 128 + self.consumer_regs * 128 * self.consumers <= pool, (self, pool)
         assert self.smem_bytes(d) <= 227 * 1024, (d, self, self.smem_bytes(d))
 
 
