@@ -13,14 +13,16 @@ or five should fit a 10-minute slot):
 Per config: one library holding every shape of its head dim (one attention step each; the gate on from one key),
 each step checked (the form ran, by kf_attention_ws_launches; the wgmma kernel ran with the switch off; both within
 3x SDPA's error against float64) and timed (CUDA events, L2 flushed, median of 20), then a summary table: per
-shape the fastest SDPA backend's ms and each kernel's ratio to it. A row marked WRONG failed its check; a config
-that timed out (CHILD_TIMEOUT_S) likely hung on an mbarrier.
+shape the fastest SDPA backend's ms and each kernel's ratio to it. A row marked WRONG failed its check; a first
+call not done within HANG_S seconds is reported as a HANG and ends that config's child at once (an mbarrier that
+never completes); CHILD_TIMEOUT_S is the backstop.
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import subprocess
 import sys
 import time
@@ -58,6 +60,7 @@ CONFIGS = {
     "ws-d128-pp-persist": (128, replace(DEFAULT[128], persistent=True)),
 }
 CHILD_TIMEOUT_S = 420  # the build (~1-2 min), float64 references of 8192-key rows, the timings
+HANG_S = 20  # a first call of one of our kernels not done by then is taken for a hang (the child ends at once)
 
 
 class Attentions(torch.nn.Module):
@@ -83,6 +86,18 @@ def configured(name: str):  # noqa: ANN201 - the plan and its sources
     plan = make_plan(capture_module(Attentions([c for *_, c in shapes]), meta))
     assert len(plan.attention) == len(shapes) and not plan.generated, plan.summary()
     return plan, generate(plan)
+
+
+def finished(seconds: float) -> bool:
+    """Whether the work queued on the current stream completes within `seconds` (polled)."""
+    done = torch.cuda.Event()
+    done.record()
+    start = time.time()
+    while not done.query():
+        if time.time() - start > seconds:
+            return False
+        time.sleep(0.001)
+    return True
 
 
 def library_name(name: str) -> str:
@@ -139,7 +154,9 @@ def time_shape(lib, name: str, kernel: str, shape: tuple[int, int, int, int], ca
         try:
             before = _count(lib, "kf_attention_ws_launches"), _count(lib, "kf_attention_wgmma_launches")
             out = call()
-            torch.cuda.synchronize()
+            if not finished(HANG_S):  # an mbarrier that never completes: end the child now, not at its timeout
+                print(f"| {case} | {method} | n/a | | | HANG: not done after {HANG_S} s |", flush=True)
+                os._exit(3)
             ran = ""
             if method.startswith("kf"):
                 ws_ran = _count(lib, "kf_attention_ws_launches") - before[0]
@@ -234,13 +251,15 @@ def summary(rows: list[list[str]]) -> None:
     over the configs' runs; WRONG where a check failed)."""
     cases: dict[str, dict[str, str]] = {}
     for case, method, ms, *rest in rows:
-        if ms == "n/a":
-            continue
         entry = cases.setdefault(case, {})
+        if ms == "n/a":  # failed to run (HANG, an error): shown as such unless another run of it timed
+            if not method.startswith("sdpa"):
+                entry.setdefault(method, "n/a")
+            continue
         wrong = " WRONG" if "WRONG" in rest[-1] else ""
         if method.startswith("sdpa"):
             entry["sdpa"] = min(entry.get("sdpa", ms), ms, key=float)
-        elif method not in entry or float(ms) < float(entry[method].split()[0]):
+        elif method not in entry or entry[method] == "n/a" or float(ms) < float(entry[method].split()[0]):
             entry[method] = ms + wrong
     methods = sorted({m for entry in cases.values() for m in entry if m != "sdpa"}, key=lambda m: m != "kf wgmma")
     print("\nSummary: ratio = the fastest SDPA backend's ms / ours (>= 0.9 the goal)\n")
@@ -252,8 +271,11 @@ def summary(rows: list[list[str]]) -> None:
         cells = []
         for m in methods:
             value = entry.get(m)
-            cells.append("" if value is None else f"{float(entry['sdpa']) / float(value.split()[0]):.3f}"
-                         + (" WRONG" if "WRONG" in value else ""))
+            if value is None or value == "n/a":
+                cells.append(value or "")
+                continue
+            ratio = float(entry["sdpa"]) / float(value.split()[0])
+            cells.append(f"{ratio:.3f}" + (" WRONG" if "WRONG" in value else ""))
         print(f"| {case} | {entry['sdpa']} | " + " | ".join(cells) + " |")
 
 
