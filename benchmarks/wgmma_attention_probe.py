@@ -43,12 +43,16 @@ Run on the GPU machine from the repo root (builds for sm_90a):
     PYTHONPATH=. python benchmarks/wgmma_attention_probe.py > $OUT/wgmma_attention_probe.md
 Compile only, printing ptxas's registers and spills per kernel, the forms' generated files too (no GPU needed):
     PYTHONPATH=. python benchmarks/wgmma_attention_probe.py --compile-only
+The warp-specialized form's tilings (kernelfuse.codegen.attention_wgmma_ws; benchmarks/ws_attention_probe.py, which
+says more), against the wgmma kernel, cuDNN and flash on the long-row and GPT-2 shapes, a short table:
+    PYTHONPATH=. python benchmarks/wgmma_attention_probe.py --configs ws   # or --configs ws-d64-3wg,ws-d128-pp
 """
 
 from __future__ import annotations
 
 import ctypes
 import math
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -1054,6 +1058,11 @@ def probe_form(lib, step: AttnStep, form: Case) -> None:  # noqa: ANN001 - the f
 
 
 def main() -> None:
+    if any(a == "--configs" or a.startswith("--configs=") for a in sys.argv[1:]):  # the warp-specialized form's
+        from ws_attention_probe import main as ws_main  # configs (benchmarks/ws_attention_probe.py)
+
+        ws_main(sys.argv[1:])
+        return
     names = [v[0] for v in VARIANTS] + [f"form {f.name}" for f in FORMS]
     started = start(__file__, names, CHILD_TIMEOUT_S, build, compile_only, child_check)
     if started is None:

@@ -79,6 +79,9 @@ has just made with `to_channels_last(x, round_tf32=True)` (a contiguous NCHW fp3
 are encoded on the host at every call (caching them per pointer is a measurement for later); kf_conv_tma_launches()
 counts the launches of either form, kf_conv_tma_prerounded_launches() the pre-rounded ones.
 
+The mbarrier, setmaxnreg and named-barrier PTX, the tiled encoder and their emulation are
+kernelfuse.codegen.tma_prelude's (shared with the warp-specialized attention); the im2col copy, the 2-d float tile
+copy, the rounding and the convolution's encoders are here.
 The CPU emulation (KF_EMULATION) runs the same kernel text: the producer's copies are synchronous (what the
 hardware writes, by the box traversal and swizzle modelled here), the mbarriers are counters with the hardware's
 phase and tx-count rules that block by atomic waits, the named barriers std::barriers, the products kf_wg's
@@ -214,43 +217,11 @@ def tma_smem_bytes(bn: int, ch: int) -> int:
 
 CONV_TMA_PRELUDE = r"""
 // ---- the dense convolution by TMA im2col loads and wgmma, sm_90a (kernelfuse.codegen.conv_tma) ----
-#if defined(__CUDACC__)
-#include <cuda.h>  // CUtensorMap and its enums only: the encoders come through the runtime's driver entry points
-#endif
 #if defined(__CUDACC__) || defined(KF_EMULATION)
-#if defined(KF_EMULATION)
-// a tensor map as this emulation reads it: the input's {C, W, H, N} (im2col) or the weight's {RSC, K} (tiled)
-struct CUtensorMap {
-  const float* base;
-  long long dims[4];
-  int lower[2], upper[2];  // the im2col box's corners, W first
-  int rows;                // the box's pixels (im2col) or rows (tiled); each is 32 floats
-  int traversal[2];        // the im2col box's traversal strides (the convolution's), W first
-};
-#define __grid_constant__
-#endif
+// (kf_tma's mbarriers, 4-d tiled copies, setmaxnreg, named barriers and the tiled encoder: the file's
+// kernelfuse.codegen.tma_prelude, earlier)
 namespace kf_tma {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-__device__ __forceinline__ unsigned smem_u32(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
-__device__ __forceinline__ void bar_init(uint64_t* bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-}
-__device__ __forceinline__ void fence_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
-__device__ __forceinline__ void arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
-}
-// the producer's arrive, announcing the bytes the slot's copies will complete
-__device__ __forceinline__ void arrive_expect_tx(uint64_t* bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes)
-               : "memory");
-}
-// until the phase of parity `parity` has completed (a fresh barrier passes parity 1 at once)
-__device__ __forceinline__ void wait(uint64_t* bar, int parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nKF_TMA_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra KF_TMA_WAIT;\n}\n" ::"r"(smem_u32(bar)), "r"(parity) : "memory");
-}
 // `rows` pixels from (n, h, w) on (the box walks w, then h, then n) x 32 channels from c, each pixel shifted by the
 // tap (dw, dh): coordinates innermost first, offsets in the same order (W, then H)
 __device__ __forceinline__ void im2col(void* dst, const CUtensorMap* map, uint64_t* bar, int c, int w, int h, int n,
@@ -268,41 +239,7 @@ __device__ __forceinline__ void tile2d(void* dst, const CUtensorMap* map, uint64
       "r"(c1)
       : "memory");
 }
-// the producer's warpgroup gives registers to the consumers' (40 x 128 + 232 x 256 <= 64K)
-__device__ __forceinline__ void producer_registers() { asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n"); }
-__device__ __forceinline__ void consumer_registers() { asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n"); }
-// consumer warpgroup cw's 128 threads (named barriers 1 and 2; 0 is __syncthreads)
-__device__ __forceinline__ void warpgroup_sync(int cw) {
-  asm volatile("bar.sync %0, 128;\n" ::"r"(cw + 1) : "memory");
-}
 #elif defined(KF_EMULATION)
-// An mbarrier as one word: phase (bit 63), arrivals a phase (48..55), arrivals pending (32..47), tx bytes pending
-// (0..31). A phase completes (the bit flips, the counts reset) when both pending counts reach zero, as on the GPU.
-using bar_word = std::atomic<unsigned long long>;
-inline bar_word& word(uint64_t* bar) { return *reinterpret_cast<bar_word*>(bar); }
-inline void bar_init(uint64_t* bar, int count) {
-  new (bar) bar_word((unsigned long long)count << 48 | (unsigned long long)count << 32);
-}
-inline void fence_init() {}
-inline void update(uint64_t* bar, long long tx, int arrivals) {
-  bar_word& w = word(bar);
-  unsigned long long old = w.load(), next;
-  do {
-    const unsigned long long phase = old >> 63, count = old >> 48 & 0xff;
-    const long long pending = (long long)(old >> 32 & 0xffff) - arrivals, bytes = (long long)(old & 0xffffffffu) + tx;
-    if (pending < 0 || bytes < 0) __builtin_trap();  // more arrivals or bytes than the phase expects
-    next = pending == 0 && bytes == 0 ? (phase ^ 1) << 63 | count << 48 | count << 32
-                                      : phase << 63 | count << 48 | (unsigned long long)pending << 32 |
-                                            (unsigned long long)bytes;
-  } while (!w.compare_exchange_weak(old, next));
-  w.notify_all();
-}
-inline void arrive(uint64_t* bar) { update(bar, 0, 1); }
-inline void arrive_expect_tx(uint64_t* bar, unsigned bytes) { update(bar, bytes, 1); }
-inline void wait(uint64_t* bar, int parity) {
-  bar_word& w = word(bar);
-  for (unsigned long long v = w.load(); (int)(v >> 63) == parity; v = w.load()) w.wait(v);
-}
 // The copies, done at once by the producer: what the TMA unit writes (rows of 32 floats in the 128-byte swizzle,
 // zeros out of bounds), then their bytes completed on the barrier. The im2col box walks the positions lower,
 // lower + stride, ... up to size - 1 + upper of W (the traversal stride's), then of H, then the images, from the
@@ -331,12 +268,6 @@ inline void tile2d(void* dst, const CUtensorMap* map, uint64_t* bar, int c0, int
       out[kf_wg::swz128(r, k)] = c1 + r < map->dims[1] ? map->base[(c1 + r) * map->dims[0] + c0 + k] : 0.0f;
   update(bar, -128LL * map->rows, 0);
 }
-inline void producer_registers() {}
-inline void consumer_registers() {}
-inline void warpgroup_sync(int cw) {
-  static std::barrier<> bars[2] = {std::barrier<>(128), std::barrier<>(128)};
-  bars[cw].arrive_and_wait();
-}
 #endif
 
 // The rounding to nearest TF32 (cvt.rna, as the dense kernel's operands; round_tf32) of A in the rounding form: a
@@ -358,26 +289,8 @@ using EncodeIm2col = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t,
                                   const cuuint64_t*, const int*, const int*, cuuint32_t, cuuint32_t,
                                   const cuuint32_t*, CUtensorMapInterleave, CUtensorMapSwizzle,
                                   CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-using EncodeTiled = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
-                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
-                                 CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
-// a driver function through the runtime (the library does not link libcuda); null where there is none
-inline void* driver_fn(const char* name) {
-  void* fn = nullptr;
-#if CUDART_VERSION >= 12050
-  cudaDriverEntryPointQueryResult found;
-  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
-      found != cudaDriverEntryPointSuccess)
-    return nullptr;
-#endif
-  return fn;
-}
 inline EncodeIm2col im2col_encoder() {
   static const EncodeIm2col encode = (EncodeIm2col)driver_fn("cuTensorMapEncodeIm2col");
-  return encode;
-}
-inline EncodeTiled tiled_encoder() {
-  static const EncodeTiled encode = (EncodeTiled)driver_fn("cuTensorMapEncodeTiled");
   return encode;
 }
 #endif

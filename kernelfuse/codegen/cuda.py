@@ -20,6 +20,7 @@ from kernelfuse.codegen.attention_mma import MMA_ATTENTION_PRELUDE
 from kernelfuse.codegen.attention_prelude import ATTENTION_PRELUDE
 from kernelfuse.codegen.attention_short import SHORT_PRELUDE
 from kernelfuse.codegen.attention_wgmma import ATTENTION_WGMMA_PRELUDE
+from kernelfuse.codegen.attention_wgmma_ws import WS_DECLARATION, carries_ws, ws_prelude
 from kernelfuse.codegen.binding import Binding, kernels_class
 from kernelfuse.codegen.common import C_TYPES
 from kernelfuse.codegen.conv_igemm import carried_tma_forms, carries_tma, dense_kernel, render_conv
@@ -33,6 +34,7 @@ from kernelfuse.codegen.gemm_wgmma import WGMMA_COMMON, WGMMA_PRELUDE
 from kernelfuse.codegen.generated import REDUCE_PRELUDE, keeps_rows_on_chip, render_generated
 from kernelfuse.codegen.onchip import ONCHIP_PRELUDE
 from kernelfuse.codegen.tensorcore import TENSORCORE_PRELUDE
+from kernelfuse.codegen.tma_prelude import TMA_PRELUDE
 from kernelfuse.ops import POINTWISE_BY_ATEN, prelude_for
 from kernelfuse.plan.catselect import SELECT
 from kernelfuse.plan.ir import Plan
@@ -221,15 +223,21 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
     dense = any(s.anchor.epilogue_inside and s.anchor.family == "conv" and dense_kernel(plan.graph, s) for s in steps)
     # bf16 attention on tensor cores: kf_attention_tc's Hopper branch (the wgmma flash kernel) is in the file
     attention_wgmma = any(a.out_meta.dtype == torch.bfloat16 and uses_tensor_cores(a) for a in attention)
+    # ... and its warp-specialized form (TMA), where a step passes that form's gate (attention_wgmma_ws.WS_MIN_KEYS)
+    attention_ws = attention_wgmma and any(a.out_meta.dtype == torch.bfloat16 and uses_tensor_cores(a) and
+                                           carries_ws(a.dims, a.mask_kind) for a in attention)
+    conv_tma = any(s.anchor.epilogue_inside and s.anchor.family == "conv" and carries_tma(plan.graph, s) for s in steps)
     if gemm or dense or attention_wgmma:  # each has a wgmma kernel for Hopper; the loader's switch and helpers, once
         cuda.append(WGMMA_COMMON)
+    if conv_tma or attention_ws:  # mbarriers, TMA copies, setmaxnreg: once
+        cuda.append(TMA_PRELUDE)
     if attention_wgmma:
-        cuda.append(ATTENTION_WGMMA_PRELUDE)
+        cuda += [WS_DECLARATION, ATTENTION_WGMMA_PRELUDE, ws_prelude()] if attention_ws else [ATTENTION_WGMMA_PRELUDE]
     if gemm:
         cuda += [GEMM_PRELUDE, WGMMA_PRELUDE]
     if dense:
         cuda += [CONV_TC_PRELUDE, CONV_WGMMA_PRELUDE]
-    if any(s.anchor.epilogue_inside and s.anchor.family == "conv" and carries_tma(plan.graph, s) for s in steps):
+    if conv_tma:
         cuda.append(CONV_TMA_PRELUDE)
     bindings: list[Binding] = []
     functions: list[str] = []
