@@ -258,6 +258,33 @@ __device__ __forceinline__ void attn_softmax(float (&s)[NS], float (&row_max)[2]
     row_sum[(i >> 1) & 1] += s[i];
   }
 }
+
+// A query tile's end, in both kernels: each row's sum over its quad, then rows my_row and my_row + 8 of the output
+// from the accumulator's fragments (D columns of N / 4 n8 groups' pairs), divided by the sum. A row whose every key
+// is masked (sum 0): NaN (EMPTY_NAN, the hand-written form) or zeros (SDPA), as the mma.sync kernels give it; a NaN
+// sum stays NaN
+template <int D, bool EMPTY_NAN, int N>
+__device__ __forceinline__ void store_rows(unsigned short* out, const kf_attn_params& p, int my_row, int t,
+                                           const float (&acc)[N], float (&row_sum)[2], bool pairs) {
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    row_sum[hh] += __shfl_xor_sync(0xffffffffu, row_sum[hh], 1);
+    row_sum[hh] += __shfl_xor_sync(0xffffffffu, row_sum[hh], 2);
+  }
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int row = my_row + 8 * hh;
+    if (row >= p.S) continue;
+    const bool empty = row_sum[hh] == 0.0f;
+    const float inv = 1.0f / row_sum[hh], fill = EMPTY_NAN ? NAN : 0.0f;
+#pragma unroll
+    for (int c = 0; c < D / 8; ++c) {
+      const int col = 8 * c + 2 * t;
+      kf_attn_store2(out + row * p.so[2] + col * p.so[3], empty ? fill : acc[4 * c + 2 * hh] * inv,
+                     empty ? fill : acc[4 * c + 2 * hh + 1] * inv, pairs, p.so[3]);
+    }
+  }
+}
 #endif
 }  // namespace kf_wg
 
@@ -435,27 +462,7 @@ __global__ void __launch_bounds__(256, kf_wg::attn_config<D>::BLOCKS)
   commit();
   wait<0>();
   pin(acc);
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    row_sum[hh] += __shfl_xor_sync(0xffffffffu, row_sum[hh], 1);
-    row_sum[hh] += __shfl_xor_sync(0xffffffffu, row_sum[hh], 2);
-  }
-  unsigned short* out = (unsigned short*)p.out + b * p.so[0] + h * p.so[1];
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int row = my_row + 8 * hh;
-    if (row >= p.S) continue;
-    // a row whose every key is masked (sum 0): NaN (EMPTY_NAN, the hand-written form) or zeros (SDPA), as the
-    // mma.sync kernels give it; a NaN sum stays NaN
-    const bool empty = row_sum[hh] == 0.0f;
-    const float inv = 1.0f / row_sum[hh], fill = EMPTY_NAN ? NAN : 0.0f;
-#pragma unroll
-    for (int c = 0; c < D / 8; ++c) {
-      const int col = 8 * c + 2 * t;
-      kf_attn_store2(out + row * p.so[2] + col * p.so[3], empty ? fill : acc[4 * c + 2 * hh] * inv,
-                     empty ? fill : acc[4 * c + 2 * hh + 1] * inv, pairs, p.so[3]);
-    }
-  }
+  store_rows<D, EMPTY_NAN>((unsigned short*)p.out + b * p.so[0] + h * p.so[1], p, my_row, t, acc, row_sum, pairs);
 #else
   __trap();  // never launched: kf_attention_wgmma takes it only where the loader built sm_90a for a 9.0 device
 #endif

@@ -329,26 +329,9 @@ __global__ void __launch_bounds__(kf_ws::config<D>::THREADS, 1)
     pin(acc);
     release(&v_empty[r % STAGES]);  // (the next tile's ring runs on from here)
     n += ktiles;
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      row_sum[hh] += __shfl_xor_sync(0xffffffffu, row_sum[hh], 1);
-      row_sum[hh] += __shfl_xor_sync(0xffffffffu, row_sum[hh], 2);
-    }
-    unsigned short* out = (unsigned short*)p.out + w.b * p.so[0] + w.h * p.so[1];
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int row = my_row + 8 * hh;
-      if (row >= p.S) continue;
-      // a row whose every key is masked (sum 0: none here but L = 0, which never launches): as the wgmma kernel
-      const bool empty = row_sum[hh] == 0.0f;
-      const float inv = 1.0f / row_sum[hh], fill = EMPTY_NAN ? NAN : 0.0f;
-#pragma unroll
-      for (int c = 0; c < D / 8; ++c) {
-        const int col = 8 * c + 2 * t;
-        kf_attn_store2(out + row * p.so[2] + col * p.so[3], empty ? fill : acc[4 * c + 2 * hh] * inv,
-                       empty ? fill : acc[4 * c + 2 * hh + 1] * inv, pairs, p.so[3]);
-      }
-    }
+    // (a row whose every key is masked, sum 0: none here but L = 0, which never launches)
+    store_rows<D, EMPTY_NAN>((unsigned short*)p.out + w.b * p.so[0] + w.h * p.so[1], p, my_row, t, acc, row_sum,
+                             pairs);
   }
 #else
   __trap();  // never launched: kf_attention_ws takes it only where the loader built sm_90a for a 9.0 device
