@@ -259,6 +259,23 @@ __device__ __forceinline__ void attn_softmax(float (&s)[NS], float (&row_max)[2]
   }
 }
 
+// A key tile's products, in both kernels. S = Q Kᵀ over DP head dims, Q (BR rows) and K (BC rows) both K-major: k16
+// step ks is 32 bytes into atom ks / (SW / 32) of each. O += P V: P's A fragments a k16 step over the tile's keys, V
+// MN-major, N = the head dims over V's atoms (BC rows of SW bytes apart)
+template <int DP, int SW, int BR, int BC, int NS>
+__device__ __forceinline__ void qk_products(float (&s)[NS], const char* qw, const char* kt) {
+  constexpr int KPA = SW / 32;
+#pragma unroll
+  for (int ks = 0; ks < DP / 16; ++ks)
+    mma_bf16_ss(s, desc_b16<SW>(qw + (ks / KPA) * BR * SW, (ks % KPA) * 32, 16),
+                desc_b16<SW>(kt + (ks / KPA) * BC * SW, (ks % KPA) * 32, 16), ks > 0);
+}
+template <int SW, int BC, int KSTEPS, int NA>
+__device__ __forceinline__ void pv_products(float (&acc)[NA], unsigned (&pf)[KSTEPS][4], const char* vt) {
+#pragma unroll
+  for (int kk = 0; kk < KSTEPS; ++kk) mma_bf16_rs(acc, pf[kk], desc_b16<SW>(vt, kk * 16 * SW, BC * SW));
+}
+
 // A query tile's end, in both kernels: each row's sum over its quad, then rows my_row and my_row + 8 of the output
 // from the accumulator's fragments (D columns of N / 4 n8 groups' pairs), divided by the sum. A row whose every key
 // is masked (sum 0): NaN (EMPTY_NAN, the hand-written form) or zeros (SDPA), as the mma.sync kernels give it; a NaN
@@ -297,7 +314,7 @@ __global__ void __launch_bounds__(256, kf_wg::attn_config<D>::BLOCKS)
   using namespace kf_wg;
   using C = attn_config<D>;
   constexpr int BR = 128, BC = C::BC, STAGES = C::STAGES, THREADS = 256, DP = C::DP, SW = C::SW;
-  constexpr int KPA = SW / 32, NS = BC / 2, KSTEPS = BC / 16;  // k16 steps an atom (K-major), S's floats, P's steps
+  constexpr int NS = BC / 2, KSTEPS = BC / 16;  // S's floats, P's k16 steps
   constexpr int Q_BYTES = BR * DP * 2, KV_BYTES = BC * DP * 2;
   // after iteration j's barrier come the copies of tile-iteration j + KAHEAD's K and j + VAHEAD's V, into slot
   // (iteration % STAGES); V is read one iteration after S (P V lags S by one), so it may be one less ahead
@@ -353,18 +370,8 @@ __global__ void __launch_bounds__(256, kf_wg::attn_config<D>::BLOCKS)
   for (int i = 0; i < DP / 2; ++i) acc[i] = 0.0f;
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
   const char* qw = q_tile + wg * 64 * SW;
-  auto issue_s = [&](int it) {  // S = Q Kᵀ, both K-major: k16 step ks is 32 bytes into atom ks / KPA of each
-    const char* kt = k_ring + (it % STAGES) * KV_BYTES;
-#pragma unroll
-    for (int ks = 0; ks < DP / 16; ++ks)
-      mma_bf16_ss(s, desc_b16<SW>(qw + (ks / KPA) * BR * SW, (ks % KPA) * 32, 16),
-                  desc_b16<SW>(kt + (ks / KPA) * BC * SW, (ks % KPA) * 32, 16), ks > 0);
-  };
-  auto issue_pv = [&](int it) {  // O += P V: V MN-major, N = DP over its atoms (BC rows of SW bytes apart)
-    const char* vt = v_ring + (it % STAGES) * KV_BYTES;
-#pragma unroll
-    for (int kk = 0; kk < KSTEPS; ++kk) mma_bf16_rs(acc, pf[kk], desc_b16<SW>(vt, kk * 16 * SW, BC * SW));
-  };
+  auto issue_s = [&](int it) { qk_products<DP, SW, BR, BC>(s, qw, k_ring + (it % STAGES) * KV_BYTES); };
+  auto issue_pv = [&](int it) { pv_products<SW, BC>(acc, pf, v_ring + (it % STAGES) * KV_BYTES); };
   auto rescale_and_pack = [&](const float (&corr)[2]) {
 #pragma unroll
     for (int i = 0; i < DP / 2; ++i) acc[i] *= corr[(i >> 1) & 1];

@@ -149,7 +149,7 @@ __global__ void __launch_bounds__(kf_ws::config<D>::THREADS, 1)
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL) || defined(KF_EMULATION)
   using namespace kf_wg;
   using C = kf_ws::config<D>;
-  constexpr int NC = C::NC, BR = 64 * NC, BC = C::BC, STAGES = C::STAGES, SW = 128, KPA = SW / 32, ATOMS = D / 64;
+  constexpr int NC = C::NC, BR = 64 * NC, BC = C::BC, STAGES = C::STAGES, SW = 128, ATOMS = D / 64;
   constexpr int NS = BC / 2, KSTEPS = BC / 16, Q_BYTES = BR * D * 2, KV_BYTES = BC * D * 2;
   constexpr float LOG2E = 1.4426950408889634f;
   KF_DYNAMIC_SHARED(kf_ws_raw);
@@ -231,18 +231,8 @@ __global__ void __launch_bounds__(kf_ws::config<D>::THREADS, 1)
   unsigned pf[KSTEPS][4];  // P's A fragments, one a k16 step over the tile's keys
   float row_max[2], row_sum[2];
   int n = 0;  // the ring's count (the block's key tiles so far), as the producer's
-  auto issue_s = [&](int r) {  // S = Q Kᵀ, both K-major: k16 step ks is 32 bytes into atom ks / KPA of each
-    const char* kt = k_ring + (r % STAGES) * KV_BYTES;
-#pragma unroll
-    for (int ks = 0; ks < D / 16; ++ks)
-      mma_bf16_ss(s, desc_b16<SW>(qw + (ks / KPA) * BR * SW, (ks % KPA) * 32, 16),
-                  desc_b16<SW>(kt + (ks / KPA) * BC * SW, (ks % KPA) * 32, 16), ks > 0);
-  };
-  auto issue_pv = [&](int r) {  // O += P V: V MN-major, N = D over its atoms (BC rows of SW bytes apart)
-    const char* vt = v_ring + (r % STAGES) * KV_BYTES;
-#pragma unroll
-    for (int kk = 0; kk < KSTEPS; ++kk) mma_bf16_rs(acc, pf[kk], desc_b16<SW>(vt, kk * 16 * SW, BC * SW));
-  };
+  auto issue_s = [&](int r) { qk_products<D, SW, BR, BC>(s, qw, k_ring + (r % STAGES) * KV_BYTES); };
+  auto issue_pv = [&](int r) { pv_products<SW, BC>(acc, pf, v_ring + (r % STAGES) * KV_BYTES); };
   auto release = [&](uint64_t* bar) {  // this warp is done with the slot (its products retired)
     __syncwarp();
     if (lane == 0) kf_tma::arrive(bar);
