@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -387,6 +388,23 @@ def test_binding_rounds_the_weight_once_a_version() -> None:
     assert "k3" not in lib._tf32_weights
 
 
+def tma_ptxas_reports(nvcc: str, cu: Path, tmp_path: Path, kernels: int) -> str:
+    """ptxas -v (sm_90a) on `cu`: it builds, holds `kernels` TMA convolution kernels, none spilling and no wgmma
+    serialized; the stderr (the reports) for further checks."""
+    import re
+    import subprocess
+
+    result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90a", "-O3", "-c", "-Xptxas", "-v", str(cu), "-o",
+                             str(tmp_path / f"{cu.stem}.o")], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-4000:]
+    reports = [r for r in result.stderr.split("Compiling entry function") if "_kernel_tma" in r.split("\n")[0]]
+    assert len(reports) == kernels, result.stderr[-3000:]
+    for report in reports:
+        assert not re.search(r"[1-9]\d* bytes spill (stores|loads)", report), report
+    assert "serialized" not in result.stderr
+    return result.stderr
+
+
 def test_tma_form_compiles_for_sm_90a_and_sm_80(model_and_graph, tmp_path, monkeypatch):
     """nvcc builds the file for sm_90a (the loader's Hopper target: ptxas takes the TMA kernels, every form,
     without spills or serialized products, the PTX holds the im2col copies, m64n64/m64n128 products, A from
@@ -405,14 +423,7 @@ def test_tma_form_compiles_for_sm_90a_and_sm_80(model_and_graph, tmp_path, monke
     plan = owned_tf32_plan(model_and_graph[2])
     cu = tmp_path / "tma.cu"
     cu.write_text(generate(plan).cuda)
-    result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90a", "-O3", "-c", "-Xptxas", "-v", str(cu), "-o",
-                             str(tmp_path / "tma.o")], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    tma_lines = [ln for ln in result.stderr.split("Compiling entry function") if "_kernel_tma" in ln.split("\n")[0]]
-    assert len(tma_lines) == 9, result.stderr[-3000:]
-    for report in tma_lines:
-        assert not re.search(r"[1-9]\d* bytes spill (stores|loads)", report), report
-    assert "serialized" not in result.stderr
+    tma_ptxas_reports(nvcc, cu, tmp_path, kernels=9)
     ptx = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90a", "-ptx", str(cu), "-o", "-"], capture_output=True,
                          text=True, timeout=600).stdout
     assert ptx.count("cp.async.bulk.tensor.4d.shared::cluster.global.im2col") >= 3  # (unrolled copies: more)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from emulation_helpers import emulated
 from optimizer_helpers import owned_tf32_plan
 from test_conv_igemm import _tf32
-from test_conv_tma import _counted, _launches, _with_tma
+from test_conv_tma import _counted, _launches, _with_tma, tma_ptxas_reports
 
 import kernelfuse.codegen.conv_tma as conv_tma
 from kernelfuse.capture import capture, capture_module
@@ -174,14 +174,7 @@ def test_new_forms_compile_for_sm_90a_without_spills(model_and_graph, tmp_path, 
     plan = owned_tf32_plan(model_and_graph[2])
     cu = tmp_path / "forms.cu"
     cu.write_text(generate(plan).cuda)
-    result = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90a", "-O3", "-c", "-Xptxas", "-v", str(cu), "-o",
-                             str(tmp_path / "forms.o")], capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-4000:]
-    reports = [r for r in result.stderr.split("Compiling entry function") if "_kernel_tma" in r.split("\n")[0]]
-    assert len(reports) == 12, result.stderr[-3000:]
-    for report in reports:
-        assert not re.search(r"[1-9]\d* bytes spill (stores|loads)", report), report
-    assert "serialized" not in result.stderr
+    tma_ptxas_reports(nvcc, cu, tmp_path, kernels=12)
     ptx = subprocess.run([nvcc, "-std=c++17", "-arch=sm_90a", "-ptx", str(cu), "-o", "-"], capture_output=True,
                          text=True, timeout=600).stdout
     assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n(\d+)k8\.f32\.tf32\.tf32", ptx)) >= {"32", "64"}
