@@ -9,8 +9,8 @@ earlier nodes; everything else in `args` is a Python constant. Graph inputs are 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import MISSING, dataclass, field, fields, replace
 from functools import cache, cached_property
 
 import torch
@@ -130,6 +130,15 @@ class Graph:
 
     def __post_init__(self) -> None:
         self._index.update({n.name: n for n in self.nodes})
+
+    def rebuilt(self, nodes: Iterable[Node], outputs: Iterable[Ref] | None = None) -> Graph:
+        """This graph over other nodes (and outputs), every other field (training flag, modes, call, autocast,
+        buffer values) carried over: the one way a pass builds a new graph, so a field added here reaches every
+        pass. The private indexes (by name, by reader) start empty, rebuilt for the new nodes."""
+        caches = {f.name: f.default_factory() for f in fields(self)  # type: ignore[misc]
+                  if f.name.startswith("_") and f.default_factory is not MISSING}
+        return replace(self, nodes=tuple(nodes), outputs=self.outputs if outputs is None else tuple(outputs),
+                       **caches)
 
     @property
     def mixed_modes(self) -> bool:

@@ -71,8 +71,7 @@ def shared_cat_buffers(graph: Graph) -> tuple[Graph, dict[str, CatInto]]:
                 meta = graph[name].meta
                 metas[name] = replace(meta, stride=last.meta.stride)  # type: ignore[arg-type,union-attr]
     nodes = tuple(replace(n, meta=metas[n.name]) if n.name in metas else n for n in graph.nodes)
-    return Graph(nodes, graph.outputs, graph.training, graph.modes, graph.call, graph.autocast,
-                 graph.state_values), into
+    return graph.rebuilt(nodes), into
 
 
 def looked_through(graph: Graph, into: dict[str, CatInto]) -> set[str]:

@@ -102,5 +102,4 @@ def tap_major_weights(graph: Graph, exact: frozenset[str]) -> Graph:
         nodes.append(replace(node, args=tuple(args)))
     if not views:
         return graph
-    return Graph(tuple(nodes), graph.outputs, graph.training, graph.modes, graph.call, graph.autocast,
-                 graph.state_values)
+    return graph.rebuilt(nodes)

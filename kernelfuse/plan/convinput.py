@@ -38,8 +38,7 @@ def channels_last_into_convs(graph: Graph, by_out: dict[str, Step]) -> Graph:
     if not changed:
         return graph
     nodes = tuple(replace(n, meta=changed[n.name]) if n.name in changed else n for n in graph.nodes)
-    return Graph(nodes, graph.outputs, graph.training, graph.modes, graph.call, graph.autocast,
-                 graph.state_values)
+    return graph.rebuilt(nodes)
 
 
 def _writes_channels_last(graph: Graph, gen: GenStep) -> bool:

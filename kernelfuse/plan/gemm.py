@@ -70,8 +70,7 @@ def k_contiguous_weights(graph: Graph) -> Graph:
         nodes.append(replace(node, args=tuple(args)))
     if not views:
         return graph
-    return Graph(tuple(nodes), graph.outputs, graph.training, graph.modes, graph.call, graph.autocast,
-                 graph.state_values)
+    return graph.rebuilt(nodes)
 
 
 def _row_major_weight(graph: Graph, node: Node) -> Ref | None:

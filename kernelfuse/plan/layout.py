@@ -69,8 +69,7 @@ def channels_last_graph(graph: Graph) -> Graph | None:
         back = fresh_name(f"{ref.name}_nchw", names)
         nodes.append(Node(back, "clone.default", (ref, ("kw", "memory_format", torch.contiguous_format)), before))
         outputs.append(Ref(back))
-    return Graph(tuple(nodes), tuple(outputs), graph.training, graph.modes, graph.call, graph.autocast,
-                 graph.state_values)
+    return graph.rebuilt(nodes, outputs)
 
 
 # ops whose CUDA kernels take only contiguous inputs where the CPU's (which propagate the layouts here) also take

@@ -170,11 +170,8 @@ def _allocation(op: str) -> bool:
 
 
 def rebuild(graph: Graph, nodes: list[Node] | tuple[Node, ...], outputs: tuple[Ref, ...]) -> Graph:
-    """A graph with other nodes and outputs and everything else (such as its training flag) unchanged; its
-    private indexes (by name, by reader) start empty so they are rebuilt for the new nodes."""
-    caches = {f.name: f.default_factory() for f in dataclasses.fields(graph)  # type: ignore[misc]
-              if f.name.startswith("_") and f.default_factory is not dataclasses.MISSING}
-    return dataclasses.replace(graph, nodes=tuple(nodes), outputs=outputs, **caches)
+    """A graph with other nodes and outputs and everything else unchanged (Graph.rebuilt)."""
+    return graph.rebuilt(nodes, outputs)
 
 
 def rewire(node: Node, rename: dict[str, Ref]) -> Node:
