@@ -10,7 +10,7 @@ case (math, efficient, flash, cuDNN) and torch.compile of the unfused form. Each
 reference (max abs error) and timed by CUDA events with L2 flushed (median of 20). Under 3 minutes on one H100
 (torch.compile's builds are most of it; --no-compile skips them). --flash-configs builds the bf16 flash kernel once
 per named tiling (FLASH_CONFIGS; their builds overlap) and times each as its own "kernelfuse NAME" row.
---short-rows builds fp32's short-rows form (kernelfuse.codegen.attention_short, off by default) once per named tiling
+--short-rows builds fp32's short-rows form (kernelfuse.codegen.attention_short) once per named tiling
 (SHORT_ROWS_CONFIGS), in 3xTF32 and TF32 ("kernelfuse 3xtf32 short NAME", "kernelfuse tf32 short NAME" rows), or in
 exact FMA for the tilings named ...fma ("kernelfuse fma short NAME"), and times it on the cases it takes
 (S and L up to 64, head dims 32 and 64: Swin's windows, ViT-B's short rows). --cases keeps the cases whose names

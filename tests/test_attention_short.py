@@ -1,5 +1,5 @@
 """The fp32 short-rows attention form (kernelfuse.codegen.attention_short: S, L <= 64, windows packed a block, one
-plain softmax, float4 operands; off by default) on the CPU (tests/fixtures/cuda_emulation.h, shared memory
+plain softmax, float4 operands; on by default) on the CPU (tests/fixtures/cuda_emulation.h, shared memory
 NaN-poisoned) against float64 in every tiling: Swin's 49 x 49 windows at head dim 32 with a per-head bias (copied to
 shared memory once a block) and with the shifted-window mask (the planner's hand-written Swin form), S != L with a
 per-batch mask read from global memory, bool masks and causal rows, head dim 64, batch counts that leave the last

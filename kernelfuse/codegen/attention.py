@@ -125,7 +125,7 @@ def flash_f32_keys(head_dim: int, keys: int) -> int:
 
 
 def short_rows_tiling(step: AttnStep) -> ShortRows | None:
-    """The short-rows form's tiling where it takes the step (kernelfuse.codegen.attention_short; off by default)."""
+    """The short-rows form's tiling where it takes the step (kernelfuse.codegen.attention_short)."""
     return short_rows(step, vector_rows(step, input_strides(step)))
 
 

@@ -216,7 +216,7 @@ def generate(plan: Plan, options: CodegenOptions = CodegenOptions()) -> CudaSour
     if attention:
         cuda += [ATTENTION_PRELUDE, MMA_ATTENTION_PRELUDE, FLASH_PRELUDE]
         if any(a.out_meta.dtype == torch.float32 and short_rows_tiling(a) for a in attention):
-            cuda.append(SHORT_PRELUDE)  # fp32's short-rows form (off unless attention_short.SHORT_ROWS is set)
+            cuda.append(SHORT_PRELUDE)  # fp32's short-rows form (attention_short's switches)
     if any(s.anchor.epilogue_inside for s in steps):
         cuda += [TENSORCORE_PRELUDE, IGEMM_PRELUDE]  # the TF32 rounding, cp.async and mma helpers; the igemm step
     gemm = any(s.anchor.epilogue_inside and s.anchor.family == "matmul" for s in steps)
